@@ -1,0 +1,153 @@
+"""The ``longqa`` command. Each subcommand parses its arguments and calls one library function."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from longqa.config import ConfigError, key_help, load_config, to_yaml
+
+DESCRIPTION = """\
+longqa trains language models with GRPO to answer multi-hop questions over long documents.
+
+Command groups:
+  data     make training data: the LoongRL seed recipe's files, offline synthetic files, tokenized prompts
+  config   show the resolved config and every key it accepts
+"""
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", nargs="?", help="YAML config file (optional)")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="dotted overrides, e.g. data.max_prompt_length=16384 rollout.n=8")
+
+
+def _split_config_args(args: argparse.Namespace) -> tuple[str | None, list[str]]:
+    """A first positional containing '=' is an override, not a config file."""
+    if args.config is not None and "=" in args.config:
+        return None, [args.config, *args.overrides]
+    return args.config, list(args.overrides)
+
+
+def cmd_config_show(args: argparse.Namespace) -> None:
+    print(to_yaml(load_config(*_split_config_args(args))), end="")
+
+
+def cmd_config_keys(args: argparse.Namespace) -> None:
+    for key, text, default in key_help():
+        print(f"{key:32s} {text} [default: {default!r}]")
+
+
+def cmd_data_loongrl(args: argparse.Namespace) -> None:
+    from longqa.data.loongrl import prepare_loongrl
+
+    counts = prepare_loongrl(args.output_dir, source=args.source, test_ratio=args.test_ratio, seed=args.seed)
+    _print_counts(args.output_dir, counts)
+
+
+def cmd_data_synth(args: argparse.Namespace) -> None:
+    from longqa.data.synth import generate
+
+    counts = generate(args.output_dir, rows_per_task=args.rows_per_task, context_tokens=args.context_tokens,
+                      tasks=tuple(args.tasks), min_hops=args.min_hops, max_hops=args.max_hops,
+                      keychain=args.keychain, test_ratio=args.test_ratio, seed=args.seed,
+                      tokenizer=args.tokenizer, workers=args.workers)
+    _print_counts(args.output_dir, counts)
+
+
+def cmd_data_prepare(args: argparse.Namespace) -> None:
+    from longqa.data.prompts import PromptOptions, prepare_prompts
+    from longqa.model.tokenizer import load_tokenizer
+
+    cfg = load_config(*_split_config_args(args))
+    source = cfg.model.tokenizer_path or cfg.model.path
+    if source is None:
+        raise ConfigError("set model.path (or model.tokenizer_path): its tokenizer prepares the prompts")
+    d = cfg.data
+    options = PromptOptions(d.max_prompt_length, d.filter_overlong_prompts, d.truncation, d.skip_bad_rows)
+    tokenizer = load_tokenizer(source)
+    for name, files in (("train", d.train_files), ("val", d.val_files)):
+        if files:
+            prompts = prepare_prompts(files, tokenizer, options, cache_dir=d.cache_dir)
+            print(f"{name}: {prompts.stats.summary()}\n  cache: {prompts.stats.cache_path}")
+
+
+def _print_counts(output_dir: str, counts: dict[str, dict[str, int]]) -> None:
+    print(f"wrote {output_dir}")
+    for task, splits in counts.items():
+        for split, n in splits.items():
+            print(f"  {task}/{split}.parquet  {n} rows")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="longqa", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    groups = parser.add_subparsers(dest="group", metavar="COMMAND", required=True)
+
+    data = groups.add_parser("data", help="make training data", description="Make training data in verl's "
+                             "parquet schema and the recipe's folder layout (<task>/{train,test}.parquet, merged/).")
+    data_cmds = data.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)
+
+    p = data_cmds.add_parser("loongrl", help="the seed recipe's LoongRL-Train-Data, prepared as the recipe does",
+                             description="Download (or read locally) the six LoongRL-Train-Data subsets, concatenate "
+                             "each task's pair, keep verl's columns, prepend the <think>/\\boxed{} system prompt and "
+                             "split train/test per task with the recipe's seeded split.")
+    p.add_argument("--output-dir", required=True, help="where the parquet files go")
+    p.add_argument("--test-ratio", type=float, default=0.05, help="test fraction per task (default 0.05)")
+    p.add_argument("--seed", type=int, default=42, help="split seed (default 42)")
+    p.add_argument("--source", default="OldKingMeister/LoongRL-Train-Data",
+                   help="Hub dataset id, or a local folder holding the subsets as parquet/jsonl")
+    p.set_defaults(func=cmd_data_loongrl)
+
+    p = data_cmds.add_parser("synth", help="offline long-context multi-hop QA (no network needed)",
+                             description="Generate fictional multi-hop questions in the styles of HotpotQA, "
+                             "2WikiMultiHopQA and MuSiQue over long contexts of supporting and distractor documents, "
+                             "optionally with LoongRL's KeyChain. The same seed gives byte-identical files.")
+    p.add_argument("--output-dir", required=True, help="where the parquet files go")
+    p.add_argument("--rows-per-task", type=int, default=400, help="rows per task before the split (default 400)")
+    p.add_argument("--context-tokens", type=int, default=1024, help="target context length in tokens (default 1024)")
+    p.add_argument("--tasks", nargs="+", default=["hotpotqa", "musique", "2wikimqa"], help="tasks to generate")
+    p.add_argument("--min-hops", type=int, default=2, help="fewest hops of MuSiQue-style chains (default 2)")
+    p.add_argument("--max-hops", type=int, default=4, help="most hops of MuSiQue-style chains (default 4)")
+    p.add_argument("--keychain", action="store_true", help="insert LoongRL-style UUID KeyChains")
+    p.add_argument("--test-ratio", type=float, default=0.05, help="test fraction per task (default 0.05)")
+    p.add_argument("--seed", type=int, default=42, help="generation and split seed (default 42)")
+    p.add_argument("--tokenizer", help="tokenizer folder or tokenizer.json that measures context length "
+                   "(default: a built-in approximate count)")
+    p.add_argument("--workers", type=int, default=1, help="processes generating rows (default 1)")
+    p.set_defaults(func=cmd_data_synth)
+
+    p = data_cmds.add_parser("prepare", help="tokenize data.train_files / data.val_files into the prompt cache",
+                             description="Validate rows, apply the tokenizer's chat template, filter or truncate "
+                             "overlong prompts and cache the token ids; prints what was kept and dropped.")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_data_prepare)
+
+    config = groups.add_parser("config", help="show the config", description="The typed config tree: YAML plus "
+                               "dotted key=value overrides, checked before any work starts.")
+    config_cmds = config.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)
+    p = config_cmds.add_parser("show", help="print the resolved config",
+                               description="Print the config after applying CONFIG and the overrides.")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_config_show)
+    p = config_cmds.add_parser("keys", help="list every key with its help and default")
+    p.set_defaults(func=cmd_config_keys)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from longqa.data.io import DataFileError
+    from longqa.data.loongrl import SourceError
+    from longqa.model.tokenizer import TokenizerError
+
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (ConfigError, DataFileError, SourceError, TokenizerError) as e:
+        print(f"longqa: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

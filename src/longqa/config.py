@@ -1,0 +1,277 @@
+"""The typed config tree: YAML files plus dotted ``key=value`` overrides, checked before any work starts.
+
+Key names follow the seed recipe (verl) where one exists, so a recipe's command line reads the same
+here: ``data.train_files=... data.max_prompt_length=16384 rollout.n=8 algo.clip_ratio=0.2``.
+Every key is declared once, below, with its type, its allowed values and a line of help; loading
+rejects an unknown key (suggesting the closest one), a wrong type or a bad value with one message
+that names the key, because a typo found after an hour of sampling is an hour lost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config file or override names an unknown key or holds a bad value."""
+
+
+def opt(default: Any, help: str, check: typing.Callable[[Any], bool] | None = None, rule: str = "") -> Any:
+    """A config field: its default, one line of help, and an optional value check described by ``rule``."""
+    factory = (lambda: list(default)) if isinstance(default, list) else None
+    meta = {"help": help, "check": check, "rule": rule}
+    if factory:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+positive = (lambda v: v > 0, "> 0")
+non_negative = (lambda v: v >= 0, ">= 0")
+unit_open = (lambda v: 0 < v < 1, "in (0, 1)")
+unit_closed = (lambda v: 0 <= v <= 1, "in [0, 1]")
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = opt(None, "local Hugging Face model folder or hub id; its tokenizer prepares the prompts")
+    tokenizer_path: Optional[str] = opt(None, "tokenizer folder when it differs from model.path")
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = opt([], "parquet/jsonl files in verl's schema used for training")
+    val_files: list[str] = opt([], "held-out files for validation")
+    max_prompt_length: int = opt(16384, "longest prompt in tokens, chat template included", *positive)
+    max_response_length: int = opt(4096, "longest sampled response in tokens", *positive)
+    filter_overlong_prompts: bool = opt(True, "drop (and count) prompts over max_prompt_length")
+    truncation: Literal["error", "left", "right"] = opt(
+        "left", "when not filtering: cut overlong prompts on the left or right, or stop with an error")
+    skip_bad_rows: bool = opt(False, "skip and count rows that break the schema instead of stopping")
+    train_batch_size: int = opt(256, "prompts per training step", *positive)
+    shuffle: bool = opt(True, "shuffle the training prompts every epoch")
+    cache_dir: str = opt("~/.cache/longqa", "where tokenized prompts are cached between runs")
+
+
+@dataclass
+class RolloutConfig:
+    n: int = opt(8, "responses sampled per prompt (the GRPO group size)", *positive)
+    temperature: float = opt(1.0, "sampling temperature; 0 means greedy", *non_negative)
+    top_p: float = opt(1.0, "nucleus sampling mass", lambda v: 0 < v <= 1, "in (0, 1]")
+    top_k: int = opt(-1, "sample from the k most likely tokens; -1 for all", lambda v: v == -1 or v > 0, "-1 or > 0")
+
+
+@dataclass
+class AlgoConfig:
+    adv_estimator: Literal["grpo", "drgrpo", "rloo"] = opt("grpo", "how advantages are formed within a prompt group")
+    norm_adv_by_std: bool = opt(True, "GRPO: divide by the group's reward std (the recipe's setting)")
+    clip_ratio: float = opt(0.2, "PPO clip range", *unit_open)
+    clip_ratio_high: Optional[float] = opt(None, "upper clip range (clip-higher); default clip_ratio")
+    kl_coef: float = opt(0.0, "KL penalty to a frozen reference; 0 loads no reference model", *non_negative)
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = opt(
+        "token-mean", "how token losses are aggregated")
+    entropy_coeff: float = opt(0.0, "entropy bonus coefficient", *non_negative)
+
+
+@dataclass
+class ActorConfig:
+    lr: float = opt(1e-6, "AdamW learning rate", *positive)
+    betas: list[float] = opt([0.9, 0.95], "AdamW betas")
+    weight_decay: float = opt(0.0, "AdamW weight decay", *non_negative)
+    warmup_ratio: float = opt(0.05, "fraction of steps spent warming the learning rate up", *unit_closed)
+    ppo_mini_batch_size: int = opt(64, "prompts per optimizer step", *positive)
+    grad_clip: float = opt(1.0, "max gradient norm", *positive)
+
+
+@dataclass
+class RewardConfig:
+    mode: Literal["hardened", "pure_exact_match", "format_exact_match", "format_f1_score"] = opt(
+        "hardened", "scoring mode of longqa.reward; the last three are the recipe's (gameable) modes")
+    path: Optional[str] = opt(None, "Python file holding a custom reward function")
+    name: str = opt("compute_score", "function name inside reward.path")
+
+
+@dataclass
+class TrainerConfig:
+    total_epochs: int = opt(20, "passes over the training data", *positive)
+    test_freq: int = opt(10, "validate every this many steps (0: never)", *non_negative)
+    save_freq: int = opt(10, "checkpoint every this many steps (0: never)", *non_negative)
+    output_dir: str = opt("runs/longqa", "run folder: checkpoints, metrics and report")
+    seed: int = opt(42, "seed for data order and sampling")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _sections() -> dict[str, type]:
+    return _hints(Config)
+
+
+def all_keys() -> list[str]:
+    return [f"{section}.{f.name}" for section, cls in _sections().items() for f in dataclasses.fields(cls)]
+
+
+def _unknown(key: str) -> ConfigError:
+    close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.6)
+    hint = f"; did you mean '{close[0]}'?" if close else f"; see `longqa config show` for the {len(all_keys())} keys"
+    return ConfigError(f"unknown config key '{key}'{hint}")
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(c) for c in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        return f"{_describe(inner[0])} or null"
+    if origin is list:
+        return f"a list of {_describe(typing.get_args(tp)[0])}s"
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[tp]
+
+
+def _coerce(key: str, tp: Any, value: Any) -> Any:
+    """Check ``value`` against the declared type, converting only where no information is lost."""
+    bad = ConfigError(f"config key '{key}' must be {_describe(tp)}, got {value!r}")
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise bad
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None:
+            return None
+        inner = [a for a in typing.get_args(tp) if a is not type(None)][0]
+        try:
+            return _coerce(key, inner, value)
+        except ConfigError:
+            raise bad from None
+    if origin is list:
+        item = typing.get_args(tp)[0]
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            value = [value]  # a single file is a list of one
+        if not isinstance(value, (list, tuple)):
+            raise bad
+        try:
+            return [_coerce(key, item, v) for v in value]
+        except ConfigError:
+            raise bad from None
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise bad
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+            raise bad
+        return int(value)
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad
+        return float(value)
+    if tp is str:
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise bad
+        return str(value)
+    raise TypeError(f"unsupported config type {tp!r}")  # a programming error in this file
+
+
+def _set(cfg: Config, key: str, value: Any) -> None:
+    section, _, name = key.partition(".")
+    sections = _sections()
+    if section not in sections or not name:
+        raise _unknown(key)
+    fields = {f.name: f for f in dataclasses.fields(sections[section])}
+    if name not in fields:
+        raise _unknown(key)
+    tp = _hints(sections[section])[name]
+    value = _coerce(key, tp, value)
+    check, rule = fields[name].metadata.get("check"), fields[name].metadata.get("rule")
+    if check is not None and value is not None and not check(value):
+        raise ConfigError(f"config key '{key}' must be {rule}, got {value!r}")
+    setattr(getattr(cfg, section), name, value)
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        raise ConfigError(f"config section '{prefix.rstrip('.')}' must be a mapping, got {tree!r}")
+    flat = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if "." not in key and isinstance(v, dict):
+            flat.update(_flatten(v, key + "."))
+        elif "." not in key:
+            raise _unknown(key)
+        else:
+            flat[key] = v
+    return flat
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``key=value``; the value is read as YAML (numbers, booleans, lists), except for string keys."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {text!r} must look like key=value, e.g. rollout.n=8")
+    key = key.strip()
+    section, _, name = key.partition(".")
+    cls = _sections().get(section)
+    if cls is not None and _hints(cls).get(name) in (str, Optional[str]) and raw not in ("null", "~"):
+        return key, raw  # keep "001" or "1e5" a string where a string is declared
+    try:
+        return key, yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        return key, raw
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults, then the YAML file, then the overrides; each value checked as it is applied."""
+    cfg = Config()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            tree = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        for key, value in _flatten(tree).items():
+            _set(cfg, key, value)
+    for text in overrides:
+        _set(cfg, *parse_override(text))
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
+
+
+def key_help() -> list[tuple[str, str, Any]]:
+    """(key, help, default) for every key, for `longqa config keys`."""
+    rows = []
+    for section, cls in _sections().items():
+        defaults = cls()
+        for f in dataclasses.fields(cls):
+            rows.append((f"{section}.{f.name}", f.metadata.get("help", ""), getattr(defaults, f.name)))
+    return rows

@@ -1,0 +1,114 @@
+"""Reading and writing row files: parquet (verl's format), jsonl and json.
+
+Parquet files are written through pyarrow alone (no pandas index, no timestamps), so the same rows
+always give the same bytes, and atomically (a temporary file renamed into place), so a killed run
+never leaves half a file that a later load would trust.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+ROW_FILE_SUFFIXES = (".parquet", ".jsonl", ".json")
+
+
+class DataFileError(ValueError):
+    """A data file is missing, unreadable or holds something other than rows."""
+
+
+def iter_rows(path: str | os.PathLike, batch_size: int = 256) -> Iterator[dict]:
+    """Yield the rows of one file as plain Python objects, without holding the whole file twice."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataFileError(f"{path}: no such file")
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".parquet":
+            for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_size):
+                yield from batch.to_pylist()
+        elif suffix == ".jsonl":
+            with open(path, encoding="utf-8") as f:
+                for line_no, line in enumerate(f, 1):
+                    if line.strip():
+                        try:
+                            yield json.loads(line)
+                        except json.JSONDecodeError as e:
+                            raise DataFileError(f"{path}: line {line_no} is not JSON ({e.msg})") from None
+        elif suffix == ".json":
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+            if isinstance(data, dict):  # {"data": [...]} or column-less single object
+                data = data.get("data", [data])
+            if not isinstance(data, list):
+                raise DataFileError(f"{path}: expected a list of rows")
+            yield from data
+        else:
+            raise DataFileError(f"{path}: unsupported file type {suffix!r}; use {', '.join(ROW_FILE_SUFFIXES)}")
+    except (pa.ArrowException, OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataFileError(f"{path}: cannot be read ({e})") from e
+
+
+def read_rows(path: str | os.PathLike) -> list[dict]:
+    return list(iter_rows(path))
+
+
+def write_rows(rows: Iterable[dict], path: str | os.PathLike) -> Path:
+    """Write rows as parquet, atomically, and return the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = list(rows)
+    table = pa.Table.from_pylist(rows) if rows else pa.table({})
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        pq.write_table(table, tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def split_train_test(n_rows: int, test_ratio: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Train and test row indices exactly as ``datasets.Dataset.train_test_split`` draws them.
+
+    The recipe splits with ``train_test_split(test_size=test_ratio, seed=seed)``: ceil(ratio * n) test
+    rows, the rest for training, both taken from one ``np.random.default_rng(seed).permutation(n)``.
+    Reproducing the draw (not only the sizes) gives the very rows the recipe trains on.
+    """
+    if not 0.0 < test_ratio < 1.0:
+        raise ValueError(f"test ratio must be in (0, 1), got {test_ratio}")
+    n_test = math.ceil(test_ratio * n_rows)
+    if n_test >= n_rows:
+        raise ValueError(f"{n_rows} rows are too few for a test ratio of {test_ratio}: no training row would be left")
+    permutation = np.random.default_rng(seed).permutation(n_rows)
+    return permutation[n_test:], permutation[:n_test]
+
+
+def write_task_splits(rows_by_task: dict[str, list[dict]], output_dir: str | os.PathLike,
+                      test_ratio: float, seed: int) -> dict[str, dict[str, int]]:
+    """Write the recipe's layout: ``<task>/{train,test}.parquet`` and ``merged/{train,test}.parquet``.
+
+    Each task is split on its own with the same seed; merged is the per-task splits concatenated in
+    task order. Returns the row count of every file written.
+    """
+    output_dir = Path(output_dir)
+    merged: dict[str, list[dict]] = {"train": [], "test": []}
+    counts: dict[str, dict[str, int]] = {}
+    for task, rows in rows_by_task.items():
+        train_idx, test_idx = split_train_test(len(rows), test_ratio, seed)
+        splits = {"train": [rows[i] for i in train_idx], "test": [rows[i] for i in test_idx]}
+        for split, split_rows in splits.items():
+            write_rows(split_rows, output_dir / task / f"{split}.parquet")
+            merged[split].extend(split_rows)
+        counts[task] = {split: len(split_rows) for split, split_rows in splits.items()}
+    for split, split_rows in merged.items():
+        write_rows(split_rows, output_dir / "merged" / f"{split}.parquet")
+    counts["merged"] = {split: len(split_rows) for split, split_rows in merged.items()}
+    return counts

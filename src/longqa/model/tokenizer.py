@@ -1,0 +1,42 @@
+"""Loading a tokenizer from a local folder or hub id, with errors that say what to do."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+
+class TokenizerError(ValueError):
+    """The tokenizer cannot be loaded or cannot prepare chat prompts."""
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """A fast (Rust-backed) Hugging Face tokenizer with a chat template.
+
+    Prompt preparation tokenizes hundreds of millions of tokens, so the slow Python tokenizers are
+    refused rather than silently used.
+    """
+    from transformers import AutoTokenizer
+
+    local = Path(os.path.expanduser(str(path)))
+    if not local.exists() and (str(path).startswith((".", "/", "~")) or str(path).count("/") != 1):
+        raise TokenizerError(f"tokenizer path {path} does not exist")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(local) if local.exists() else str(path))
+    except Exception as e:
+        raise TokenizerError(f"cannot load a tokenizer from {path}: {type(e).__name__}: {e}") from None
+    if getattr(tokenizer, "backend_tokenizer", None) is None:
+        raise TokenizerError(f"the tokenizer at {path} has no fast (tokenizers) backend")
+    if not tokenizer.chat_template:
+        raise TokenizerError(f"the tokenizer at {path} has no chat template; prompts cannot be rendered")
+    return tokenizer
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A digest of everything that decides a prompt's token ids: vocabulary, rules and chat template."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(tokenizer.backend_tokenizer.to_str().encode())
+    h.update(str(tokenizer.chat_template).encode())
+    h.update(type(tokenizer).__name__.encode())
+    return h.hexdigest()
