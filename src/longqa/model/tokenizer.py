@@ -40,3 +40,32 @@ def tokenizer_fingerprint(tokenizer) -> str:
     h.update(str(tokenizer.chat_template).encode())
     h.update(type(tokenizer).__name__.encode())
     return h.hexdigest()
+
+
+# Qwen's ChatML layout, without tool calls: the format longqa's own small models are trained in.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+CHATML_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def train_tokenizer(texts, vocab_size: int = 2048):
+    """A byte-level BPE tokenizer with ChatML specials and template, trained on ``texts``.
+
+    longqa's embedded default model and the tests use it, so nothing has to be downloaded: any
+    text can be encoded (byte level), and chat prompts render exactly as with Qwen's tokenizers.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(CHATML_SPECIALS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    core.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=core, chat_template=CHATML_TEMPLATE, eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", bos_token=None, unk_token=None)

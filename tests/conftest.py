@@ -1,0 +1,37 @@
+"""Shared fixtures: a tiny tokenizer trained here (no downloads) and small verl-schema rows."""
+
+from __future__ import annotations
+
+import pytest
+
+from longqa.data.schema import make_row, with_system_prompt
+
+CORPUS = [
+    "The following are given passages. Passage 1: Veldora Tunmark was born in Quillex in 1957.",
+    "Question: In which city was the founder of Morvane Industries born? The answer is Tarvos.",
+    "<think> reasoning </think> \\boxed{answer} Ada Morn works for Quillex, headquartered in Tarvos.",
+] * 20
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory):
+    from longqa.model.tokenizer import train_tokenizer
+
+    path = tmp_path_factory.mktemp("tokenizer")
+    train_tokenizer(CORPUS, vocab_size=400).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_dir):
+    from longqa.model.tokenizer import load_tokenizer
+
+    return load_tokenizer(tokenizer_dir)
+
+
+def qa_row(i: int, words: int = 20, source: str = "hotpotqa") -> dict:
+    """A LoongRL-looking row whose context has ``words`` words, so prompt lengths differ per row."""
+    context = " ".join(f"fact{(i * 7 + k) % 50}" for k in range(words))
+    messages = with_system_prompt([{"role": "user", "content": f"The following are given passages.\n{context}\n\n"
+                                                               f"Question: who is number {i}?"}])
+    return make_row(f"custom_{source}", messages, [f"Person {i}"], extra_info={"index": i})

@@ -1,0 +1,82 @@
+import pytest
+
+from longqa.config import ConfigError, all_keys, load_config, parse_override, to_yaml
+
+
+def test_defaults_follow_the_recipe():
+    cfg = load_config()
+    assert (cfg.rollout.n, cfg.algo.clip_ratio, cfg.actor.betas, cfg.data.truncation) == (8, 0.2, [0.9, 0.95], "left")
+    assert cfg.data.filter_overlong_prompts and cfg.algo.kl_coef == 0.0 and cfg.reward.mode == "hardened"
+
+
+def test_yaml_then_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("data:\n  train_files: a.parquet\n  max_prompt_length: 2048\nrollout:\n  n: 4\n")
+    cfg = load_config(path, ["rollout.n=16", "algo.clip_ratio=0.3", "data.val_files=[x.parquet, y.parquet]",
+                             "algo.clip_ratio_high=0.28", "trainer.output_dir=007"])
+    assert cfg.data.train_files == ["a.parquet"]  # a single file is a list of one
+    assert cfg.data.max_prompt_length == 2048 and cfg.rollout.n == 16 and cfg.algo.clip_ratio == 0.3
+    assert cfg.data.val_files == ["x.parquet", "y.parquet"] and cfg.algo.clip_ratio_high == 0.28
+    assert cfg.trainer.output_dir == "007"  # a string key keeps its text
+
+
+def test_show_round_trips(tmp_path):
+    cfg = load_config(None, ["rollout.n=3", "data.train_files=f.parquet"])
+    path = tmp_path / "resolved.yaml"
+    path.write_text(to_yaml(cfg))
+    assert load_config(path) == cfg
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rollout.temprature=0.7", "unknown config key 'rollout.temprature'; did you mean 'rollout.temperature'?"),
+    ("rolout.n=8", "did you mean 'rollout.n'?"),
+    ("rollout=8", "unknown config key 'rollout'"),
+    ("rollout.n=eight", "config key 'rollout.n' must be an integer, got 'eight'"),
+    ("rollout.n=2.5", "must be an integer"),
+    ("rollout.n=0", "config key 'rollout.n' must be > 0, got 0"),
+    ("rollout.n=true", "must be an integer"),
+    ("algo.clip_ratio=1.5", "config key 'algo.clip_ratio' must be in (0, 1), got 1.5"),
+    ("algo.loss_agg_mode=mean", "must be one of 'token-mean'"),
+    ("data.truncation=middle", "config key 'data.truncation' must be one of 'error', 'left', 'right'"),
+    ("data.filter_overlong_prompts=maybe", "must be true or false"),
+    ("reward.mode=substring", "config key 'reward.mode' must be one of 'hardened'"),
+    ("rollout.top_k=0", "must be -1 or > 0"),
+    ("no_equals_sign", "must look like key=value"),
+])
+def test_bad_overrides_fail_with_one_clear_message(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert message in str(e.value)
+
+
+def test_bad_yaml_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rollout:\n  n: [1\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("data:\n  max_promt_length: 10\n")
+    with pytest.raises(ConfigError, match="did you mean 'data.max_prompt_length'"):
+        load_config(typo)
+    flat = tmp_path / "flat.yaml"
+    flat.write_text("data: 3\n")
+    with pytest.raises(ConfigError, match="unknown config key 'data'"):
+        load_config(flat)
+
+
+def test_every_key_has_help_and_parses():
+    from longqa.config import key_help
+
+    assert len(all_keys()) == len(key_help()) > 30
+    assert all(text for _, text, _ in key_help())
+    assert parse_override("data.train_files=a.parquet") == ("data.train_files", "a.parquet")
+
+
+def test_reward_modes_match_the_reward_module():
+    import typing
+
+    from longqa import config, reward
+
+    assert set(typing.get_args(typing.get_type_hints(config.RewardConfig)["mode"])) == set(reward.REWARD_MODES)

@@ -1,0 +1,140 @@
+import json
+
+import numpy as np
+import pytest
+
+from conftest import CORPUS, qa_row
+from longqa.data.io import DataFileError, write_rows
+from longqa.data.prompts import PromptOptions, prepare_prompts
+
+
+def reference_ids(tokenizer, row) -> list[int]:
+    """What transformers itself gives for the chat-templated prompt (verl does the same)."""
+    return list(tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True)["input_ids"])
+
+
+@pytest.fixture
+def files(tmp_path):
+    a = write_rows([qa_row(i, words=5 + 3 * i) for i in range(70)], tmp_path / "a.parquet")
+    b = tmp_path / "b.jsonl"
+    b.write_text("".join(json.dumps(qa_row(100 + i, source="musique")) + "\n" for i in range(5)))
+    return [a, b]
+
+
+def test_ids_equal_the_tokenizer_reference_in_file_order(files, tokenizer):
+    prompts = prepare_prompts(files, tokenizer, PromptOptions(max_prompt_length=10_000))
+    rows = [qa_row(i, words=5 + 3 * i) for i in range(70)] + [qa_row(100 + i, source="musique") for i in range(5)]
+    assert len(prompts) == 75 and prompts.stats.kept == 75 and prompts.stats.rows_read == 75
+    for i, row in enumerate(rows):
+        assert prompts.ids(i).tolist() == reference_ids(tokenizer, row)
+        assert prompts.meta[i]["ground_truth"] == row["reward_model"]["ground_truth"]
+        assert prompts.meta[i]["data_source"] == row["data_source"]
+    assert prompts.meta[70]["file"] == 1 and prompts.meta[70]["row"] == 0
+    assert prompts.stats.prompt_tokens == int(prompts.lengths.sum())
+    assert prompts.stats.max_prompt_tokens == int(prompts.lengths.max())
+
+
+def test_overlong_prompts_filtered_or_truncated(files, tokenizer):
+    full = prepare_prompts(files, tokenizer, PromptOptions(max_prompt_length=10_000))
+    limit = int(np.median(full.lengths))
+    over = int((full.lengths > limit).sum())
+    assert over > 0
+
+    filtered = prepare_prompts(files, tokenizer, PromptOptions(limit))
+    assert filtered.stats.overlong_filtered == over and len(filtered) == len(full) - over
+    assert int(filtered.lengths.max()) <= limit
+
+    for side in ("left", "right"):
+        cut = prepare_prompts(files, tokenizer, PromptOptions(limit, filter_overlong_prompts=False, truncation=side))
+        assert len(cut) == len(full) and cut.stats.truncated == over
+        for i in range(len(full)):
+            ids = full.ids(i).tolist()
+            want = ids if len(ids) <= limit else (ids[-limit:] if side == "left" else ids[:limit])
+            assert cut.ids(i).tolist() == want
+
+    with pytest.raises(DataFileError, match=r"a.parquet, row \d+: prompt has \d+ tokens, over data.max_prompt_length"):
+        prepare_prompts(files, tokenizer, PromptOptions(limit, filter_overlong_prompts=False, truncation="error"))
+    with pytest.raises(DataFileError, match="no prompt left to train on: 75 rows read, 75 over"):
+        prepare_prompts(files, tokenizer, PromptOptions(3))
+
+
+@pytest.mark.parametrize("breakage, reason", [
+    (lambda r: r.update(prompt=[]), "'prompt' must be a non-empty list"),
+    (lambda r: r.update(prompt=[{"role": "robot", "content": "x"}]), "'prompt[0].role' is 'robot'"),
+    (lambda r: r["reward_model"].update(ground_truth=None), "'reward_model.ground_truth' must be a string or a list"),
+    (lambda r: r["reward_model"].update(ground_truth=["ok", ""]),
+     "'reward_model.ground_truth' must be a non-empty list of non-empty strings"),
+    (lambda r: r.pop("data_source"), "'data_source' must be a non-empty string"),
+    (lambda r: r.update(prompt=[{"role": "system", "content": "only a system message"}]), "'prompt' has no user message"),
+])
+def test_bad_rows_stop_with_file_row_reason_or_are_skipped(tmp_path, tokenizer, breakage, reason):
+    rows = [qa_row(i) for i in range(6)]
+    breakage(rows[4])
+    path = tmp_path / "bad.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataFileError) as e:
+        prepare_prompts([path], tokenizer, PromptOptions(1000))
+    assert f"bad.jsonl, row 4: {reason}" in str(e.value)
+    skipped = prepare_prompts([path], tokenizer, PromptOptions(1000, skip_bad_rows=True))
+    assert skipped.stats.bad_rows == 1 and len(skipped) == 5 and [m["row"] for m in skipped.meta] == [0, 1, 2, 3, 5]
+
+
+def test_missing_and_unreadable_files(tmp_path, tokenizer):
+    with pytest.raises(DataFileError, match="nope.parquet: no such file"):
+        prepare_prompts([tmp_path / "nope.parquet"], tokenizer, PromptOptions(100))
+    junk = tmp_path / "junk.parquet"
+    junk.write_bytes(b"not a parquet file")
+    with pytest.raises(DataFileError, match="junk.parquet: cannot be read"):
+        prepare_prompts([junk], tokenizer, PromptOptions(100))
+    with pytest.raises(DataFileError, match="no data files given"):
+        prepare_prompts([], tokenizer, PromptOptions(100))
+
+
+def test_cache_hits_only_when_files_tokenizer_and_options_match(files, tokenizer, tmp_path):
+    from longqa.model.tokenizer import train_tokenizer
+
+    cache = tmp_path / "cache"
+    options = PromptOptions(10_000)
+    cold = prepare_prompts(files, tokenizer, options, cache_dir=cache)
+    warm = prepare_prompts(files, tokenizer, options, cache_dir=cache)
+    assert not cold.stats.cache_hit and warm.stats.cache_hit
+    assert np.array_equal(cold.token_ids, warm.token_ids) and cold.meta == warm.meta
+    assert np.array_equal(cold.offsets, warm.offsets) and warm.stats.kept == cold.stats.kept
+
+    assert not prepare_prompts(files, tokenizer, PromptOptions(9_999), cache_dir=cache).stats.cache_hit
+    other = train_tokenizer(CORPUS[:3], vocab_size=300)
+    assert not prepare_prompts(files, other, options, cache_dir=cache).stats.cache_hit
+
+    rows = [qa_row(i, words=5 + 3 * i) for i in range(70)]
+    rows[3]["reward_model"]["ground_truth"] = ["changed"]
+    write_rows(rows, files[0])  # same name, new content
+    changed = prepare_prompts(files, tokenizer, options, cache_dir=cache)
+    assert not changed.stats.cache_hit and changed.meta[3]["ground_truth"] == ["changed"]
+
+
+def test_interrupted_cache_entry_is_not_trusted(files, tokenizer, tmp_path):
+    cache = tmp_path / "cache"
+    first = prepare_prompts(files, tokenizer, PromptOptions(10_000), cache_dir=cache)
+    entry = cache / "prompts" / first.stats.cache_path.rsplit("/", 1)[-1]
+    (entry / "stats.json").unlink()  # what a kill during the final write leaves
+    again = prepare_prompts(files, tokenizer, PromptOptions(10_000), cache_dir=cache)
+    assert not again.stats.cache_hit and np.array_equal(first.token_ids, again.token_ids)
+
+
+def test_files_written_by_verl_recipes_load_unchanged(tmp_path, tokenizer):
+    """verl's preprocessing scripts write parquet through `datasets` (and older ones through pandas)."""
+    rows = [qa_row(i) for i in range(8)]
+    for r in rows:
+        r["reward_model"]["ground_truth"] = r["reward_model"]["ground_truth"][0]  # verl's gsm8k-style string
+    paths = []
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "hf.parquet"))
+    paths.append(tmp_path / "hf.parquet")
+    pd = pytest.importorskip("pandas")
+    pd.DataFrame(rows).to_parquet(tmp_path / "pd.parquet")
+    paths.append(tmp_path / "pd.parquet")
+    prompts = prepare_prompts(paths, tokenizer, PromptOptions(1000))
+    assert len(prompts) == 16
+    for i in range(16):
+        assert prompts.ids(i).tolist() == reference_ids(tokenizer, rows[i % 8])
+        assert prompts.meta[i]["ground_truth"] == f"Person {i % 8}"
