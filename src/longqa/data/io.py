@@ -66,6 +66,9 @@ def write_rows(rows: Iterable[dict], path: str | os.PathLike) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     rows = list(rows)
     table = pa.Table.from_pylist(rows) if rows else pa.table({})
+    for i, col in enumerate(table.schema):
+        if pa.types.is_struct(col.type) and col.type.num_fields == 0:  # {} everywhere: parquet has no empty struct
+            table = table.set_column(i, col.name, pa.nulls(len(table)))
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         pq.write_table(table, tmp)
