@@ -1,0 +1,219 @@
+"""The offline generator: layout, determinism, checkable answers, prompt lengths and KeyChain rows."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from longqa.data import synth
+from longqa.data.io import read_rows
+from longqa.data.schema import SYSTEM_PROMPT, row_problem
+
+EXTRA_INFO_TYPES = {
+    "index": int, "task": str, "style": str, "hops": int, "question": str, "answer_type": str,
+    "num_candidates": int, "supporting_facts": list, "reference_response": str, "context_tokens": int,
+    "keychain": bool,
+}
+PAIR = re.compile(r'\{"([0-9a-f]{8})": "([^"]+)"\}\.')
+LINEAR_STYLES = ("bridge", "chain", "compositional", "inference")
+
+
+@pytest.fixture(scope="module")
+def rows() -> list[dict]:
+    """Plain rows of every task at the default length."""
+    return [r for task in synth.TASKS for r in synth.generate_rows(task, 24, seed=7)]
+
+
+@pytest.fixture(scope="module")
+def keychain_rows() -> list[dict]:
+    return [r for task in synth.TASKS for r in synth.generate_rows(task, 8, context_tokens=2048, keychain=True)]
+
+
+def user_text(row: dict) -> str:
+    return row["prompt"][-1]["content"]
+
+
+def passages(row: dict) -> list[tuple[str, str]]:
+    """(title, text) of every passage of a row's prompt."""
+    content = user_text(row)
+    body = content[content.index("\n") + 1:content.rindex("\n\n")]
+    return [tuple(p.split("\n", 1)) for p in re.split(r"(?:^|\n\n)Passage \d+:\n", body)[1:]]
+
+
+def title_stating(fact: str, row_passages: list[tuple[str, str]]) -> str:
+    [title] = [title for title, text in row_passages if fact in text]
+    return title
+
+
+def check_chain(facts: list[str], question: str, row_passages: list[tuple[str, str]]) -> None:
+    """The first fact is about an entity the question names; each next one about the previous one's object."""
+    titles = [title_stating(f, row_passages) for f in facts]
+    assert titles[0] in question
+    for previous, title in zip(facts, titles[1:]):
+        assert title in previous
+
+
+def check_answer(row: dict) -> None:
+    info, answer = row["extra_info"], row["reward_model"]["ground_truth"][0]
+    content, row_passages = user_text(row), passages(row)
+    titles = [t for t, _ in row_passages]
+    assert len(set(titles)) == len(titles), "an entity has two passages"
+    for fact in info["supporting_facts"]:
+        assert content.count(fact) == 1, f"{fact!r} is not stated exactly once"
+    assert answer in content
+    facts = info["supporting_facts"]
+    if info["style"] in LINEAR_STYLES:
+        check_chain(facts, info["question"], row_passages)
+        assert answer in facts[-1]
+        return
+    half = len(facts) // 2
+    chains = [facts[:half], facts[half:]]
+    for chain in chains:
+        check_chain(chain, info["question"], row_passages)
+    years = [int(re.search(r"\b\d{4}\b", chain[-1]).group()) for chain in chains]
+    starts = [title_stating(chain[0], row_passages) for chain in chains]
+    assert years[0] != years[1]
+    earlier = "first" in info["question"]
+    winner = min(range(2), key=years.__getitem__) if earlier else max(range(2), key=years.__getitem__)
+    assert answer == starts[winner]
+
+
+def test_generate_writes_recipe_layout_deterministically(tmp_path):
+    counts = synth.generate(tmp_path / "a", rows_per_task=20, seed=3)
+    assert counts == {**{t: {"train": 19, "test": 1} for t in synth.TASKS}, "merged": {"train": 57, "test": 3}}
+    synth.generate(tmp_path / "b", rows_per_task=20, seed=3, workers=2)
+    synth.generate(tmp_path / "c", rows_per_task=20, seed=4)
+    files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*.parquet"))
+    assert [str(f) for f in files] == [f"{d}/{s}.parquet" for d in ("2wikimqa", "hotpotqa", "merged", "musique")
+                                       for s in ("test", "train")]
+    for f in files:
+        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes()
+        assert (tmp_path / "a" / f).read_bytes() != (tmp_path / "c" / f).read_bytes()
+    merged = read_rows(tmp_path / "a" / "merged" / "train.parquet")
+    assert all(row_problem(r) is None for r in merged)
+    assert {r["data_source"] for r in merged} == {f"synth_{t}" for t in synth.TASKS}
+
+
+def test_rows_share_one_schema(rows, keychain_rows):
+    for row in rows + keychain_rows:
+        assert row_problem(row) is None
+        assert row["ability"] == "longcontext_qa"
+        assert row["prompt"][0] == {"role": "system", "content": SYSTEM_PROMPT}
+        assert isinstance(row["reward_model"]["ground_truth"], list)
+        info = row["extra_info"]
+        assert {k: type(v) for k, v in info.items()} == EXTRA_INFO_TYPES
+        assert all(isinstance(f, str) for f in info["supporting_facts"])
+        assert info["reference_response"].endswith(f"\\boxed{{{row['reward_model']['ground_truth'][0]}}}")
+
+
+def test_plain_prompt_matches_recipe(rows):
+    row = rows[0]
+    content = user_text(row)
+    assert content.startswith("The following are given passages.\nPassage 1:\n")
+    assert content.endswith(f"\n\nQuestion: {row['extra_info']['question']}")
+
+
+def test_every_answer_is_checkable_from_its_context(rows, keychain_rows):
+    for row in rows + keychain_rows:
+        check_answer(row)
+
+
+def test_every_style_appears_with_its_hop_count(rows):
+    fixed_hops = {"bridge": 2, "comparison": 2, "compositional": 2, "inference": 2, "bridge_comparison": 4}
+    for task in synth.TASKS:
+        task_rows = [r["extra_info"] for r in rows if r["extra_info"]["task"] == task]
+        assert {i["style"] for i in task_rows} == set(synth.STYLES[task])
+        for info in task_rows:
+            expected = fixed_hops.get(info["style"])
+            assert info["hops"] == expected if expected else 2 <= info["hops"] <= 4
+
+
+def test_musique_hops_follow_the_bounds():
+    rows = synth.generate_rows("musique", 12, min_hops=3, max_hops=3)
+    assert {r["extra_info"]["hops"] for r in rows} == {3}
+    for row in rows:
+        check_answer(row)
+    assert {r["extra_info"]["hops"] for r in synth.generate_rows("musique", 30, min_hops=2, max_hops=4)} == {2, 3, 4}
+
+
+def test_answers_have_rival_candidates(rows):
+    for row in rows:
+        info = row["extra_info"]
+        if info["style"] in synth.COMPARISON_STYLES:
+            assert info["num_candidates"] == 2
+        else:
+            assert info["num_candidates"] >= 2
+
+
+def test_no_entity_name_contains_another(rows):
+    for row in rows[::6]:
+        titles = [t.lower() for t, _ in passages(row)]
+        assert not [(a, b) for a in titles for b in titles if a != b and a in b]
+
+
+def test_context_length_with_the_approximate_counter():
+    target = 2048
+    rows = [r for task in synth.TASKS for r in synth.generate_rows(task, 10, context_tokens=target)]
+    lengths = []
+    for row in rows:
+        measured = sum(synth.approx_tokens(m["content"]) for m in row["prompt"])
+        assert abs(measured - row["extra_info"]["context_tokens"]) <= 2
+        assert 0.92 * target <= measured <= target
+        lengths.append(measured)
+    assert sum(lengths) / len(lengths) >= 0.97 * target
+
+
+def test_context_length_with_a_real_tokenizer(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    texts = [user_text(r) for r in synth.generate_rows("hotpotqa", 4, seed=99)]
+    tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["[UNK]"])
+    tokenizer.train_from_iterator(texts + [SYSTEM_PROMPT], trainer)
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+
+    target = 1536
+    for task in synth.TASKS:
+        for row in synth.generate_rows(task, 4, context_tokens=target, tokenizer=tmp_path):
+            measured = sum(len(tokenizer.encode(m["content"]).ids) for m in row["prompt"])
+            assert abs(measured - row["extra_info"]["context_tokens"]) <= 0.02 * target
+            assert 0.9 * target <= measured <= 1.02 * target
+
+
+def test_keychain_hides_the_question_at_the_end_of_one_chain(keychain_rows):
+    for row in keychain_rows:
+        content, info = user_text(row), row["extra_info"]
+        assert info["keychain"] and content.startswith("Please read the following text.\n")
+        assert f"Question: {info['question']}" not in content
+        found = PAIR.findall(content)
+        links = dict(found)
+        assert len(links) == len(found) == synth.keychain_count(2048) * synth.KEYCHAIN_HOPS
+        heads = [k for k in links if k not in set(links.values())]
+        assert len(heads) == synth.keychain_count(2048)
+        [start] = re.findall(r"starting from ([0-9a-f]{8})", content)
+        assert start in heads
+        ends = {}
+        for head in heads:
+            value, steps = head, 0
+            while value in links:
+                value, steps = links[value], steps + 1
+            assert steps == synth.KEYCHAIN_HOPS and value.endswith("?")
+            ends[head] = value
+        assert ends[start] == info["question"]
+        assert len(set(ends.values())) == len(heads), "distractor questions must differ from the real one"
+
+
+def test_keychain_count_follows_context_length():
+    assert [synth.keychain_count(n) for n in (1024, 2048, 4096, 16384)] == [4, 8, 16, 64]
+    row = synth.generate_rows("musique", 1, context_tokens=1024, keychain=True)[0]
+    assert len(PAIR.findall(user_text(row))) == 4 * synth.KEYCHAIN_HOPS
+
+
+@pytest.mark.parametrize("kwargs", [{"tasks": ("squad",)}, {"min_hops": 1}, {"min_hops": 4, "max_hops": 3},
+                                    {"max_hops": synth.MAX_HOPS + 1}, {"context_tokens": 100}])
+def test_bad_arguments_are_refused(tmp_path: Path, kwargs):
+    with pytest.raises(ValueError):
+        synth.generate(tmp_path, rows_per_task=4, **kwargs)
