@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -127,40 +128,59 @@ def _fit(ids: list[int], options: PromptOptions, where: str) -> list[int] | None
     return ids[-limit:] if options.truncation == "left" else ids[:limit]
 
 
+def _templated(files: Sequence[Path], tokenizer, options: PromptOptions, stats: PrepStats):
+    """Valid rows with their chat-templated prompt texts, a batch at a time."""
+    for file_index, path in enumerate(files):
+        for batch in _batched(enumerate(iter_rows(path)), BATCH_ROWS):
+            good = []
+            for row_index, row in batch:
+                stats.rows_read += 1
+                if problem := row_problem(row):
+                    if not options.skip_bad_rows:
+                        raise DataFileError(f"{path}, row {row_index}: {problem} "
+                                            f"(set data.skip_bad_rows=true to skip and count such rows)")
+                    stats.bad_rows += 1
+                    continue
+                good.append((file_index, path, row_index, row))
+            if good:
+                yield good, tokenizer.apply_chat_template([g[3]["prompt"] for g in good], tokenize=False,
+                                                          add_generation_prompt=True)
+
+
+def _encoded(batches, backend):
+    """Each batch with its encodings. The tokenizer releases the GIL, so while one batch encodes in a
+    worker thread the next one is read and templated here: the Python work hides behind the Rust work."""
+    with ThreadPoolExecutor(1) as pool:
+        pending = None
+        for rows, texts in batches:
+            future = pool.submit(backend.encode_batch_fast, texts, add_special_tokens=False)
+            if pending is not None:
+                yield pending[0], pending[1].result()
+            pending = rows, future
+        if pending is not None:
+            yield pending[0], pending[1].result()
+
+
 def _tokenize(files: Sequence[Path], tokenizer, options: PromptOptions, out_dir: Path) -> PrepStats:
     """Stream every file through validation, the chat template and the tokenizer into ``out_dir``."""
-    backend = tokenizer.backend_tokenizer
     stats = PrepStats(files=len(files))
     offsets, meta = [0], []
     with open(out_dir / "tokens.int32", "wb") as out:
-        for file_index, path in enumerate(files):
-            for batch in _batched(enumerate(iter_rows(path)), BATCH_ROWS):
-                good = []
-                for row_index, row in batch:
-                    stats.rows_read += 1
-                    if problem := row_problem(row):
-                        if not options.skip_bad_rows:
-                            raise DataFileError(f"{path}, row {row_index}: {problem} "
-                                                f"(set data.skip_bad_rows=true to skip and count such rows)")
-                        stats.bad_rows += 1
-                        continue
-                    good.append((row_index, row))
-                if not good:
+        batches = _templated(files, tokenizer, options, stats)
+        for rows, encodings in _encoded(batches, tokenizer.backend_tokenizer):
+            for (file_index, path, row_index, row), enc in zip(rows, encodings):
+                full = enc.ids  # a new Python list on every access: take it once
+                ids = _fit(full, options, f"{path}, row {row_index}")
+                if ids is None:
+                    stats.overlong_filtered += 1
                     continue
-                texts = tokenizer.apply_chat_template([r["prompt"] for _, r in good], tokenize=False,
-                                                      add_generation_prompt=True)
-                for (row_index, row), enc in zip(good, backend.encode_batch_fast(texts, add_special_tokens=False)):
-                    ids = _fit(enc.ids, options, f"{path}, row {row_index}")
-                    if ids is None:
-                        stats.overlong_filtered += 1
-                        continue
-                    stats.truncated += len(ids) < len(enc.ids)
-                    out.write(np.asarray(ids, dtype=np.int32).tobytes())
-                    offsets.append(offsets[-1] + len(ids))
-                    stats.max_prompt_tokens = max(stats.max_prompt_tokens, len(ids))
-                    meta.append({"data_source": row["data_source"], "ground_truth": row["reward_model"]["ground_truth"],
-                                 "ability": row.get("ability"), "extra_info": row.get("extra_info") or {},
-                                 "file": file_index, "row": row_index})
+                stats.truncated += len(ids) < len(full)
+                out.write(np.asarray(ids, dtype=np.int32).tobytes())
+                offsets.append(offsets[-1] + len(ids))
+                stats.max_prompt_tokens = max(stats.max_prompt_tokens, len(ids))
+                meta.append({"data_source": row["data_source"], "ground_truth": row["reward_model"]["ground_truth"],
+                             "ability": row.get("ability"), "extra_info": row.get("extra_info") or {},
+                             "file": file_index, "row": row_index})
     stats.kept, stats.prompt_tokens = len(meta), offsets[-1]
     np.save(out_dir / "offsets.npy", np.asarray(offsets, dtype=np.int64))
     (out_dir / "meta.json").write_text(json.dumps(meta, default=str))

@@ -1,0 +1,58 @@
+import pytest
+
+from longqa.cli import build_parser, main
+
+GROUPS = {"data": ["loongrl", "synth", "prepare"], "config": ["show", "keys"]}
+
+
+@pytest.mark.parametrize("argv", [[]] + [[g] for g in GROUPS] + [[g, c] for g, cs in GROUPS.items() for c in cs])
+def test_help_on_every_level(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args([*argv, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: longqa") and len(out.splitlines()) > 3
+
+
+def test_config_show_and_keys(capsys, tmp_path):
+    assert main(["config", "show", "rollout.n=3", "data.max_prompt_length=2048"]) == 0
+    out = capsys.readouterr().out
+    assert "  n: 3\n" in out and "max_prompt_length: 2048" in out
+    path = tmp_path / "c.yaml"
+    path.write_text("rollout:\n  n: 5\n")
+    assert main(["config", "show", str(path), "algo.clip_ratio=0.25"]) == 0
+    out = capsys.readouterr().out
+    assert "  n: 5\n" in out and "clip_ratio: 0.25" in out
+    assert main(["config", "keys"]) == 0
+    assert "rollout.n" in capsys.readouterr().out
+
+
+def test_bad_config_fails_before_any_work(capsys):
+    assert main(["config", "show", "rollout.temprature=0.5"]) == 2
+    assert capsys.readouterr().err.strip() == ("longqa: error: unknown config key 'rollout.temprature'; "
+                                               "did you mean 'rollout.temperature'?")
+
+
+def test_synth_then_prepare(tmp_path, tokenizer_dir, capsys):
+    out_dir = tmp_path / "data"
+    assert main(["data", "synth", "--output-dir", str(out_dir), "--rows-per-task", "6", "--tasks", "hotpotqa",
+                 "musique"]) == 0
+    assert "hotpotqa/train.parquet  5 rows" in capsys.readouterr().out
+    args = ["data", "prepare", f"model.path={tokenizer_dir}", f"data.train_files={out_dir}/merged/train.parquet",
+            f"data.val_files={out_dir}/merged/test.parquet", f"data.cache_dir={tmp_path}/cache"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "train: 10 prompts from 10 rows in 1 file(s)" in out and "val: 2 prompts" in out and "prepared" in out
+    assert main(args) == 0
+    assert "cache hit" in capsys.readouterr().out
+
+
+def test_prepare_errors_are_one_line(tmp_path, tokenizer_dir, capsys):
+    assert main(["data", "prepare", "data.train_files=x.parquet"]) == 2
+    assert "set model.path" in capsys.readouterr().err
+    assert main(["data", "prepare", f"model.path={tmp_path}/missing", "data.train_files=x.parquet"]) == 2
+    err = capsys.readouterr().err
+    assert "tokenizer path" in err and "missing does not exist" in err
+    assert main(["data", "prepare", f"model.path={tokenizer_dir}", f"data.train_files={tmp_path}/nope.parquet",
+                 f"data.cache_dir={tmp_path}/cache"]) == 2
+    assert "nope.parquet: no such file" in capsys.readouterr().err
