@@ -22,6 +22,13 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
                    help="dotted overrides, e.g. data.max_prompt_length=16384 rollout.n=8")
 
 
+def _add_layout_args(p: argparse.ArgumentParser, seed_help: str) -> None:
+    """The options every command writing the recipe's folder layout shares."""
+    p.add_argument("--output-dir", required=True, help="where the parquet files go")
+    p.add_argument("--test-ratio", type=float, default=0.05, help="test fraction per task (default 0.05)")
+    p.add_argument("--seed", type=int, default=42, help=f"{seed_help} (default 42)")
+
+
 def _split_config_args(args: argparse.Namespace) -> tuple[str | None, list[str]]:
     """A first positional containing '=' is an override, not a config file."""
     if args.config is not None and "=" in args.config:
@@ -92,9 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
                              description="Download (or read locally) the six LoongRL-Train-Data subsets, concatenate "
                              "each task's pair, keep verl's columns, prepend the <think>/\\boxed{} system prompt and "
                              "split train/test per task with the recipe's seeded split.")
-    p.add_argument("--output-dir", required=True, help="where the parquet files go")
-    p.add_argument("--test-ratio", type=float, default=0.05, help="test fraction per task (default 0.05)")
-    p.add_argument("--seed", type=int, default=42, help="split seed (default 42)")
+    _add_layout_args(p, seed_help="split seed")
     p.add_argument("--source", default="OldKingMeister/LoongRL-Train-Data",
                    help="Hub dataset id, or a local folder holding the subsets as parquet/jsonl")
     p.set_defaults(func=cmd_data_loongrl)
@@ -103,15 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
                              description="Generate fictional multi-hop questions in the styles of HotpotQA, "
                              "2WikiMultiHopQA and MuSiQue over long contexts of supporting and distractor documents, "
                              "optionally with LoongRL's KeyChain. The same seed gives byte-identical files.")
-    p.add_argument("--output-dir", required=True, help="where the parquet files go")
+    _add_layout_args(p, seed_help="generation and split seed")
     p.add_argument("--rows-per-task", type=int, default=400, help="rows per task before the split (default 400)")
     p.add_argument("--context-tokens", type=int, default=1024, help="target context length in tokens (default 1024)")
     p.add_argument("--tasks", nargs="+", default=["hotpotqa", "musique", "2wikimqa"], help="tasks to generate")
     p.add_argument("--min-hops", type=int, default=2, help="fewest hops of MuSiQue-style chains (default 2)")
     p.add_argument("--max-hops", type=int, default=4, help="most hops of MuSiQue-style chains (default 4)")
     p.add_argument("--keychain", action="store_true", help="insert LoongRL-style UUID KeyChains")
-    p.add_argument("--test-ratio", type=float, default=0.05, help="test fraction per task (default 0.05)")
-    p.add_argument("--seed", type=int, default=42, help="generation and split seed (default 42)")
     p.add_argument("--tokenizer", help="tokenizer folder or tokenizer.json that measures context length "
                    "(default: a built-in approximate count)")
     p.add_argument("--workers", type=int, default=1, help="processes generating rows (default 1)")
