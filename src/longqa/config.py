@@ -42,8 +42,13 @@ unit_closed = (lambda v: 0 <= v <= 1, "in [0, 1]")
 
 @dataclass
 class ModelConfig:
-    path: Optional[str] = opt(None, "local Hugging Face model folder or hub id; its tokenizer prepares the prompts")
+    path: Optional[str] = opt(None, "local Hugging Face model folder, hub id or GGUF file; none: the embedded default")
     tokenizer_path: Optional[str] = opt(None, "tokenizer folder when it differs from model.path")
+    gguf_file: Optional[str] = opt(None, "GGUF file name inside model.path (transformers dequantizes it)")
+    dtype: Literal["float32", "bfloat16", "float16"] = opt("float32", "parameter dtype for training and sampling")
+    attn_implementation: Literal["sdpa", "eager", "flex_attention", "flash_attention_2"] = opt(
+        "sdpa", "transformers attention backend")
+    gradient_checkpointing: bool = opt(False, "recompute activations in the backward pass to save memory")
 
 
 @dataclass
@@ -63,10 +68,12 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
+    engine: Literal["hf"] = opt("hf", "sampling engine: hf (transformers reference)")
     n: int = opt(8, "responses sampled per prompt (the GRPO group size)", *positive)
     temperature: float = opt(1.0, "sampling temperature; 0 means greedy", *non_negative)
     top_p: float = opt(1.0, "nucleus sampling mass", lambda v: 0 < v <= 1, "in (0, 1]")
     top_k: int = opt(-1, "sample from the k most likely tokens; -1 for all", lambda v: v == -1 or v > 0, "-1 or > 0")
+    stop: list[str] = opt([], "extra stop strings (EOS always stops)")
 
 
 @dataclass
@@ -79,6 +86,11 @@ class AlgoConfig:
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = opt(
         "token-mean", "how token losses are aggregated")
     entropy_coeff: float = opt(0.0, "entropy bonus coefficient", *non_negative)
+    dual_clip_c: Optional[float] = opt(None, "dual-clip bound for negative advantages (e.g. 3.0); null: off",
+                                       lambda v: v > 1, "> 1")
+    kl_type: Literal["low_var_kl", "kl", "abs", "mse"] = opt("low_var_kl", "KL estimator when kl_coef > 0")
+    dynamic_sampling: bool = opt(False, "drop groups whose rewards are all equal and sample more to fill the batch")
+    max_sampling_rounds: int = opt(3, "dynamic sampling: most extra rounds per step", *positive)
 
 
 @dataclass
@@ -87,8 +99,13 @@ class ActorConfig:
     betas: list[float] = opt([0.9, 0.95], "AdamW betas")
     weight_decay: float = opt(0.0, "AdamW weight decay", *non_negative)
     warmup_ratio: float = opt(0.05, "fraction of steps spent warming the learning rate up", *unit_closed)
+    lr_schedule: Literal["constant", "cosine"] = opt("constant", "learning rate after warmup")
+    min_lr_ratio: float = opt(0.0, "cosine: final learning rate as a fraction of lr", *unit_closed)
     ppo_mini_batch_size: int = opt(64, "prompts per optimizer step", *positive)
+    ppo_epochs: int = opt(1, "passes over each step's samples", *positive)
+    max_tokens_per_micro_batch: int = opt(16384, "token budget of one forward/backward", *positive)
     grad_clip: float = opt(1.0, "max gradient norm", *positive)
+    max_bad_steps: int = opt(3, "stop after this many non-finite steps in a row", *positive)
 
 
 @dataclass
@@ -102,9 +119,14 @@ class RewardConfig:
 @dataclass
 class TrainerConfig:
     total_epochs: int = opt(20, "passes over the training data", *positive)
+    max_steps: Optional[int] = opt(None, "stop after this many steps (before total_epochs ends)", *positive)
     test_freq: int = opt(10, "validate every this many steps (0: never)", *non_negative)
     save_freq: int = opt(10, "checkpoint every this many steps (0: never)", *non_negative)
+    keep_last: int = opt(2, "checkpoints kept on disk", *positive)
+    resume: str = opt("auto", "auto (latest checkpoint in output_dir), none, or a checkpoint path")
     output_dir: str = opt("runs/longqa", "run folder: checkpoints, metrics and report")
+    logger: list[str] = opt(["console", "jsonl"], "metric sinks: console, jsonl, tensorboard, wandb")
+    device: str = opt("auto", "auto (cuda when present), cpu or cuda[:i]")
     seed: int = opt(42, "seed for data order and sampling")
 
 
