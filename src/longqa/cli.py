@@ -12,6 +12,7 @@ longqa trains language models with GRPO to answer multi-hop questions over long 
 
 Command groups:
   data     make training data: the LoongRL seed recipe's files, offline synthetic files, tokenized prompts
+  sft      supervised warm-up on reference responses (how the embedded default model is made)
   config   show the resolved config and every key it accepts
 """
 
@@ -79,6 +80,31 @@ def cmd_data_prepare(args: argparse.Namespace) -> None:
             print(f"{name}: {prompts.stats.summary()}\n  cache: {prompts.stats.cache_path}")
 
 
+def cmd_sft(args: argparse.Namespace) -> None:
+    import dataclasses
+
+    from longqa.sft import SFTOptions, run_sft
+
+    options = SFTOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SFTOptions)})
+    summary = run_sft(options, command="longqa " + " ".join(sys.argv[1:]))
+    print(f"wrote {options.output_dir} ({summary['steps']} steps, {summary['train_minutes']} min)")
+
+
+def _add_dataclass_args(p: argparse.ArgumentParser, cls: type) -> None:
+    """One --flag per field of an options dataclass, typed by its default."""
+    import dataclasses
+
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            p.add_argument(flag, dest=f.name, required=True, nargs="+" if "list" in str(f.type) else None)
+        elif f.default_factory is not dataclasses.MISSING:
+            p.add_argument(flag, dest=f.name, nargs="+", default=f.default_factory())
+        else:
+            kind = type(f.default) if f.default is not None else str
+            p.add_argument(flag, dest=f.name, type=kind, default=f.default, help=f"default {f.default}")
+
+
 def _print_counts(output_dir: str, counts: dict[str, dict[str, int]]) -> None:
     print(f"wrote {output_dir}")
     for task, splits in counts.items():
@@ -125,6 +151,16 @@ def build_parser() -> argparse.ArgumentParser:
                              "overlong prompts and cache the token ids; prints what was kept and dropped.")
     _add_config_args(p)
     p.set_defaults(func=cmd_data_prepare)
+
+    p = groups.add_parser("sft", help="supervised warm-up on reference responses (builds the embedded default)",
+                          description="Train a model on the reference responses of verl-schema rows "
+                          "(extra_info.reference_response, written by `longqa data synth`): a new small Qwen3 with a "
+                          "tokenizer trained on the data, or --init MODEL to continue from one. Evaluates greedy "
+                          "held-out accuracy as it goes and writes the model folder with a model card.")
+    from longqa.sft import SFTOptions
+
+    _add_dataclass_args(p, SFTOptions)
+    p.set_defaults(func=cmd_sft)
 
     config = groups.add_parser("config", help="show the config", description="The typed config tree: YAML plus "
                                "dotted key=value overrides, checked before any work starts.")

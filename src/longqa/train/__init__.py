@@ -1,0 +1,1 @@
+"""Training: the GRPO loop and the checkpoints that let it resume exactly after a crash."""
