@@ -64,12 +64,13 @@ class HFRolloutEngine(RolloutEngine):
         stop_window = max((len(s.encode()) for s in params.stop_strings), default=0) + 8
         for step in range(params.max_new_tokens):
             tokens, logprobs = sample_tokens(logits, params, generator)
+            step_logprobs = logprobs.tolist() if logprobs is not None else None
             keep = []
             for row, (i, token) in enumerate(zip(active, tokens.tolist())):
                 sample = samples[i]
                 sample.token_ids.append(token)
-                if logprobs is not None:
-                    sample.logprobs.append(logprobs[row].item())
+                if step_logprobs is not None:
+                    sample.logprobs.append(step_logprobs[row])
                 if self._stopped(sample.token_ids, params, stop_window):
                     sample.finish_reason = "stop"
                 else:

@@ -1,0 +1,330 @@
+"""Checkpoints that survive a crash at any moment and resume training bit for bit.
+
+Layout of one checkpoint, ``<run_dir>/checkpoints/step_00000012/``:
+
+``model.pt``, ``optimizer.pt``
+    ``torch.save`` of the state dicts (single process). These two are the only files a multi-GPU version
+    needs to change: it would write them as a ``torch.distributed.checkpoint`` folder (``model/``,
+    ``optimizer/``) and keep every other file, written by rank 0, as it is.
+``scheduler.pt``
+    The learning-rate scheduler's state dict, when the trainer has a scheduler.
+``rng.json``
+    The global random states (python ``random``, numpy, torch CPU and every CUDA device), so that data
+    shuffles, sampling and dropout continue exactly where they stopped.
+``trainer_state.json``
+    The trainer's own JSON-able dict: step, epoch, position in the epoch's data order, data seed, history.
+``COMPLETE``
+    Written last; lists every file with its size. A folder without it is never resumed from.
+
+Why a crash cannot leave a half checkpoint that looks whole: everything is written (and fsynced) into a
+hidden ``.tmp-*`` folder next to the final one, the marker last, and only then is the folder renamed to
+its final name; a rename within one directory is atomic. Old checkpoints are deleted the same way round:
+renamed to a hidden ``.trash-*`` name first, then removed, so a crash while deleting leaves nothing that
+looks like a checkpoint. Hidden leftovers of a crash are removed by the next save.
+
+A run folder holds one timeline: saving step N removes checkpoints of later steps (left by a run that was
+resumed from an older checkpoint), so that ``trainer.resume=auto`` can never jump back to the abandoned
+run. One process saves into a run folder at a time.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+import torch
+
+__all__ = [
+    "CheckpointError",
+    "checkpoints_dir",
+    "export_hf",
+    "is_complete",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "load_model_weights",
+    "resolve_resume",
+    "save_checkpoint",
+]
+
+MARKER = "COMPLETE"
+MODEL, OPTIMIZER, SCHEDULER, RNG, TRAINER_STATE = (
+    "model.pt", "optimizer.pt", "scheduler.pt", "rng.json", "trainer_state.json")
+_STEP_DIR = re.compile(r"step_(\d+)")
+_TMP, _TRASH = ".tmp-", ".trash-"
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written, found or read; the message says what to do about it."""
+
+
+def checkpoints_dir(run_dir: str | os.PathLike) -> Path:
+    """Where a run keeps its checkpoints, one ``step_*`` folder each."""
+    return Path(run_dir) / "checkpoints"
+
+
+def is_complete(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a checkpoint folder whose writing finished (its marker exists)."""
+    return (Path(path) / MARKER).is_file()
+
+
+def _complete_checkpoints(run_dir: str | os.PathLike) -> dict[int, Path]:
+    """Complete checkpoints of the run by step; hidden temp/trash folders and unmarked folders are skipped."""
+    folder = checkpoints_dir(run_dir)
+    if not folder.is_dir():
+        return {}
+    found = {}
+    for path in folder.iterdir():
+        match = _STEP_DIR.fullmatch(path.name)
+        if match and is_complete(path):
+            found[int(match.group(1))] = path
+    return found
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """The complete checkpoint with the highest step, or None when the run has none."""
+    found = _complete_checkpoints(run_dir)
+    return found[max(found)] if found else None
+
+
+def resolve_resume(run_dir: str | os.PathLike, resume: str) -> Path | None:
+    """The checkpoint that ``trainer.resume`` designates: ``auto`` (latest, or None), ``none``, or a path."""
+    if resume == "none":
+        return None
+    if resume == "auto":
+        return latest_checkpoint(run_dir)
+    path = Path(resume)
+    if not path.is_dir():
+        raise CheckpointError(f"trainer.resume={resume}: no checkpoint folder at {path}; "
+                              f"use trainer.resume=auto for the latest one in {checkpoints_dir(run_dir)}")
+    if not is_complete(path):
+        raise CheckpointError(f"trainer.resume={resume}: {path} is incomplete (no {MARKER} marker; its writing "
+                              f"was interrupted); use trainer.resume=auto for the latest complete checkpoint")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- saving
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a folder's entries (new files, renames) durable, not only the files' contents."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
+    """Write through a Python file object and fsync it.
+
+    ``torch.save`` given a path reports a full disk as an opaque RuntimeError from its C++ writer; given a
+    file object, the OSError (ENOSPC) surfaces, so a full disk can be told apart from a bug.
+    """
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _torch_file(obj: Any) -> Callable[[IO[bytes]], Any]:
+    return lambda f: torch.save(obj, f)
+
+
+def _json_file(obj: Any) -> Callable[[IO[bytes]], Any]:
+    text = json.dumps(obj, indent=1) + "\n"
+    return lambda f: f.write(text.encode())
+
+
+def _rng_state() -> dict:
+    """Every global random state that training draws from, as plain JSON."""
+    version, internal, gauss = random.getstate()
+    numpy_state = np.random.get_state(legacy=False)
+    return {
+        "python": [version, list(internal), gauss],
+        "numpy": {**numpy_state, "state": {"key": numpy_state["state"]["key"].tolist(),
+                                           "pos": numpy_state["state"]["pos"]}},
+        "torch": torch.get_rng_state().tolist(),
+        "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
+    }
+
+
+def _set_rng_state(state: dict) -> None:
+    """Restore what :func:`_rng_state` captured (CUDA states only for the devices present)."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    numpy_state = state["numpy"]
+    np.random.set_state({**numpy_state, "state": {"key": np.array(numpy_state["state"]["key"], dtype=np.uint32),
+                                                  "pos": numpy_state["state"]["pos"]}})
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if state["cuda"] and torch.cuda.is_available():
+        cuda = state["cuda"][:torch.cuda.device_count()]
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in cuda])
+
+
+def _remove_hidden(folder: Path) -> None:
+    """Remove the temp and trash folders that an interrupted save or prune left behind."""
+    for path in folder.iterdir():
+        if path.name.startswith((_TMP, _TRASH)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _discard(path: Path) -> None:
+    """Delete a checkpoint so that no crash can leave it half deleted under its real name."""
+    trash = path.with_name(f"{_TRASH}{path.name}-{os.getpid()}")
+    os.rename(path, trash)
+    shutil.rmtree(trash)
+
+
+def _describe_previous(run_dir: Path) -> str:
+    previous = latest_checkpoint(run_dir)
+    return f"the previous checkpoint {previous.name} is intact" if previous else "there is no previous checkpoint"
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OSError behind ``exc``, if any.
+
+    A write that fails inside ``torch.save`` is re-raised by its zip writer's cleanup as a RuntimeError
+    ("unexpected pos ..."), with the OSError only as its context.
+    """
+    while exc is not None:
+        if isinstance(exc, OSError):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _write_temp(tmp: Path, files: dict[str, Callable[[IO[bytes]], Any]], step: int) -> None:
+    """Write every file into ``tmp``, then the marker naming them, and make it all durable."""
+    tmp.mkdir()
+    for name, write in files.items():
+        _write_file(tmp / name, write)
+    sizes = {name: (tmp / name).stat().st_size for name in files}
+    _write_file(tmp / MARKER, _json_file({"step": step, "files": sizes}))
+    _fsync_dir(tmp)
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename the finished temp folder to its final name (replacing a same-step checkpoint)."""
+    if final.exists():
+        _discard(final)
+    os.rename(tmp, final)
+    _fsync_dir(final.parent)
+
+
+def _prune(run_dir: Path, step: int, keep_last: int) -> None:
+    """Keep the ``keep_last`` newest checkpoints up to ``step``; drop later (abandoned) ones and leftovers."""
+    found = _complete_checkpoints(run_dir)
+    kept = sorted(s for s in found if s <= step)[-keep_last:]
+    for s, path in found.items():
+        if s not in kept:
+            _discard(path)
+    _remove_hidden(checkpoints_dir(run_dir))
+
+
+def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer, scheduler: Any = None, trainer_state: dict,
+                    keep_last: int) -> Path:
+    """Write checkpoint ``step`` atomically, then keep only the ``keep_last`` newest; returns its folder.
+
+    A write error (a full disk above all) removes the partial folder and raises :class:`CheckpointError`;
+    the checkpoints already on disk are untouched, so training can stop and resume from the last one.
+    """
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    run_dir = Path(run_dir)
+    folder = checkpoints_dir(run_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    _remove_hidden(folder)  # space freed before writing, in case the last save died for lack of it
+    files = {MODEL: _torch_file(model.state_dict()), OPTIMIZER: _torch_file(optimizer.state_dict())}
+    if scheduler is not None:
+        files[SCHEDULER] = _torch_file(scheduler.state_dict())
+    files[RNG] = _json_file(_rng_state())
+    try:
+        files[TRAINER_STATE] = _json_file(trainer_state)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"trainer_state must be JSON-able: {exc}") from exc
+
+    final = folder / f"step_{step:08d}"
+    tmp = folder / f"{_TMP}{final.name}-{os.getpid()}"
+    try:
+        _write_temp(tmp, files, step)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os_error = _os_error(exc)
+        if os_error is None:
+            raise
+        what = "disk full" if os_error.errno in _DISK_FULL else (os_error.strerror or str(os_error)).lower()
+        raise CheckpointError(f"{what} while writing checkpoint step {step} to {final}; "
+                              f"{_describe_previous(run_dir)}") from exc
+    _publish(tmp, final)
+    _prune(run_dir, step, keep_last)
+    return final
+
+
+# --------------------------------------------------------------------------------------------- loading
+
+
+def _load(path: Path) -> Any:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _check(path: Path) -> None:
+    """Refuse a folder that is not a finished checkpoint, or whose files changed size since it was written."""
+    if not is_complete(path):
+        raise CheckpointError(f"{path} is not a complete checkpoint (no {MARKER} marker)")
+    expected = json.loads((path / MARKER).read_text())["files"]
+    for name, size in expected.items():
+        actual = (path / name).stat().st_size if (path / name).is_file() else None
+        if actual != size:
+            raise CheckpointError(f"checkpoint {path} is damaged: {name} has {actual} bytes, expected {size}")
+
+
+def load_model_weights(path: str | os.PathLike, model: torch.nn.Module) -> None:
+    """Load only the model weights of checkpoint ``path`` into ``model`` (same architecture)."""
+    path = Path(path)
+    _check(path)
+    model.load_state_dict(_load(path / MODEL))
+
+
+def load_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    scheduler: Any = None) -> dict:
+    """Restore model, optimizer, scheduler and random states in place; returns the trainer_state dict."""
+    path = Path(path)
+    _check(path)
+    if scheduler is not None and not (path / SCHEDULER).is_file():
+        raise CheckpointError(f"checkpoint {path} holds no scheduler state, but a scheduler was given")
+    model.load_state_dict(_load(path / MODEL))
+    optimizer.load_state_dict(_load(path / OPTIMIZER))
+    if scheduler is not None:
+        scheduler.load_state_dict(_load(path / SCHEDULER))
+    _set_rng_state(json.loads((path / RNG).read_text()))
+    return json.loads((path / TRAINER_STATE).read_text())
+
+
+def export_hf(checkpoint_path_or_model: str | os.PathLike | torch.nn.Module, tokenizer: Any,
+              out_dir: str | os.PathLike, *, model: torch.nn.Module | None = None) -> Path:
+    """Write a Hugging Face folder (safetensors weights, config, tokenizer) for ``from_pretrained``.
+
+    Given a checkpoint path, its weights are loaded into ``model`` (a skeleton of the same architecture,
+    such as the loaded base model; it is modified in place). Given a model, that model is written as it is.
+    safetensors is the only format transformers 5 writes and the default since 4.35, so no flag is passed.
+    """
+    if isinstance(checkpoint_path_or_model, torch.nn.Module):
+        model = checkpoint_path_or_model
+    elif model is None:
+        raise ValueError("export_hf from a checkpoint path needs model=<a model of the same architecture>")
+    else:
+        load_model_weights(checkpoint_path_or_model, model)
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
