@@ -12,10 +12,11 @@ def test_defaults_follow_the_recipe():
 def test_yaml_then_overrides(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("data:\n  train_files: a.parquet\n  max_prompt_length: 2048\nrollout:\n  n: 4\n")
-    cfg = load_config(path, ["rollout.n=16", "algo.clip_ratio=0.3", "data.val_files=[x.parquet, y.parquet]",
+    cfg = load_config(path, ["rollout.n=16", "algo.clip_ratio=0.3", "actor.lr=5e-4", "data.val_files=[x.parquet, y.parquet]",
                              "algo.clip_ratio_high=0.28", "trainer.output_dir=007"])
     assert cfg.data.train_files == ["a.parquet"]  # a single file is a list of one
     assert cfg.data.max_prompt_length == 2048 and cfg.rollout.n == 16 and cfg.algo.clip_ratio == 0.3
+    assert cfg.actor.lr == 5e-4
     assert cfg.data.val_files == ["x.parquet", "y.parquet"] and cfg.algo.clip_ratio_high == 0.28
     assert cfg.trainer.output_dir == "007"  # a string key keeps its text
 

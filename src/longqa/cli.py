@@ -11,6 +11,9 @@ DESCRIPTION = """\
 longqa trains language models with GRPO to answer multi-hop questions over long documents.
 
 Command groups:
+  train    GRPO training (no arguments: the embedded default demo, on the CPU)
+  eval     greedy evaluation of a model: accuracy, EM and F1 per data source
+  export   a checkpoint as a Hugging Face folder
   data     make training data: the LoongRL seed recipe's files, offline synthetic files, tokenized prompts
   sft      supervised warm-up on reference responses (how the embedded default model is made)
   config   show the resolved config and every key it accepts
@@ -78,6 +81,50 @@ def cmd_data_prepare(args: argparse.Namespace) -> None:
         if files:
             prompts = prepare_prompts(files, tokenizer, options, cache_dir=d.cache_dir)
             print(f"{name}: {prompts.stats.summary()}\n  cache: {prompts.stats.cache_path}")
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    from longqa.demo import DEMO_CONFIG, ensure_demo_data
+    from longqa.train.trainer import train
+
+    path, overrides = _split_config_args(args)
+    cfg = load_config(path or DEMO_CONFIG, overrides)
+    demo = load_config(DEMO_CONFIG).data
+    if path is None and (cfg.data.train_files, cfg.data.val_files) == (demo.train_files, demo.val_files):
+        ensure_demo_data(cfg)  # the demo's own files: made on first use
+    result = train(cfg)
+    print(f"done: {result['steps']} steps; report: {result['report']}")
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    import json
+    from pathlib import Path
+
+    from longqa.data.prompts import PromptOptions, prepare_prompts
+    from longqa.evaluate import evaluate, format_table
+    from longqa.model.load import load_model, pick_device
+
+    model, tokenizer = load_model(args.model, device=pick_device(args.device))
+    prompts = prepare_prompts(args.data, tokenizer, PromptOptions(args.max_prompt_length))
+    samples = Path(args.samples) if args.samples else None
+    result = evaluate(model, tokenizer, prompts, args.max_new_tokens, args.batch_size, samples, args.mode)
+    print(format_table(result))
+    if args.output:
+        Path(args.output).write_text(json.dumps(result, indent=1))
+
+
+def cmd_export(args: argparse.Namespace) -> None:
+    import json
+    from pathlib import Path
+
+    from longqa.config import Config, load_config_dict
+    from longqa.model.load import load_model
+    from longqa.train.checkpoint import export_hf
+
+    state = json.loads((Path(args.checkpoint) / "trainer_state.json").read_text())
+    cfg: Config = load_config_dict(state["config"])
+    model, tokenizer = load_model(cfg.model.path, gguf_file=cfg.model.gguf_file, dtype=cfg.model.dtype)
+    print(f"wrote {export_hf(args.checkpoint, tokenizer, args.output, model=model)}")
 
 
 def cmd_sft(args: argparse.Namespace) -> None:
@@ -152,6 +199,33 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.set_defaults(func=cmd_data_prepare)
 
+    p = groups.add_parser("train", help="GRPO training (no arguments: the embedded default demo on the CPU)",
+                          description="GRPO training from a YAML config plus key=value overrides. With no config it "
+                          "runs the embedded default: the committed small model on synthetic data generated on "
+                          "first use (configs/demo.yaml), and prints where the report is.")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_train)
+
+    p = groups.add_parser("eval", help="greedy evaluation: accuracy, EM and F1 per data source",
+                          description="Greedy answers of a model on verl-schema files, scored per data_source with "
+                          "the hardened reward, exact match and token F1; a table, optional JSON and samples.")
+    p.add_argument("--model", default=None, help="model folder, hub id or GGUF file (default: the embedded model)")
+    p.add_argument("--data", nargs="+", required=True, help="parquet/jsonl files in verl's schema")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-prompt-length", type=int, default=16384)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--mode", default="hardened", help="reward mode that decides accuracy")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--output", help="write the scores as JSON here")
+    p.add_argument("--samples", help="write every answer as JSONL here")
+    p.set_defaults(func=cmd_eval)
+
+    p = groups.add_parser("export", help="a checkpoint as a Hugging Face folder (safetensors + tokenizer)",
+                          description="Write checkpoint CHECKPOINT as a folder that transformers (and vLLM) load.")
+    p.add_argument("checkpoint", help="runs/NAME/checkpoints/step_XXXXXXXX")
+    p.add_argument("output", help="output folder")
+    p.set_defaults(func=cmd_export)
+
     p = groups.add_parser("sft", help="supervised warm-up on reference responses (builds the embedded default)",
                           description="Train a model on the reference responses of verl-schema rows "
                           "(extra_info.reference_response, written by `longqa data synth`): a new small Qwen3 with a "
@@ -177,12 +251,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from longqa.data.io import DataFileError
     from longqa.data.loongrl import SourceError
+    from longqa.model.load import ModelError
     from longqa.model.tokenizer import TokenizerError
+    from longqa.train.actor import TrainingError
+    from longqa.train.checkpoint import CheckpointError
 
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (ConfigError, DataFileError, SourceError, TokenizerError) as e:
+    except (ConfigError, DataFileError, SourceError, TokenizerError, ModelError, CheckpointError, TrainingError) as e:
         print(f"longqa: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -206,6 +206,11 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
             raise bad
         return int(value)
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 5e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                raise bad from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise bad
         return float(value)
@@ -297,3 +302,11 @@ def key_help() -> list[tuple[str, str, Any]]:
         for f in dataclasses.fields(cls):
             rows.append((f"{section}.{f.name}", f.metadata.get("help", ""), getattr(defaults, f.name)))
     return rows
+
+
+def load_config_dict(tree: dict) -> Config:
+    """A config from its nested dict (as stored in a checkpoint), checked like a YAML file."""
+    cfg = Config()
+    for key, value in _flatten(tree).items():
+        _set(cfg, key, value)
+    return cfg

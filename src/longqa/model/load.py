@@ -51,20 +51,31 @@ def smollm2_gguf_path() -> Path:
     return files[0]
 
 
-def load_model(path: str | None = None, *, gguf_file: str | None = None, dtype: str = "float32",
-               attn_implementation: str = "sdpa", gradient_checkpointing: bool = False,
-               device: str | torch.device = "cpu"):
-    """(model, tokenizer) ready for training: any transformers causal LM (Qwen3, Qwen2, Llama, ...)."""
-    from transformers import AutoModelForCausalLM
-
+def _source(path: str | None, gguf_file: str | None) -> tuple[str, str | None]:
     source = resolve_model_path(path)
     if gguf_file is None and source.endswith(".gguf"):  # model.path may name the GGUF file itself
         source, gguf_file = str(Path(source).parent), Path(source).name
+    return source, gguf_file
+
+
+def load_model_tokenizer(path: str | None = None, gguf_file: str | None = None):
+    """The model's tokenizer alone: cheap, so data problems surface before the weights are read."""
+    source, gguf_file = _source(path, gguf_file)
+    return load_tokenizer(source) if not gguf_file else _gguf_tokenizer(source, gguf_file)
+
+
+def load_model(path: str | None = None, *, gguf_file: str | None = None, dtype: str = "float32",
+               attn_implementation: str = "sdpa", gradient_checkpointing: bool = False,
+               device: str | torch.device = "cpu", tokenizer=None):
+    """(model, tokenizer) ready for training: any transformers causal LM (Qwen3, Qwen2, Llama, ...)."""
+    from transformers import AutoModelForCausalLM
+
+    source, gguf_file = _source(path, gguf_file)
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype],
                                                      attn_implementation=attn_implementation, **kwargs)
-        tokenizer = load_tokenizer(source) if not gguf_file else _gguf_tokenizer(source, gguf_file)
+        tokenizer = tokenizer or load_model_tokenizer(path, gguf_file)
     except ModelError:
         raise
     except Exception as e:  # transformers raises many kinds; the user needs the path and the cause

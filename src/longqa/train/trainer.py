@@ -1,0 +1,221 @@
+"""The GRPO loop: sample, score, compute advantages, update; validate, checkpoint, log, report.
+
+The loop talks to interfaces only (a rollout engine, a reward function, the actor), so faster engines
+and packed training slot in without touching it. Every source of randomness is either restored from
+the checkpoint or derived from (seed, step), so a run killed and resumed logs the same numbers as an
+uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from longqa import algo, reward
+from longqa.config import Config, ConfigError, to_dict
+from longqa.data.prompts import PromptOptions, PromptSet, prepare_prompts
+from longqa.evaluate import evaluate, stop_token_ids
+from longqa.model.load import load_model, load_model_tokenizer, pick_device
+from longqa.report import MetricsLogger, write_report
+from longqa.rollout import HFRolloutEngine, SamplingParams
+from longqa.train.actor import Actor, Samples
+from longqa.train.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+
+
+def reward_function(cfg: Config):
+    """``(data_source, text, ground_truth, extra_info) -> RewardResult``: a user's function or ours."""
+    if cfg.reward.path:
+        try:
+            return reward.load_reward_function(cfg.reward.path, cfg.reward.name)
+        except ValueError as e:  # missing file or function: a config problem, found before any sampling
+            raise ConfigError(f"reward.path / reward.name: {e}") from None
+    return functools.partial(reward.score_detailed, mode=cfg.reward.mode)
+
+
+def load_prompts(cfg: Config, tokenizer) -> tuple[PromptSet, PromptSet | None]:
+    d = cfg.data
+    options = PromptOptions(d.max_prompt_length, d.filter_overlong_prompts, d.truncation, d.skip_bad_rows)
+    train = prepare_prompts(d.train_files, tokenizer, options, cache_dir=d.cache_dir)
+    val = prepare_prompts(d.val_files, tokenizer, options, cache_dir=d.cache_dir) if d.val_files else None
+    if d.train_batch_size > len(train):
+        raise ConfigError(f"data.train_batch_size={d.train_batch_size} is larger than the {len(train)} training "
+                          f"prompts left after filtering")
+    if cfg.actor.ppo_mini_batch_size > d.train_batch_size:
+        raise ConfigError(f"actor.ppo_mini_batch_size={cfg.actor.ppo_mini_batch_size} is larger than "
+                          f"data.train_batch_size={d.train_batch_size}")
+    return train, val
+
+
+class Trainer:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.run_dir = Path(cfg.trainer.output_dir)
+        self.device = pick_device(cfg.trainer.device)
+        seed = cfg.trainer.seed
+        random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
+        m = cfg.model
+        self.score = reward_function(cfg)  # bad input fails first, before the weights are read
+        self.tokenizer = load_model_tokenizer(m.tokenizer_path or m.path, None if m.tokenizer_path else m.gguf_file)
+        self.train_set, self.val_set = load_prompts(cfg, self.tokenizer)
+        self.model, _ = load_model(m.path, gguf_file=m.gguf_file, dtype=m.dtype, attn_implementation=m.attn_implementation,
+                                   gradient_checkpointing=m.gradient_checkpointing, device=self.device,
+                                   tokenizer=self.tokenizer)
+        self.steps_per_epoch = len(self.train_set) // cfg.data.train_batch_size
+        total = cfg.trainer.total_epochs * self.steps_per_epoch
+        self.total_steps = min(total, cfg.trainer.max_steps or total)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.actor = Actor(self.model, cfg, self.total_steps, self.device, pad)
+        self.engine = HFRolloutEngine(self.model, self.tokenizer)
+        r = cfg.rollout
+        self.stops = tuple(stop_token_ids(self.tokenizer))
+        self.params = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                     max_new_tokens=cfg.data.max_response_length, stop_token_ids=self.stops,
+                                     stop_strings=tuple(r.stop))
+
+    # ------------------------------------------------------------------------------------------ data
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        n = len(self.train_set)
+        if not self.cfg.data.shuffle:
+            return np.arange(n)
+        return np.random.default_rng([self.cfg.trainer.seed, epoch]).permutation(n)
+
+    def step_prompts(self, step: int) -> list[int]:
+        epoch, position = divmod(step, self.steps_per_epoch)
+        b = self.cfg.data.train_batch_size
+        return self.epoch_order(epoch)[position * b:(position + 1) * b].tolist()
+
+    # ------------------------------------------------------------------------------------------ one step
+
+    def _generator(self, step: int, round_: int) -> torch.Generator:
+        return torch.Generator(self.device).manual_seed(self.cfg.trainer.seed * 1_000_003 + step * 101 + round_)
+
+    def _sample_groups(self, indices: list[int], step: int, round_: int) -> list[dict]:
+        """Sample and score n responses for each prompt; one dict per group."""
+        t0 = time.perf_counter()
+        prompts = [self.train_set.ids(i).tolist() for i in indices]
+        outputs = self.engine.generate(prompts, self.params, self._generator(step, round_))
+        t1 = time.perf_counter()
+        groups = []
+        for i, prompt, samples in zip(indices, prompts, outputs):
+            meta = self.train_set.meta[i]
+            texts = self.tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
+            results = [self.score(meta["data_source"], t, meta["ground_truth"], meta.get("extra_info")) for t in texts]
+            groups.append({"prompt": prompt, "samples": samples, "results": results})
+        t2 = time.perf_counter()
+        for g in groups:
+            g["time"] = (t1 - t0, t2 - t1)
+        return groups
+
+    def _collect(self, step: int) -> tuple[list[dict], dict]:
+        """The step's groups; with dynamic sampling, only groups whose rewards differ, topped up from
+        more prompts (drawn from a stream seeded by the step) for at most ``max_sampling_rounds`` rounds."""
+        cfg = self.cfg
+        groups = self._sample_groups(self.step_prompts(step), step, 0)
+        stats = {"rollout_s": groups[0]["time"][0], "reward_s": groups[0]["time"][1], "dropped_groups": 0,
+                 "sampling_rounds": 1}
+        if not cfg.algo.dynamic_sampling:
+            return groups, stats
+        informative = lambda g: len({r.score for r in g["results"]}) > 1  # noqa: E731
+        kept = [g for g in groups if informative(g)]
+        stats["dropped_groups"] = len(groups) - len(kept)
+        rng = np.random.default_rng([cfg.trainer.seed, step, 7])
+        for round_ in range(1, cfg.algo.max_sampling_rounds + 1):
+            if len(kept) >= cfg.data.train_batch_size:
+                break
+            extra = self._sample_groups(rng.choice(len(self.train_set), cfg.data.train_batch_size, replace=False)
+                                        .tolist(), step, round_)
+            stats["rollout_s"] += extra[0]["time"][0]
+            stats["reward_s"] += extra[0]["time"][1]
+            stats["sampling_rounds"] += 1
+            good = [g for g in extra if informative(g)]
+            stats["dropped_groups"] += len(extra) - len(good)
+            kept += good
+        return (kept[:cfg.data.train_batch_size] or groups), stats
+
+    def train_step(self, step: int) -> dict:
+        cfg, n = self.cfg, self.cfg.rollout.n
+        start = time.perf_counter()
+        groups, stats = self._collect(step)
+        results = [r for g in groups for r in g["results"]]
+        samples = [s for g in groups for s in g["samples"]]
+        rewards = torch.tensor([r.score for r in results], dtype=torch.float32)
+        advantages, zero_var = algo.group_advantages(rewards, n, cfg.algo.adv_estimator, cfg.algo.norm_adv_by_std)
+        batch = Samples(prompt_ids=[g["prompt"] for g in groups for _ in range(n)],
+                        response_ids=[s.token_ids for s in samples], advantages=advantages, group_size=n)
+        t_update = time.perf_counter()
+        update = self.actor.update(batch)
+        end = time.perf_counter()
+        lengths = np.array([len(s.token_ids) for s in samples])
+        tokens = sum(batch.length(i) for i in range(len(batch)))
+        reasons = Counter(r.reason for r in results if r.reason)
+        metrics = {
+            "epoch": step // self.steps_per_epoch,
+            "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+            "accuracy": float((rewards >= 1.0).float().mean()),
+            "response_length/mean": float(lengths.mean()), "response_length/max": int(lengths.max()),
+            "response/truncated": float(np.mean([s.finish_reason == "length" for s in samples])),
+            "zero_variance_groups": zero_var, "reward_errors": sum(v for k, v in reasons.items() if k.startswith("error")),
+            **{f"reward_reason/{k}": v for k, v in sorted(reasons.items())},
+            "time/rollout_s": stats["rollout_s"], "time/reward_s": stats["reward_s"],
+            "time/update_s": end - t_update, "perf/tokens_per_s": tokens / (end - start),
+            **{k: v for k, v in update.items()},
+        }
+        if cfg.algo.dynamic_sampling:
+            metrics.update({"dynamic/dropped_groups": stats["dropped_groups"],
+                            "dynamic/rounds": stats["sampling_rounds"], "dynamic/groups": len(groups)})
+        return metrics
+
+    def validate(self) -> dict:
+        if self.val_set is None:
+            return {}
+        result = evaluate(self.model, self.tokenizer, self.val_set, self.cfg.data.max_response_length,
+                          mode=self.cfg.reward.mode)
+        out = {"val/accuracy": result["all"]["accuracy"], "val/f1": result["all"]["f1"],
+               "val/seconds": result["seconds"]}
+        out.update({f"val/{source}/accuracy": r["accuracy"] for source, r in result.items()
+                    if isinstance(r, dict) and source != "all"})
+        return out
+
+    # ------------------------------------------------------------------------------------------ the run
+
+    def run(self) -> dict:
+        cfg = self.cfg
+        start_step = 0
+        resume = resolve_resume(self.run_dir, cfg.trainer.resume)
+        if resume is not None:
+            state = load_checkpoint(resume, model=self.model, optimizer=self.actor.optimizer,
+                                    scheduler=self.actor.scheduler)
+            start_step, self.actor.bad_steps = state["step"], state["bad_steps"]
+            print(f"resumed from {resume} at step {start_step}", flush=True)
+        logger = MetricsLogger(self.run_dir, cfg.trainer.logger, self.total_steps, to_dict(cfg),
+                               resume_step=start_step if resume is not None else None)
+        with logger:
+            if start_step == 0 and cfg.trainer.test_freq and self.val_set is not None:
+                logger.log(0, self.validate())
+            for step in range(start_step, self.total_steps):
+                metrics = self.train_step(step)
+                done = step + 1
+                if cfg.trainer.test_freq and (done % cfg.trainer.test_freq == 0 or done == self.total_steps):
+                    metrics.update(self.validate())
+                logger.log(done, metrics)
+                if cfg.trainer.save_freq and (done % cfg.trainer.save_freq == 0 or done == self.total_steps):
+                    save_checkpoint(self.run_dir, done, model=self.model, optimizer=self.actor.optimizer,
+                                    scheduler=self.actor.scheduler, keep_last=cfg.trainer.keep_last,
+                                    trainer_state={"step": done, "bad_steps": self.actor.bad_steps,
+                                                   "config": to_dict(cfg)})
+        report = write_report(self.run_dir)
+        return {"steps": self.total_steps, "report": str(report)}
+
+
+def train(cfg: Config) -> dict:
+    return Trainer(cfg).run()
+
+
+__all__ = ["Trainer", "train", "reward_function", "load_prompts"]

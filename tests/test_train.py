@@ -1,0 +1,237 @@
+"""The GRPO loop end to end on a tiny random model: metrics, checkpoints, exact resume, clear errors."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from longqa.cli import main
+from longqa.config import load_config
+from longqa.train.actor import Actor, Samples, TrainingError, lr_lambda
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMING = ("time/", "perf/", "val/seconds")
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    from longqa.model.load import qwen3_config
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-model")
+    config = qwen3_config(len(tokenizer), hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                          eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+                          pad_token_id=tokenizer.pad_token_id)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    from longqa.data.synth import generate
+
+    path = tmp_path_factory.mktemp("data")
+    generate(path, rows_per_task=8, context_tokens=256, max_hops=2, test_ratio=0.25, seed=3)
+    return path
+
+
+def overrides(model_dir, data_dir, out, **extra) -> list[str]:
+    values = {
+        "model.path": model_dir, "data.train_files": f"{data_dir}/merged/train.parquet",
+        "data.val_files": f"{data_dir}/merged/test.parquet", "data.max_prompt_length": 4096,
+        "data.max_response_length": 6, "data.train_batch_size": 4, "data.cache_dir": f"{out}/cache",
+        "rollout.n": 2, "actor.lr": 1e-3, "actor.ppo_mini_batch_size": 2, "actor.warmup_ratio": 0.25,
+        "actor.lr_schedule": "cosine", "trainer.max_steps": 4, "trainer.test_freq": 2, "trainer.save_freq": 1,
+        "trainer.keep_last": 2, "trainer.output_dir": out, "trainer.device": "cpu", "trainer.logger": "[jsonl]",
+    }
+    values.update(extra)
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def records(run: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
+
+
+def test_training_end_to_end(tiny_model_dir, data_dir, tmp_path):
+    out = tmp_path / "run"
+    assert main(["train", *overrides(tiny_model_dir, data_dir, out)]) == 0
+    rows = records(out)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert "val/accuracy" in rows[0] and "val/accuracy" in rows[2] and "val/accuracy" in rows[4]
+    for key in ("reward/mean", "accuracy", "clip_fraction", "entropy", "grad_norm", "lr", "response_length/mean",
+                "response_length/max", "response/truncated", "zero_variance_groups", "reward_errors"):
+        assert key in rows[1], key
+    assert rows[1]["lr"] < rows[2]["lr"]  # warmup then cosine
+    checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert checkpoints == ["step_00000003", "step_00000004"]
+    assert (out / "report" / "summary.md").is_file() and (out / "report" / "reward.png").is_file()
+    exported = tmp_path / "hf"
+    assert main(["export", str(out / "checkpoints" / "step_00000004"), str(exported)]) == 0
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(exported) is not None
+
+
+@pytest.mark.slow
+def test_resume_after_kill_reproduces_the_uninterrupted_run(tiny_model_dir, data_dir, tmp_path):
+    straight = tmp_path / "straight"
+    assert main(["train", *overrides(tiny_model_dir, data_dir, straight, **{"trainer.max_steps": 5})]) == 0
+
+    killed = tmp_path / "killed"
+    args = overrides(tiny_model_dir, data_dir, killed, **{"trainer.max_steps": 5})
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.Popen([sys.executable, "-m", "longqa.cli", "train", *args], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    marker = killed / "checkpoints" / "step_00000002" / "COMPLETE"
+    deadline = time.time() + 120
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert marker.exists()
+    assert main(["train", *args]) == 0  # trainer.resume=auto
+    assert records(killed) == records(straight)
+
+
+def test_sampled_logprobs_equal_the_training_recompute(tiny_model_dir):
+    from longqa.model.load import load_model
+    from longqa.rollout import HFRolloutEngine, SamplingParams
+
+    model, tokenizer = load_model(str(tiny_model_dir))
+    cfg = load_config(None, ["rollout.temperature=0.8", "data.train_batch_size=2", "actor.ppo_mini_batch_size=2"])
+    prompts = [tokenizer.encode("Question: who founded Quillex?"), tokenizer.encode("Passage 1: Tarvos")]
+    params = SamplingParams(n=3, temperature=0.8, max_new_tokens=7)
+    out = HFRolloutEngine(model, tokenizer).generate(prompts, params, torch.Generator().manual_seed(0))
+    samples = Samples([p for p in prompts for _ in range(3)], [s.token_ids for o in out for s in o],
+                      torch.zeros(6), 3)
+    recomputed = Actor(model, cfg, 1, torch.device("cpu")).logprobs(samples)
+    for sample, logp in zip([s for o in out for s in o], recomputed):
+        assert torch.allclose(torch.tensor(sample.logprobs), logp, atol=1e-5)
+
+
+def random_samples(tokenizer, groups=3, n=4, seed=0) -> Samples:
+    g = torch.Generator().manual_seed(seed)
+    vocab = len(tokenizer)
+    prompts, responses = [], []
+    for k in range(groups):
+        prompt = torch.randint(3, vocab, (5 + 4 * k,), generator=g).tolist()
+        for j in range(n):
+            prompts.append(prompt)
+            responses.append(torch.randint(3, vocab, (1 + (3 * j + k) % 7,), generator=g).tolist())
+    return Samples(prompts, responses, torch.randn(groups * n, generator=g), n)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                                  "seq-mean-token-sum-norm"])
+def test_micro_batch_accumulation_equals_one_big_batch(tiny_model_dir, mode):
+    from longqa.model.load import load_model
+
+    grads = []
+    for budget in (100_000, 20):  # one micro-batch vs one or two samples per micro-batch
+        model, tokenizer = load_model(str(tiny_model_dir))
+        cfg = load_config(None, [f"algo.loss_agg_mode={mode}", f"actor.max_tokens_per_micro_batch={budget}",
+                                 "data.train_batch_size=3", "actor.ppo_mini_batch_size=3", "rollout.n=4",
+                                 "data.max_response_length=8", "algo.entropy_coeff=0.01"])
+        actor = Actor(model, cfg, 1, torch.device("cpu"))
+        samples = random_samples(tokenizer)
+        old = actor.logprobs(samples)
+        old = [o - 0.1 * (i % 3) for i, o in enumerate(old)]  # ratios away from 1 so clipping is exercised
+        actor.accumulate_gradients(samples, list(range(len(samples))), old)
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+        n_micro = len(actor._micro(samples, list(range(len(samples)))))
+        assert n_micro == 1 if budget > 1000 else n_micro > len(samples) // 2
+    assert torch.allclose(grads[0], grads[1], rtol=1e-4, atol=1e-7)
+
+
+def test_old_logprob_pass_only_when_off_policy(tiny_model_dir, monkeypatch):
+    from longqa.model.load import load_model
+
+    for minis, expected in ((3, 0), (1, 1)):
+        model, tokenizer = load_model(str(tiny_model_dir))
+        cfg = load_config(None, ["data.train_batch_size=3", f"actor.ppo_mini_batch_size={minis}", "rollout.n=4"])
+        actor = Actor(model, cfg, 1, torch.device("cpu"))
+        calls = []
+        original = actor.logprobs
+        monkeypatch.setattr(actor, "logprobs", lambda s: calls.append(1) or original(s))
+        actor.update(random_samples(tokenizer))
+        assert len(calls) == expected
+
+
+def test_non_finite_updates_are_skipped_then_stop(tiny_model_dir):
+    from longqa.model.load import load_model
+
+    model, tokenizer = load_model(str(tiny_model_dir))
+    cfg = load_config(None, ["data.train_batch_size=3", "actor.ppo_mini_batch_size=3", "rollout.n=4",
+                             "actor.max_bad_steps=2"])
+    actor = Actor(model, cfg, 10, torch.device("cpu"))
+    samples = random_samples(tokenizer)
+    samples.advantages[0] = float("nan")
+    before = [p.detach().clone() for p in model.parameters()]
+    assert actor.update(samples)["skipped_updates"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    with pytest.raises(TrainingError, match="2 updates in a row had a non-finite"):
+        actor.update(samples)
+
+
+def test_learning_rate_schedule():
+    cfg = load_config(None, ["actor.warmup_ratio=0.1", "actor.lr_schedule=cosine", "actor.min_lr_ratio=0.1"])
+    f = lr_lambda(cfg, 100)
+    assert [round(f(i), 4) for i in (0, 9, 10, 55, 100)] == [0.1, 1.0, 1.0, 0.55, 0.1]
+    assert lr_lambda(load_config(None, ["actor.warmup_ratio=0"]), 100)(50) == 1.0
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"data.train_files": "/nope/train.parquet"}, "/nope/train.parquet: no such file"),
+    ({"model.path": "/nope/model"}, "model path /nope/model does not exist"),
+    ({"data.max_prompt_length": 8}, "no prompt left to train on"),
+    ({"data.train_batch_size": 99}, "data.train_batch_size=99 is larger than the 18 training prompts"),
+    ({"reward.path": "/nope/reward.py"}, "reward.path / reward.name"),
+])
+def test_bad_input_gets_one_clear_message(tiny_model_dir, data_dir, tmp_path, capsys, extra, message):
+    assert main(["train", *overrides(tiny_model_dir, data_dir, tmp_path / "run", **extra)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("longqa: error: ") and message in err
+
+
+def test_a_raising_custom_reward_is_counted_not_fatal(tiny_model_dir, data_dir, tmp_path):
+    path = tmp_path / "reward.py"
+    path.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw):\n"
+                    "    raise RuntimeError('boom')\n")
+    out = tmp_path / "run"
+    args = overrides(tiny_model_dir, data_dir, out, **{"reward.path": path, "trainer.max_steps": 1,
+                                                       "trainer.test_freq": 0})
+    assert main(["train", *args]) == 0
+    assert records(out)[0]["reward_errors"] == 8
+
+
+def test_disk_full_while_checkpointing_keeps_the_last_checkpoint(tiny_model_dir, data_dir, tmp_path, monkeypatch,
+                                                                 capsys):
+    import errno
+
+    from longqa.train import checkpoint
+
+    out = tmp_path / "run"
+    assert main(["train", *overrides(tiny_model_dir, data_dir, out, **{"trainer.max_steps": 2,
+                                                                      "trainer.test_freq": 0})]) == 0
+    real = checkpoint._write_temp
+
+    def full(tmp, files, step):
+        real(tmp, dict(list(files.items())[:1]), step)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "_write_temp", full)
+    args = overrides(tiny_model_dir, data_dir, out, **{"trainer.max_steps": 3, "trainer.test_freq": 0})
+    assert main(["train", *args]) == 2
+    err = capsys.readouterr().err
+    assert "disk full while writing checkpoint step 3" in err and "step_00000002" in err
+    assert checkpoint.latest_checkpoint(out).name == "step_00000002"
