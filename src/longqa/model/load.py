@@ -75,7 +75,7 @@ def load_model(path: str | None = None, *, gguf_file: str | None = None, dtype: 
     try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype],
                                                      attn_implementation=attn_implementation, **kwargs)
-        tokenizer = tokenizer or load_model_tokenizer(path, gguf_file)
+        tokenizer = tokenizer or load_model_tokenizer(source, gguf_file)
     except ModelError:
         raise
     except Exception as e:  # transformers raises many kinds; the user needs the path and the cause
