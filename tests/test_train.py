@@ -235,3 +235,48 @@ def test_disk_full_while_checkpointing_keeps_the_last_checkpoint(tiny_model_dir,
     err = capsys.readouterr().err
     assert "disk full while writing checkpoint step 3" in err and "step_00000002" in err
     assert checkpoint.latest_checkpoint(out).name == "step_00000002"
+
+
+def test_kl_penalty_uses_a_frozen_reference_only_when_asked(tiny_model_dir):
+    from longqa.model.load import load_model
+
+    base = ["data.train_batch_size=3", "actor.ppo_mini_batch_size=3", "rollout.n=4", "actor.lr=1e-2"]
+    model, tokenizer = load_model(str(tiny_model_dir))
+    assert Actor(model, load_config(None, base), 1, torch.device("cpu")).reference is None
+    actor = Actor(model, load_config(None, [*base, "algo.kl_coef=0.1"]), 4, torch.device("cpu"))
+    samples = random_samples(tokenizer)
+    first = actor.update(samples)
+    second = actor.update(samples)
+    assert first["kl_loss"] == 0.0 and second["kl_loss"] > 0.0  # the policy moved away from the reference
+    assert all(not p.requires_grad for p in actor.reference.parameters())
+
+
+def test_dynamic_sampling_keeps_only_informative_groups(tiny_model_dir, data_dir, tmp_path):
+    path = tmp_path / "reward.py"  # half the prompts always score 1: their groups carry no signal
+    path.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw):\n"
+                    "    import random\n"
+                    "    return 1.0 if extra_info['index'] % 2 else float(random.random() < 0.5)\n")
+    out = tmp_path / "run"
+    args = overrides(tiny_model_dir, data_dir, out, **{"reward.path": path, "trainer.max_steps": 2,
+                                                       "trainer.test_freq": 0, "algo.dynamic_sampling": "true",
+                                                       "rollout.n": 4})
+    assert main(["train", *args]) == 0
+    for row in records(out)[1:]:
+        assert row["dynamic/rounds"] >= 1 and row["dynamic/dropped_groups"] >= 1
+        assert row["dynamic/groups"] <= 4 and row["zero_variance_groups"] <= row["dynamic/groups"]
+
+
+def test_an_update_raises_the_likelihood_of_better_than_average_responses(tiny_model_dir):
+    from longqa.model.load import load_model
+
+    model, tokenizer = load_model(str(tiny_model_dir))
+    cfg = load_config(None, ["data.train_batch_size=3", "actor.ppo_mini_batch_size=3", "rollout.n=4",
+                             "actor.lr=1e-3", "actor.warmup_ratio=0"])
+    actor = Actor(model, cfg, 1, torch.device("cpu"))
+    samples = random_samples(tokenizer)
+    before = actor.logprobs(samples)
+    actor.update(samples)
+    after = actor.logprobs(samples)
+    change = torch.tensor([float((a - b).sum()) for a, b in zip(after, before)])
+    assert float((samples.advantages * change).sum()) > 0
+    assert float(change[samples.advantages > 0].mean()) > float(change[samples.advantages < 0].mean())

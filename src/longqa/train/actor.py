@@ -8,6 +8,7 @@ the accumulated gradient equals the one-big-batch gradient for every loss aggreg
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -80,6 +81,8 @@ class Actor:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(cfg, max(1, total_steps * self.updates_per_step)))
         self.bad_steps = 0  # consecutive non-finite updates
+        # A frozen copy of the starting weights, only when a KL penalty asks for one (the recipe has none).
+        self.reference = copy.deepcopy(model).eval().requires_grad_(False) if cfg.algo.kl_coef > 0 else None
 
     def _collate(self, samples: Samples, index: list[int]):
         """Right-padded rows of prompt+response, with the response-token mask."""
@@ -154,8 +157,14 @@ class Actor:
             advantages = samples.advantages[index].to(self.device)
             token_losses, pg_stats = algo.policy_loss(logp, old_logp, advantages, response, cfg.algo.clip_ratio,
                                                       cfg.algo.clip_ratio_high, cfg.algo.dual_clip_c)
+            kl = None
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref_logp, _ = token_logprobs(self.reference, ids, attention, response, temperature)
+                kl = algo.kl_penalty(logp, ref_logp, cfg.algo.kl_type) * response
             loss, loss_stats = algo.total_loss(token_losses, response, cfg.algo.loss_agg_mode, entropy=entropy,
-                                               entropy_coeff=cfg.algo.entropy_coeff, **denominators)
+                                               entropy_coeff=cfg.algo.entropy_coeff, kl=kl,
+                                               kl_coef=cfg.algo.kl_coef, **denominators)
             loss.backward()
             share = int(response.sum()) / max(1, denominators["num_tokens"])  # token-weighted averages
             for key, value in {**pg_stats, **loss_stats}.items():
