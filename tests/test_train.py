@@ -280,3 +280,10 @@ def test_an_update_raises_the_likelihood_of_better_than_average_responses(tiny_m
     change = torch.tensor([float((a - b).sum()) for a, b in zip(after, before)])
     assert float((samples.advantages * change).sum()) > 0
     assert float(change[samples.advantages > 0].mean()) > float(change[samples.advantages < 0].mean())
+
+
+def test_budget_batches_count_padded_tokens():
+    from longqa.batching import budget_batches
+
+    assert budget_batches([5, 3, 9, 2], [0, 1, 2, 3], 12) == [[0, 1], [2], [3]]
+    assert budget_batches([20, 1], [1, 0], 4) == [[1], [0]]  # an over-budget sample goes alone

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from longqa.batching import budget_batches
 from longqa.data.io import iter_rows
 from longqa.data.prompts import PromptOptions, PromptSet, prepare_prompts
 from longqa.evaluate import evaluate, format_table
@@ -93,16 +94,7 @@ def _examples(prompts: PromptSet, tokenizer, key: str) -> tuple[list[np.ndarray]
 def _batches(lengths: np.ndarray, batch_tokens: int, rng: random.Random) -> list[list[int]]:
     """Length-sorted buckets cut to a padded-token budget, in random order: little padding, no bias."""
     order = np.argsort(lengths + np.asarray([rng.random() for _ in range(len(lengths))]), kind="stable")
-    batches, current, width = [], [], 0
-    for i in order:
-        width_if_added = max(width, int(lengths[i]))
-        if current and width_if_added * (len(current) + 1) > batch_tokens:
-            batches.append(current)
-            current, width_if_added = [], int(lengths[i])
-        current.append(int(i))
-        width = width_if_added
-    if current:
-        batches.append(current)
+    batches = budget_batches(lengths, order, batch_tokens)
     rng.shuffle(batches)
     return batches
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from longqa import algo
+from longqa.batching import budget_batches
 from longqa.config import Config
 from longqa.model.logprobs import token_logprobs
 
@@ -55,22 +56,6 @@ def lr_lambda(cfg: Config, total_updates: int):
     return factor
 
 
-def micro_batches(lengths: list[int], indices: list[int], budget: int) -> list[list[int]]:
-    """Consecutive samples cut so that each micro-batch's padded size (rows x longest) fits ``budget``.
-    A sample longer than the budget goes alone."""
-    batches, current, width = [], [], 0
-    for i in indices:
-        grown = max(width, lengths[i])
-        if current and grown * (len(current) + 1) > budget:
-            batches.append(current)
-            current, grown = [], lengths[i]
-        current.append(i)
-        width = grown
-    if current:
-        batches.append(current)
-    return batches
-
-
 class Actor:
     def __init__(self, model, cfg: Config, total_steps: int, device: torch.device, pad_token_id: int = 0):
         self.model, self.cfg, self.device, self.pad = model, cfg, device, pad_token_id
@@ -99,7 +84,7 @@ class Actor:
 
     def _micro(self, samples: Samples, indices: list[int]) -> list[list[int]]:
         lengths = [samples.length(i) for i in range(len(samples))]
-        return micro_batches(lengths, indices, self.cfg.actor.max_tokens_per_micro_batch)
+        return budget_batches(lengths, indices, self.cfg.actor.max_tokens_per_micro_batch)
 
     @torch.no_grad()
     def logprobs(self, samples: Samples) -> list[torch.Tensor]:
