@@ -266,7 +266,9 @@ def write_report(run_dir: str | os.PathLike) -> Path:
     records = sorted({r["step"]: r for r in read_metrics(metrics) if "step" in r}.values(), key=lambda r: r["step"])
     out = run_dir / REPORT_DIR
     out.mkdir(parents=True, exist_ok=True)
-    val_keys = sorted({k for r in records for k in r if k.startswith(VAL_PREFIX)})
+    # Validation scores (accuracy, F1, overall and per data source) share the accuracy plot's 0-1 scale.
+    val_keys = sorted({k for r in records for k in r
+                       if k.startswith(VAL_PREFIX) and k.rsplit("/", 1)[-1] in ("accuracy", "f1")})
 
     plots = {
         "reward.png": ("Reward", "mean reward", [REWARD]),
