@@ -53,10 +53,10 @@ def test_resume_truncates_jsonl_to_the_resumed_step(tmp_path):
 def test_console_prints_one_line_per_step_when_not_a_terminal(tmp_path, capsys):
     with MetricsLogger(tmp_path, ["console"], total_steps=10) as logger:
         logger.log(2, STEP)
-        logger.log(3, {"reward/mean": 0.25, "val/acc": 0.5, "time/step_s": 4.0})
+        logger.log(3, {"reward/mean": 0.25, "val/accuracy": 0.5, "time/step_s": 4.0})
     assert capsys.readouterr().out.splitlines() == [
         "step 2/10 | reward 0.500 | acc 37.5% | len 812 | 1,234 tok/s | ETA 0:00:16",
-        "step 3/10 | reward 0.250 | val/acc 0.500 | ETA 0:00:21",  # 7 steps left at the mean of 2 s and 4 s
+        "step 3/10 | reward 0.250 | val/accuracy 0.500 | ETA 0:00:21",  # 7 steps left at the mean of 2 s and 4 s
     ]
     assert not (tmp_path / "metrics.jsonl").exists()
 
@@ -70,10 +70,10 @@ def test_console_rewrites_its_line_on_a_terminal(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "stdout", screen)
     with MetricsLogger(tmp_path, ["console"], total_steps=None) as logger:
         logger.log(1, {"reward/mean": 0.125, "time/step_s": 1.0})
-        logger.log(2, {"reward/mean": 0.25, "val/acc": 0.5, "time/step_s": 1.0})  # kept: ends its line
+        logger.log(2, {"reward/mean": 0.25, "val/accuracy": 0.5, "time/step_s": 1.0})  # kept: ends its line
         logger.log(3, {"reward/mean": 0.5, "time/step_s": 1.0})
     assert screen.getvalue() == ("\rstep 1 | reward 0.125"
-                                 "\rstep 2 | reward 0.250 | val/acc 0.500\n"
+                                 "\rstep 2 | reward 0.250 | val/accuracy 0.500\n"
                                  "\rstep 3 | reward 0.500\n")
 
 
@@ -147,7 +147,7 @@ def test_write_report_plots_and_summarises(tmp_path):
                 "response_length/max": 200 + 2 * s, "perf/tokens_per_s": 1000.0, "time/step_s": 3.0}
                for s in range(1, 21)]
     for r in records[4::5]:
-        r["val/acc"] = r["step"] / 50
+        r["val/accuracy"] = r["step"] / 50
     records[9]["reward/mean"] = float("nan")  # a bad step must not become the "best"
     stale = {"step": 3, "reward/mean": 99.0, "time/step_s": 3.0}  # rewritten after a resume: the last counts
     write_metrics(tmp_path, [*records[:5], stale, *records[2:]], tail='{"step": 21, "re')
@@ -159,7 +159,7 @@ def test_write_report_plots_and_summarises(tmp_path):
     text = summary.read_text()
     assert "- steps: 20 (last step 20)" in text and "- total time: 0:01:00" in text
     assert "| reward/mean | 0.05 | 1 | 1 (step 20) |" in text
-    assert "| val/acc | 0.1 | 0.4 | 0.4 (step 20) |" in text
+    assert "| val/accuracy | 0.1 | 0.4 | 0.4 (step 20) |" in text
     assert "| response_length/max | 202 | 240 | — |" in text
     assert "![accuracy](accuracy.png)" in text
 
