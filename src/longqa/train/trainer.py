@@ -96,8 +96,8 @@ class Trainer:
     def _generator(self, step: int, round_: int) -> torch.Generator:
         return torch.Generator(self.device).manual_seed(self.cfg.trainer.seed * 1_000_003 + step * 101 + round_)
 
-    def _sample_groups(self, indices: list[int], step: int, round_: int) -> list[dict]:
-        """Sample and score n responses for each prompt; one dict per group."""
+    def _sample_groups(self, indices: list[int], step: int, round_: int, times: dict) -> list[dict]:
+        """Sample and score n responses for each prompt; one dict per group. Adds to ``times``."""
         t0 = time.perf_counter()
         prompts = [self.train_set.ids(i).tolist() for i in indices]
         outputs = self.engine.generate(prompts, self.params, self._generator(step, round_))
@@ -108,34 +108,33 @@ class Trainer:
             texts = self.tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
             results = [self.score(meta["data_source"], t, meta["ground_truth"], meta.get("extra_info")) for t in texts]
             groups.append({"prompt": prompt, "samples": samples, "results": results})
-        t2 = time.perf_counter()
-        for g in groups:
-            g["time"] = (t1 - t0, t2 - t1)
+        times["rollout_s"] = times.get("rollout_s", 0.0) + t1 - t0
+        times["reward_s"] = times.get("reward_s", 0.0) + time.perf_counter() - t1
         return groups
+
+    def _informative(self, groups: list[dict]) -> list[dict]:
+        rewards = torch.tensor([r.score for g in groups for r in g["results"]])
+        keep = algo.keep_informative_groups(rewards, self.cfg.rollout.n).tolist()
+        return [g for g, k in zip(groups, keep) if k]
 
     def _collect(self, step: int) -> tuple[list[dict], dict]:
         """The step's groups; with dynamic sampling, only groups whose rewards differ, topped up from
         more prompts (drawn from a stream seeded by the step) for at most ``max_sampling_rounds`` rounds."""
-        cfg = self.cfg
-        groups = self._sample_groups(self.step_prompts(step), step, 0)
-        stats = {"rollout_s": groups[0]["time"][0], "reward_s": groups[0]["time"][1], "dropped_groups": 0,
-                 "sampling_rounds": 1}
+        cfg, stats = self.cfg, {}
+        groups = self._sample_groups(self.step_prompts(step), step, 0, stats)
         if not cfg.algo.dynamic_sampling:
             return groups, stats
-        informative = lambda g: len({r.score for r in g["results"]}) > 1  # noqa: E731
-        kept = [g for g in groups if informative(g)]
-        stats["dropped_groups"] = len(groups) - len(kept)
+        kept = self._informative(groups)
+        stats.update(dropped_groups=len(groups) - len(kept), sampling_rounds=1)
         rng = np.random.default_rng([cfg.trainer.seed, step, 7])
         for round_ in range(1, cfg.algo.max_sampling_rounds + 1):
             if len(kept) >= cfg.data.train_batch_size:
                 break
-            extra = self._sample_groups(rng.choice(len(self.train_set), cfg.data.train_batch_size, replace=False)
-                                        .tolist(), step, round_)
-            stats["rollout_s"] += extra[0]["time"][0]
-            stats["reward_s"] += extra[0]["time"][1]
-            stats["sampling_rounds"] += 1
-            good = [g for g in extra if informative(g)]
+            more = rng.choice(len(self.train_set), cfg.data.train_batch_size, replace=False).tolist()
+            extra = self._sample_groups(more, step, round_, stats)
+            good = self._informative(extra)
             stats["dropped_groups"] += len(extra) - len(good)
+            stats["sampling_rounds"] += 1
             kept += good
         return (kept[:cfg.data.train_batch_size] or groups), stats
 
@@ -165,7 +164,7 @@ class Trainer:
             **{f"reward_reason/{k}": v for k, v in sorted(reasons.items())},
             "time/rollout_s": stats["rollout_s"], "time/reward_s": stats["reward_s"],
             "time/update_s": end - t_update, "perf/tokens_per_s": tokens / (end - start),
-            **{k: v for k, v in update.items()},
+            **update,
         }
         if cfg.algo.dynamic_sampling:
             metrics.update({"dynamic/dropped_groups": stats["dropped_groups"],
