@@ -21,3 +21,19 @@ def budget_batches(lengths: Sequence[int], order: Sequence[int], budget: int) ->
     if current:
         batches.append(current)
     return batches
+
+
+def collate_right(sequences: Sequence[Sequence[int]], response_starts: Sequence[int], pad: int):
+    """Right-padded ``(ids, attention_mask, response_mask)`` tensors for prompt+response sequences;
+    ``response_starts[i]`` is where sequence i's response begins."""
+    import torch
+
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad, dtype=torch.long)
+    attention = torch.zeros((len(sequences), width), dtype=torch.long)
+    response = torch.zeros((len(sequences), width), dtype=torch.bool)
+    for row, (seq, start) in enumerate(zip(sequences, response_starts)):
+        ids[row, :len(seq)] = torch.as_tensor(list(seq), dtype=torch.long)
+        attention[row, :len(seq)] = 1
+        response[row, start:len(seq)] = True
+    return ids, attention, response

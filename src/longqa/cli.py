@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 
 from longqa.config import ConfigError, key_help, load_config, to_yaml
@@ -133,7 +134,7 @@ def cmd_sft(args: argparse.Namespace) -> None:
     from longqa.sft import SFTOptions, run_sft
 
     options = SFTOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SFTOptions)})
-    summary = run_sft(options, command="longqa " + " ".join(sys.argv[1:]))
+    summary = run_sft(options, command="longqa " + shlex.join(args.argv))
     print(f"wrote {options.output_dir} ({summary['steps']} steps, {summary['train_minutes']} min)")
 
 
@@ -256,7 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     from longqa.train.actor import TrainingError
     from longqa.train.checkpoint import CheckpointError
 
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # the command as typed, for records such as the model card
     try:
         args.func(args)
     except (ConfigError, DataFileError, SourceError, TokenizerError, ModelError, CheckpointError, TrainingError) as e:

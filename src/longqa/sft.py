@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from longqa.batching import budget_batches
+from longqa.batching import budget_batches, collate_right
 from longqa.data.io import iter_rows
 from longqa.data.prompts import PromptOptions, PromptSet, prepare_prompts
 from longqa.evaluate import evaluate, format_table
@@ -100,14 +100,8 @@ def _batches(lengths: np.ndarray, batch_tokens: int, rng: random.Random) -> list
 
 
 def _collate(examples: list[np.ndarray], starts: np.ndarray, index: list[int], pad: int, device):
-    width = max(len(examples[i]) for i in index)
-    ids = torch.full((len(index), width), pad, dtype=torch.long)
-    labels = torch.full((len(index), width), -100, dtype=torch.long)
-    mask = torch.zeros((len(index), width), dtype=torch.long)
-    for row, i in enumerate(index):
-        seq = torch.from_numpy(examples[i].astype(np.int64))
-        ids[row, :len(seq)], mask[row, :len(seq)] = seq, 1
-        labels[row, starts[i]:len(seq)] = seq[starts[i]:]
+    ids, mask, response = collate_right([examples[i] for i in index], [int(starts[i]) for i in index], pad)
+    labels = ids.masked_fill(~response, -100)  # the loss is on response tokens only
     return ids.to(device), mask.to(device), labels.to(device)
 
 
@@ -215,6 +209,7 @@ def run_sft(options: SFTOptions, command: str = "") -> dict:
                "options": asdict(options), "commit": _git_commit(), "command": command, "evals": log}
     if held_out is not None:
         final = run_eval()
+        log[-1]["saved_weights"] = True  # after rounding to the bfloat16 that is stored
         summary["final"] = final
         print(format_table(final), flush=True)
     (out / "sft_summary.json").write_text(json.dumps(summary, indent=1))
@@ -245,5 +240,6 @@ def write_model_card(out: Path, summary: dict) -> None:
                   f"- guessing baseline: {a.get('guess_baseline', float('nan')):.3f} (pick at random an entity of "
                   f"the asked type named in the context)", ""]
         lines += ["| step | minutes | accuracy |", "| ---: | ---: | ---: |"]
-        lines += [f"| {e['step']} | {e['minutes']} | {e['accuracy']:.3f} |" for e in summary["evals"]]
+        lines += [f"| {e['step']}{' (saved bf16 weights)' if e.get('saved_weights') else ''} | {e['minutes']} | "
+                  f"{e['accuracy']:.3f} |" for e in summary["evals"]]
     (out / "README.md").write_text("\n".join(lines) + "\n")

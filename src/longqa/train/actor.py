@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from longqa import algo
-from longqa.batching import budget_batches
+from longqa.batching import budget_batches, collate_right
 from longqa.config import Config
 from longqa.model.logprobs import token_logprobs
 
@@ -71,16 +71,9 @@ class Actor:
 
     def _collate(self, samples: Samples, index: list[int]):
         """Right-padded rows of prompt+response, with the response-token mask."""
-        width = max(samples.length(i) for i in index)
-        ids = torch.full((len(index), width), self.pad, dtype=torch.long)
-        attention = torch.zeros((len(index), width), dtype=torch.long)
-        response = torch.zeros((len(index), width), dtype=torch.bool)
-        for row, i in enumerate(index):
-            p, r = samples.prompt_ids[i], samples.response_ids[i]
-            ids[row, :len(p) + len(r)] = torch.tensor(list(p) + list(r), dtype=torch.long)
-            attention[row, :len(p) + len(r)] = 1
-            response[row, len(p):len(p) + len(r)] = True
-        return ids.to(self.device), attention.to(self.device), response.to(self.device)
+        sequences = [list(samples.prompt_ids[i]) + list(samples.response_ids[i]) for i in index]
+        tensors = collate_right(sequences, [len(samples.prompt_ids[i]) for i in index], self.pad)
+        return tuple(t.to(self.device) for t in tensors)
 
     def _micro(self, samples: Samples, indices: list[int]) -> list[list[int]]:
         lengths = [samples.length(i) for i in range(len(samples))]
