@@ -75,12 +75,11 @@ def cmd_data_prepare(args: argparse.Namespace) -> None:
     source = cfg.model.tokenizer_path or cfg.model.path
     if source is None:
         raise ConfigError("set model.path (or model.tokenizer_path): its tokenizer prepares the prompts")
-    d = cfg.data
-    options = PromptOptions(d.max_prompt_length, d.filter_overlong_prompts, d.truncation, d.skip_bad_rows)
+    options = PromptOptions.from_config(cfg.data)
     tokenizer = load_tokenizer(source)
-    for name, files in (("train", d.train_files), ("val", d.val_files)):
+    for name, files in (("train", cfg.data.train_files), ("val", cfg.data.val_files)):
         if files:
-            prompts = prepare_prompts(files, tokenizer, options, cache_dir=d.cache_dir)
+            prompts = prepare_prompts(files, tokenizer, options, cache_dir=cfg.data.cache_dir)
             print(f"{name}: {prompts.stats.summary()}\n  cache: {prompts.stats.cache_path}")
 
 

@@ -34,7 +34,8 @@ def greedy_responses(model, tokenizer, prompts: Sequence[Sequence[int]], max_new
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_token_ids(tokenizer)[0]
+    stops = stop_token_ids(tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     texts: list[str] = [""] * len(prompts)
     for start in range(0, len(order), batch_size):
@@ -46,7 +47,7 @@ def greedy_responses(model, tokenizer, prompts: Sequence[Sequence[int]], max_new
             p = torch.as_tensor(list(prompts[i]), dtype=torch.long)
             ids[row, width - len(p):], mask[row, width - len(p):] = p, 1
         out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
-                             max_new_tokens=max_new_tokens, eos_token_id=stop_token_ids(tokenizer),
+                             max_new_tokens=max_new_tokens, eos_token_id=stops,
                              pad_token_id=pad, temperature=None, top_p=None, top_k=None)
         for row, i in enumerate(chunk):
             texts[i] = tokenizer.decode(out[row, width:], skip_special_tokens=True)

@@ -40,6 +40,11 @@ class PromptOptions:
     truncation: str = "left"  # "left" keeps the end of the prompt (the question and generation prompt)
     skip_bad_rows: bool = False
 
+    @classmethod
+    def from_config(cls, data) -> "PromptOptions":
+        """From the ``data`` section of the config (``data.max_prompt_length`` and friends)."""
+        return cls(data.max_prompt_length, data.filter_overlong_prompts, data.truncation, data.skip_bad_rows)
+
     def __post_init__(self):
         if self.truncation not in ("error", "left", "right"):
             raise ValueError(f"truncation must be error, left or right, got {self.truncation!r}")

@@ -40,7 +40,7 @@ def reward_function(cfg: Config):
 
 def load_prompts(cfg: Config, tokenizer) -> tuple[PromptSet, PromptSet | None]:
     d = cfg.data
-    options = PromptOptions(d.max_prompt_length, d.filter_overlong_prompts, d.truncation, d.skip_bad_rows)
+    options = PromptOptions.from_config(d)
     train = prepare_prompts(d.train_files, tokenizer, options, cache_dir=d.cache_dir)
     val = prepare_prompts(d.val_files, tokenizer, options, cache_dir=d.cache_dir) if d.val_files else None
     if d.train_batch_size > len(train):
