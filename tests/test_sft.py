@@ -38,3 +38,16 @@ def test_sft_loss_is_on_response_tokens_only():
     ids, mask, labels = _collate(examples, np.array([3, 1]), [0, 1], pad=0, device="cpu")
     assert labels.tolist() == [[-100, -100, -100, 8], [-100, 10, -100, -100]]
     assert mask.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]] and ids.tolist() == [[5, 6, 7, 8], [9, 10, 0, 0]]
+
+
+def test_a_seeded_share_of_targets_answers_without_thinking():
+    from longqa.sft import _responses, without_thinking
+
+    reference = "<think> A works for B. B is in C. So the answer is C. </think> \\boxed{C}"
+    assert without_thinking(reference) == "<think> </think> \\boxed{C}"
+    meta = [{"row": i, "file": "f", "extra_info": {"reference_response": reference}} for i in range(400)]
+    mixed = _responses(meta, "reference_response", no_think_fraction=0.6, seed=1)
+    direct = sum(r.startswith("<think> </think>") for r in mixed)
+    assert 200 < direct < 280 and all(r.endswith("<|im_end|>") for r in mixed)
+    assert mixed == _responses(meta, "reference_response", no_think_fraction=0.6, seed=1)
+    assert _responses(meta, "reference_response")[0] == reference + "<|im_end|>"

@@ -17,6 +17,7 @@ Command groups:
   export   a checkpoint as a Hugging Face folder
   data     make training data: the LoongRL seed recipe's files, offline synthetic files, tokenized prompts
   sft      supervised warm-up on reference responses (how the embedded default model is made)
+  bench    speed of the training layouts on random-weight models of real shapes
   config   show the resolved config and every key it accepts
 """
 
@@ -137,6 +138,18 @@ def cmd_sft(args: argparse.Namespace) -> None:
     print(f"wrote {options.output_dir} ({summary['steps']} steps, {summary['train_minutes']} min)")
 
 
+def cmd_bench_train(args: argparse.Namespace) -> None:
+    import json
+
+    from longqa.bench import bench_train
+
+    results = bench_train(args.shape, args.prompt, args.response, args.n, tuple(args.layouts), args.repeat,
+                          args.device, not args.no_gradient_checkpointing, args.budget, args.backend)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
 def _add_dataclass_args(p: argparse.ArgumentParser, cls: type) -> None:
     """One --flag per field of an options dataclass, typed by its default."""
     import dataclasses
@@ -235,6 +248,28 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_dataclass_args(p, SFTOptions)
     p.set_defaults(func=cmd_sft)
+
+    bench = groups.add_parser("bench", help="speed of the training layouts on random-weight models",
+                              description="Benchmarks on random-weight models of real shapes (no download).")
+    bench_cmds = bench.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)
+    from longqa.bench import SHAPES
+
+    p = bench_cmds.add_parser("train", help="forward+backward of one group: naive padded vs shared-prompt packed",
+                              description="Seconds per group of N samples of one prompt through the actor's code "
+                              "path, tokens/s, speed-up, MFU (model FLOPs, recompute excluded, over the H200 bf16 "
+                              "peak) and peak memory. bf16 on CUDA, float32 on the CPU.")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-1.7b")
+    p.add_argument("--prompt", type=int, default=8192, help="prompt tokens (default 8192)")
+    p.add_argument("--response", type=int, default=1024, help="tokens of each response (default 1024)")
+    p.add_argument("-n", type=int, default=8, help="samples per prompt (default 8)")
+    p.add_argument("--layouts", nargs="+", choices=["naive", "packed"], default=["naive", "packed"])
+    p.add_argument("--repeat", type=int, default=3, help="timed repetitions after one warm-up (default 3)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--backend", choices=["auto", "dense", "flex"], default="auto", help="packed attention backend")
+    p.add_argument("--budget", type=int, help="micro-batch token budget (default: one packed group)")
+    p.add_argument("--no-gradient-checkpointing", action="store_true")
+    p.add_argument("--json", help="also write the results here")
+    p.set_defaults(func=cmd_bench_train)
 
     config = groups.add_parser("config", help="show the config", description="The typed config tree: YAML plus "
                                "dotted key=value overrides, checked before any work starts.")

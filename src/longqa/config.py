@@ -103,7 +103,13 @@ class ActorConfig:
     min_lr_ratio: float = opt(0.0, "cosine: final learning rate as a fraction of lr", *unit_closed)
     ppo_mini_batch_size: int = opt(64, "prompts per optimizer step", *positive)
     ppo_epochs: int = opt(1, "passes over each step's samples", *positive)
-    max_tokens_per_micro_batch: int = opt(16384, "token budget of one forward/backward", *positive)
+    max_tokens_per_micro_batch: int = opt(16384, "token budget of one forward/backward (packed tokens when "
+                                          "shared_prompt)", *positive)
+    shared_prompt: bool = opt(True, "pack each prompt once with its n responses (false: the naive padded "
+                              "layout, one row per sample)")
+    attention_backend: Literal["auto", "dense", "flex"] = opt(
+        "auto", "shared-prompt attention: dense (SDPA per pack, the reference), flex (flex_attention block "
+        "mask), auto (flex on CUDA, dense otherwise)")
     grad_clip: float = opt(1.0, "max gradient norm", *positive)
     max_bad_steps: int = opt(3, "stop after this many non-finite steps in a row", *positive)
 

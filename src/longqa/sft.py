@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 import subprocess
 import time
 from dataclasses import asdict, dataclass, field
@@ -38,6 +39,7 @@ class SFTOptions:
     eval_files: list[str] = field(default_factory=list)
     init: str | None = None  # continue from this model instead of building a new one
     response_key: str = "reference_response"  # inside extra_info
+    no_think_fraction: float = 0.0  # this share of responses answer at once: "<think> </think> \\boxed{...}"
     vocab_size: int = 2048
     hidden_size: int = 256
     num_layers: int = 6
@@ -57,12 +59,29 @@ class SFTOptions:
     device: str = "auto"
 
 
-def _responses(rows_meta: list[dict], key: str) -> list[str]:
+THINK_BLOCK = re.compile(r"<think>.*?</think>", re.DOTALL)
+
+
+def without_thinking(response: str) -> str:
+    """The same answer with an empty reasoning block, the way Qwen3 answers in non-thinking mode."""
+    return THINK_BLOCK.sub("<think> </think>", response, count=1)
+
+
+def _responses(rows_meta: list[dict], key: str, no_think_fraction: float = 0.0, seed: int = 0) -> list[str]:
+    """Training targets; a seeded share of them without reasoning.
+
+    A model trained on both styles (a hybrid thinking model, as Qwen3 is) chooses at its first
+    token whether to reason. Reasoning answers multi-hop questions far better, so GRPO has a
+    choice to learn that pays off on every question, not one memorised answer at a time.
+    """
+    rng = random.Random(seed)
     out = []
     for m in rows_meta:
         text = (m.get("extra_info") or {}).get(key)
         if not isinstance(text, str) or not text:
             raise ValueError(f"row {m['row']} of file {m['file']} has no extra_info.{key} to train on")
+        if rng.random() < no_think_fraction:
+            text = without_thinking(text)
         out.append(text + END_OF_TURN)
     return out
 
@@ -79,9 +98,10 @@ def _tokenizer_for(options: SFTOptions):
     return train_tokenizer(sample, vocab_size=options.vocab_size)
 
 
-def _examples(prompts: PromptSet, tokenizer, key: str) -> tuple[list[np.ndarray], np.ndarray]:
+def _examples(prompts: PromptSet, tokenizer, options: SFTOptions) -> tuple[list[np.ndarray], np.ndarray]:
     """Each example's ids (prompt then response) and where its response starts."""
-    encodings = tokenizer.backend_tokenizer.encode_batch_fast(_responses(prompts.meta, key), add_special_tokens=False)
+    responses = _responses(prompts.meta, options.response_key, options.no_think_fraction, options.seed)
+    encodings = tokenizer.backend_tokenizer.encode_batch_fast(responses, add_special_tokens=False)
     ids, starts = [], []
     for i, enc in enumerate(encodings):
         prompt = prompts.ids(i)
@@ -143,7 +163,7 @@ def run_sft(options: SFTOptions, command: str = "") -> dict:
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device)
     prompt_options = PromptOptions(options.max_prompt_length)
     train = prepare_prompts(options.train_files, tokenizer, prompt_options)
-    examples, starts = _examples(train, tokenizer, options.response_key)
+    examples, starts = _examples(train, tokenizer, options)
     lengths = np.asarray([len(e) for e in examples])
     held_out = None
     if options.eval_files:

@@ -12,6 +12,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from longqa.algo import entropy_from_logits
+from longqa.model.attention import NO_MASK
+from longqa.model.packing import PackedBatch
 
 
 def _head_chunk(hidden: torch.Tensor, weight: torch.Tensor, bias, targets: torch.Tensor, temperature: float):
@@ -22,6 +24,23 @@ def _head_chunk(hidden: torch.Tensor, weight: torch.Tensor, bias, targets: torch
     return logp, entropy_from_logits(logits)
 
 
+def chunked_head(model, states: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                 chunk_size: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of each target given its hidden state, and the entropy there: ``[K]`` each."""
+    head = model.get_output_embeddings()
+    logp_parts, ent_parts = [], []
+    for start in range(0, len(targets), chunk_size):
+        args = (states[start:start + chunk_size], head.weight, head.bias, targets[start:start + chunk_size],
+                temperature)
+        logp, ent = checkpoint(_head_chunk, *args, use_reentrant=False) if torch.is_grad_enabled() else _head_chunk(*args)
+        logp_parts.append(logp)
+        ent_parts.append(ent)
+    if not logp_parts:
+        empty = states.new_zeros(0, dtype=torch.float32)
+        return empty, empty
+    return torch.cat(logp_parts), torch.cat(ent_parts)
+
+
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, target_mask: torch.Tensor,
                    temperature: float = 1.0, chunk_size: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logp, entropy)``, both ``[B, L]``: at every position ``j`` with ``target_mask[:, j]``, the
@@ -30,20 +49,26 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     sampler did, so these are the sampling distribution's log-probs.
     """
     hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-    head = model.get_output_embeddings()
     rows, cols = target_mask[:, 1:].nonzero(as_tuple=True)  # predicted position j = cols + 1, read at cols
-    states = hidden[rows, cols]
-    targets = input_ids[rows, cols + 1]
-    logp_parts, ent_parts = [], []
-    for start in range(0, len(targets), chunk_size):
-        args = (states[start:start + chunk_size], head.weight, head.bias, targets[start:start + chunk_size],
-                temperature)
-        logp, ent = checkpoint(_head_chunk, *args, use_reentrant=False) if torch.is_grad_enabled() else _head_chunk(*args)
-        logp_parts.append(logp)
-        ent_parts.append(ent)
+    logp_flat, ent_flat = chunked_head(model, hidden[rows, cols], input_ids[rows, cols + 1], temperature, chunk_size)
     logp = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
     entropy = torch.zeros_like(logp)
-    if logp_parts:
-        logp = logp.index_put((rows, cols + 1), torch.cat(logp_parts))
-        entropy = entropy.index_put((rows, cols + 1), torch.cat(ent_parts))
+    if len(rows):
+        logp = logp.index_put((rows, cols + 1), logp_flat)
+        entropy = entropy.index_put((rows, cols + 1), ent_flat)
     return logp, entropy
+
+
+def packed_logprobs(model, pack: PackedBatch, temperature: float = 1.0,
+                    chunk_size: int = 2048) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logp, entropy, mask)``, each ``[len(pack.samples), longest response]``, one row per sample in
+    ``pack.samples`` order: the shared-prompt layout's response-token log-probs (``model/packing.py``).
+    The model must have gone through ``use_packed_attention``."""
+    hidden = model.base_model(input_ids=pack.input_ids, position_ids=pack.position_ids,
+                              attention_mask=NO_MASK.to(pack.input_ids.device), use_cache=False,
+                              longqa_pack=pack).last_hidden_state
+    logp_flat, ent_flat = chunked_head(model, hidden[0, pack.predict_at], pack.targets, temperature, chunk_size)
+    mask = pack.response_mask().to(pack.input_ids.device)
+    logp = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_scatter(mask, logp_flat)
+    entropy = torch.zeros_like(logp).masked_scatter(mask, ent_flat)
+    return logp, entropy, mask

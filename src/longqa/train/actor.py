@@ -1,9 +1,12 @@
 """The policy being trained: its optimizer and schedule, log-probs of samples, and the PPO-clip update.
 
-This is the naive padded path: every sample is its own row, prompt repeated for each of its n
-responses. (A later issue packs each prompt once with its responses behind ``actor.shared_prompt``.)
-Gradient accumulation divides every micro-batch by the whole mini-batch's token/sequence counts, so
-the accumulated gradient equals the one-big-batch gradient for every loss aggregation mode.
+Two layouts give the same log-probs. ``actor.shared_prompt=true`` (default) packs each prompt once
+with its responses (``model/packing.py``): a group of n costs one prompt, not n. The naive padded
+layout (one right-padded row per sample, the prompt repeated n times) is kept as the reference.
+Either way a micro-batch yields ``[rows, width]`` log-probs with a mask of response tokens, so
+the loss code does not know which layout ran. Gradient accumulation divides every micro-batch by
+the whole mini-batch's token/sequence counts, so the accumulated gradient equals the one-big-batch
+gradient for every loss aggregation mode.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ import torch
 from longqa import algo
 from longqa.batching import budget_batches, collate_right
 from longqa.config import Config
-from longqa.model.logprobs import token_logprobs
+from longqa.model.attention import BLOCK, resolve_backend, use_packed_attention
+from longqa.model.logprobs import packed_logprobs, token_logprobs
+from longqa.model.packing import build_packed_batch, plan_packs
 
 
 class TrainingError(RuntimeError):
@@ -39,6 +44,22 @@ class Samples:
     def length(self, i: int) -> int:
         return len(self.prompt_ids[i]) + len(self.response_ids[i])
 
+    @classmethod
+    def from_padded(cls, prompts, prompt_mask, responses, response_mask, advantages, group_size: int) -> "Samples":
+        """From verl's tensors: left-padded prompts ``[N, P]`` and right-padded responses ``[N, R]``
+        with their 0/1 masks; padding is dropped."""
+        keep = lambda ids, mask: [int(t) for t, m in zip(ids.tolist(), mask.tolist()) if m]  # noqa: E731
+        return cls([keep(p, m) for p, m in zip(prompts, prompt_mask)],
+                   [keep(r, m) for r, m in zip(responses, response_mask)], advantages, group_size)
+
+
+@dataclass
+class MicroBatch:
+    """Samples ``index`` (in row order) and the layout's inputs for one forward/backward."""
+
+    index: list[int]
+    inputs: object  # (ids, attention, response) for the padded layout, a PackedBatch for the shared one
+
 
 def lr_lambda(cfg: Config, total_updates: int):
     """Linear warmup over ``warmup_ratio`` of the updates, then constant or cosine to ``min_lr_ratio``."""
@@ -56,10 +77,15 @@ def lr_lambda(cfg: Config, total_updates: int):
     return factor
 
 
+def _response_mask(micro: MicroBatch) -> torch.Tensor:
+    return micro.inputs[2] if isinstance(micro.inputs, tuple) else micro.inputs.response_mask()
+
+
 class Actor:
     def __init__(self, model, cfg: Config, total_steps: int, device: torch.device, pad_token_id: int = 0):
         self.model, self.cfg, self.device, self.pad = model, cfg, device, pad_token_id
         a = cfg.actor
+        self.backend = resolve_backend(a.attention_backend, device) if a.shared_prompt else None
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=tuple(a.betas),
                                            weight_decay=a.weight_decay)
         self.updates_per_step = a.ppo_epochs * math.ceil(cfg.data.train_batch_size / a.ppo_mini_batch_size)
@@ -68,16 +94,40 @@ class Actor:
         self.bad_steps = 0  # consecutive non-finite updates
         # A frozen copy of the starting weights, only when a KL penalty asks for one (the recipe has none).
         self.reference = copy.deepcopy(model).eval().requires_grad_(False) if cfg.algo.kl_coef > 0 else None
+        if a.shared_prompt:
+            for m in (model, self.reference):
+                if m is not None:
+                    use_packed_attention(m)
 
-    def _collate(self, samples: Samples, index: list[int]):
-        """Right-padded rows of prompt+response, with the response-token mask."""
-        sequences = [list(samples.prompt_ids[i]) + list(samples.response_ids[i]) for i in index]
-        tensors = collate_right(sequences, [len(samples.prompt_ids[i]) for i in index], self.pad)
-        return tuple(t.to(self.device) for t in tensors)
+    def micro_batches(self, samples: Samples, indices: list[int]) -> list[MicroBatch]:
+        """``indices`` (whole groups, group-contiguous) cut to ``actor.max_tokens_per_micro_batch``."""
+        budget = self.cfg.actor.max_tokens_per_micro_batch
+        if self.backend is None:
+            lengths = [samples.length(i) for i in range(len(samples))]
+            out = []
+            for index in budget_batches(lengths, indices, budget):
+                sequences = [list(samples.prompt_ids[i]) + list(samples.response_ids[i]) for i in index]
+                tensors = collate_right(sequences, [len(samples.prompt_ids[i]) for i in index], self.pad)
+                out.append(MicroBatch(index, tuple(t.to(self.device) for t in tensors)))
+            return out
+        size = samples.group_size
+        groups = [indices[g:g + size] for g in range(0, len(indices), size)]
+        pad_to = BLOCK if self.backend == "flex" else 1
+        out = []
+        for packs in plan_packs(samples.prompt_ids, samples.response_ids, groups, budget):
+            pack = build_packed_batch(packs, samples.response_ids, pad_to=pad_to)
+            pack.backend = self.backend
+            out.append(MicroBatch(pack.samples, pack.to(self.device)))
+        return out
 
-    def _micro(self, samples: Samples, indices: list[int]) -> list[list[int]]:
-        lengths = [samples.length(i) for i in range(len(samples))]
-        return budget_batches(lengths, indices, self.cfg.actor.max_tokens_per_micro_batch)
+    def forward(self, model, micro: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(logp, entropy, mask)``, ``[len(micro.index), width]``, rows in ``micro.index`` order."""
+        temperature = self.cfg.rollout.temperature or 1.0
+        if isinstance(micro.inputs, tuple):
+            ids, attention, response = micro.inputs
+            logp, entropy = token_logprobs(model, ids, attention, response, temperature)
+            return logp, entropy, response
+        return packed_logprobs(model, micro.inputs, temperature)
 
     @torch.no_grad()
     def logprobs(self, samples: Samples) -> list[torch.Tensor]:
@@ -85,11 +135,10 @@ class Actor:
         was_training = self.model.training
         self.model.eval()
         out: list[torch.Tensor] = [None] * len(samples)
-        for index in self._micro(samples, list(range(len(samples)))):
-            ids, attention, response = self._collate(samples, index)
-            logp, _ = token_logprobs(self.model, ids, attention, response, self.cfg.rollout.temperature or 1.0)
-            for row, i in enumerate(index):
-                out[i] = logp[row][response[row]].cpu()
+        for micro in self.micro_batches(samples, list(range(len(samples)))):
+            logp, _, mask = self.forward(self.model, micro)
+            for row, i in enumerate(micro.index):
+                out[i] = logp[row][mask[row]].cpu()
         self.model.train(was_training)
         return out
 
@@ -119,13 +168,12 @@ class Actor:
     def accumulate_gradients(self, samples: Samples, mini: list[int], old: list[torch.Tensor] | None) -> dict:
         """Backward over the mini-batch's micro-batches; the summed gradient is the whole mini-batch's."""
         cfg = self.cfg
-        micros = self._micro(samples, mini)
-        collated = [self._collate(samples, index) for index in micros]
-        denominators = algo.global_denominators([c[2] for c in collated], cfg.data.max_response_length)
-        temperature = cfg.rollout.temperature or 1.0
+        micros = self.micro_batches(samples, mini)
+        denominators = algo.global_denominators([_response_mask(m) for m in micros], cfg.data.max_response_length)
         stats: dict[str, float] = {}
-        for index, (ids, attention, response) in zip(micros, collated):
-            logp, entropy = token_logprobs(self.model, ids, attention, response, temperature)
+        for micro in micros:
+            index = micro.index
+            logp, entropy, response = self.forward(self.model, micro)
             if old is None:
                 old_logp = logp.detach()
             else:
@@ -138,7 +186,7 @@ class Actor:
             kl = None
             if self.reference is not None:
                 with torch.no_grad():
-                    ref_logp, _ = token_logprobs(self.reference, ids, attention, response, temperature)
+                    ref_logp, _, _ = self.forward(self.reference, micro)
                 kl = algo.kl_penalty(logp, ref_logp, cfg.algo.kl_type) * response
             loss, loss_stats = algo.total_loss(token_losses, response, cfg.algo.loss_agg_mode, entropy=entropy,
                                                entropy_coeff=cfg.algo.entropy_coeff, kl=kl,
