@@ -31,7 +31,8 @@ SHAPES = {  # Qwen3 family shapes (config.json of the released models)
 }
 
 
-def random_model(shape: str, device, dtype=torch.bfloat16, gradient_checkpointing: bool = True):
+def random_model(shape: str, device, dtype=torch.bfloat16, gradient_checkpointing: bool = True,
+                 compile_layers: bool = False):
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     if shape not in SHAPES:
@@ -43,6 +44,10 @@ def random_model(shape: str, device, dtype=torch.bfloat16, gradient_checkpointin
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
+    if compile_layers:
+        from longqa.model.load import compile_decoder_layers
+
+        compile_decoder_layers(model)
     return model.train()
 
 
@@ -86,7 +91,7 @@ def _time(fn, device, repeat: int) -> float:
 def bench_train(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int = 1024, n: int = 8,
                 layouts: tuple[str, ...] = ("naive", "packed"), repeat: int = 3, device: str = "auto",
                 gradient_checkpointing: bool = True, budget: int | None = None, backend: str = "auto",
-                peak_flops: float = H200_BF16_PEAK) -> list[dict]:
+                compile_layers: bool = False, peak_flops: float = H200_BF16_PEAK) -> list[dict]:
     """Seconds per group (forward + backward of n samples of one prompt) for each layout."""
     from longqa.config import load_config
     from longqa.model.load import pick_device
@@ -94,7 +99,7 @@ def bench_train(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int = 1
 
     dev = pick_device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    model = random_model(shape, dev, dtype, gradient_checkpointing)
+    model = random_model(shape, dev, dtype, gradient_checkpointing, compile_layers)
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     prompt_ids = torch.randint(0, vocab, (prompt,), generator=g).tolist()
@@ -121,6 +126,7 @@ def bench_train(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int = 1
         count = group_flops(model.config, prompt, [response] * n, shared)
         row = {"layout": layout, "shape": shape, "prompt": prompt, "response": response, "n": n,
                "backend": actor.backend or "sdpa (padded rows)", "gradient_checkpointing": gradient_checkpointing,
+               "compiled_layers": compile_layers,
                "seconds_per_group": round(seconds, 4), "tokens_computed": count.tokens,
                "tokens_per_s": round(count.tokens / seconds), "model_tflops": round(count.flops / 1e12, 1),
                "mfu": round(count.flops / seconds / peak_flops, 4) if dev.type == "cuda" else None,

@@ -144,7 +144,8 @@ def cmd_bench_train(args: argparse.Namespace) -> None:
     from longqa.bench import bench_train
 
     results = bench_train(args.shape, args.prompt, args.response, args.n, tuple(args.layouts), args.repeat,
-                          args.device, not args.no_gradient_checkpointing, args.budget, args.backend)
+                          args.device, not args.no_gradient_checkpointing, args.budget, args.backend,
+                          args.compile)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
@@ -268,6 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=["auto", "dense", "flex"], default="auto", help="packed attention backend")
     p.add_argument("--budget", type=int, help="micro-batch token budget (default: one packed group)")
     p.add_argument("--no-gradient-checkpointing", action="store_true")
+    p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
     p.add_argument("--json", help="also write the results here")
     p.set_defaults(func=cmd_bench_train)
 

@@ -112,8 +112,10 @@ def _flex_kernel(compiled: bool):
 def _flex(query, key, value, pack: PackedBatch, scaling):
     if pack.block_mask is None:
         pack.block_mask = block_mask(pack)  # once per micro-batch, shared by every layer and the recompute
-    return _flex_kernel(query.is_cuda)(query, key, value, block_mask=pack.block_mask, scale=scaling,
-                                       enable_gqa=key.shape[1] != query.shape[1])
+    # Inside a compiled decoder layer the plain function is traced into the layer's graph.
+    kernel = _flex_kernel(query.is_cuda and not torch.compiler.is_compiling())
+    return kernel(query, key, value, block_mask=pack.block_mask, scale=scaling,
+                  enable_gqa=key.shape[1] != query.shape[1])
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:

@@ -115,3 +115,14 @@ def qwen3_config(vocab_size: int, hidden_size: int = 256, num_layers: int = 4, n
                        head_dim=hidden_size // num_heads, intermediate_size=intermediate_size or 3 * hidden_size,
                        max_position_embeddings=max_positions, tie_word_embeddings=True, rope_theta=10000.0,
                        eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+
+
+def compile_decoder_layers(model) -> int:
+    """``torch.compile`` each decoder layer in place (fuses norms, rotary and activations, which run as
+    dozens of memory-bound kernels per layer in eager mode); returns how many were compiled."""
+    layers = getattr(model.base_model, "layers", None)
+    if layers is None:
+        raise ModelError(f"{type(model).__name__} has no decoder layer list (base_model.layers) to compile")
+    for layer in layers:
+        layer.compile()
+    return len(layers)

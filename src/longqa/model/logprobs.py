@@ -8,11 +8,13 @@ while that chunk is computed, in the forward and again in the backward pass.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from longqa.algo import entropy_from_logits
-from longqa.model.attention import NO_MASK
+from longqa.model.attention import NO_MASK, block_mask
 from longqa.model.packing import PackedBatch
 
 
@@ -20,19 +22,26 @@ def _head_chunk(hidden: torch.Tensor, weight: torch.Tensor, bias, targets: torch
     logits = torch.nn.functional.linear(hidden, weight, bias).float()
     if temperature != 1.0:
         logits = logits / temperature
-    logp = logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
+    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)
     return logp, entropy_from_logits(logits)
+
+
+@functools.cache
+def _compiled_head_chunk():
+    """On a GPU the chunk's softmax passes over ``[chunk, vocab]`` fuse into a few kernels."""
+    return torch.compile(_head_chunk, dynamic=True)
 
 
 def chunked_head(model, states: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
                  chunk_size: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of each target given its hidden state, and the entropy there: ``[K]`` each."""
     head = model.get_output_embeddings()
+    fn = _compiled_head_chunk() if states.is_cuda else _head_chunk
     logp_parts, ent_parts = [], []
     for start in range(0, len(targets), chunk_size):
         args = (states[start:start + chunk_size], head.weight, head.bias, targets[start:start + chunk_size],
                 temperature)
-        logp, ent = checkpoint(_head_chunk, *args, use_reentrant=False) if torch.is_grad_enabled() else _head_chunk(*args)
+        logp, ent = checkpoint(fn, *args, use_reentrant=False) if torch.is_grad_enabled() else fn(*args)
         logp_parts.append(logp)
         ent_parts.append(ent)
     if not logp_parts:
@@ -64,6 +73,8 @@ def packed_logprobs(model, pack: PackedBatch, temperature: float = 1.0,
     """``(logp, entropy, mask)``, each ``[len(pack.samples), longest response]``, one row per sample in
     ``pack.samples`` order: the shared-prompt layout's response-token log-probs (``model/packing.py``).
     The model must have gone through ``use_packed_attention``."""
+    if pack.backend == "flex" and pack.block_mask is None:
+        pack.block_mask = block_mask(pack)  # built once, outside any compiled region
     hidden = model.base_model(input_ids=pack.input_ids, position_ids=pack.position_ids,
                               attention_mask=NO_MASK.to(pack.input_ids.device), use_cache=False,
                               longqa_pack=pack).last_hidden_state
