@@ -118,6 +118,9 @@ def test_groups_split_when_alone_over_budget_and_many_micro_batches():
     samples = samples_for(PROMPTS, LENGTHS)
     actor = assert_same(tiny("llama"), samples, budget=20)
     micros = actor.micro_batches(samples, list(range(len(samples))))
+    # naive: 150 tokens; one pack per group: 69; split groups repeat their prompt, so less is saved
+    assert 0 < actor.tokens_saved(samples) < 1 - 69 / 150
+    assert actor_for(tiny("qwen3"), True).tokens_saved(samples) == pytest.approx(1 - 69 / 150)
     assert len(micros) > len(PROMPTS)  # groups of 11 + 13 tokens of responses do not fit 20
     assert sorted(i for m in micros for i in m.index) == list(range(len(samples)))
 

@@ -22,7 +22,7 @@ from longqa.batching import budget_batches, collate_right
 from longqa.config import Config
 from longqa.model.attention import BLOCK, resolve_backend, use_packed_attention
 from longqa.model.logprobs import packed_logprobs, token_logprobs
-from longqa.model.packing import build_packed_batch, plan_packs
+from longqa.model.packing import build_packed_batch, plan_packs, tokens_saved
 
 
 class TrainingError(RuntimeError):
@@ -158,7 +158,18 @@ class Actor:
                 for key, value in self._update_mini(samples, mini, old).items():
                     totals[key] = totals.get(key, 0.0) + value
         updates = cfg.actor.ppo_epochs * len(minis)
-        return {k: (v if k == "skipped_updates" else v / updates) for k, v in totals.items()}
+        stats = {k: (v if k == "skipped_updates" else v / updates) for k, v in totals.items()}
+        stats["perf/tokens_saved"] = self.tokens_saved(samples)
+        return stats
+
+    def tokens_saved(self, samples: Samples) -> float:
+        """Fraction of the naive layout's tokens that the update did not compute (0 for the naive layout)."""
+        if self.backend is None:
+            return 0.0
+        size = samples.group_size
+        groups = [list(range(g, g + size)) for g in range(0, len(samples), size)]
+        packs = plan_packs(samples.prompt_ids, samples.response_ids, groups, self.cfg.actor.max_tokens_per_micro_batch)
+        return tokens_saved([len(p) for p in samples.prompt_ids], [len(r) for r in samples.response_ids], packs)
 
     def _update_mini(self, samples: Samples, mini: list[int], old: list[torch.Tensor] | None) -> dict:
         stats = self.accumulate_gradients(samples, mini, old)
