@@ -109,9 +109,15 @@ def _flex_kernel(compiled: bool):
     return torch.compile(flex_attention) if compiled else flex_attention
 
 
+def prepare(pack: PackedBatch) -> None:
+    """Build what the pack's backend needs once per micro-batch (shared by every layer and by the
+    checkpointing recompute), before the forward pass so it is never traced into a compiled layer."""
+    if pack.backend == "flex" and pack.block_mask is None:
+        pack.block_mask = block_mask(pack)
+
+
 def _flex(query, key, value, pack: PackedBatch, scaling):
-    if pack.block_mask is None:
-        pack.block_mask = block_mask(pack)  # once per micro-batch, shared by every layer and the recompute
+    prepare(pack)
     # Inside a compiled decoder layer the plain function is traced into the layer's graph.
     kernel = _flex_kernel(query.is_cuda and not torch.compiler.is_compiling())
     return kernel(query, key, value, block_mask=pack.block_mask, scale=scaling,

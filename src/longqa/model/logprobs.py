@@ -14,7 +14,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from longqa.algo import entropy_from_logits
-from longqa.model.attention import NO_MASK, block_mask
+from longqa.model.attention import NO_MASK, prepare
 from longqa.model.packing import PackedBatch
 
 
@@ -73,8 +73,7 @@ def packed_logprobs(model, pack: PackedBatch, temperature: float = 1.0,
     """``(logp, entropy, mask)``, each ``[len(pack.samples), longest response]``, one row per sample in
     ``pack.samples`` order: the shared-prompt layout's response-token log-probs (``model/packing.py``).
     The model must have gone through ``use_packed_attention``."""
-    if pack.backend == "flex" and pack.block_mask is None:
-        pack.block_mask = block_mask(pack)  # built once, outside any compiled region
+    prepare(pack)
     hidden = model.base_model(input_ids=pack.input_ids, position_ids=pack.position_ids,
                               attention_mask=NO_MASK.to(pack.input_ids.device), use_cache=False,
                               longqa_pack=pack).last_hidden_state

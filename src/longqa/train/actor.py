@@ -110,11 +110,9 @@ class Actor:
                 tensors = collate_right(sequences, [len(samples.prompt_ids[i]) for i in index], self.pad)
                 out.append(MicroBatch(index, tuple(t.to(self.device) for t in tensors)))
             return out
-        size = samples.group_size
-        groups = [indices[g:g + size] for g in range(0, len(indices), size)]
         pad_to = BLOCK if self.backend == "flex" else 1
         out = []
-        for packs in plan_packs(samples.prompt_ids, samples.response_ids, groups, budget):
+        for packs in self._plan(samples, indices):
             pack = build_packed_batch(packs, samples.response_ids, pad_to=pad_to)
             pack.backend = self.backend
             out.append(MicroBatch(pack.samples, pack.to(self.device)))
@@ -166,10 +164,14 @@ class Actor:
         """Fraction of the naive layout's tokens that the update did not compute (0 for the naive layout)."""
         if self.backend is None:
             return 0.0
-        size = samples.group_size
-        groups = [list(range(g, g + size)) for g in range(0, len(samples), size)]
-        packs = plan_packs(samples.prompt_ids, samples.response_ids, groups, self.cfg.actor.max_tokens_per_micro_batch)
+        packs = self._plan(samples, list(range(len(samples))))
         return tokens_saved([len(p) for p in samples.prompt_ids], [len(r) for r in samples.response_ids], packs)
+
+    def _plan(self, samples: Samples, indices: list[int]):
+        """Packs of ``indices`` (whole groups, group-contiguous) in micro-batches of the token budget."""
+        size = samples.group_size
+        groups = [indices[g:g + size] for g in range(0, len(indices), size)]
+        return plan_packs(samples.prompt_ids, samples.response_ids, groups, self.cfg.actor.max_tokens_per_micro_batch)
 
     def _update_mini(self, samples: Samples, mini: list[int], old: list[torch.Tensor] | None) -> dict:
         stats = self.accumulate_gradients(samples, mini, old)
