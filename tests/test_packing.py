@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from longqa.config import load_config
-from longqa.model.attention import BLOCK, block_mask, pack_mask, use_packed_attention
+from longqa.model.attention import BLOCK, block_mask, pack_mask, use_longqa_attention
 from longqa.model.packing import Pack, build_packed_batch, plan_packs, tokens_saved
 from longqa.train.actor import Actor, Samples
 
@@ -150,9 +150,9 @@ def test_plain_forwards_and_generation_still_work_after_switching():
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
     before = model(input_ids=ids, attention_mask=mask).logits
     greedy = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
-    use_packed_attention(model)
-    use_packed_attention(model)  # idempotent
-    assert model.config._attn_implementation == "longqa_packed:sdpa"
+    use_longqa_attention(model)
+    use_longqa_attention(model)  # idempotent
+    assert model.config._attn_implementation == "longqa:sdpa"
     assert torch.allclose(model(input_ids=ids, attention_mask=mask).logits, before, atol=1e-6)
     assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
                                       pad_token_id=0), greedy)

@@ -137,3 +137,133 @@ def bench_train(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int = 1
         speedup = results[0]["seconds_per_group"] / results[1]["seconds_per_group"]
         print(json.dumps({"speedup": round(speedup, 2)}), flush=True)
     return results
+
+
+HBM_BYTES_PER_S = 4.3e12  # H200 copy bandwidth measured on the device (DESIGN.md); the datasheet says 4.8e12
+
+
+def decode_floor_s(config, prompt: int, new_tokens: int, n: int, groups: int, shared: bool = True,
+                   dtype_bytes: int = 2, bandwidth: float = HBM_BYTES_PER_S) -> float:
+    """Seconds for ``new_tokens`` decode steps if every step only had to read from HBM, once, the weights
+    (decoder + LM head), each group's prompt KV (once per sample when not ``shared``) and each sample's
+    own KV so far."""
+    h, layers = config.hidden_size, config.num_hidden_layers
+    heads, kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    weights = layers * (h * heads * d * 2 + h * kv * d * 2 + 3 * h * config.intermediate_size) + config.vocab_size * h
+    kv_token = 2 * layers * kv * d  # elements per token of KV
+    prompt_reads = groups * (1 if shared else n) * prompt
+    own_tokens = groups * n * new_tokens * (new_tokens - 1) / 2  # summed over steps
+    return dtype_bytes * (new_tokens * (weights + kv_token * prompt_reads) + kv_token * own_tokens) / bandwidth
+
+
+def bench_rollout(shape: str = "qwen3-1.7b", prompt: int = 8192, new_tokens: int = 1024, n: int = 8,
+                  groups: tuple[int, ...] = (1, 16), hf_new_tokens: int | None = None, device: str = "auto",
+                  cuda_graphs: bool = True) -> list[dict]:
+    """New tokens/s of transformers' ``generate`` (n samples of one prompt) and of the fast engine (1 and
+    more groups of n), EOS ignored, temperature 1; the fast engine against its memory-bandwidth floor."""
+    from longqa.model.load import pick_device
+    from longqa.rollout.base import SamplingParams
+    from longqa.rollout.fast import FastRolloutEngine
+
+    dev = pick_device(device)
+    model = random_model(shape, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32, False).eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, model.config.vocab_size, (prompt,), generator=g).tolist() for _ in range(max(groups))]
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    results = []
+    if hf_new_tokens != 0:
+        tokens = hf_new_tokens or new_tokens
+        ids = torch.tensor([prompts[0]], device=dev)
+
+        def hf():
+            with torch.no_grad():
+                model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
+                               top_k=0, num_return_sequences=n, max_new_tokens=tokens, min_new_tokens=tokens,
+                               pad_token_id=0)
+        seconds = _time(hf, dev, 1)
+        results.append({"engine": "transformers generate", "groups": 1, "n": n, "prompt": prompt,
+                        "new_tokens": tokens, "seconds": round(seconds, 3), "new_tokens_per_s": round(n * tokens / seconds)})
+        print(json.dumps(results[-1]), flush=True)
+    engine = FastRolloutEngine(model, cuda_graphs=cuda_graphs)
+    for count in groups:
+        params = SamplingParams(n=n, temperature=1.0, max_new_tokens=new_tokens)
+        first = SamplingParams(n=n, temperature=1.0, max_new_tokens=1)
+        batch = prompts[:count]
+        engine.generate(batch, params, seeds=list(range(count)))  # warm-up: graphs, allocator
+        sync()
+        start = time.perf_counter()
+        engine.generate(batch, first, seeds=list(range(count)))
+        sync()
+        prefill = time.perf_counter() - start
+        start = time.perf_counter()
+        out = engine.generate(batch, params, seeds=list(range(count)))
+        sync()
+        seconds = time.perf_counter() - start
+        made = sum(len(s.token_ids) for group in out for s in group)
+        floor = decode_floor_s(model.config, prompt, new_tokens, n, count)
+        decode = seconds - prefill
+        row = {"engine": "longqa fast", "groups": count, "n": n, "prompt": prompt, "new_tokens": new_tokens,
+               "groups_in_flight": engine.kv.groups, "seconds": round(seconds, 3), "prefill_seconds": round(prefill, 3),
+               "new_tokens_per_s": round(made / seconds), "decode_tokens_per_s": round(made / decode),
+               "decode_ms_per_step": round(1e3 * decode / new_tokens, 3),
+               "floor_ms_per_step": round(1e3 * floor / new_tokens, 3),
+               "fraction_of_floor": round(floor / decode, 3),
+               "floor_ms_per_step_unshared": round(1e3 * decode_floor_s(model.config, prompt, new_tokens, n, count,
+                                                                        shared=False) / new_tokens, 3)}
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    if results and results[0]["engine"] == "transformers generate":
+        one = next(r for r in results if r.get("groups") == 1 and r["engine"] == "longqa fast")
+        print(json.dumps({"speedup_one_group": round(one["new_tokens_per_s"] / results[0]["new_tokens_per_s"], 1)}))
+    return results
+
+
+def bench_grpo_step(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int = 1024, n: int = 8,
+                    prompts_per_step: int = 16, steps: int = 2, device: str = "auto") -> list[dict]:
+    """Seconds per phase of whole GRPO steps: fast-engine rollout of ``prompts_per_step`` x ``n``, group
+    advantages, one packed shared-prompt update (on-policy: no old log-prob pass). A random-weight
+    model cannot answer, so rewards are random coin flips (scoring text costs milliseconds anyway)."""
+    from longqa import algo
+    from longqa.config import load_config
+    from longqa.model.load import pick_device
+    from longqa.rollout.base import SamplingParams
+    from longqa.rollout.fast import FastRolloutEngine
+    from longqa.train.actor import Actor, Samples
+
+    dev = pick_device(device)
+    model = random_model(shape, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32, True)
+    cfg = load_config(None, [f"rollout.n={n}", f"data.train_batch_size={prompts_per_step}",
+                             f"actor.ppo_mini_batch_size={prompts_per_step}", f"data.max_response_length={response}",
+                             f"actor.max_tokens_per_micro_batch={prompt + n * response}", "actor.lr=1e-6"])
+    actor = Actor(model, cfg, steps, dev)
+    engine = FastRolloutEngine(model)
+    params = SamplingParams(n=n, temperature=1.0, max_new_tokens=response)
+    g = torch.Generator().manual_seed(0)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    results = []
+    for step in range(steps):
+        prompts = [torch.randint(0, model.config.vocab_size, (prompt,), generator=g).tolist()
+                   for _ in range(prompts_per_step)]
+        sync()
+        t0 = time.perf_counter()
+        groups = engine.generate(prompts, params, seeds=[step * 1000 + i for i in range(prompts_per_step)])
+        sync()
+        t1 = time.perf_counter()
+        rewards = torch.randint(0, 2, (prompts_per_step * n,), generator=g).float()
+        advantages, _ = algo.group_advantages(rewards, n)
+        samples = Samples([p for p in prompts for _ in range(n)], [s.token_ids for grp in groups for s in grp],
+                          advantages, n)
+        t2 = time.perf_counter()
+        actor.update(samples)
+        sync()
+        t3 = time.perf_counter()
+        new_tokens = sum(len(s) for s in samples.response_ids)
+        row = {"step": step, "shape": shape, "prompts": prompts_per_step, "n": n, "prompt": prompt,
+               "response": response, "rollout_s": round(t1 - t0, 2), "reward_and_advantages_s": round(t2 - t1, 3),
+               "update_s": round(t3 - t2, 2), "step_s": round(t3 - t0, 2), "new_tokens": new_tokens,
+               "rollout_new_tokens_per_s": round(new_tokens / (t1 - t0)),
+               "update_tokens_per_s": round((prompts_per_step * prompt + new_tokens) / (t3 - t2)),
+               "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if dev.type == "cuda" else None}
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    return results

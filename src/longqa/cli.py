@@ -151,6 +151,29 @@ def cmd_bench_train(args: argparse.Namespace) -> None:
             json.dump(results, f, indent=1)
 
 
+def cmd_bench_rollout(args: argparse.Namespace) -> None:
+    import json
+
+    from longqa.bench import bench_rollout
+
+    results = bench_rollout(args.shape, args.prompt, args.new_tokens, args.n, tuple(args.groups), args.hf_new_tokens,
+                            args.device, not args.no_cuda_graphs)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+def cmd_bench_step(args: argparse.Namespace) -> None:
+    import json
+
+    from longqa.bench import bench_grpo_step
+
+    results = bench_grpo_step(args.shape, args.prompt, args.response, args.n, args.prompts, args.steps, args.device)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
 def _add_dataclass_args(p: argparse.ArgumentParser, cls: type) -> None:
     """One --flag per field of an options dataclass, typed by its default."""
     import dataclasses
@@ -273,6 +296,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="also write the results here")
     p.set_defaults(func=cmd_bench_train)
 
+    p = bench_cmds.add_parser("rollout", help="sampling speed: transformers generate vs the fast engine",
+                              description="New tokens/s for n samples of random prompts (EOS ignored, temperature 1): "
+                              "transformers' generate for one group, the fast engine for each --groups count, and "
+                              "the fast engine's decode time against its HBM-bandwidth floor.")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-1.7b")
+    p.add_argument("--prompt", type=int, default=8192, help="prompt tokens (default 8192)")
+    p.add_argument("--new-tokens", type=int, default=1024, help="new tokens per sample (default 1024)")
+    p.add_argument("-n", type=int, default=8, help="samples per prompt (default 8)")
+    p.add_argument("--groups", type=int, nargs="+", default=[1, 16], help="prompts per run (default 1 16)")
+    p.add_argument("--hf-new-tokens", type=int, help="new tokens for transformers (default --new-tokens; 0 skips)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--json", help="also write the results here")
+    p.set_defaults(func=cmd_bench_rollout)
+
+    p = bench_cmds.add_parser("step", help="a whole GRPO step: fast-engine rollout + packed update, per phase",
+                              description="Seconds per phase of GRPO steps on a random-weight model: rollout with "
+                              "the fast engine, rewards (random: such a model cannot answer) and advantages, one "
+                              "packed shared-prompt update. The first step includes warm-up.")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-1.7b")
+    p.add_argument("--prompt", type=int, default=8192)
+    p.add_argument("--response", type=int, default=1024, help="new tokens per sample (EOS ignored)")
+    p.add_argument("-n", type=int, default=8)
+    p.add_argument("--prompts", type=int, default=16, help="prompts per step (default 16)")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--json", help="also write the results here")
+    p.set_defaults(func=cmd_bench_step)
+
     config = groups.add_parser("config", help="show the config", description="The typed config tree: YAML plus "
                                "dotted key=value overrides, checked before any work starts.")
     config_cmds = config.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)
@@ -290,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     from longqa.data.loongrl import SourceError
     from longqa.model.load import ModelError
     from longqa.model.tokenizer import TokenizerError
+    from longqa.rollout.fast import KVBudgetError
     from longqa.train.actor import TrainingError
     from longqa.train.checkpoint import CheckpointError
 
@@ -298,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = argv  # the command as typed, for records such as the model card
     try:
         args.func(args)
-    except (ConfigError, DataFileError, SourceError, TokenizerError, ModelError, CheckpointError, TrainingError) as e:
+    except (ConfigError, DataFileError, SourceError, TokenizerError, ModelError, CheckpointError, TrainingError,
+            KVBudgetError) as e:
         print(f"longqa: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -68,7 +68,11 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: Literal["hf"] = opt("hf", "sampling engine: hf (transformers reference)")
+    engine: Literal["fast", "hf"] = opt("fast", "sampling engine: fast (shared-prefix KV, CUDA graphs on a GPU) or "
+                                        "hf (the transformers reference)")
+    kv_cache_bytes: Optional[int] = opt(None, "fast engine: KV cache budget in bytes (default 40% of free GPU "
+                                        "memory, 2 GiB on a CPU)", *positive)
+    cuda_graphs: bool = opt(True, "fast engine: replay the decode step as CUDA graphs on a GPU")
     n: int = opt(8, "responses sampled per prompt (the GRPO group size)", *positive)
     temperature: float = opt(1.0, "sampling temperature; 0 means greedy", *non_negative)
     top_p: float = opt(1.0, "nucleus sampling mass", lambda v: 0 < v <= 1, "in (0, 1]")

@@ -1,8 +1,9 @@
 """Shared-prompt attention, plugged into transformers' attention registry.
 
-``use_packed_attention(model)`` switches the model to ``longqa_packed:<its implementation>``: a
-registered attention function that runs the shared-prompt rule (``model/packing.py``) when the
-forward pass carries a ``longqa_pack`` keyword, and the model's own implementation otherwise, so
+``use_longqa_attention(model)`` switches the model to ``longqa:<its implementation>``: a registered
+attention function that runs the shared-prompt rule (``model/packing.py``) when the forward pass
+carries a ``longqa_pack`` keyword, hands the step to the fast rollout engine's KV cache when it
+carries ``longqa_kv`` (``rollout/fast.py``), and runs the model's own implementation otherwise, so
 generation and plain forwards keep working unchanged. No model code is copied or patched: any
 decoder whose attention goes through ``ALL_ATTENTION_FUNCTIONS`` (Qwen3, Qwen2, Llama, ...) works,
 GQA included, since keys and values arrive with their own head count.
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 
 from longqa.model.packing import PackedBatch
 
-PREFIX = "longqa_packed:"
+PREFIX = "longqa:"
 BLOCK = 128  # flex_attention's block size: the packed row is padded to a multiple of it
 BACKENDS = ("auto", "dense", "flex")
 
@@ -132,9 +133,12 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, longqa_pack=None, **kwargs):
+def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, longqa_pack=None,
+               longqa_kv=None, **kwargs):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    if longqa_kv is not None:
+        return longqa_kv.attend(module.layer_idx, query, key, value, scaling), None
     if longqa_pack is None:
         inner = module.config._attn_implementation.removeprefix(PREFIX)
         return ALL_ATTENTION_FUNCTIONS[inner](module, query, key, value, attention_mask, scaling=scaling,
@@ -156,8 +160,8 @@ def _register(name: str) -> None:
         AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[inner])
 
 
-def use_packed_attention(model) -> None:
-    """Route the model's attention through the shared-prompt dispatcher (idempotent)."""
+def use_longqa_attention(model) -> None:
+    """Route the model's attention through longqa's dispatcher (idempotent)."""
     current = model.config._attn_implementation or "sdpa"
     if current.startswith(PREFIX):
         return

@@ -72,7 +72,7 @@ def packed_logprobs(model, pack: PackedBatch, temperature: float = 1.0,
                     chunk_size: int = 2048) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(logp, entropy, mask)``, each ``[len(pack.samples), longest response]``, one row per sample in
     ``pack.samples`` order: the shared-prompt layout's response-token log-probs (``model/packing.py``).
-    The model must have gone through ``use_packed_attention``."""
+    The model must have gone through ``use_longqa_attention``."""
     prepare(pack)
     hidden = model.base_model(input_ids=pack.input_ids, position_ids=pack.position_ids,
                               attention_mask=NO_MASK.to(pack.input_ids.device), use_cache=False,

@@ -20,7 +20,7 @@ import torch
 from longqa import algo
 from longqa.batching import budget_batches, collate_right
 from longqa.config import Config
-from longqa.model.attention import BLOCK, resolve_backend, use_packed_attention
+from longqa.model.attention import BLOCK, resolve_backend, use_longqa_attention
 from longqa.model.logprobs import packed_logprobs, token_logprobs
 from longqa.model.packing import build_packed_batch, plan_packs, tokens_saved
 
@@ -97,7 +97,7 @@ class Actor:
         if a.shared_prompt:
             for m in (model, self.reference):
                 if m is not None:
-                    use_packed_attention(m)
+                    use_longqa_attention(m)
 
     def micro_batches(self, samples: Samples, indices: list[int]) -> list[MicroBatch]:
         """``indices`` (whole groups, group-contiguous) cut to ``actor.max_tokens_per_micro_batch``."""

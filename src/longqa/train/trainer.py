@@ -24,6 +24,7 @@ from longqa.evaluate import evaluate, stop_token_ids
 from longqa.model.load import load_model, load_model_tokenizer, pick_device
 from longqa.report import MetricsLogger, write_report
 from longqa.rollout import HFRolloutEngine, SamplingParams
+from longqa.rollout.fast import FastRolloutEngine
 from longqa.train.actor import Actor, Samples
 from longqa.train.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 
@@ -71,8 +72,10 @@ class Trainer:
         self.total_steps = min(total, cfg.trainer.max_steps or total)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.actor = Actor(self.model, cfg, self.total_steps, self.device, pad)
-        self.engine = HFRolloutEngine(self.model, self.tokenizer)
         r = cfg.rollout
+        self.engine = (FastRolloutEngine(self.model, self.tokenizer, kv_cache_bytes=r.kv_cache_bytes,
+                                         cuda_graphs=r.cuda_graphs) if r.engine == "fast"
+                       else HFRolloutEngine(self.model, self.tokenizer))
         self.stops = tuple(stop_token_ids(self.tokenizer))
         self.params = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                      max_new_tokens=cfg.data.max_response_length, stop_token_ids=self.stops,

@@ -1,0 +1,445 @@
+"""The fast rollout engine: one prompt, n samples, the prompt's keys and values stored and read once.
+
+GRPO samples n responses per prompt. A general engine stores (or at best shares pages of) the
+prompt per sample and its decode attention reads the prompt once per sample. Here a *group slot*
+holds one prompt's KV once and the n samples' own tokens beside it, and decode attention is split
+in two exact halves merged by their log-sum-exp: all n samples' queries against the shared prompt
+(one batched matmul that reads the prompt once per group), and each sample against its own tokens.
+
+The model is the training model itself (the very modules and tensors the optimizer updates, so the
+weights are never stale and never copied); its attention goes through longqa's dispatcher
+(``model/attention.py``), which hands each layer's projected, normed, rotated queries, keys and
+values to ``SharedPrefixKV.attend``. No model code is copied.
+
+Groups stream through a fixed number of slots sized from a memory budget: when all n samples of a
+group stop, its slot takes the next prompt. The decode step works on fixed-size tensors (every slot,
+finished or not), so on a GPU it is captured once per (prompt, response) length bucket as a CUDA
+graph and replayed; the host looks at the device only every ``sync_every`` steps, to retire
+finished groups and admit new ones.
+
+Sampling draws its noise from a counter-based hash of (request seed, token index, vocabulary id),
+so a request's samples depend on its seed alone: not on the batch, the slot or the device order.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections import deque
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from longqa.model.attention import NO_MASK, use_longqa_attention
+from longqa.rollout.base import RolloutEngine, Sample, SamplingParams
+from longqa.rollout.hf import eval_mode, filter_logits
+
+MASK32 = 0xFFFFFFFF
+
+
+class KVBudgetError(ValueError):
+    """Not even one group fits the KV cache budget."""
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash on int64 tensors (products stay below 2**63, so nothing overflows)."""
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & MASK32
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & MASK32
+    return x ^ (x >> 16)
+
+
+def request_seeds(seeds: torch.Tensor, n: int) -> torch.Tensor:
+    """One 32-bit stream key per sample: sample j of a prompt with seed s."""
+    base = _mix32((seeds & MASK32) ^ _mix32(seeds >> 32))
+    return _mix32(base.repeat_interleave(n) ^ (torch.arange(n, device=seeds.device).repeat(len(seeds)) * 0x27D4EB2D
+                                             & MASK32))
+
+
+def gumbel_noise(keys: torch.Tensor, index: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[rows, vocab]`` standard Gumbel noise, a pure function of (key, token index, vocabulary id)."""
+    row = _mix32(keys ^ ((index * 0x9E3779B1) & MASK32))
+    ids = (torch.arange(vocab, device=keys.device) * 0x2C1B3C6D) & MASK32
+    u = (_mix32(row[:, None] ^ ids[None, :]).float() + 0.5) / 2.0 ** 32
+    u = u.clamp(1e-7, 1 - 1e-7)
+    return -torch.log(-torch.log(u))
+
+
+def sample_rows(logits: torch.Tensor, params: SamplingParams, keys: torch.Tensor, index: torch.Tensor):
+    """Tokens and their log-probs under ``softmax(logits / T)`` (no top-k/top-p renormalisation, as the
+    trainer recomputes them). Sampling is Gumbel-max over the filtered, tempered logits."""
+    if params.greedy:
+        scaled = logits
+        tokens = logits.argmax(-1)
+    else:
+        scaled = logits / params.temperature
+        filtered = filter_logits(scaled, params.top_k, params.top_p)
+        tokens = (filtered + gumbel_noise(keys, index, logits.shape[-1])).argmax(-1)
+    logp = scaled.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, logp
+
+
+class SharedPrefixKV:
+    """KV storage of ``groups`` slots: each slot's prompt once, ``[layers, groups, kv_heads, prompt_cap,
+    head_dim]``, and each of its ``n`` samples' generated tokens, ``[layers, groups * n, kv_heads,
+    response_cap, head_dim]``; plus the attention that reads them (``attend``)."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, groups: int, n: int, prompt_cap: int,
+                 response_cap: int, dtype, device):
+        self.groups, self.n, self.prompt_cap, self.response_cap = groups, n, prompt_cap, response_cap
+        self.prefix_k = torch.zeros(layers, groups, kv_heads, prompt_cap, head_dim, dtype=dtype, device=device)
+        self.prefix_v = torch.zeros_like(self.prefix_k)
+        self.suffix_k = torch.zeros(layers, groups * n, kv_heads, response_cap, head_dim, dtype=dtype, device=device)
+        self.suffix_v = torch.zeros_like(self.suffix_k)
+        rows = groups * n
+        self.rows = torch.arange(rows, device=device)
+        self.prefix_len = torch.ones(groups, dtype=torch.long, device=device)  # >= 1: an empty slot stays finite
+        self.write_at = torch.zeros(rows, dtype=torch.long, device=device)  # suffix index of the token fed now
+        self.mode = "decode"
+        self.prefill_slot = self.prefill_start = 0
+        self.prompt_view = prompt_cap  # how much of the stores a decode step reads (length buckets)
+        self.response_view = response_cap
+
+    @staticmethod
+    def bytes_per_group(layers, kv_heads, head_dim, n, prompt_cap, response_cap, dtype) -> int:
+        size = torch.empty(0, dtype=dtype).element_size()
+        return 2 * layers * kv_heads * head_dim * size * (prompt_cap + n * response_cap)
+
+    def attend(self, layer: int, q, k, v, scaling):
+        if self.mode == "prefill":
+            return self._prefill(layer, q, k, v, scaling)
+        return self._decode(layer, q, k, v, scaling)
+
+    def _prefill(self, layer, q, k, v, scaling):
+        """One chunk of one prompt: store its keys/values, attend causally to the prompt so far."""
+        g, start, length = self.prefill_slot, self.prefill_start, q.shape[2]
+        end = start + length
+        self.prefix_k[layer, g, :, start:end] = k[0]
+        self.prefix_v[layer, g, :, start:end] = v[0]
+        keys, values = self.prefix_k[layer, g, :, :end][None], self.prefix_v[layer, g, :, :end][None]
+        gqa = keys.shape[1] != q.shape[1]
+        if start == 0:
+            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scaling, enable_gqa=gqa)
+        else:
+            mask = torch.arange(end, device=q.device)[None, :] <= torch.arange(start, end, device=q.device)[:, None]
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+        return out.transpose(1, 2)
+
+    def _decode(self, layer, q, k, v, scaling):
+        """One new token per sample row: the shared prompt read once per group, merged exactly with
+        each row's own tokens."""
+        self.suffix_k[layer, self.rows, :, self.write_at] = k[:, :, 0]
+        self.suffix_v[layer, self.rows, :, self.write_at] = v[:, :, 0]
+        math_fn = _compiled_decode_attention() if q.is_cuda else decode_attention
+        return math_fn(q, self.prefix_k[layer], self.prefix_v[layer], self.suffix_k[layer], self.suffix_v[layer],
+                       self.prefix_len, self.write_at, self.n, self.prompt_view, self.response_view, scaling)
+
+
+def _batched(store: torch.Tensor, length: int) -> torch.Tensor:
+    """``[a, b, cap, d]`` -> a ``[a * b, length, d]`` view of the first ``length`` positions (no copy:
+    batched matmuls read it with its strides)."""
+    a, b, cap, d = store.shape
+    return store.view(a * b, cap, d)[:, :length]
+
+
+def _softmax_part(q, keys, values, outside, scaling):
+    """Attention of ``q`` ``[batch, m, d]`` over ``keys``/``values`` ``[batch, L, d]`` with the
+    ``outside`` keys masked, returned with its log-sum-exp so two parts can be merged exactly."""
+    scores = torch.bmm(q, keys.transpose(1, 2)).float() * scaling
+    scores = scores.masked_fill(outside, float("-inf"))
+    lse = scores.logsumexp(-1)
+    out = torch.bmm((scores - lse[..., None]).exp().to(values.dtype), values)
+    return out.float(), lse
+
+
+def decode_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, write_at, n: int, prompt_view: int,
+                     response_view: int, scaling):
+    """``q`` ``[rows, heads, 1, d]`` (rows = groups x n, group-major) -> ``[rows, 1, heads, d]``."""
+    rows, heads, _, d = q.shape
+    groups, kv_heads = prefix_k.shape[0], prefix_k.shape[1]
+    r = heads // kv_heads
+    P, S = prompt_view, response_view
+    # Prompt part: the n samples' queries of a group (x r heads sharing a KV head) as one batch row.
+    q_group = q[:, :, 0].reshape(groups, n, kv_heads, r, d).transpose(1, 2).reshape(groups * kv_heads, n * r, d)
+    outside = (torch.arange(P, device=q.device)[None, :] >= prefix_len[:, None])
+    outside = outside[:, None, None, :].expand(groups, kv_heads, 1, P).reshape(groups * kv_heads, 1, P)
+    out_p, lse_p = _softmax_part(q_group, _batched(prefix_k, P), _batched(prefix_v, P), outside, scaling)
+    out_p = out_p.view(groups, kv_heads, n, r, d).transpose(1, 2).reshape(rows, kv_heads, r, d)
+    lse_p = lse_p.view(groups, kv_heads, n, r).transpose(1, 2).reshape(rows, kv_heads, r)
+    # Own part: each row against its generated tokens up to and including the one fed now.
+    later = (torch.arange(S, device=q.device)[None, :] > write_at[:, None])
+    later = later[:, None, None, :].expand(rows, kv_heads, 1, S).reshape(rows * kv_heads, 1, S)
+    out_o, lse_o = _softmax_part(q[:, :, 0].reshape(rows * kv_heads, r, d), _batched(suffix_k, S),
+                                 _batched(suffix_v, S), later, scaling)
+    out_o, lse_o = out_o.view(rows, kv_heads, r, d), lse_o.view(rows, kv_heads, r)
+    top = torch.maximum(lse_p, lse_o)
+    w_p, w_o = (lse_p - top).exp()[..., None], (lse_o - top).exp()[..., None]
+    out = (out_p * w_p + out_o * w_o) / (w_p + w_o)
+    return out.to(q.dtype).reshape(rows, 1, heads, d)
+
+
+@functools.cache
+def _compiled_decode_attention():
+    """On a GPU the masking, log-sum-exp, exponent and merge fuse into a few kernels around the two
+    batched matmuls; without it the float32 score passes cost more HBM traffic than the KV reads."""
+    return torch.compile(decode_attention, dynamic=True)
+
+
+def _bucket(length: int, step: int, cap: int) -> int:
+    return min(cap, max(step, math.ceil(length / step) * step))
+
+
+class FastRolloutEngine(RolloutEngine):
+    """Shared-prefix sampling on the training model's own weights.
+
+    ``kv_cache_bytes`` bounds the KV stores (default: 40% of free GPU memory, 2 GiB on a CPU); as many
+    groups run at once as fit. ``prefill_chunk`` bounds the tokens of one prefill forward.
+    ``cuda_graphs`` captures the decode step per length bucket (CUDA only).
+    """
+
+    def __init__(self, model, tokenizer=None, kv_cache_bytes: int | None = None, prefill_chunk: int = 8192,
+                 sync_every: int = 16, cuda_graphs: bool = True, max_groups: int | None = None):
+        self.model, self.tokenizer = model, tokenizer
+        self.kv_cache_bytes, self.prefill_chunk, self.sync_every = kv_cache_bytes, prefill_chunk, sync_every
+        self.max_groups = max_groups
+        self.device = next(model.parameters()).device
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        config = model.config
+        self.layers = config.num_hidden_layers
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.dtype = next(model.parameters()).dtype
+        self.kv: SharedPrefixKV | None = None
+        self.graphs: dict = {}
+        use_longqa_attention(model)
+
+    # --------------------------------------------------------------------------------------- memory
+
+    def _budget(self) -> int:
+        if self.kv_cache_bytes is not None:
+            return int(self.kv_cache_bytes)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(0.4 * free)
+        return 2 << 30
+
+    def _ensure_kv(self, prompts: list[list[int]], params: SamplingParams) -> SharedPrefixKV:
+        prompt_cap = max(len(p) for p in prompts)
+        response_cap = params.max_new_tokens
+        kv = self.kv
+        if (kv is not None and kv.n == params.n and kv.prompt_cap >= prompt_cap and kv.response_cap >= response_cap
+                and kv.groups >= min(len(prompts), self.max_groups or len(prompts))):
+            return kv
+        self.kv, self.graphs = None, {}  # free the old stores (and the graphs that point at them) first
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        per_group = SharedPrefixKV.bytes_per_group(self.layers, self.kv_heads, self.head_dim, params.n, prompt_cap,
+                                                   response_cap, self.dtype)
+        budget = self._budget()
+        groups = min(len(prompts), budget // per_group, self.max_groups or len(prompts))
+        if groups < 1:
+            raise KVBudgetError(
+                f"one group (n={params.n}, a {prompt_cap}-token prompt, {response_cap} new tokens) needs "
+                f"{per_group / 2**30:.2f} GiB of KV cache but the budget is {budget / 2**30:.2f} GiB: raise "
+                f"rollout.kv_cache_bytes, or lower data.max_prompt_length, data.max_response_length or rollout.n")
+        self.kv = SharedPrefixKV(self.layers, self.kv_heads, self.head_dim, groups, params.n, prompt_cap, response_cap,
+                                 self.dtype, self.device)
+        # Captured graphs read and write these very tensors: they live as long as the KV stores.
+        self.state = DecodeState(groups * params.n, response_cap, self.device)
+        self.stop_ids = {}
+        return self.kv
+
+    # ------------------------------------------------------------------------------------- generate
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 generator: torch.Generator | None = None, seeds: Sequence[int] | None = None) -> list[list[Sample]]:
+        """``params.n`` samples per prompt. ``seeds`` (one per prompt) make each prompt's samples a
+        function of its seed alone; without them seeds are drawn from ``generator``."""
+        prompts = [list(p) for p in prompts]
+        if not prompts:
+            return []
+        if not all(prompts):
+            raise ValueError("every prompt needs at least one token")
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop_strings need a tokenizer: pass one to FastRolloutEngine")
+        if seeds is None:
+            device = generator.device if generator is not None else "cpu"
+            seeds = torch.randint(0, 2**62, (len(prompts),), generator=generator, device=device).tolist()
+        if len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        with eval_mode(self.model):
+            return self._run(prompts, params, torch.as_tensor(list(seeds), dtype=torch.long))
+
+    def _run(self, prompts, params: SamplingParams, seeds: torch.Tensor) -> list[list[Sample]]:
+        kv = self._ensure_kv(prompts, params)
+        n, dev, state = params.n, self.device, self.state
+        state.reset()
+        stops = self.stop_ids.setdefault(params.stop_token_ids,
+                                         torch.as_tensor(params.stop_token_ids or (-1,), device=dev))
+        keys = request_seeds(seeds.to(dev), n)  # [len(prompts) * n]
+        pending = deque(range(len(prompts)))
+        slot_prompt: list[int | None] = [None] * kv.groups
+        slot_prompt_len = [0] * kv.groups
+        slot_age = [0] * kv.groups  # decode steps since admission: bounds the slot's response length
+        results: list[list[Sample] | None] = [None] * len(prompts)
+        while True:
+            for g in range(kv.groups):
+                if slot_prompt[g] is None and pending:
+                    i = pending.popleft()
+                    self._admit(g, i, prompts[i], params, keys[i * n:(i + 1) * n], state, stops)
+                    slot_prompt[g], slot_prompt_len[g], slot_age[g] = i, len(prompts[i]), 0
+            active = state.active.view(kv.groups, n).any(1).tolist()
+            for g in range(kv.groups):  # groups that finished (possibly at their first token)
+                if slot_prompt[g] is not None and not active[g]:
+                    results[slot_prompt[g]] = self._collect(g, params, state)
+                    slot_prompt[g] = None
+            if not any(active):
+                if not pending:
+                    break
+                continue
+            longest_prompt = max(slot_prompt_len[g] for g in range(kv.groups) if slot_prompt[g] is not None)
+            for _ in range(self.sync_every):
+                longest_response = max(slot_age[g] for g in range(kv.groups) if slot_prompt[g] is not None) + 1
+                kv.prompt_view = _bucket(longest_prompt, 256, kv.prompt_cap)
+                kv.response_view = _bucket(longest_response, 64, kv.response_cap)
+                self._decode_step(params, state, stops)
+                slot_age = [age + 1 for age in slot_age]
+                if max(slot_age[g] for g in range(kv.groups) if slot_prompt[g] is not None) >= params.max_new_tokens:
+                    break
+            if params.stop_strings:
+                self._apply_stop_strings(params, state, slot_prompt)
+        return results
+
+    def _admit(self, g: int, i: int, prompt: list[int], params, keys, state: "DecodeState", stops) -> None:
+        """Prefill prompt ``i`` into slot ``g`` (in chunks) and sample each of its rows' first token."""
+        kv, n = self.kv, params.n
+        ids = torch.as_tensor(prompt, device=self.device)
+        kv.mode, kv.prefill_slot = "prefill", g
+        for start in range(0, len(prompt), self.prefill_chunk):
+            chunk = ids[start:start + self.prefill_chunk]
+            kv.prefill_start = start
+            positions = torch.arange(start, start + len(chunk), device=self.device)
+            hidden = self.model.base_model(input_ids=chunk[None], position_ids=positions[None],
+                                           attention_mask=NO_MASK.to(self.device), use_cache=False,
+                                           longqa_kv=kv).last_hidden_state
+        kv.mode = "decode"
+        logits = self.model.get_output_embeddings()(hidden[0, -1:]).float().expand(n, -1)
+        rows = slice(g * n, (g + 1) * n)
+        kv.prefix_len[g] = len(prompt)
+        state.keys[rows] = keys
+        tokens, logp = sample_rows(logits, params, keys, torch.zeros(n, dtype=torch.long, device=self.device))
+        state.start(rows, tokens, logp, stops, params.max_new_tokens)
+
+    def _decode_step(self, params, state: "DecodeState", stops) -> None:
+        if not self.cuda_graphs:
+            return self._step(params, state, stops)
+        key = (self.kv.prompt_view, self.kv.response_view, params)
+        graph = self.graphs.get(key)
+        if graph is None:
+            graph = self.graphs[key] = self._capture(params, state, stops)
+        graph.replay()
+
+    def _capture(self, params, state, stops):
+        """Warm up on a side stream, then record one decode step; replay re-runs it on the same buffers."""
+        snapshot = state.snapshot()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._step(params, state, stops)
+                state.restore(snapshot)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._step(params, state, stops)
+        state.restore(snapshot)  # capturing ran nothing; the first replay does the step
+        return graph
+
+    def _step(self, params, state: "DecodeState", stops) -> None:
+        """One token for every row (finished rows compute and are ignored): fixed shapes, no host sync."""
+        kv, n = self.kv, params.n
+        index = state.length  # index of the token sampled now; the fed token sits at index - 1
+        kv.write_at.copy_((index - 1).clamp(0, kv.response_cap - 1))
+        positions = kv.prefix_len.repeat_interleave(n) + index - 1
+        hidden = self.model.base_model(input_ids=state.last[:, None], position_ids=positions[:, None],
+                                       attention_mask=NO_MASK.to(self.device), use_cache=False,
+                                       longqa_kv=kv).last_hidden_state[:, 0]
+        logits = self.model.get_output_embeddings()(hidden).float()
+        tokens, logp = sample_rows(logits, params, state.keys, index)
+        state.advance(tokens, logp, stops, params.max_new_tokens)
+
+    def _collect(self, g: int, params, state: "DecodeState") -> list[Sample]:
+        n = params.n
+        rows = slice(g * n, (g + 1) * n)
+        lengths = state.length[rows].tolist()
+        tokens = state.tokens[rows].tolist()
+        logps = state.logp[rows].tolist() if params.return_logprobs else None
+        stopped = state.stopped[rows].tolist()
+        return [Sample(tokens[j][:lengths[j]], "stop" if stopped[j] else "length",
+                       logps[j][:lengths[j]] if logps is not None else None) for j in range(n)]
+
+    def _apply_stop_strings(self, params, state: "DecodeState", slot_prompt) -> None:
+        """Cut rows at the first token that completes a stop string (searched on the host, per sync)."""
+        window = max(len(s.encode()) for s in params.stop_strings) + 8
+        lengths, tokens = state.length.tolist(), state.tokens.tolist()
+        for row, length in enumerate(lengths):
+            if slot_prompt[row // params.n] is None:
+                continue
+            for end in range(state.checked[row] + 1, length + 1):
+                tail = self.tokenizer.decode(tokens[row][max(0, end - window):end], skip_special_tokens=True)
+                if any(s in tail for s in params.stop_strings):
+                    state.cut(row, end)
+                    length = end
+                    break
+            state.checked[row] = length
+
+
+class DecodeState:
+    """Per-row device tensors of one ``generate`` call, updated in place (so CUDA graphs can replay)."""
+
+    def __init__(self, rows: int, max_new: int, device):
+        self.rows = rows
+        self.tokens = torch.zeros(rows, max_new, dtype=torch.long, device=device)
+        self.logp = torch.zeros(rows, max_new, dtype=torch.float32, device=device)
+        self.length = torch.zeros(rows, dtype=torch.long, device=device)
+        self.last = torch.zeros(rows, dtype=torch.long, device=device)
+        self.active = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.stopped = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.keys = torch.zeros(rows, dtype=torch.long, device=device)
+        self.row_ids = torch.arange(rows, device=device)
+        self.checked = [0] * rows  # host: tokens already searched for stop strings
+
+    def reset(self) -> None:
+        for flag in (self.length, self.active, self.stopped):
+            flag.zero_()
+        self.checked = [0] * self.rows
+
+    def start(self, rows: slice, tokens, logp, stops, max_new: int) -> None:
+        self.tokens[rows, 0], self.logp[rows, 0] = tokens, logp
+        self.length[rows], self.last[rows] = 1, tokens
+        stopped = torch.isin(tokens, stops)
+        self.stopped[rows] = stopped
+        self.active[rows] = ~stopped & (max_new > 1)
+        for row in range(rows.start, rows.stop):
+            self.checked[row] = 0
+
+    def advance(self, tokens, logp, stops, max_new: int) -> None:
+        at = self.length.clamp(max=self.tokens.shape[1] - 1)
+        live = self.active
+        self.tokens[self.row_ids, at] = torch.where(live, tokens, self.tokens[self.row_ids, at])
+        self.logp[self.row_ids, at] = torch.where(live, logp, self.logp[self.row_ids, at])
+        self.last.copy_(torch.where(live, tokens, self.last))
+        stopped = live & torch.isin(tokens, stops)
+        self.stopped.copy_(self.stopped | stopped)
+        self.length.add_(live.long())
+        self.active.copy_(live & ~stopped & (self.length < max_new))
+
+    def cut(self, row: int, length: int) -> None:
+        self.length[row], self.active[row], self.stopped[row] = length, False, True
+
+    def snapshot(self) -> dict:
+        return {name: getattr(self, name).clone() for name in ("tokens", "logp", "length", "last", "active", "stopped")}
+
+    def restore(self, snapshot: dict) -> None:
+        for name, value in snapshot.items():
+            getattr(self, name).copy_(value)

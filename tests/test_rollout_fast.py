@@ -1,0 +1,138 @@
+"""The fast shared-prefix engine against transformers: greedy tokens, log-probs, seeds, slots, budget."""
+
+import pytest
+import torch
+
+from longqa.rollout import HFRolloutEngine, SamplingParams, response_logprobs
+from longqa.rollout.fast import FastRolloutEngine, KVBudgetError
+
+VOCAB, STOP = 97, 5
+
+
+def tiny(family: str = "qwen3"):
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512)
+    config = Qwen3Config(head_dim=8, **common) if family == "qwen3" else LlamaConfig(**common)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float().eval()
+
+
+def prompts(lengths=(3, 17, 1, 40, 9)):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(6, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def hf_greedy(model, prompt, max_new):
+    ids = torch.tensor([prompt], device=model.device)
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                         eos_token_id=[STOP], pad_token_id=0)[0, len(prompt):].tolist()
+    return out[:out.index(STOP) + 1] if STOP in out else out
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("n,groups,chunk", [(1, None, 8192), (3, 2, 4)])
+def test_greedy_equals_transformers_generate(family, n, groups, chunk):
+    """Several prompt lengths, chunked prefill, fewer slots than prompts (groups stream through)."""
+    model = tiny(family)
+    engine = FastRolloutEngine(model, max_groups=groups, prefill_chunk=chunk, sync_every=3)
+    params = SamplingParams(n=n, temperature=0, max_new_tokens=12, stop_token_ids=(STOP,))
+    for prompt, group in zip(prompts(), engine.generate(prompts(), params)):
+        expected = hf_greedy(model, prompt, 12)
+        assert len(group) == n
+        for sample in group:
+            assert sample.token_ids == expected
+            assert sample.finish_reason == ("stop" if expected[-1] == STOP else "length")
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, -1, 1.0), (0.7, 20, 0.9)])
+def test_sampled_logprobs_equal_the_training_recompute(temperature, top_k, top_p):
+    model = tiny()
+    engine = FastRolloutEngine(model, max_groups=2, sync_every=4)
+    params = SamplingParams(n=4, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=10,
+                            stop_token_ids=(STOP,))
+    out = engine.generate(prompts(), params, seeds=[1, 2, 3, 4, 5])
+    distinct = set()
+    for prompt, group in zip(prompts(), out):
+        for sample in group:
+            distinct.add(tuple(sample.token_ids))
+            recomputed = response_logprobs(model, prompt, sample.token_ids, temperature)
+            assert torch.allclose(torch.tensor(sample.logprobs), recomputed, atol=1e-4)
+    assert len(distinct) > 5  # it samples
+
+
+def test_a_seed_gives_the_same_samples_whatever_the_batch():
+    model = tiny()
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=8, stop_token_ids=(STOP,))
+    together = FastRolloutEngine(model, sync_every=2).generate(prompts(), params, seeds=[10, 11, 12, 13, 14])
+    alone = FastRolloutEngine(model, max_groups=1, sync_every=5).generate(prompts()[3:4], params, seeds=[13])
+    assert [s.token_ids for s in alone[0]] == [s.token_ids for s in together[3]]
+    again = FastRolloutEngine(model).generate(prompts(), params, generator=torch.Generator().manual_seed(7))
+    same = FastRolloutEngine(model).generate(prompts(), params, generator=torch.Generator().manual_seed(7))
+    assert [[s.token_ids for s in g] for g in again] == [[s.token_ids for s in g] for g in same]
+
+
+def test_stop_strings_cut_like_the_reference_engine(tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    from longqa.model.load import qwen3_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(qwen3_config(len(tokenizer), 32, 2, 4, 2)).eval()
+    ids = [tokenizer.encode(t) for t in ("Passage 1: Veldora", "Question: In which city")]
+    vocab_text = [tokenizer.decode([i]) for i in range(len(tokenizer))]
+    stop = next(t.strip() for t in vocab_text if len(t.strip()) >= 2)  # some string greedy decoding may produce
+    reasons = []
+    for stops in ((stop,), ("a",), ("e",)):
+        params = SamplingParams(n=2, temperature=0, max_new_tokens=15, stop_strings=stops)
+        fast = FastRolloutEngine(model, tokenizer, sync_every=4).generate(ids, params)
+        ref = HFRolloutEngine(model, tokenizer).generate(ids, params)
+        assert [[(s.token_ids, s.finish_reason) for s in g] for g in fast] == \
+               [[(s.token_ids, s.finish_reason) for s in g] for g in ref]
+        reasons += [s.finish_reason for g in fast for s in g]
+    assert "stop" in reasons and "length" in reasons
+
+
+def test_weights_are_the_training_model_s_own():
+    model = tiny()
+    engine = FastRolloutEngine(model)
+    params = SamplingParams(n=1, temperature=0, max_new_tokens=6)
+    before = engine.generate(prompts()[:2], params)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    after = engine.generate(prompts()[:2], params)
+    assert [g[0].token_ids for g in after] == [hf_greedy(model, p, 6) for p in prompts()[:2]]
+    assert [g[0].token_ids for g in after] != [g[0].token_ids for g in before]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_replays_equal_transformers_and_the_recompute():
+    model = tiny().cuda()
+    engine = FastRolloutEngine(model, max_groups=2, sync_every=3)
+    assert engine.cuda_graphs
+    params = SamplingParams(n=3, temperature=0, max_new_tokens=12, stop_token_ids=(STOP,))
+    for prompt, group in zip(prompts(), engine.generate(prompts(), params)):
+        assert all(s.token_ids == hf_greedy(model, torch.tensor(prompt).cuda().tolist(), 12) for s in group)
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=10, stop_token_ids=(STOP,))
+    out = engine.generate(prompts(), params, seeds=[1, 2, 3, 4, 5])
+    assert out == engine.generate(prompts(), params, seeds=[1, 2, 3, 4, 5])
+    for prompt, group in zip(prompts(), out):
+        for sample in group:
+            recomputed = response_logprobs(model, prompt, sample.token_ids, 1.0).cpu()
+            assert torch.allclose(torch.tensor(sample.logprobs), recomputed, atol=1e-4)
+
+
+def test_a_group_that_cannot_fit_is_a_clear_error():
+    engine = FastRolloutEngine(tiny(), kv_cache_bytes=1000)
+    with pytest.raises(KVBudgetError, match="needs .* GiB of KV cache but the budget is"):
+        engine.generate(prompts(), SamplingParams(n=8, max_new_tokens=64))
+
+
+def test_max_new_tokens_of_one_and_immediate_stops():
+    model = tiny()
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=1)
+    out = FastRolloutEngine(model, max_groups=2).generate(prompts(), params)
+    assert [g[0].token_ids for g in out] == [hf_greedy(model, p, 1) for p in prompts()]
+    assert all(s.finish_reason in ("length", "stop") and len(s.token_ids) == 1 for g in out for s in g)
