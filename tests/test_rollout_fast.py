@@ -124,6 +124,31 @@ def test_cuda_graph_replays_equal_transformers_and_the_recompute():
             assert torch.allclose(torch.tensor(sample.logprobs), recomputed, atol=1e-4)
 
 
+def test_a_copy_in_another_dtype_refreshes_and_is_never_sampled_stale():
+    from longqa.rollout.base import StaleWeightsError
+    from longqa.train.actor import Actor
+
+    from longqa.config import load_config
+
+    model = tiny()
+    engine = FastRolloutEngine(model, dtype=torch.float64)
+    assert engine.model is not model and next(engine.model.parameters()).dtype == torch.float64
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=6)
+    reference = tiny().double()
+    assert [g[0].token_ids for g in engine.generate(prompts()[:2], params)] == \
+           [hf_greedy(reference, p, 6) for p in prompts()[:2]]
+    actor = Actor(model, load_config(None, ["actor.lr=0.1"]), 1, torch.device("cpu"))
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    actor.apply_gradients()  # an optimizer step: the copy is now stale
+    with pytest.raises(StaleWeightsError, match="call sync_weights"):
+        engine.generate(prompts()[:2], params)
+    engine.sync_weights()
+    reference.load_state_dict(model.state_dict())
+    assert [g[0].token_ids for g in engine.generate(prompts()[:2], params)] == \
+           [hf_greedy(reference, p, 6) for p in prompts()[:2]]
+
+
 def test_a_group_that_cannot_fit_is_a_clear_error():
     engine = FastRolloutEngine(tiny(), kv_cache_bytes=1000)
     with pytest.raises(KVBudgetError, match="needs .* GiB of KV cache but the budget is"):

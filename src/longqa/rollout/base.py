@@ -75,6 +75,22 @@ class Sample:
     logprobs: list[float] | None = None
 
 
+VERSION_ATTRIBUTE = "longqa_weights_version"
+
+
+def weights_version(model) -> int:
+    """How many optimizer steps have changed ``model`` (the actor bumps it after each step)."""
+    return getattr(model, VERSION_ATTRIBUTE, 0)
+
+
+def bump_weights_version(model) -> None:
+    setattr(model, VERSION_ATTRIBUTE, weights_version(model) + 1)
+
+
+class StaleWeightsError(RuntimeError):
+    """An engine holding its own copy of the weights was asked to sample after an update it has not loaded."""
+
+
 class RolloutEngine(ABC):
     """Samples responses for token-id prompts; implemented by the transformers reference engine and by
     faster ones."""

@@ -6,8 +6,11 @@ holds one prompt's KV once and the n samples' own tokens beside it, and decode a
 in two exact halves merged by their log-sum-exp: all n samples' queries against the shared prompt
 (one batched matmul that reads the prompt once per group), and each sample against its own tokens.
 
-The model is the training model itself (the very modules and tensors the optimizer updates, so the
-weights are never stale and never copied); its attention goes through longqa's dispatcher
+By default the model is the training model itself (the very modules and tensors the optimizer
+updates, so the weights are never stale and never copied). Asked for another dtype, the engine keeps
+its own copy, refreshed in place by ``sync_weights`` (so captured graphs stay valid) and checked
+against the training model's weights version before every ``generate``, so a stale copy is never
+sampled. Either way its attention goes through longqa's dispatcher
 (``model/attention.py``), which hands each layer's projected, normed, rotated queries, keys and
 values to ``SharedPrefixKV.attend``. No model code is copied.
 
@@ -23,6 +26,7 @@ so a request's samples depend on its seed alone: not on the batch, the slot or t
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from collections import deque
@@ -32,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from longqa.model.attention import NO_MASK, use_longqa_attention
-from longqa.rollout.base import RolloutEngine, Sample, SamplingParams
+from longqa.rollout.base import RolloutEngine, Sample, SamplingParams, StaleWeightsError, weights_version
 from longqa.rollout.hf import eval_mode, filter_logits
 
 MASK32 = 0xFFFFFFFF
@@ -198,20 +202,32 @@ class FastRolloutEngine(RolloutEngine):
     """
 
     def __init__(self, model, tokenizer=None, kv_cache_bytes: int | None = None, prefill_chunk: int = 8192,
-                 sync_every: int = 16, cuda_graphs: bool = True, max_groups: int | None = None):
-        self.model, self.tokenizer = model, tokenizer
+                 sync_every: int = 16, cuda_graphs: bool = True, max_groups: int | None = None, dtype=None):
+        self.source, self.tokenizer = model, tokenizer
+        self.model = model
+        if dtype is not None and dtype != next(model.parameters()).dtype:
+            self.model = copy.deepcopy(model).to(dtype).requires_grad_(False)
+        self.version = weights_version(model)
         self.kv_cache_bytes, self.prefill_chunk, self.sync_every = kv_cache_bytes, prefill_chunk, sync_every
         self.max_groups = max_groups
-        self.device = next(model.parameters()).device
+        first = next(self.model.parameters())
+        self.device, self.dtype = first.device, first.dtype
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
-        config = model.config
+        config = self.model.config
         self.layers = config.num_hidden_layers
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.dtype = next(model.parameters()).dtype
         self.kv: SharedPrefixKV | None = None
         self.graphs: dict = {}
-        use_longqa_attention(model)
+        use_longqa_attention(self.model)
+
+    def sync_weights(self) -> None:
+        """Load the training model's current weights into the engine's copy (in place); free when shared."""
+        if self.model is not self.source:
+            with torch.no_grad():
+                for mine, theirs in zip(self.model.parameters(), self.source.parameters()):
+                    mine.copy_(theirs)
+        self.version = weights_version(self.source)
 
     # --------------------------------------------------------------------------------------- memory
 
@@ -262,6 +278,9 @@ class FastRolloutEngine(RolloutEngine):
             raise ValueError("every prompt needs at least one token")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer: pass one to FastRolloutEngine")
+        if self.model is not self.source and self.version != weights_version(self.source):
+            raise StaleWeightsError(f"the engine's weights copy is version {self.version} but the training model is "
+                                    f"at {weights_version(self.source)}: call sync_weights() after each update")
         if seeds is None:
             device = generator.device if generator is not None else "cpu"
             seeds = torch.randint(0, 2**62, (len(prompts),), generator=generator, device=device).tolist()

@@ -23,6 +23,7 @@ from longqa.config import Config
 from longqa.model.attention import BLOCK, resolve_backend, use_longqa_attention
 from longqa.model.logprobs import packed_logprobs, token_logprobs
 from longqa.model.packing import build_packed_batch, plan_packs, tokens_saved
+from longqa.rollout.base import bump_weights_version
 
 
 class TrainingError(RuntimeError):
@@ -226,6 +227,7 @@ class Actor:
             return stats
         self.bad_steps = 0
         self.optimizer.step()
+        bump_weights_version(self.model)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return stats

@@ -153,6 +153,7 @@ class Trainer:
                         response_ids=[s.token_ids for s in samples], advantages=advantages, group_size=n)
         t_update = time.perf_counter()
         update = self.actor.update(batch)
+        self.engine.sync_weights()
         end = time.perf_counter()
         lengths = np.array([len(s.token_ids) for s in samples])
         tokens = sum(batch.length(i) for i in range(len(batch)))
