@@ -18,6 +18,7 @@ Command groups:
   data     make training data: the LoongRL seed recipe's files, offline synthetic files, tokenized prompts
   sft      supervised warm-up on reference responses (how the embedded default model is made)
   bench    speed of the training layouts on random-weight models of real shapes
+  cluster  start or stop a Ray cluster over ssh from an MPI-style hostfile
   config   show the resolved config and every key it accepts
 """
 
@@ -174,6 +175,19 @@ def cmd_bench_step(args: argparse.Namespace) -> None:
             json.dump(results, f, indent=1)
 
 
+def cmd_cluster(args: argparse.Namespace) -> None:
+    from longqa.dist import cluster
+
+    hosts = cluster.parse_hostfile(args.hostfile)
+    if args.command == "up":
+        cluster.run_steps(cluster.up_commands(hosts, args.port, args.ray), args.dry_run)
+        print(cluster.reach_message(hosts, args.port))
+    elif args.command == "down":
+        cluster.run_steps(cluster.down_commands(hosts, args.ray), args.dry_run)
+    else:
+        cluster.run_steps(cluster.status_command(hosts, args.port, args.ray), args.dry_run)
+
+
 def _add_dataclass_args(p: argparse.ArgumentParser, cls: type) -> None:
     """One --flag per field of an options dataclass, typed by its default."""
     import dataclasses
@@ -325,6 +339,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="also write the results here")
     p.set_defaults(func=cmd_bench_step)
 
+    cluster_p = groups.add_parser("cluster", help="a Ray cluster over ssh from a hostfile",
+                                  description="Start, stop or inspect a Ray cluster on the hosts of an MPI-style "
+                                  "hostfile ('IP slots=N' per line; # comments and blank lines allowed). The first host "
+                                  "runs the head; every command is printed before it runs.")
+    cluster_cmds = cluster_p.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)
+    for name, text in (("up", "stop any Ray on the hosts, start the head on the first and workers on the rest"),
+                       ("down", "stop Ray on every host"), ("status", "print the cluster's resources")):
+        p = cluster_cmds.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
+        p.add_argument("--hostfile", required=True, help="one 'IP slots=N' per line")
+        p.add_argument("--port", type=int, default=6379, help="the head's port (default 6379)")
+        p.add_argument("--ray", default="ray", help="the ray executable on the hosts (default: ray)")
+        p.add_argument("--dry-run", action="store_true", help="print the commands without running them")
+        p.set_defaults(func=cmd_cluster)
+
     config = groups.add_parser("config", help="show the config", description="The typed config tree: YAML plus "
                                "dotted key=value overrides, checked before any work starts.")
     config_cmds = config.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)
@@ -339,6 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from longqa.data.io import DataFileError
+    from longqa.dist.cluster import HostfileError
     from longqa.data.loongrl import SourceError
     from longqa.model.load import ModelError
     from longqa.model.tokenizer import TokenizerError
@@ -352,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.func(args)
     except (ConfigError, DataFileError, SourceError, TokenizerError, ModelError, CheckpointError, TrainingError,
-            KVBudgetError) as e:
+            KVBudgetError, HostfileError) as e:
         print(f"longqa: error: {e}", file=sys.stderr)
         return 2
     return 0

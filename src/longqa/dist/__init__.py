@@ -1,0 +1,1 @@
+"""Distributed runs: cluster start-up from a hostfile, memory planning."""
