@@ -19,6 +19,7 @@ Command groups:
   sft      supervised warm-up on reference responses (how the embedded default model is made)
   bench    speed of the training layouts on random-weight models of real shapes
   cluster  start or stop a Ray cluster over ssh from an MPI-style hostfile
+  plan     per-GPU memory of a run, refused with what to change when it cannot fit
   config   show the resolved config and every key it accepts
 """
 
@@ -188,6 +189,35 @@ def cmd_cluster(args: argparse.Namespace) -> None:
         cluster.run_steps(cluster.status_command(hosts, args.port, args.ray), args.dry_run)
 
 
+def cmd_plan(args: argparse.Namespace) -> None:
+    from longqa.dist.planner import GIB, ModelSizes, check_plan, plan_memory
+
+    cfg = load_config(args.config, args.overrides)
+    if args.shape:
+        from transformers import Qwen3Config
+
+        from longqa.bench import SHAPES
+
+        model_config = Qwen3Config(**SHAPES[args.shape])
+    else:
+        from transformers import AutoConfig
+
+        from longqa.model.load import EMBEDDED_MODEL
+
+        model_config = AutoConfig.from_pretrained(cfg.model.path or str(EMBEDDED_MODEL))
+    sizes = ModelSizes.from_config(model_config)
+    options = dict(micro_batch_tokens=cfg.actor.max_tokens_per_micro_batch,
+                   kv_cache_bytes=cfg.rollout.kv_cache_bytes)
+    plan = plan_memory(sizes, world_size=args.gpus, gpu_bytes=int(args.gpu_memory_gib * GIB),
+                       prompt_length=cfg.data.max_prompt_length, response_length=cfg.data.max_response_length,
+                       n=cfg.rollout.n, gradient_checkpointing=cfg.model.gradient_checkpointing,
+                       cpu_offload=args.cpu_offload, **options)
+    print(f"{sizes.params / 1e9:.2f}B parameters on {args.gpus} GPU(s) of {args.gpu_memory_gib:g} GiB"
+          f"{' with CPU offload' if args.cpu_offload else ''}:\n{plan.table()}")
+    check_plan(plan, args.cpu_offload, cfg.model.gradient_checkpointing, **options)
+    print("fits")
+
+
 def _add_dataclass_args(p: argparse.ArgumentParser, cls: type) -> None:
     """One --flag per field of an options dataclass, typed by its default."""
     import dataclasses
@@ -353,6 +383,19 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--dry-run", action="store_true", help="print the commands without running them")
         p.set_defaults(func=cmd_cluster)
 
+    p = groups.add_parser("plan", help="per-GPU memory of a run; refused with what to change when it cannot fit",
+                          description="Estimate per-GPU memory of CONFIG on --gpus GPUs (model sharded over them): "
+                          "training state, unsharded layers, activations of one micro-batch, the rollout engine's "
+                          "weights and KV cache. Exits 2 with the settings to change when it cannot fit.")
+    _add_config_args(p)
+    p.add_argument("--gpus", type=int, default=1, help="GPUs the model is sharded over (default 1)")
+    p.add_argument("--gpu-memory-gib", type=float, default=141.0, help="memory of one GPU (default 141, an H200)")
+    p.add_argument("--cpu-offload", action="store_true", help="training state (weights, grads, AdamW) on the CPU")
+    from longqa.bench import SHAPES as _SHAPES
+
+    p.add_argument("--shape", choices=sorted(_SHAPES), help="a known model shape instead of model.path's config")
+    p.set_defaults(func=cmd_plan)
+
     config = groups.add_parser("config", help="show the config", description="The typed config tree: YAML plus "
                                "dotted key=value overrides, checked before any work starts.")
     config_cmds = config.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)
@@ -368,6 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from longqa.data.io import DataFileError
     from longqa.dist.cluster import HostfileError
+    from longqa.dist.planner import PlanError
     from longqa.data.loongrl import SourceError
     from longqa.model.load import ModelError
     from longqa.model.tokenizer import TokenizerError
@@ -381,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.func(args)
     except (ConfigError, DataFileError, SourceError, TokenizerError, ModelError, CheckpointError, TrainingError,
-            KVBudgetError, HostfileError) as e:
+            KVBudgetError, HostfileError, PlanError) as e:
         print(f"longqa: error: {e}", file=sys.stderr)
         return 2
     return 0

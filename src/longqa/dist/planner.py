@@ -1,0 +1,133 @@
+"""Will this run fit? Per-GPU memory of a plan, estimated before any weight is loaded.
+
+A run that dies of out-of-memory after the model loads, the data tokenizes and the first rollout
+finishes wastes minutes to hours; the arithmetic to predict it is simple. Per GPU, with the model
+sharded over ``world_size`` ranks (FSDP2, ZeRO-3 style):
+
+- training state: fp32 master weights, fp32 gradients and AdamW's two fp32 moments, 16 bytes per
+  parameter, divided by the ranks; on the CPU instead when offloaded (the recipe's ZeRO-3 + CPU
+  optimizer offload);
+- the unsharded layers being computed: two decoder layers (this one and the prefetched next) and the
+  embedding/LM head, in bf16;
+- activations of one micro-batch of ``max_tokens_per_micro_batch`` packed tokens: with gradient
+  checkpointing, one hidden state per layer plus one layer's recompute and an LM-head chunk;
+  without it, every layer's intermediates;
+- the rollout engine: a full bf16 copy of the weights (gathered layer by layer after each update),
+  and the KV cache of at least one group (the prompt once, n responses).
+
+It is an estimate (allocator fragmentation, NCCL buffers and CUDA context are a fixed margin), meant
+to refuse plans that cannot work, naming the setting to change, not to promise a tight fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 2**30
+MARGIN_BYTES = 6 * GIB  # CUDA context, NCCL buffers, allocator fragmentation
+LM_HEAD_CHUNK = 2048  # tokens per LM-head chunk (model/logprobs.py)
+
+
+class PlanError(ValueError):
+    """The plan cannot fit; the message says what to change."""
+
+
+@dataclass
+class ModelSizes:
+    params: int
+    layer_params: int
+    embedding_params: int  # input embedding + LM head (once when tied)
+    hidden: int
+    intermediate: int
+    layers: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+    @classmethod
+    def from_config(cls, config) -> "ModelSizes":
+        """Counted on the meta device: any transformers architecture, no memory, no download."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        params = sum(p.numel() for p in model.parameters())
+        layer = sum(p.numel() for p in model.base_model.layers[0].parameters())
+        heads = config.num_attention_heads
+        return cls(params=params, layer_params=layer, embedding_params=params - layer * config.num_hidden_layers,
+                   hidden=config.hidden_size, intermediate=config.intermediate_size, layers=config.num_hidden_layers,
+                   kv_heads=config.num_key_value_heads,
+                   head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+                   vocab=config.vocab_size)
+
+
+@dataclass
+class MemoryPlan:
+    """Bytes per GPU by what holds them."""
+
+    world_size: int
+    gpu_bytes: int
+    training_state: int
+    unsharded_layers: int
+    activations: int
+    rollout_weights: int
+    rollout_kv: int
+    margin: int = MARGIN_BYTES
+
+    @property
+    def total(self) -> int:
+        return (self.training_state + self.unsharded_layers + self.activations + self.rollout_weights
+                + self.rollout_kv + self.margin)
+
+    def table(self) -> str:
+        rows = [("training state (weights, grads, AdamW)", self.training_state),
+                ("unsharded layers in flight", self.unsharded_layers), ("activations", self.activations),
+                ("rollout weights (bf16 copy)", self.rollout_weights), ("rollout KV cache", self.rollout_kv),
+                ("margin (context, NCCL, fragmentation)", self.margin), ("total", self.total),
+                ("GPU memory", self.gpu_bytes)]
+        return "\n".join(f"  {name:<40} {value / GIB:8.1f} GiB" for name, value in rows)
+
+
+def plan_memory(sizes: ModelSizes, *, world_size: int, gpu_bytes: int, micro_batch_tokens: int,
+                prompt_length: int, response_length: int, n: int, gradient_checkpointing: bool = True,
+                cpu_offload: bool = False, kv_cache_bytes: int | None = None) -> MemoryPlan:
+    """Per-GPU bytes of a plan (see the module docstring for what is counted)."""
+    bf16 = 2
+    state = 0 if cpu_offload else 16 * sizes.params // world_size
+    unsharded = bf16 * (2 * sizes.layer_params + sizes.embedding_params)
+    tokens = micro_batch_tokens
+    per_token_layer = bf16 * (12 * sizes.hidden + 4 * sizes.intermediate)  # q,k,v,o, norms, residuals, MLP
+    if gradient_checkpointing:
+        activations = tokens * (bf16 * sizes.hidden * sizes.layers + per_token_layer)
+    else:
+        activations = tokens * per_token_layer * sizes.layers
+    activations += 3 * 4 * min(tokens, LM_HEAD_CHUNK) * sizes.vocab  # float32 logits of one chunk, twice + grad
+    one_group = 2 * bf16 * sizes.layers * sizes.kv_heads * sizes.head_dim * (prompt_length + n * response_length)
+    kv = max(kv_cache_bytes or 0, one_group)
+    return MemoryPlan(world_size=world_size, gpu_bytes=gpu_bytes, training_state=state, unsharded_layers=unsharded,
+                      activations=activations, rollout_weights=bf16 * sizes.params, rollout_kv=kv)
+
+
+def check_plan(plan: MemoryPlan, cpu_offload: bool, gradient_checkpointing: bool, micro_batch_tokens: int,
+               kv_cache_bytes: int | None, offload_setting: str = "--cpu-offload") -> None:
+    """Refuse a plan over the GPU's memory, naming the settings that would make it fit."""
+    if plan.total <= plan.gpu_bytes:
+        return
+    over = (plan.total - plan.gpu_bytes) / GIB
+    advice = []
+    if not cpu_offload and plan.training_state > plan.total - plan.gpu_bytes:
+        advice.append(f"offload the training state to the CPU ({offload_setting} frees "
+                      f"{plan.training_state / GIB:.1f} GiB per GPU)")
+    elif not cpu_offload and plan.training_state:
+        advice.append(f"offload the training state to the CPU ({offload_setting})")
+    if not gradient_checkpointing:
+        advice.append("turn on model.gradient_checkpointing")
+    if plan.activations > 0.2 * plan.gpu_bytes:
+        advice.append(f"lower actor.max_tokens_per_micro_batch (now {micro_batch_tokens})")
+    if kv_cache_bytes and plan.rollout_kv > 0.2 * plan.gpu_bytes:
+        advice.append("lower rollout.kv_cache_bytes")
+    if plan.training_state and plan.world_size < 64:
+        advice.append("use more GPUs (the training state is divided by their number)")
+    raise PlanError(f"this plan needs about {plan.total / GIB:.1f} GiB per GPU but a GPU has "
+                    f"{plan.gpu_bytes / GIB:.1f} GiB ({over:.1f} GiB over); to fit: " + "; or ".join(advice))

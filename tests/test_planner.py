@@ -1,0 +1,64 @@
+"""The memory planner: sizes counted on the meta device, plans that fit, refusals that say what to change."""
+
+import pytest
+from transformers import Qwen3Config
+
+from longqa.bench import SHAPES
+from longqa.cli import main
+from longqa.dist.planner import GIB, ModelSizes, PlanError, check_plan, plan_memory
+
+H200 = 141 * GIB
+RECIPE = dict(micro_batch_tokens=16384, prompt_length=16384, response_length=4096, n=8)
+
+
+def sizes(shape):
+    return ModelSizes.from_config(Qwen3Config(**SHAPES[shape]))
+
+
+def test_sizes_match_the_released_parameter_counts():
+    assert sizes("qwen3-32b").params == pytest.approx(32.8e9, rel=0.01)
+    assert sizes("qwen3-8b").params == pytest.approx(8.19e9, rel=0.01)
+    tied = sizes("qwen3-1.7b")
+    assert tied.params == pytest.approx(1.72e9, rel=0.01)  # tied: the embedding counts once
+    assert tied.embedding_params == 151936 * 2048 + 2048  # embedding + final norm
+
+
+def plan(shape, gpus, offload=False, checkpointing=True, **extra):
+    options = {**RECIPE, **extra}
+    p = plan_memory(sizes(shape), world_size=gpus, gpu_bytes=H200, gradient_checkpointing=checkpointing,
+                    cpu_offload=offload, **options)
+    check_plan(p, offload, checkpointing, options["micro_batch_tokens"], options.get("kv_cache_bytes"))
+    return p
+
+
+def test_qwen3_32b_on_8_gpus_needs_offload():
+    with pytest.raises(PlanError, match=r"offload the training state to the CPU \(--cpu-offload frees 61.0 GiB"):
+        plan("qwen3-32b", 8)
+    fits = plan("qwen3-32b", 8, offload=True)
+    assert fits.training_state == 0 and fits.total < H200
+    assert plan("qwen3-32b", 32).total < H200  # the recipe's 4 nodes x 8 shard it enough
+
+
+def test_small_models_fit_and_the_state_divides_by_the_ranks():
+    one, eight = plan("qwen3-1.7b", 1), plan("qwen3-1.7b", 8)
+    assert one.training_state == 8 * eight.training_state
+    assert one.rollout_weights == eight.rollout_weights  # the engine holds full weights on every rank
+
+
+def test_activation_settings_are_named_when_they_are_the_problem():
+    with pytest.raises(PlanError, match="turn on model.gradient_checkpointing"):
+        plan("qwen3-8b", 8, checkpointing=False, micro_batch_tokens=65536)
+    with pytest.raises(PlanError, match=r"lower actor.max_tokens_per_micro_batch \(now 262144\)"):
+        plan("qwen3-8b", 8, offload=True, micro_batch_tokens=262144)
+    with pytest.raises(PlanError, match="lower rollout.kv_cache_bytes"):
+        plan("qwen3-8b", 8, offload=True, kv_cache_bytes=120 * GIB)
+
+
+def test_cli_prints_the_table_and_refuses_with_exit_2(capsys):
+    assert main(["plan", "configs/loongrl-qwen3-32b.yaml", "--gpus", "8", "--shape", "qwen3-32b",
+                 "--cpu-offload"]) == 0
+    assert "fits" in capsys.readouterr().out
+    assert main(["plan", "configs/loongrl-qwen3-32b.yaml", "--gpus", "8", "--shape", "qwen3-32b"]) == 2
+    captured = capsys.readouterr()
+    assert "rollout KV cache" in captured.out and "--cpu-offload" in captured.err
+    assert main(["plan"]) == 0  # the embedded default on one GPU
