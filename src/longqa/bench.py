@@ -115,7 +115,7 @@ def bench_train(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int = 1
 
         def step():
             for micro in actor.micro_batches(samples, list(range(n))):
-                logp, _, mask = actor.forward(model, micro)
+                logp, _, mask = actor.forward(actor.scorer, micro)
                 (logp * mask).sum().backward()
             model.zero_grad(set_to_none=True)
 

@@ -20,6 +20,8 @@ import torch
 from longqa import algo
 from longqa.batching import budget_batches, collate_right
 from longqa.config import Config
+from longqa.dist.env import all_reduce, world_size
+from longqa.dist.fsdp import shard_model
 from longqa.model.attention import BLOCK, resolve_backend, use_longqa_attention
 from longqa.model.logprobs import packed_logprobs, token_logprobs
 from longqa.model.packing import build_packed_batch, plan_packs, tokens_saved
@@ -82,23 +84,54 @@ def _response_mask(micro: MicroBatch) -> torch.Tensor:
     return micro.inputs[2] if isinstance(micro.inputs, tuple) else micro.inputs.response_mask()
 
 
+class PolicyScorer(torch.nn.Module):
+    """Response-token log-probs of a micro-batch, as one module call.
+
+    The log-probs need the decoder (``base_model``) and the LM head's weight but not the model's own
+    forward (which would compute logits everywhere). Wrapping that in a module gives FSDP2 a root to
+    shard: its hooks gather and reduce the embedding, final norm and LM head around this call, as
+    each decoder layer's hooks do around the layer.
+    """
+
+    def __init__(self, model, temperature: float):
+        super().__init__()
+        self.model, self.temperature = model, temperature
+
+    def forward(self, inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if isinstance(inputs, tuple):
+            ids, attention, response = inputs
+            logp, entropy = token_logprobs(self.model, ids, attention, response, self.temperature)
+            return logp, entropy, response
+        return packed_logprobs(self.model, inputs, self.temperature)
+
+
 class Actor:
-    def __init__(self, model, cfg: Config, total_steps: int, device: torch.device, pad_token_id: int = 0):
+    """Owns the policy's training: its scorer (sharded with FSDP2 when the process group has several
+    ranks), optimizer and schedule, the old-log-prob pass and the PPO-clip update."""
+
+    def __init__(self, model, cfg: Config, total_steps: int, device: torch.device, pad_token_id: int = 0,
+                 cpu_offload: bool = False):
         self.model, self.cfg, self.device, self.pad = model, cfg, device, pad_token_id
         a = cfg.actor
         self.backend = resolve_backend(a.attention_backend, device) if a.shared_prompt else None
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=tuple(a.betas),
+        temperature = cfg.rollout.temperature or 1.0
+        if a.shared_prompt:
+            use_longqa_attention(model)
+        # A frozen copy of the starting weights, only when a KL penalty asks for one (the recipe has none).
+        self.reference = None
+        if cfg.algo.kl_coef > 0:
+            self.reference = PolicyScorer(copy.deepcopy(model).eval().requires_grad_(False), temperature)
+        self.scorer = PolicyScorer(model, temperature)
+        if world_size() > 1:  # parameters become shards: the optimizer must be built on them, after
+            for scorer in (self.scorer, self.reference):
+                if scorer is not None:
+                    shard_model(scorer, scorer.model.base_model.layers, device, cpu_offload)
+        self.optimizer = torch.optim.AdamW(self.scorer.parameters(), lr=a.lr, betas=tuple(a.betas),
                                            weight_decay=a.weight_decay)
         self.updates_per_step = a.ppo_epochs * math.ceil(cfg.data.train_batch_size / a.ppo_mini_batch_size)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(cfg, max(1, total_steps * self.updates_per_step)))
         self.bad_steps = 0  # consecutive non-finite updates
-        # A frozen copy of the starting weights, only when a KL penalty asks for one (the recipe has none).
-        self.reference = copy.deepcopy(model).eval().requires_grad_(False) if cfg.algo.kl_coef > 0 else None
-        if a.shared_prompt:
-            for m in (model, self.reference):
-                if m is not None:
-                    use_longqa_attention(m)
 
     def micro_batches(self, samples: Samples, indices: list[int]) -> list[MicroBatch]:
         """``indices`` (whole groups, group-contiguous) cut to ``actor.max_tokens_per_micro_batch``."""
@@ -119,14 +152,9 @@ class Actor:
             out.append(MicroBatch(pack.samples, pack.to(self.device)))
         return out
 
-    def forward(self, model, micro: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, scorer: PolicyScorer, micro: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(logp, entropy, mask)``, ``[len(micro.index), width]``, rows in ``micro.index`` order."""
-        temperature = self.cfg.rollout.temperature or 1.0
-        if isinstance(micro.inputs, tuple):
-            ids, attention, response = micro.inputs
-            logp, entropy = token_logprobs(model, ids, attention, response, temperature)
-            return logp, entropy, response
-        return packed_logprobs(model, micro.inputs, temperature)
+        return scorer(micro.inputs)
 
     @torch.no_grad()
     def logprobs(self, samples: Samples) -> list[torch.Tensor]:
@@ -134,8 +162,13 @@ class Actor:
         was_training = self.model.training
         self.model.eval()
         out: list[torch.Tensor] = [None] * len(samples)
-        for micro in self.micro_batches(samples, list(range(len(samples)))):
-            logp, _, mask = self.forward(self.model, micro)
+        micros = self.micro_batches(samples, list(range(len(samples))))
+        rounds = int(all_reduce([len(micros)], "max", self.device)[0])  # every sharded forward is a collective
+        for k in range(rounds):
+            micro = micros[min(k, len(micros) - 1)]
+            logp, _, mask = self.forward(self.scorer, micro)
+            if k >= len(micros):
+                continue
             for row, i in enumerate(micro.index):
                 out[i] = logp[row][mask[row]].cpu()
         self.model.train(was_training)
@@ -180,14 +213,25 @@ class Actor:
         return stats
 
     def accumulate_gradients(self, samples: Samples, mini: list[int], old: list[torch.Tensor] | None) -> dict:
-        """Backward over the mini-batch's micro-batches; the summed gradient is the whole mini-batch's."""
+        """Backward over the mini-batch's micro-batches; the summed gradient is the whole mini-batch's.
+
+        Under data parallelism (FSDP2) each rank passes its own groups: the token/sequence counts are
+        summed over the ranks so every loss is divided by the global mini-batch's, each loss is scaled
+        by the world size (FSDP averages gradients over ranks), and ranks with fewer micro-batches
+        repeat their last one at weight 0, since every backward is a collective."""
         cfg = self.cfg
         micros = self.micro_batches(samples, mini)
         denominators = algo.global_denominators([_response_mask(m) for m in micros], cfg.data.max_response_length)
+        world, rounds = world_size(), len(micros)
+        if world > 1:
+            tokens, seqs = all_reduce([denominators["num_tokens"], denominators["num_seqs"]], "sum", self.device)
+            denominators.update(num_tokens=int(tokens), num_seqs=int(seqs))
+            rounds = int(all_reduce([len(micros)], "max", self.device)[0])
         stats: dict[str, float] = {}
-        for micro in micros:
+        for k in range(rounds):
+            micro, weight = (micros[k], float(world)) if k < len(micros) else (micros[-1], 0.0)
             index = micro.index
-            logp, entropy, response = self.forward(self.model, micro)
+            logp, entropy, response = self.forward(self.scorer, micro)
             if old is None:
                 old_logp = logp.detach()
             else:
@@ -205,17 +249,22 @@ class Actor:
             loss, loss_stats = algo.total_loss(token_losses, response, cfg.algo.loss_agg_mode, entropy=entropy,
                                                entropy_coeff=cfg.algo.entropy_coeff, kl=kl,
                                                kl_coef=cfg.algo.kl_coef, **denominators)
-            loss.backward()
+            (loss * weight).backward()
+            if weight == 0:
+                continue
             share = int(response.sum()) / max(1, denominators["num_tokens"])  # token-weighted averages
             for key, value in {**pg_stats, **loss_stats}.items():
                 summed = key in loss_stats  # already divided by the mini-batch denominators
                 stats[key] = stats.get(key, 0.0) + float(value) * (1.0 if summed else share)
+        if world > 1:  # each rank holds its share of every average: the sum is the global value
+            keys = sorted(stats)
+            stats = dict(zip(keys, all_reduce([stats[k] for k in keys], "sum", self.device)))
         return stats
 
     def apply_gradients(self) -> dict:
         """Clip and step, or skip (and count) an update whose gradient is not finite."""
         cfg = self.cfg
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.actor.grad_clip))
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.scorer.parameters(), cfg.actor.grad_clip))
         stats = {"grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0], "skipped_updates": 0.0}
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)

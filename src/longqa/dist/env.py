@@ -1,0 +1,56 @@
+"""Who am I in a distributed run: rank, world size and device, from torchrun's (or Ray Train's) environment."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def from_environment(cls) -> "DistEnv":
+        """torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; a plain process is rank 0 of 1."""
+        return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
+                   int(os.environ.get("LOCAL_RANK", 0)))
+
+    def device(self, requested: str = "auto") -> torch.device:
+        if requested.startswith("cuda") or (requested == "auto" and torch.cuda.is_available()):
+            return torch.device("cuda", self.local_rank)
+        return torch.device("cpu")
+
+    def init(self, device: torch.device) -> None:
+        """Join the process group (NCCL on GPUs, gloo on CPUs) once; nothing to do for a single process."""
+        if self.distributed and not dist.is_initialized():
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=self.rank,
+                                    world_size=self.world_size)
+
+
+def all_reduce(values: list[float], op: str = "sum", device: torch.device | str = "cpu") -> list[float]:
+    """Reduce a few host numbers over the ranks (identity in a single process)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+    return tensor.tolist()
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

@@ -1,0 +1,37 @@
+"""Sharding the model with PyTorch's FSDP2: ``fully_shard`` per decoder layer, then the root.
+
+Each rank keeps 1/world of every parameter (and of its gradient and optimizer state); a layer's
+full weights exist only while it runs (all-gathered in its forward, and again for the backward).
+On GPUs the forward runs in bf16 with gradients reduced in fp32; ``cpu_offload`` keeps the shards,
+their gradients and the AdamW step on the CPU (the recipe's ZeRO-3 + CPU optimizer offload), pinning
+host memory only when CUDA is there to use it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def shard_model(root, layers, device: torch.device, cpu_offload: bool = False, mixed_precision: bool | None = None):
+    """Shard each of ``layers`` and then ``root`` (which holds them and the remaining parameters: the
+    embedding, final norm and LM head) in place over the default process group; returns ``root``."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    if mixed_precision is None:
+        mixed_precision = device.type == "cuda"
+    options = {}
+    if mixed_precision:
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    options["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload \
+        else OffloadPolicy()
+    for layer in layers:
+        fully_shard(layer, **options)
+    fully_shard(root, **options)
+    return root
+
+
+def full_state_dict(model) -> dict:
+    """Every parameter unsharded, on the CPU, on every rank (collective: all ranks must call it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -1,0 +1,105 @@
+"""Data-parallel training with FSDP2 over gloo on the CPU equals the single-process step."""
+
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from longqa.config import load_config
+from longqa.train.actor import Actor, Samples
+
+VOCAB, GROUPS, N = 97, 4, 3
+
+
+def tiny():
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()
+
+
+def global_samples() -> Samples:
+    """Groups of different prompt and response lengths, so ranks get different micro-batch counts."""
+    g = torch.Generator().manual_seed(3)
+    prompts, responses = [], []
+    for k in range(GROUPS):
+        prompt = torch.randint(1, VOCAB, (4 + 7 * k,), generator=g).tolist()
+        for j in range(N):
+            prompts.append(prompt)
+            responses.append(torch.randint(1, VOCAB, (1 + (5 * j + 3 * k) % 9,), generator=g).tolist())
+    return Samples(prompts, responses, torch.randn(GROUPS * N, generator=g), N)
+
+
+def rank_share(samples: Samples, rank: int, world: int) -> Samples:
+    """Rank r owns whole groups: the r-th contiguous share."""
+    per = GROUPS // world
+    rows = slice(rank * per * N, (rank + 1) * per * N)
+    return Samples(samples.prompt_ids[rows], samples.response_ids[rows], samples.advantages[rows], N)
+
+
+def config(shared: str, mode: str, budget: int):
+    return load_config(None, [f"actor.shared_prompt={shared}", f"algo.loss_agg_mode={mode}", "actor.lr=1e-6",
+                              f"actor.max_tokens_per_micro_batch={budget}", f"data.train_batch_size={GROUPS}",
+                              f"actor.ppo_mini_batch_size={GROUPS}", f"rollout.n={N}", "data.max_response_length=9",
+                              "actor.attention_backend=dense", "algo.entropy_coeff=0.01"])
+
+
+def step(actor: Actor, samples: Samples, full=lambda t: t) -> tuple[dict, dict]:
+    """Stats and gradients (unsharded by ``full``) of one update, which is then applied."""
+    old = [o - 0.05 * (i % 3) for i, o in enumerate(actor.logprobs(samples))]  # exercise clipping
+    stats = actor.accumulate_gradients(samples, list(range(len(samples))), old)
+    grads = {name.removeprefix("model."): full(p.grad).clone() for name, p in actor.scorer.named_parameters()}
+    stats.update(actor.apply_gradients())
+    return stats, grads
+
+
+def _worker(rank, world, port, shared, mode, budget, out):
+    import os
+
+    import torch.distributed as dist
+
+    from longqa.dist.fsdp import full_state_dict
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        actor = Actor(tiny(), config(shared, mode, budget), 1, torch.device("cpu"))  # shards: world > 1
+        assert type(next(actor.scorer.parameters())).__name__ == "DTensor"
+        stats, grads = step(actor, rank_share(global_samples(), rank, world), lambda t: t.full_tensor())
+        state = {k.removeprefix("model."): v for k, v in full_state_dict(actor.scorer).items()}
+        if rank == 0:
+            torch.save({"state": state, "stats": stats, "grads": grads}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shared,mode", [("true", "token-mean"), ("false", "seq-mean-token-mean"),
+                                         ("true", "seq-mean-token-sum-norm")])
+def test_two_ranks_take_the_single_process_step(tmp_path, shared, mode):
+    """The gradient is what a step is made of: equal to 1e-6 of each tensor's largest entry. After
+    AdamW (whose first step divides by |g| and so amplifies float noise where g ~ 0) the weights agree
+    to float32 rounding (1e-8, a few ulps of these weights) at the recipe's lr of 1e-6."""
+    budget = 40  # several micro-batches, a different number on each rank
+    model = tiny()
+    reference_stats, reference_grads = step(Actor(model, config(shared, mode, budget), 1, torch.device("cpu")),
+                                            global_samples())
+    out = tmp_path / "rank0.pt"
+    mp.spawn(_worker, args=(2, free_port(), shared, mode, budget, str(out)), nprocs=2)
+    result = torch.load(out)
+    for name, grad in reference_grads.items():
+        rel = ((result["grads"][name] - grad).abs().max() / grad.abs().max()).item()
+        assert rel <= 1e-6, (name, rel)
+    for name, value in model.state_dict().items():
+        assert torch.allclose(result["state"][name], value, atol=1e-8, rtol=0), (name, (result["state"][name] - value).abs().max().item())
+    for key in ("pg_loss", "grad_norm", "clip_fraction", "entropy"):
+        assert result["stats"][key] == pytest.approx(reference_stats[key], rel=1e-6, abs=1e-9), key
