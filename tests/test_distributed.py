@@ -103,3 +103,57 @@ def test_two_ranks_take_the_single_process_step(tmp_path, shared, mode):
         assert torch.allclose(result["state"][name], value, atol=1e-8, rtol=0), (name, (result["state"][name] - value).abs().max().item())
     for key in ("pg_loss", "grad_norm", "clip_fraction", "entropy"):
         assert result["stats"][key] == pytest.approx(reference_stats[key], rel=1e-6, abs=1e-9), key
+
+
+@pytest.fixture(scope="module")
+def run_inputs(tmp_path_factory, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    from longqa.data.synth import generate
+    from longqa.model.load import qwen3_config
+
+    torch.manual_seed(0)
+    root = tmp_path_factory.mktemp("dist-run")
+    config = qwen3_config(len(tokenizer), hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                          eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+                          pad_token_id=tokenizer.pad_token_id)
+    AutoModelForCausalLM.from_config(config).save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    generate(root / "data", rows_per_task=8, context_tokens=256, max_hops=2, test_ratio=0.25, seed=3)
+    return root
+
+
+def run_args(root, out) -> list[str]:
+    values = {"model.path": root / "model", "data.train_files": root / "data/merged/train.parquet",
+              "data.val_files": root / "data/merged/test.parquet", "data.max_prompt_length": 4096,
+              "data.max_response_length": 6, "data.train_batch_size": 4, "data.cache_dir": out / "cache",
+              "rollout.n": 2, "actor.lr": 1e-3, "actor.ppo_mini_batch_size": 2, "actor.max_tokens_per_micro_batch": 700,
+              "trainer.max_steps": 2, "trainer.test_freq": 2, "trainer.save_freq": 0, "trainer.output_dir": out,
+              "trainer.device": "cpu", "trainer.logger": "[jsonl]"}
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_log_the_single_process_run(run_inputs, tmp_path):
+    """`longqa train` unchanged under torchrun: the same samples (seeded per prompt), rewards and
+    validation, and the same update statistics, as one process on the same global batch."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    single, double = tmp_path / "one", tmp_path / "two"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-m", "longqa.cli", "train", *run_args(run_inputs, single)], check=True, env=env)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+                    "-m", "longqa.cli", "train", *run_args(run_inputs, double)], check=True, env=env,
+                   cwd=os.getcwd())
+    read = lambda d: [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    one, two = read(single), read(double)
+    assert [r["step"] for r in one] == [r["step"] for r in two] == [0, 1, 2]
+    for a, b in zip(one, two):
+        for key, value in a.items():
+            if key.startswith(("time/", "perf/tokens_per_s", "val/seconds")):
+                continue
+            assert b[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (a["step"], key)
+    assert not (double / "metrics.jsonl.rank1").exists() and (double / "report").exists()

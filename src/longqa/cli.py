@@ -96,7 +96,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     if path is None and (cfg.data.train_files, cfg.data.val_files) == (demo.train_files, demo.val_files):
         ensure_demo_data(cfg)  # the demo's own files: made on first use
     result = train(cfg)
-    print(f"done: {result['steps']} steps; report: {result['report']}")
+    if result["report"]:  # rank 0 (or the only process)
+        print(f"done: {result['steps']} steps; report: {result['report']}")
 
 
 def cmd_eval(args: argparse.Namespace) -> None:

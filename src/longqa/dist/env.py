@@ -54,3 +54,12 @@ def all_reduce(values: list[float], op: str = "sum", device: torch.device | str 
 
 def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def gather_objects(value) -> list:
+    """Every rank's ``value`` (picklable), in rank order; ``[value]`` in a single process."""
+    if world_size() == 1:
+        return [value]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out

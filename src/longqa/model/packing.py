@@ -68,13 +68,6 @@ def plan_packs(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Seque
     return micro
 
 
-def tokens_saved(prompt_lengths: Sequence[int], response_lengths: Sequence[int], packs: list[list[Pack]]) -> float:
-    """Fraction of the naive layout's (unpadded) tokens that the packs do not compute."""
-    naive = sum(prompt_lengths) + sum(response_lengths)
-    packed = sum(len(p) for micro in packs for p in micro)
-    return 1.0 - packed / naive if naive else 0.0
-
-
 @dataclass
 class PackedBatch:
     """One micro-batch as a single packed row, with what attention and the LM head need.

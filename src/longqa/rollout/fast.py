@@ -202,11 +202,13 @@ class FastRolloutEngine(RolloutEngine):
     """
 
     def __init__(self, model, tokenizer=None, kv_cache_bytes: int | None = None, prefill_chunk: int = 8192,
-                 sync_every: int = 16, cuda_graphs: bool = True, max_groups: int | None = None, dtype=None):
+                 sync_every: int = 16, cuda_graphs: bool = True, max_groups: int | None = None, dtype=None,
+                 own_copy: bool = False):
         self.source, self.tokenizer = model, tokenizer
         self.model = model
-        if dtype is not None and dtype != next(model.parameters()).dtype:
-            self.model = copy.deepcopy(model).to(dtype).requires_grad_(False)
+        if own_copy or (dtype is not None and dtype != next(model.parameters()).dtype):
+            # Made before the trainer shards the model (own_copy): sharded weights are gathered into it.
+            self.model = copy.deepcopy(model).to(dtype or next(model.parameters()).dtype).requires_grad_(False)
         self.version = weights_version(model)
         self.kv_cache_bytes, self.prefill_chunk, self.sync_every = kv_cache_bytes, prefill_chunk, sync_every
         self.max_groups = max_groups
@@ -222,11 +224,14 @@ class FastRolloutEngine(RolloutEngine):
         use_longqa_attention(self.model)
 
     def sync_weights(self) -> None:
-        """Load the training model's current weights into the engine's copy (in place); free when shared."""
+        """Load the training model's current weights into the engine's copy (in place); free when shared.
+
+        Sharded (FSDP2) weights are gathered one tensor at a time, in the same order on every rank, so
+        no second full copy ever exists beside the engine's."""
         if self.model is not self.source:
             with torch.no_grad():
                 for mine, theirs in zip(self.model.parameters(), self.source.parameters()):
-                    mine.copy_(theirs)
+                    mine.copy_(theirs.full_tensor() if hasattr(theirs, "full_tensor") else theirs)
         self.version = weights_version(self.source)
 
     # --------------------------------------------------------------------------------------- memory

@@ -24,7 +24,7 @@ from longqa.dist.env import all_reduce, world_size
 from longqa.dist.fsdp import shard_model
 from longqa.model.attention import BLOCK, resolve_backend, use_longqa_attention
 from longqa.model.logprobs import packed_logprobs, token_logprobs
-from longqa.model.packing import build_packed_batch, plan_packs, tokens_saved
+from longqa.model.packing import build_packed_batch, plan_packs
 from longqa.rollout.base import bump_weights_version
 
 
@@ -195,11 +195,15 @@ class Actor:
         return stats
 
     def tokens_saved(self, samples: Samples) -> float:
-        """Fraction of the naive layout's tokens that the update did not compute (0 for the naive layout)."""
+        """Fraction of the naive layout's tokens that the update did not compute (0 for the naive layout),
+        over all ranks."""
         if self.backend is None:
             return 0.0
         packs = self._plan(samples, list(range(len(samples))))
-        return tokens_saved([len(p) for p in samples.prompt_ids], [len(r) for r in samples.response_ids], packs)
+        naive = sum(samples.length(i) for i in range(len(samples)))
+        packed = sum(len(p) for micro in packs for p in micro)
+        naive, packed = all_reduce([naive, packed], "sum", self.device)
+        return 1.0 - packed / naive if naive else 0.0
 
     def _plan(self, samples: Samples, indices: list[int]):
         """Packs of ``indices`` (whole groups, group-contiguous) in micro-batches of the token budget."""

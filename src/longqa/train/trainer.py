@@ -20,6 +20,7 @@ import torch
 from longqa import algo, reward
 from longqa.config import Config, ConfigError, to_dict
 from longqa.data.prompts import PromptOptions, PromptSet, prepare_prompts
+from longqa.dist.env import DistEnv, all_reduce, gather_objects
 from longqa.evaluate import evaluate, stop_token_ids
 from longqa.model.load import load_model, load_model_tokenizer, pick_device
 from longqa.report import MetricsLogger, write_report
@@ -53,11 +54,32 @@ def load_prompts(cfg: Config, tokenizer) -> tuple[PromptSet, PromptSet | None]:
     return train, val
 
 
+def check_data_parallel(cfg: Config, world: int) -> None:
+    """What data parallelism needs, checked before anything loads."""
+    for key, value in (("data.train_batch_size", cfg.data.train_batch_size),
+                       ("actor.ppo_mini_batch_size", cfg.actor.ppo_mini_batch_size)):
+        if value % world:
+            raise ConfigError(f"{key}={value} must be a multiple of the {world} ranks: each rank owns whole groups")
+    unsupported = {"rollout.engine=hf": cfg.rollout.engine == "hf",
+                   "algo.dynamic_sampling=true": cfg.algo.dynamic_sampling,
+                   "trainer.save_freq>0 (sharded checkpoints are not written yet: set trainer.save_freq=0)":
+                       cfg.trainer.save_freq > 0}
+    for what, present in unsupported.items():
+        if present:
+            raise ConfigError(f"{what} is not supported with {world} ranks yet")
+
+
 class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.run_dir = Path(cfg.trainer.output_dir)
-        self.device = pick_device(cfg.trainer.device)
+        self.env = DistEnv.from_environment()
+        if self.env.distributed:
+            check_data_parallel(cfg, self.env.world_size)
+            self.device = self.env.device(cfg.trainer.device)
+            self.env.init(self.device)
+        else:
+            self.device = pick_device(cfg.trainer.device)
         seed = cfg.trainer.seed
         random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
         m = cfg.model
@@ -71,11 +93,12 @@ class Trainer:
         total = cfg.trainer.total_epochs * self.steps_per_epoch
         self.total_steps = min(total, cfg.trainer.max_steps or total)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self.actor = Actor(self.model, cfg, self.total_steps, self.device, pad)
         r = cfg.rollout
+        # Under data parallelism the engine keeps an unsharded copy, made before the actor shards the model.
         self.engine = (FastRolloutEngine(self.model, self.tokenizer, kv_cache_bytes=r.kv_cache_bytes,
-                                         cuda_graphs=r.cuda_graphs) if r.engine == "fast"
-                       else HFRolloutEngine(self.model, self.tokenizer))
+                                         cuda_graphs=r.cuda_graphs, own_copy=self.env.distributed)
+                       if r.engine == "fast" else HFRolloutEngine(self.model, self.tokenizer))
+        self.actor = Actor(self.model, cfg, self.total_steps, self.device, pad)
         self.stops = tuple(stop_token_ids(self.tokenizer))
         self.params = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                      max_new_tokens=cfg.data.max_response_length, stop_token_ids=self.stops,
@@ -90,9 +113,12 @@ class Trainer:
         return np.random.default_rng([self.cfg.trainer.seed, epoch]).permutation(n)
 
     def step_prompts(self, step: int) -> list[int]:
+        """This rank's prompts of the step: a contiguous share of the global batch."""
         epoch, position = divmod(step, self.steps_per_epoch)
         b = self.cfg.data.train_batch_size
-        return self.epoch_order(epoch)[position * b:(position + 1) * b].tolist()
+        share = b // self.env.world_size
+        start = position * b + self.env.rank * share
+        return self.epoch_order(epoch)[start:start + share].tolist()
 
     # ------------------------------------------------------------------------------------------ one step
 
@@ -103,7 +129,12 @@ class Trainer:
         """Sample and score n responses for each prompt; one dict per group. Adds to ``times``."""
         t0 = time.perf_counter()
         prompts = [self.train_set.ids(i).tolist() for i in indices]
-        outputs = self.engine.generate(prompts, self.params, self._generator(step, round_))
+        if isinstance(self.engine, FastRolloutEngine):  # a prompt's samples depend on (seed, step, prompt) only
+            base = self.cfg.trainer.seed * 1_000_003 + step * 101 + round_
+            seeds = [base * 2_147_483_659 + i for i in indices]
+            outputs = self.engine.generate(prompts, self.params, seeds=seeds)
+        else:
+            outputs = self.engine.generate(prompts, self.params, self._generator(step, round_))
         t1 = time.perf_counter()
         groups = []
         for i, prompt, samples in zip(indices, prompts, outputs):
@@ -155,19 +186,28 @@ class Trainer:
         update = self.actor.update(batch)
         self.engine.sync_weights()
         end = time.perf_counter()
-        lengths = np.array([len(s.token_ids) for s in samples])
-        tokens = sum(batch.length(i) for i in range(len(batch)))
-        reasons = Counter(r.reason for r in results if r.reason)
+        local = {"rewards": rewards.tolist(), "lengths": [len(s.token_ids) for s in samples],
+                 "truncated": [s.finish_reason == "length" for s in samples],
+                 "reasons": [r.reason for r in results if r.reason], "zero_var": zero_var,
+                 "tokens": sum(batch.length(i) for i in range(len(batch)))}
+        every = gather_objects(local)  # one entry per rank
+        rewards = torch.tensor([x for part in every for x in part["rewards"]])
+        lengths = np.array([x for part in every for x in part["lengths"]])
+        truncated = [x for part in every for x in part["truncated"]]
+        reasons = Counter(x for part in every for x in part["reasons"])
+        zero_var, tokens = sum(p["zero_var"] for p in every), sum(p["tokens"] for p in every)
+        times = dict(zip(("rollout_s", "reward_s", "update_s"), all_reduce(
+            [stats["rollout_s"], stats["reward_s"], end - t_update], "max", self.device)))
         metrics = {
             "epoch": step // self.steps_per_epoch,
             "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
             "accuracy": float((rewards >= 1.0).float().mean()),
             "response_length/mean": float(lengths.mean()), "response_length/max": int(lengths.max()),
-            "response/truncated": float(np.mean([s.finish_reason == "length" for s in samples])),
+            "response/truncated": float(np.mean(truncated)),
             "zero_variance_groups": zero_var, "reward_errors": sum(v for k, v in reasons.items() if k.startswith("error")),
             **{f"reward_reason/{k}": v for k, v in sorted(reasons.items())},
-            "time/rollout_s": stats["rollout_s"], "time/reward_s": stats["reward_s"],
-            "time/update_s": end - t_update, "perf/tokens_per_s": tokens / (end - start),
+            "time/rollout_s": times["rollout_s"], "time/reward_s": times["reward_s"],
+            "time/update_s": times["update_s"], "perf/tokens_per_s": tokens / (end - start),
             **update,
         }
         if cfg.algo.dynamic_sampling:
@@ -178,7 +218,9 @@ class Trainer:
     def validate(self) -> dict:
         if self.val_set is None:
             return {}
-        result = evaluate(self.model, self.tokenizer, self.val_set, self.cfg.data.max_response_length,
+        # Every rank evaluates the whole set on an unsharded model (the engine's copy when sharded).
+        model = self.engine.model if self.env.distributed else self.model
+        result = evaluate(model, self.tokenizer, self.val_set, self.cfg.data.max_response_length,
                           mode=self.cfg.reward.mode)
         out = {"val/accuracy": result["all"]["accuracy"], "val/f1": result["all"]["f1"],
                "val/seconds": result["seconds"]}
@@ -197,8 +239,11 @@ class Trainer:
                                     scheduler=self.actor.scheduler)
             start_step, self.actor.bad_steps = state["step"], state["bad_steps"]
             print(f"resumed from {resume} at step {start_step}", flush=True)
-        logger = MetricsLogger(self.run_dir, cfg.trainer.logger, self.total_steps, to_dict(cfg),
-                               resume_step=start_step if resume is not None else None)
+        if self.env.is_main:
+            logger = MetricsLogger(self.run_dir, cfg.trainer.logger, self.total_steps, to_dict(cfg),
+                                   resume_step=start_step if resume is not None else None)
+        else:  # the other ranks compute the same (reduced) metrics; rank 0 writes them
+            logger = _Silent()
         with logger:
             if start_step == 0 and cfg.trainer.test_freq and self.val_set is not None:
                 logger.log(0, self.validate())
@@ -213,8 +258,21 @@ class Trainer:
                                     scheduler=self.actor.scheduler, keep_last=cfg.trainer.keep_last,
                                     trainer_state={"step": done, "bad_steps": self.actor.bad_steps,
                                                    "config": to_dict(cfg)})
+        if not self.env.is_main:
+            return {"steps": self.total_steps, "report": None}
         report = write_report(self.run_dir)
         return {"steps": self.total_steps, "report": str(report)}
+
+
+class _Silent:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        return None
+
+    def log(self, step: int, metrics: dict) -> None:
+        pass
 
 
 def train(cfg: Config) -> dict:
