@@ -123,37 +123,58 @@ def run_inputs(tmp_path_factory, tokenizer):
     return root
 
 
-def run_args(root, out) -> list[str]:
+def run_args(root, out, **extra) -> list[str]:
     values = {"model.path": root / "model", "data.train_files": root / "data/merged/train.parquet",
               "data.val_files": root / "data/merged/test.parquet", "data.max_prompt_length": 4096,
               "data.max_response_length": 6, "data.train_batch_size": 4, "data.cache_dir": out / "cache",
               "rollout.n": 2, "actor.lr": 1e-3, "actor.ppo_mini_batch_size": 2, "actor.max_tokens_per_micro_batch": 700,
               "trainer.max_steps": 2, "trainer.test_freq": 2, "trainer.save_freq": 0, "trainer.output_dir": out,
-              "trainer.device": "cpu", "trainer.logger": "[jsonl]"}
+              "trainer.device": "cpu", "trainer.logger": "[jsonl]", **extra}
     return [f"{k}={v}" for k, v in values.items()]
+
+
+def launch(root, out, ranks: int, **extra) -> list[dict]:
+    """``longqa train`` in one process or under torchrun; the metrics it logged."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "longqa.cli", "train"] if ranks == 1 else [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", f"--master_port={free_port()}",
+        "-m", "longqa.cli", "train"]
+    subprocess.run([*command, *run_args(root, out, **extra)], check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_records(a: dict, b: dict) -> None:
+    for key, value in a.items():
+        if not key.startswith(("time/", "perf/tokens_per_s", "val/seconds")):
+            assert b[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (a["step"], key)
 
 
 @pytest.mark.slow
 def test_torchrun_two_ranks_log_the_single_process_run(run_inputs, tmp_path):
     """`longqa train` unchanged under torchrun: the same samples (seeded per prompt), rewards and
     validation, and the same update statistics, as one process on the same global batch."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     single, double = tmp_path / "one", tmp_path / "two"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, "-m", "longqa.cli", "train", *run_args(run_inputs, single)], check=True, env=env)
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-                    "-m", "longqa.cli", "train", *run_args(run_inputs, double)], check=True, env=env,
-                   cwd=os.getcwd())
-    read = lambda d: [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
-    one, two = read(single), read(double)
+    one, two = launch(run_inputs, single, 1), launch(run_inputs, double, 2)
     assert [r["step"] for r in one] == [r["step"] for r in two] == [0, 1, 2]
     for a, b in zip(one, two):
-        for key, value in a.items():
-            if key.startswith(("time/", "perf/tokens_per_s", "val/seconds")):
-                continue
-            assert b[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (a["step"], key)
-    assert not (double / "metrics.jsonl.rank1").exists() and (double / "report").exists()
+        assert_same_records(a, b)
+    assert (double / "report").exists()
+
+
+@pytest.mark.slow
+def test_checkpoints_resume_on_another_number_of_ranks(run_inputs, tmp_path):
+    """2 ranks save (sharded), 1 process resumes; 1 process saves, 2 ranks resume: both continue
+    exactly as the uninterrupted run."""
+    straight = launch(run_inputs, tmp_path / "straight", 1, **{"trainer.max_steps": 3})
+    for first, then in ((2, 1), (1, 2)):
+        out = tmp_path / f"{first}-then-{then}"
+        launch(run_inputs, out, first, **{"trainer.save_freq": 1})  # steps 1-2, checkpoint at 2
+        saved = out / "checkpoints" / "step_00000002"
+        assert (saved / "state").is_dir() == (first == 2) and (saved / "model.pt").is_file() == (first == 1)
+        resumed = launch(run_inputs, out, then, **{"trainer.max_steps": 3})
+        assert [r["step"] for r in resumed] == [0, 1, 2, 3]
+        assert_same_records(straight[-1], resumed[-1])

@@ -63,3 +63,12 @@ def gather_objects(value) -> list:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)
     return out
+
+
+def barrier() -> None:
+    if world_size() > 1:
+        dist.barrier()
+
+
+def is_main() -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0

@@ -2,10 +2,13 @@
 
 Layout of one checkpoint, ``<run_dir>/checkpoints/step_00000012/``:
 
-``model.pt``, ``optimizer.pt``
-    ``torch.save`` of the state dicts (single process). These two are the only files a multi-GPU version
-    needs to change: it would write them as a ``torch.distributed.checkpoint`` folder (``model/``,
-    ``optimizer/``) and keep every other file, written by rank 0, as it is.
+``model.pt``, ``optimizer.pt`` (one process)
+    ``torch.save`` of the model's state dict and of the optimizer's, keyed by parameter name (the
+    ``torch.distributed.checkpoint.state_dict`` convention), so sharded runs can load them.
+``state/`` (several ranks)
+    A ``torch.distributed.checkpoint`` folder of the same two state dicts, each rank writing its shards;
+    it loads on any number of ranks, one included (the shards are redistributed on load). Every other
+    file is written by rank 0 alone.
 ``scheduler.pt``
     The learning-rate scheduler's state dict, when the trainer has a scheduler.
 ``rng.json``
@@ -55,8 +58,8 @@ __all__ = [
 ]
 
 MARKER = "COMPLETE"
-MODEL, OPTIMIZER, SCHEDULER, RNG, TRAINER_STATE = (
-    "model.pt", "optimizer.pt", "scheduler.pt", "rng.json", "trainer_state.json")
+MODEL, OPTIMIZER, SCHEDULER, RNG, TRAINER_STATE, SHARDED = (
+    "model.pt", "optimizer.pt", "scheduler.pt", "rng.json", "trainer_state.json", "state")
 _STEP_DIR = re.compile(r"step_(\d+)")
 _TMP, _TRASH = ".tmp-", ".trash-"
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -203,11 +206,12 @@ def _os_error(exc: BaseException) -> OSError | None:
 
 
 def _write_temp(tmp: Path, files: dict[str, Callable[[IO[bytes]], Any]], step: int) -> None:
-    """Write every file into ``tmp``, then the marker naming them, and make it all durable."""
-    tmp.mkdir()
+    """Write every file into ``tmp`` (which may already hold the ranks' shards), then the marker naming
+    them all with their sizes, and make it all durable."""
+    tmp.mkdir(exist_ok=True)
     for name, write in files.items():
         _write_file(tmp / name, write)
-    sizes = {name: (tmp / name).stat().st_size for name in files}
+    sizes = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
     _write_file(tmp / MARKER, _json_file({"step": step, "files": sizes}))
     _fsync_dir(tmp)
 
@@ -230,6 +234,12 @@ def _prune(run_dir: Path, step: int, keep_last: int) -> None:
     _remove_hidden(checkpoints_dir(run_dir))
 
 
+def _state_dicts(model, optimizer, full: bool):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
+
+
 def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, scheduler: Any = None, trainer_state: dict,
                     keep_last: int) -> Path:
@@ -237,14 +247,25 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Mo
 
     A write error (a full disk above all) removes the partial folder and raises :class:`CheckpointError`;
     the checkpoints already on disk are untouched, so training can stop and resume from the last one.
+    With several ranks every rank must call it (each writes its shards; rank 0 the rest).
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    from longqa.dist.env import barrier, is_main, world_size
+
+    sharded = world_size() > 1
     run_dir = Path(run_dir)
     folder = checkpoints_dir(run_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    _remove_hidden(folder)  # space freed before writing, in case the last save died for lack of it
-    files = {MODEL: _torch_file(model.state_dict()), OPTIMIZER: _torch_file(optimizer.state_dict())}
+    final = folder / f"step_{step:08d}"
+    tmp = folder / f"{_TMP}{final.name}-{'ranks' if sharded else os.getpid()}"
+    if is_main():
+        folder.mkdir(parents=True, exist_ok=True)
+        _remove_hidden(folder)  # space freed before writing, in case the last save died for lack of it
+    barrier()
+    model_state, optimizer_state = _state_dicts(model, optimizer, full=False)
+    files = {}
+    if not sharded:
+        files = {MODEL: _torch_file(model_state), OPTIMIZER: _torch_file(optimizer_state)}
     if scheduler is not None:
         files[SCHEDULER] = _torch_file(scheduler.state_dict())
     files[RNG] = _json_file(_rng_state())
@@ -253,10 +274,14 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Mo
     except (TypeError, ValueError) as exc:
         raise TypeError(f"trainer_state must be JSON-able: {exc}") from exc
 
-    final = folder / f"step_{step:08d}"
-    tmp = folder / f"{_TMP}{final.name}-{os.getpid()}"
     try:
-        _write_temp(tmp, files, step)
+        if sharded:
+            import torch.distributed.checkpoint as dcp
+
+            dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp / SHARDED)
+            barrier()
+        if is_main():
+            _write_temp(tmp, files, step)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         os_error = _os_error(exc)
@@ -265,8 +290,10 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Mo
         what = "disk full" if os_error.errno in _DISK_FULL else (os_error.strerror or str(os_error)).lower()
         raise CheckpointError(f"{what} while writing checkpoint step {step} to {final}; "
                               f"{_describe_previous(run_dir)}") from exc
-    _publish(tmp, final)
-    _prune(run_dir, step, keep_last)
+    if is_main():
+        _publish(tmp, final)
+        _prune(run_dir, step, keep_last)
+    barrier()
     return final
 
 
@@ -288,11 +315,39 @@ def _check(path: Path) -> None:
             raise CheckpointError(f"checkpoint {path} is damaged: {name} has {actual} bytes, expected {size}")
 
 
+def _load_states(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Model (and optimizer) state from either layout, into a model sharded over any number of ranks."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         set_model_state_dict, set_state_dict)
+
+    if (path / SHARDED).is_dir():
+        import torch.distributed.checkpoint as dcp
+
+        if optimizer is None:
+            state = {"model": get_model_state_dict(model)}
+        else:
+            model_state, optimizer_state = _state_dicts(model, optimizer, full=False)
+            state = {"model": model_state, "optimizer": optimizer_state}
+        dcp.load(state, checkpoint_id=path / SHARDED)
+        model_state, optimizer_state = state["model"], state.get("optimizer")
+        full = False
+    else:
+        model_state = _load(path / MODEL)
+        optimizer_state = _load(path / OPTIMIZER) if optimizer is not None else None
+        full = True  # whole tensors: each rank keeps its shard of them
+    options = StateDictOptions(full_state_dict=full)
+    if optimizer is None:
+        set_model_state_dict(model, model_state, options=options)
+    else:
+        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
+                       options=options)
+
+
 def load_model_weights(path: str | os.PathLike, model: torch.nn.Module) -> None:
     """Load only the model weights of checkpoint ``path`` into ``model`` (same architecture)."""
     path = Path(path)
     _check(path)
-    model.load_state_dict(_load(path / MODEL))
+    _load_states(path, model, None)
 
 
 def load_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -302,8 +357,7 @@ def load_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module, optimize
     _check(path)
     if scheduler is not None and not (path / SCHEDULER).is_file():
         raise CheckpointError(f"checkpoint {path} holds no scheduler state, but a scheduler was given")
-    model.load_state_dict(_load(path / MODEL))
-    optimizer.load_state_dict(_load(path / OPTIMIZER))
+    _load_states(path, model, optimizer)
     if scheduler is not None:
         scheduler.load_state_dict(_load(path / SCHEDULER))
     _set_rng_state(json.loads((path / RNG).read_text()))

@@ -25,6 +25,7 @@ from longqa.evaluate import evaluate, stop_token_ids
 from longqa.model.load import load_model, load_model_tokenizer, pick_device
 from longqa.report import MetricsLogger, write_report
 from longqa.rollout import HFRolloutEngine, SamplingParams
+from longqa.rollout.base import bump_weights_version
 from longqa.rollout.fast import FastRolloutEngine
 from longqa.train.actor import Actor, Samples
 from longqa.train.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
@@ -61,9 +62,7 @@ def check_data_parallel(cfg: Config, world: int) -> None:
         if value % world:
             raise ConfigError(f"{key}={value} must be a multiple of the {world} ranks: each rank owns whole groups")
     unsupported = {"rollout.engine=hf": cfg.rollout.engine == "hf",
-                   "algo.dynamic_sampling=true": cfg.algo.dynamic_sampling,
-                   "trainer.save_freq>0 (sharded checkpoints are not written yet: set trainer.save_freq=0)":
-                       cfg.trainer.save_freq > 0}
+                   "algo.dynamic_sampling=true": cfg.algo.dynamic_sampling}
     for what, present in unsupported.items():
         if present:
             raise ConfigError(f"{what} is not supported with {world} ranks yet")
@@ -238,6 +237,8 @@ class Trainer:
             state = load_checkpoint(resume, model=self.model, optimizer=self.actor.optimizer,
                                     scheduler=self.actor.scheduler)
             start_step, self.actor.bad_steps = state["step"], state["bad_steps"]
+            bump_weights_version(self.model)  # new weights: an engine holding a copy must load them
+            self.engine.sync_weights()
             print(f"resumed from {resume} at step {start_step}", flush=True)
         if self.env.is_main:
             logger = MetricsLogger(self.run_dir, cfg.trainer.logger, self.total_steps, to_dict(cfg),
