@@ -220,7 +220,9 @@ class FastRolloutEngine(RolloutEngine):
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.kv: SharedPrefixKV | None = None
+        self.state: DecodeState | None = None  # sized with the KV stores (graphs capture both)
         self.graphs: dict = {}
+        self.stop_ids: dict = {}
         use_longqa_attention(self.model)
 
     def sync_weights(self) -> None:
@@ -310,7 +312,7 @@ class FastRolloutEngine(RolloutEngine):
             for g in range(kv.groups):
                 if slot_prompt[g] is None and pending:
                     i = pending.popleft()
-                    self._admit(g, i, prompts[i], params, keys[i * n:(i + 1) * n], state, stops)
+                    self._admit(g, prompts[i], params, keys[i * n:(i + 1) * n], state, stops)
                     slot_prompt[g], slot_prompt_len[g], slot_age[g] = i, len(prompts[i]), 0
             active = state.active.view(kv.groups, n).any(1).tolist()
             for g in range(kv.groups):  # groups that finished (possibly at their first token)
@@ -334,8 +336,8 @@ class FastRolloutEngine(RolloutEngine):
                 self._apply_stop_strings(params, state, slot_prompt)
         return results
 
-    def _admit(self, g: int, i: int, prompt: list[int], params, keys, state: "DecodeState", stops) -> None:
-        """Prefill prompt ``i`` into slot ``g`` (in chunks) and sample each of its rows' first token."""
+    def _admit(self, g: int, prompt: list[int], params, keys, state: "DecodeState", stops) -> None:
+        """Prefill ``prompt`` into slot ``g`` (in chunks) and sample each of its rows' first token."""
         kv, n = self.kv, params.n
         ids = torch.as_tensor(prompt, device=self.device)
         kv.mode, kv.prefill_slot = "prefill", g
