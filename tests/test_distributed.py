@@ -40,8 +40,9 @@ def rank_share(samples: Samples, rank: int, world: int) -> Samples:
     return Samples(samples.prompt_ids[rows], samples.response_ids[rows], samples.advantages[rows], N)
 
 
-def config(shared: str, mode: str, budget: int):
+def config(shared: str, mode: str, budget: int, offload: bool = False):
     return load_config(None, [f"actor.shared_prompt={shared}", f"algo.loss_agg_mode={mode}", "actor.lr=1e-6",
+                              f"actor.cpu_offload={str(offload).lower()}",
                               f"actor.max_tokens_per_micro_batch={budget}", f"data.train_batch_size={GROUPS}",
                               f"actor.ppo_mini_batch_size={GROUPS}", f"rollout.n={N}", "data.max_response_length=9",
                               "actor.attention_backend=dense", "algo.entropy_coeff=0.01"])
@@ -56,7 +57,7 @@ def step(actor: Actor, samples: Samples, full=lambda t: t) -> tuple[dict, dict]:
     return stats, grads
 
 
-def _worker(rank, world, port, shared, mode, budget, out):
+def _worker(rank, world, port, shared, mode, budget, out, offload=False):
     import os
 
     import torch.distributed as dist
@@ -66,7 +67,7 @@ def _worker(rank, world, port, shared, mode, budget, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        actor = Actor(tiny(), config(shared, mode, budget), 1, torch.device("cpu"))  # shards: world > 1
+        actor = Actor(tiny(), config(shared, mode, budget, offload), 1, torch.device("cpu"))  # shards: world > 1
         assert type(next(actor.scorer.parameters())).__name__ == "DTensor"
         stats, grads = step(actor, rank_share(global_samples(), rank, world), lambda t: t.full_tensor())
         state = {k.removeprefix("model."): v for k, v in full_state_dict(actor.scorer).items()}
@@ -83,9 +84,9 @@ def free_port() -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shared,mode", [("true", "token-mean"), ("false", "seq-mean-token-mean"),
-                                         ("true", "seq-mean-token-sum-norm")])
-def test_two_ranks_take_the_single_process_step(tmp_path, shared, mode):
+@pytest.mark.parametrize("shared,mode,offload", [("true", "token-mean", False), ("false", "seq-mean-token-mean", False),
+                                                 ("true", "seq-mean-token-sum-norm", True)])
+def test_two_ranks_take_the_single_process_step(tmp_path, shared, mode, offload):
     """The gradient is what a step is made of: equal to 1e-6 of each tensor's largest entry. After
     AdamW (whose first step divides by |g| and so amplifies float noise where g ~ 0) the weights agree
     to float32 rounding (1e-8, a few ulps of these weights) at the recipe's lr of 1e-6."""
@@ -94,7 +95,7 @@ def test_two_ranks_take_the_single_process_step(tmp_path, shared, mode):
     reference_stats, reference_grads = step(Actor(model, config(shared, mode, budget), 1, torch.device("cpu")),
                                             global_samples())
     out = tmp_path / "rank0.pt"
-    mp.spawn(_worker, args=(2, free_port(), shared, mode, budget, str(out)), nprocs=2)
+    mp.spawn(_worker, args=(2, free_port(), shared, mode, budget, str(out), offload), nprocs=2)
     result = torch.load(out)
     for name, grad in reference_grads.items():
         rel = ((result["grads"][name] - grad).abs().max() / grad.abs().max()).item()

@@ -32,7 +32,7 @@ def plan(shape, gpus, offload=False, checkpointing=True, **extra):
 
 
 def test_qwen3_32b_on_8_gpus_needs_offload():
-    with pytest.raises(PlanError, match=r"offload the training state to the CPU \(--cpu-offload frees 61.0 GiB"):
+    with pytest.raises(PlanError, match=r"offload the training state to the CPU \(actor.cpu_offload=true frees 61.0"):
         plan("qwen3-32b", 8)
     fits = plan("qwen3-32b", 8, offload=True)
     assert fits.training_state == 0 and fits.total < H200
@@ -55,10 +55,10 @@ def test_activation_settings_are_named_when_they_are_the_problem():
 
 
 def test_cli_prints_the_table_and_refuses_with_exit_2(capsys):
-    assert main(["plan", "configs/loongrl-qwen3-32b.yaml", "--gpus", "8", "--shape", "qwen3-32b",
-                 "--cpu-offload"]) == 0
+    assert main(["plan", "configs/loongrl-qwen3-32b.yaml", "actor.cpu_offload=true", "--gpus", "8", "--shape",
+                 "qwen3-32b"]) == 0
     assert "fits" in capsys.readouterr().out
     assert main(["plan", "configs/loongrl-qwen3-32b.yaml", "--gpus", "8", "--shape", "qwen3-32b"]) == 2
     captured = capsys.readouterr()
-    assert "rollout KV cache" in captured.out and "--cpu-offload" in captured.err
+    assert "rollout KV cache" in captured.out and "actor.cpu_offload=true" in captured.err
     assert main(["plan"]) == 0  # the embedded default on one GPU

@@ -212,10 +212,10 @@ def cmd_plan(args: argparse.Namespace) -> None:
     plan = plan_memory(sizes, world_size=args.gpus, gpu_bytes=int(args.gpu_memory_gib * GIB),
                        prompt_length=cfg.data.max_prompt_length, response_length=cfg.data.max_response_length,
                        n=cfg.rollout.n, gradient_checkpointing=cfg.model.gradient_checkpointing,
-                       cpu_offload=args.cpu_offload, **options)
+                       cpu_offload=cfg.actor.cpu_offload, **options)
     print(f"{sizes.params / 1e9:.2f}B parameters on {args.gpus} GPU(s) of {args.gpu_memory_gib:g} GiB"
-          f"{' with CPU offload' if args.cpu_offload else ''}:\n{plan.table()}")
-    check_plan(plan, args.cpu_offload, cfg.model.gradient_checkpointing, **options)
+          f"{' with CPU offload' if cfg.actor.cpu_offload else ''}:\n{plan.table()}")
+    check_plan(plan, cfg.actor.cpu_offload, cfg.model.gradient_checkpointing, **options)
     print("fits")
 
 
@@ -391,7 +391,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--gpus", type=int, default=1, help="GPUs the model is sharded over (default 1)")
     p.add_argument("--gpu-memory-gib", type=float, default=141.0, help="memory of one GPU (default 141, an H200)")
-    p.add_argument("--cpu-offload", action="store_true", help="training state (weights, grads, AdamW) on the CPU")
     from longqa.bench import SHAPES as _SHAPES
 
     p.add_argument("--shape", choices=sorted(_SHAPES), help="a known model shape instead of model.path's config")

@@ -109,6 +109,8 @@ class ActorConfig:
     ppo_epochs: int = opt(1, "passes over each step's samples", *positive)
     max_tokens_per_micro_batch: int = opt(16384, "token budget of one forward/backward (packed tokens when "
                                           "shared_prompt)", *positive)
+    cpu_offload: bool = opt(False, "with several ranks: keep the weight shards, their gradients and the AdamW "
+                            "step on the CPU (ZeRO-3 + CPU optimizer offload)")
     shared_prompt: bool = opt(True, "pack each prompt once with its n responses (false: the naive padded "
                               "layout, one row per sample)")
     attention_backend: Literal["auto", "dense", "flex"] = opt(

@@ -110,7 +110,7 @@ def plan_memory(sizes: ModelSizes, *, world_size: int, gpu_bytes: int, micro_bat
 
 
 def check_plan(plan: MemoryPlan, cpu_offload: bool, gradient_checkpointing: bool, micro_batch_tokens: int,
-               kv_cache_bytes: int | None, offload_setting: str = "--cpu-offload") -> None:
+               kv_cache_bytes: int | None, offload_setting: str = "actor.cpu_offload=true") -> None:
     """Refuse a plan over the GPU's memory, naming the settings that would make it fit."""
     if plan.total <= plan.gpu_bytes:
         return

@@ -109,8 +109,7 @@ class Actor:
     """Owns the policy's training: its scorer (sharded with FSDP2 when the process group has several
     ranks), optimizer and schedule, the old-log-prob pass and the PPO-clip update."""
 
-    def __init__(self, model, cfg: Config, total_steps: int, device: torch.device, pad_token_id: int = 0,
-                 cpu_offload: bool = False):
+    def __init__(self, model, cfg: Config, total_steps: int, device: torch.device, pad_token_id: int = 0):
         self.model, self.cfg, self.device, self.pad = model, cfg, device, pad_token_id
         a = cfg.actor
         self.backend = resolve_backend(a.attention_backend, device) if a.shared_prompt else None
@@ -125,7 +124,7 @@ class Actor:
         if world_size() > 1:  # parameters become shards: the optimizer must be built on them, after
             for scorer in (self.scorer, self.reference):
                 if scorer is not None:
-                    shard_model(scorer, scorer.model.base_model.layers, device, cpu_offload)
+                    shard_model(scorer, scorer.model.base_model.layers, device, a.cpu_offload)
         self.optimizer = torch.optim.AdamW(self.scorer.parameters(), lr=a.lr, betas=tuple(a.betas),
                                            weight_decay=a.weight_decay)
         self.updates_per_step = a.ppo_epochs * math.ceil(cfg.data.train_batch_size / a.ppo_mini_batch_size)

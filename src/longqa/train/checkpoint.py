@@ -234,10 +234,11 @@ def _prune(run_dir: Path, step: int, keep_last: int) -> None:
     _remove_hidden(checkpoints_dir(run_dir))
 
 
-def _state_dicts(model, optimizer, full: bool):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+def _state_dicts(model, optimizer):
+    """Name-keyed model and optimizer state dicts (shards when the model is sharded)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
+    return get_state_dict(model, optimizer)
 
 
 def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Module,
@@ -262,7 +263,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Mo
         folder.mkdir(parents=True, exist_ok=True)
         _remove_hidden(folder)  # space freed before writing, in case the last save died for lack of it
     barrier()
-    model_state, optimizer_state = _state_dicts(model, optimizer, full=False)
+    model_state, optimizer_state = _state_dicts(model, optimizer)
     files = {}
     if not sharded:
         files = {MODEL: _torch_file(model_state), OPTIMIZER: _torch_file(optimizer_state)}
@@ -326,7 +327,7 @@ def _load_states(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
         if optimizer is None:
             state = {"model": get_model_state_dict(model)}
         else:
-            model_state, optimizer_state = _state_dicts(model, optimizer, full=False)
+            model_state, optimizer_state = _state_dicts(model, optimizer)
             state = {"model": model_state, "optimizer": optimizer_state}
         dcp.load(state, checkpoint_id=path / SHARDED)
         model_state, optimizer_state = state["model"], state.get("optimizer")
