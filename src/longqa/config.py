@@ -140,6 +140,11 @@ class TrainerConfig:
     logger: list[str] = opt(["console", "jsonl"], "metric sinks: console, jsonl, tensorboard, wandb")
     device: str = opt("auto", "auto (cuda when present), cpu or cuda[:i]")
     seed: int = opt(42, "seed for data order and sampling")
+    launcher: Literal["local", "ray"] = opt("local", "local: this process, or one per rank under torchrun; ray: "
+                                            "Ray Train workers on the cluster at RAY_ADDRESS (one per GPU slot)")
+    ray_workers: Optional[int] = opt(None, "launcher=ray: number of workers (default: the cluster's GPUs)", *positive)
+    max_failures: int = opt(0, "launcher=ray: restarts from the last checkpoint after a worker dies",
+                            *non_negative)
 
 
 @dataclass

@@ -277,6 +277,10 @@ class _Silent:
 
 
 def train(cfg: Config) -> dict:
+    if cfg.trainer.launcher == "ray":
+        from longqa.dist.ray_launcher import run_with_ray
+
+        return run_with_ray(cfg)
     return Trainer(cfg).run()
 
 

@@ -1,0 +1,70 @@
+"""``trainer.launcher=ray``: the same training function on Ray Train workers, restarted after failures.
+
+Ray Train's ``TorchTrainer`` starts one worker per GPU slot (or ``trainer.ray_workers``), joins them
+in a torch process group (NCCL on GPUs, gloo otherwise) and sets RANK/LOCAL_RANK/WORLD_SIZE, so each
+worker runs ``longqa.train`` exactly as a torchrun rank would. When a worker dies, Ray tears the group
+down and starts it again, up to ``trainer.max_failures`` times; the trainer resumes from the last
+checkpoint in ``trainer.output_dir`` (``trainer.resume=auto``), which must be on storage every node
+sees. Relative paths are made absolute first, since Ray workers run in their own folders.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from longqa.config import Config, ConfigError, load_config_dict, to_dict
+
+
+def _absolute(cfg: Config) -> Config:
+    def fix(path):
+        return str(Path(path).resolve()) if path and Path(path).exists() else path
+
+    return dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(cfg.model, path=fix(cfg.model.path), tokenizer_path=fix(cfg.model.tokenizer_path)),
+        data=dataclasses.replace(cfg.data, train_files=[fix(p) for p in cfg.data.train_files],
+                                 val_files=[fix(p) for p in cfg.data.val_files],
+                                 cache_dir=fix(cfg.data.cache_dir) if cfg.data.cache_dir else None),
+        reward=dataclasses.replace(cfg.reward, path=fix(cfg.reward.path)),
+        trainer=dataclasses.replace(cfg.trainer, launcher="local", output_dir=str(Path(cfg.trainer.output_dir).resolve())),
+    )
+
+
+def _worker_loop(tree: dict) -> None:
+    from longqa.train.trainer import train
+
+    train(load_config_dict(tree))
+
+
+def run_with_ray(cfg: Config) -> dict:
+    try:
+        import ray
+        from ray.train import FailureConfig, RunConfig, ScalingConfig
+        from ray.train.torch import TorchConfig, TorchTrainer
+    except ImportError as e:
+        raise ConfigError("trainer.launcher=ray needs Ray Train: pip install 'longqa[ray]'") from e
+    ray.init(address=os.environ.get("RAY_ADDRESS"), ignore_reinit_error=True, log_to_driver=True)
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    use_gpu = gpus > 0 and cfg.trainer.device != "cpu"
+    workers = cfg.trainer.ray_workers or gpus
+    if workers < 1:
+        raise ConfigError("the Ray cluster has no GPUs: set trainer.ray_workers to the number of CPU workers")
+    local = _absolute(cfg)
+    Path(local.trainer.output_dir).mkdir(parents=True, exist_ok=True)
+    trainer = TorchTrainer(
+        _worker_loop, train_loop_config=to_dict(local),
+        scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu),
+        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+        run_config=RunConfig(name="longqa", storage_path=str(Path(local.trainer.output_dir) / "ray"),
+                             failure_config=FailureConfig(max_failures=cfg.trainer.max_failures)))
+    result = trainer.fit()
+    if result.error is not None:
+        raise result.error
+    from longqa.report import read_metrics
+
+    run_dir = Path(local.trainer.output_dir)
+    steps = max((r["step"] for r in read_metrics(run_dir / "metrics.jsonl")), default=0)
+    report = run_dir / "report" / "summary.md"
+    return {"steps": steps, "report": str(report) if report.exists() else None}
