@@ -238,3 +238,59 @@ def test_ray_train_workers_restart_from_the_last_checkpoint(run_inputs, tmp_path
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     for a, b in zip(straight, records):
         assert_same_records(a, b, skip=("reward_reason/",))  # a plain float reward gives no reasons
+
+
+NODE_RECORDER = '''
+import os
+from pathlib import Path
+
+import ray
+
+from longqa.reward import compute_score as hardened
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """Records which Ray node scored (it runs inside the training worker)."""
+    Path(OUT, f"node-{os.getpid()}").write_text(ray.get_runtime_context().get_node_id())
+    return hardened(data_source, solution_str, ground_truth, extra_info)
+'''
+
+
+@pytest.mark.slow
+def test_ray_workers_spread_over_the_nodes_of_a_cluster(run_inputs, tmp_path, monkeypatch):
+    """Two one-CPU nodes (ray.cluster_utils: the `ray start` CLI refuses loopback multi-node): the two
+    workers land one per node and the run completes."""
+    ray = pytest.importorskip("ray")
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from ray.cluster_utils import Cluster
+
+    from longqa.cli import main
+
+    for name, value in (("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"), ("RAY_USAGE_STATS_ENABLED", "0"),
+                        ("RAY_AUTH_MODE", "disabled"), ("OMP_NUM_THREADS", "1")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    short = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # socket paths must stay under 108 bytes
+    monkeypatch.setenv("RAY_TMPDIR", short)  # where Ray keeps this cluster's files and address
+    (Path(short) / "ray").mkdir()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    try:
+        cluster.add_node(num_cpus=1)
+        ray.init(address=cluster.address)
+        nodes = tmp_path / "nodes"
+        nodes.mkdir()
+        reward_file = tmp_path / "record_node.py"
+        reward_file.write_text(f"OUT = {str(nodes)!r}\n" + NODE_RECORDER)
+        out = tmp_path / "run"
+        args = run_args(run_inputs, out, **{"trainer.max_steps": 1, "trainer.test_freq": 0, "trainer.launcher": "ray",
+                                            "trainer.ray_workers": 2, "reward.path": reward_file})
+        assert main(["train", *args]) == 0
+        assert len({p.read_text() for p in nodes.iterdir()}) == 2
+        assert (out / "metrics.jsonl").exists()
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        shutil.rmtree(short, ignore_errors=True)
