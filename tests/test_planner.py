@@ -62,3 +62,13 @@ def test_cli_prints_the_table_and_refuses_with_exit_2(capsys):
     captured = capsys.readouterr()
     assert "rollout KV cache" in captured.out and "actor.cpu_offload=true" in captured.err
     assert main(["plan"]) == 0  # the embedded default on one GPU
+
+
+def test_the_trainer_check_refuses_before_loading(tmp_path):
+    from longqa.config import load_config
+    from longqa.dist.planner import check_run
+
+    cfg = load_config(None, [])  # the embedded default: tiny
+    assert check_run(cfg, world_size=1, gpu_bytes=H200).total < H200
+    with pytest.raises(PlanError, match="GiB per GPU but a GPU has 1.0 GiB"):
+        check_run(cfg, world_size=1, gpu_bytes=GIB)

@@ -191,7 +191,7 @@ def cmd_cluster(args: argparse.Namespace) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
-    from longqa.dist.planner import GIB, ModelSizes, check_plan, plan_memory
+    from longqa.dist.planner import GIB, ModelSizes, check_config, model_sizes, plan_config
 
     cfg = load_config(args.config, args.overrides)
     if args.shape:
@@ -199,23 +199,15 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
         from longqa.bench import SHAPES
 
-        model_config = Qwen3Config(**SHAPES[args.shape])
+        sizes = ModelSizes.from_config(Qwen3Config(**SHAPES[args.shape]))
     else:
-        from transformers import AutoConfig
-
-        from longqa.model.load import EMBEDDED_MODEL
-
-        model_config = AutoConfig.from_pretrained(cfg.model.path or str(EMBEDDED_MODEL))
-    sizes = ModelSizes.from_config(model_config)
-    options = dict(micro_batch_tokens=cfg.actor.max_tokens_per_micro_batch,
-                   kv_cache_bytes=cfg.rollout.kv_cache_bytes)
-    plan = plan_memory(sizes, world_size=args.gpus, gpu_bytes=int(args.gpu_memory_gib * GIB),
-                       prompt_length=cfg.data.max_prompt_length, response_length=cfg.data.max_response_length,
-                       n=cfg.rollout.n, gradient_checkpointing=cfg.model.gradient_checkpointing,
-                       cpu_offload=cfg.actor.cpu_offload, **options)
+        sizes = model_sizes(cfg)
+        if sizes is None:
+            raise ConfigError("longqa plan cannot size a GGUF model: pass --shape")
+    plan = plan_config(cfg, sizes, args.gpus, int(args.gpu_memory_gib * GIB))
     print(f"{sizes.params / 1e9:.2f}B parameters on {args.gpus} GPU(s) of {args.gpu_memory_gib:g} GiB"
           f"{' with CPU offload' if cfg.actor.cpu_offload else ''}:\n{plan.table()}")
-    check_plan(plan, cfg.actor.cpu_offload, cfg.model.gradient_checkpointing, **options)
+    check_config(cfg, plan)
     print("fits")
 
 

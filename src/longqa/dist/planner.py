@@ -131,3 +131,39 @@ def check_plan(plan: MemoryPlan, cpu_offload: bool, gradient_checkpointing: bool
         advice.append("use more GPUs (the training state is divided by their number)")
     raise PlanError(f"this plan needs about {plan.total / GIB:.1f} GiB per GPU but a GPU has "
                     f"{plan.gpu_bytes / GIB:.1f} GiB ({over:.1f} GiB over); to fit: " + "; or ".join(advice))
+
+
+def plan_config(cfg, sizes: ModelSizes, world_size: int, gpu_bytes: int) -> MemoryPlan:
+    """The plan of a longqa config on ``world_size`` GPUs of ``gpu_bytes``."""
+    return plan_memory(sizes, world_size=world_size, gpu_bytes=gpu_bytes, prompt_length=cfg.data.max_prompt_length,
+                       response_length=cfg.data.max_response_length, n=cfg.rollout.n,
+                       micro_batch_tokens=cfg.actor.max_tokens_per_micro_batch,
+                       gradient_checkpointing=cfg.model.gradient_checkpointing, cpu_offload=cfg.actor.cpu_offload,
+                       kv_cache_bytes=cfg.rollout.kv_cache_bytes)
+
+
+def check_config(cfg, plan: MemoryPlan) -> None:
+    check_plan(plan, cfg.actor.cpu_offload, cfg.model.gradient_checkpointing, cfg.actor.max_tokens_per_micro_batch,
+               cfg.rollout.kv_cache_bytes)
+
+
+def model_sizes(cfg) -> ModelSizes | None:
+    """Sizes from the config of ``model.path`` (or the embedded default); None for GGUF files, whose
+    config is only known once read."""
+    from transformers import AutoConfig
+
+    from longqa.model.load import EMBEDDED_MODEL
+
+    if cfg.model.gguf_file:
+        return None
+    return ModelSizes.from_config(AutoConfig.from_pretrained(cfg.model.path or str(EMBEDDED_MODEL)))
+
+
+def check_run(cfg, world_size: int, gpu_bytes: int) -> MemoryPlan | None:
+    """The trainer's check before it reads any weight: refuse a config that cannot fit on these GPUs."""
+    sizes = model_sizes(cfg)
+    if sizes is None:
+        return None
+    plan = plan_config(cfg, sizes, world_size, gpu_bytes)
+    check_config(cfg, plan)
+    return plan

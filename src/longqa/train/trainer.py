@@ -21,6 +21,7 @@ from longqa import algo, reward
 from longqa.config import Config, ConfigError, to_dict
 from longqa.data.prompts import PromptOptions, PromptSet, prepare_prompts
 from longqa.dist.env import DistEnv, all_reduce, gather_objects
+from longqa.dist.planner import check_run
 from longqa.evaluate import evaluate, stop_token_ids
 from longqa.model.load import load_model, load_model_tokenizer, pick_device
 from longqa.report import MetricsLogger, write_report
@@ -85,6 +86,8 @@ class Trainer:
         self.score = reward_function(cfg)  # bad input fails first, before the weights are read
         self.tokenizer = load_model_tokenizer(m.tokenizer_path or m.path, None if m.tokenizer_path else m.gguf_file)
         self.train_set, self.val_set = load_prompts(cfg, self.tokenizer)
+        if self.device.type == "cuda":  # refuse a plan that cannot fit before reading any weight
+            check_run(cfg, self.env.world_size, torch.cuda.get_device_properties(self.device).total_memory)
         self.model, _ = load_model(m.path, gguf_file=m.gguf_file, dtype=m.dtype, attn_implementation=m.attn_implementation,
                                    gradient_checkpointing=m.gradient_checkpointing, device=self.device,
                                    tokenizer=self.tokenizer)
