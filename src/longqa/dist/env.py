@@ -45,7 +45,7 @@ class DistEnv:
 
 def all_reduce(values: list[float], op: str = "sum", device: torch.device | str = "cpu") -> list[float]:
     """Reduce a few host numbers over the ranks (identity in a single process)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if world_size() == 1:
         return list(values)
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
