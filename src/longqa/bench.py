@@ -32,12 +32,13 @@ SHAPES = {  # Qwen3 family shapes (config.json of the released models)
 
 
 def random_model(shape: str, device, dtype=torch.bfloat16, gradient_checkpointing: bool = True,
-                 compile_layers: bool = False):
+                 compile_layers: bool = False, min_vocab: int = 0):
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; expected one of {sorted(SHAPES)}")
-    config = Qwen3Config(**SHAPES[shape], max_position_embeddings=65536, rope_theta=1000000.0)
+    sizes = {**SHAPES[shape], "vocab_size": max(SHAPES[shape]["vocab_size"], min_vocab)}
+    config = Qwen3Config(**sizes, max_position_embeddings=65536, rope_theta=1000000.0)
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
