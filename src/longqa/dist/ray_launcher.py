@@ -26,7 +26,7 @@ def _absolute(cfg: Config) -> Config:
         model=dataclasses.replace(cfg.model, path=fix(cfg.model.path), tokenizer_path=fix(cfg.model.tokenizer_path)),
         data=dataclasses.replace(cfg.data, train_files=[fix(p) for p in cfg.data.train_files],
                                  val_files=[fix(p) for p in cfg.data.val_files],
-                                 cache_dir=fix(cfg.data.cache_dir) if cfg.data.cache_dir else None),
+                                 cache_dir=str(Path(cfg.data.cache_dir).resolve()) if cfg.data.cache_dir else None),
         reward=dataclasses.replace(cfg.reward, path=fix(cfg.reward.path)),
         trainer=dataclasses.replace(cfg.trainer, launcher="local", output_dir=str(Path(cfg.trainer.output_dir).resolve())),
     )
