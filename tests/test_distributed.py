@@ -8,17 +8,10 @@ import torch.multiprocessing as mp
 
 from longqa.config import load_config
 from longqa.train.actor import Actor, Samples
+from tiny_models import VOCAB, tiny_lm
 
-VOCAB, GROUPS, N = 97, 4, 3
+GROUPS, N = 4, 3
 
-
-def tiny():
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()
 
 
 def global_samples() -> Samples:
@@ -67,7 +60,7 @@ def _worker(rank, world, port, shared, mode, budget, out, offload=False):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        actor = Actor(tiny(), config(shared, mode, budget, offload), 1, torch.device("cpu"))  # shards: world > 1
+        actor = Actor(tiny_lm(), config(shared, mode, budget, offload), 1, torch.device("cpu"))  # shards: world > 1
         assert type(next(actor.scorer.parameters())).__name__ == "DTensor"
         stats, grads = step(actor, rank_share(global_samples(), rank, world), lambda t: t.full_tensor())
         state = {k.removeprefix("model."): v for k, v in full_state_dict(actor.scorer).items()}
@@ -91,7 +84,7 @@ def test_two_ranks_take_the_single_process_step(tmp_path, shared, mode, offload)
     AdamW (whose first step divides by |g| and so amplifies float noise where g ~ 0) the weights agree
     to float32 rounding (1e-8, a few ulps of these weights) at the recipe's lr of 1e-6."""
     budget = 40  # several micro-batches, a different number on each rank
-    model = tiny()
+    model = tiny_lm()
     reference_stats, reference_grads = step(Actor(model, config(shared, mode, budget), 1, torch.device("cpu")),
                                             global_samples())
     out = tmp_path / "rank0.pt"
@@ -220,7 +213,8 @@ def ray_env(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_ray_train_workers_restart_from_the_last_checkpoint(run_inputs, tmp_path, ray_env):
     """trainer.launcher=ray: 2 Ray Train workers; one dies mid-run, the group restarts from the last
-    checkpoint (max_failures=1) and finishes with the metrics of an uninterrupted single process."""
+    checkpoint and finishes with the metrics of an uninterrupted single process. (The killed worker and
+    its peer, whose collective broke, may count as one failure or two: max_failures leaves room.)"""
     from longqa.cli import main
 
     straight = launch(run_inputs, tmp_path / "straight", 1, **{"trainer.max_steps": 3})
@@ -228,7 +222,7 @@ def test_ray_train_workers_restart_from_the_last_checkpoint(run_inputs, tmp_path
     reward_file = tmp_path / "crash_once.py"  # Ray workers do not see this process's environment
     reward_file.write_text(f"MARKER = {str(tmp_path / 'crashed')!r}\nRUN_DIR = {str(out)!r}\n" + CRASH_ONCE)
     args = run_args(run_inputs, out, **{"trainer.max_steps": 3, "trainer.save_freq": 1, "trainer.launcher": "ray",
-                                        "trainer.ray_workers": 2, "trainer.max_failures": 1,
+                                        "trainer.ray_workers": 2, "trainer.max_failures": 3,
                                         "reward.path": reward_file})
     assert main(["train", *args]) == 0
     assert (tmp_path / "crashed").exists()  # it did die once

@@ -9,23 +9,9 @@ from longqa.config import load_config
 from longqa.model.attention import BLOCK, block_mask, pack_mask, use_longqa_attention
 from longqa.model.packing import Pack, build_packed_batch, plan_packs
 from longqa.train.actor import Actor, Samples
+from tiny_models import VOCAB, tiny_lm
 
-VOCAB = 97
 
-
-def tiny(family: str, head_dim: int = 8):
-    """A random two-layer model of each family, with grouped-query attention."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
-
-    common = dict(vocab_size=VOCAB, hidden_size=4 * head_dim, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256)
-    config = {"qwen3": lambda: Qwen3Config(head_dim=head_dim, **common),
-              "qwen2": lambda: Qwen2Config(**common),
-              "llama": lambda: LlamaConfig(**common)}[family]()
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()
 
 
 def samples_for(prompts: list[list[int]], response_lengths: list[list[int]], seed: int = 0) -> Samples:
@@ -82,14 +68,14 @@ LENGTHS = [[3, 1, 7, 2], [1, 1, 9, 4], [5, 6, 1, 2]]
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama"])
 def test_packed_logprobs_and_gradients_equal_the_naive_layout(family):
-    assert_same(tiny(family), samples_for(PROMPTS, LENGTHS))
+    assert_same(tiny_lm(family), samples_for(PROMPTS, LENGTHS))
 
 
 def test_flex_backend_log_probs_equal_the_naive_layout():
     """The block-mask backend: eager flex_attention on the CPU, which has no backward there (the
     CUDA test below checks gradients through the compiled kernel)."""
     pytest.importorskip("torch.nn.attention.flex_attention")
-    model, samples = tiny("qwen3"), samples_for(PROMPTS, LENGTHS)
+    model, samples = tiny_lm("qwen3"), samples_for(PROMPTS, LENGTHS)
     reference = actor_for(copy.deepcopy(model), shared=False).logprobs(samples)
     flex = actor_for(copy.deepcopy(model), shared=True, budget=40, extra=("actor.attention_backend=flex",))
     assert flex.backend == "flex"
@@ -99,7 +85,7 @@ def test_flex_backend_log_probs_equal_the_naive_layout():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_compiled_flex_on_cuda_equals_the_naive_layout():
     # compiled flex_attention needs head_dim >= 16
-    assert_same(tiny("qwen3", head_dim=16), samples_for(PROMPTS, LENGTHS), budget=40,
+    assert_same(tiny_lm("qwen3", head_dim=16), samples_for(PROMPTS, LENGTHS), budget=40,
                 extra=("actor.attention_backend=flex",), device="cuda")
 
 
@@ -107,26 +93,26 @@ def test_compiled_flex_on_cuda_equals_the_naive_layout():
                                   "seq-mean-token-sum-norm"])
 def test_every_loss_aggregation_matches_with_entropy_and_kl(mode):
     extra = (f"algo.loss_agg_mode={mode}", "algo.entropy_coeff=0.01", "algo.kl_coef=0.1")
-    assert_same(tiny("qwen3"), samples_for(PROMPTS, LENGTHS), extra=extra)
+    assert_same(tiny_lm("qwen3"), samples_for(PROMPTS, LENGTHS), extra=extra)
 
 
 def test_one_sample_per_group():
-    assert_same(tiny("qwen3"), samples_for([random_prompt(7, 3), random_prompt(2, 4)], [[5], [1]]))
+    assert_same(tiny_lm("qwen3"), samples_for([random_prompt(7, 3), random_prompt(2, 4)], [[5], [1]]))
 
 
 def test_groups_split_when_alone_over_budget_and_many_micro_batches():
     samples = samples_for(PROMPTS, LENGTHS)
-    actor = assert_same(tiny("llama"), samples, budget=20)
+    actor = assert_same(tiny_lm("llama"), samples, budget=20)
     micros = actor.micro_batches(samples, list(range(len(samples))))
     # naive: 150 tokens; one pack per group: 69; split groups repeat their prompt, so less is saved
     assert 0 < actor.tokens_saved(samples) < 1 - 69 / 150
-    assert actor_for(tiny("qwen3"), True).tokens_saved(samples) == pytest.approx(1 - 69 / 150)
+    assert actor_for(tiny_lm("qwen3"), True).tokens_saved(samples) == pytest.approx(1 - 69 / 150)
     assert len(micros) > len(PROMPTS)  # groups of 11 + 13 tokens of responses do not fit 20
     assert sorted(i for m in micros for i in m.index) == list(range(len(samples)))
 
 
 def test_left_padded_inputs_are_unpadded_first():
-    model = tiny("qwen3")
+    model = tiny_lm("qwen3")
     reference = samples_for(PROMPTS, LENGTHS)
     width_p = max(len(p) for p in reference.prompt_ids)
     width_r = max(len(r) for r in reference.response_ids)
@@ -145,7 +131,7 @@ def test_left_padded_inputs_are_unpadded_first():
 
 
 def test_plain_forwards_and_generation_still_work_after_switching():
-    model = tiny("qwen3")
+    model = tiny_lm("qwen3")
     ids = torch.randint(1, VOCAB, (2, 6))
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
     before = model(input_ids=ids, attention_mask=mask).logits

@@ -5,18 +5,10 @@ import torch
 
 from longqa.rollout import HFRolloutEngine, SamplingParams, response_logprobs
 from longqa.rollout.fast import FastRolloutEngine, KVBudgetError
+from tiny_models import VOCAB, tiny_lm
 
-VOCAB, STOP = 97, 5
+STOP = 5
 
-
-def tiny(family: str = "qwen3"):
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
-
-    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=512)
-    config = Qwen3Config(head_dim=8, **common) if family == "qwen3" else LlamaConfig(**common)
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float().eval()
 
 
 def prompts(lengths=(3, 17, 1, 40, 9)):
@@ -35,7 +27,7 @@ def hf_greedy(model, prompt, max_new):
 @pytest.mark.parametrize("n,groups,chunk", [(1, None, 8192), (3, 2, 4)])
 def test_greedy_equals_transformers_generate(family, n, groups, chunk):
     """Several prompt lengths, chunked prefill, fewer slots than prompts (groups stream through)."""
-    model = tiny(family)
+    model = tiny_lm(family)
     engine = FastRolloutEngine(model, max_groups=groups, prefill_chunk=chunk, sync_every=3)
     params = SamplingParams(n=n, temperature=0, max_new_tokens=12, stop_token_ids=(STOP,))
     for prompt, group in zip(prompts(), engine.generate(prompts(), params)):
@@ -48,7 +40,7 @@ def test_greedy_equals_transformers_generate(family, n, groups, chunk):
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, -1, 1.0), (0.7, 20, 0.9)])
 def test_sampled_logprobs_equal_the_training_recompute(temperature, top_k, top_p):
-    model = tiny()
+    model = tiny_lm()
     engine = FastRolloutEngine(model, max_groups=2, sync_every=4)
     params = SamplingParams(n=4, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=10,
                             stop_token_ids=(STOP,))
@@ -63,7 +55,7 @@ def test_sampled_logprobs_equal_the_training_recompute(temperature, top_k, top_p
 
 
 def test_a_seed_gives_the_same_samples_whatever_the_batch():
-    model = tiny()
+    model = tiny_lm()
     params = SamplingParams(n=3, temperature=1.0, max_new_tokens=8, stop_token_ids=(STOP,))
     together = FastRolloutEngine(model, sync_every=2).generate(prompts(), params, seeds=[10, 11, 12, 13, 14])
     alone = FastRolloutEngine(model, max_groups=1, sync_every=5).generate(prompts()[3:4], params, seeds=[13])
@@ -95,7 +87,7 @@ def test_stop_strings_cut_like_the_reference_engine(tokenizer):
 
 
 def test_weights_are_the_training_model_s_own():
-    model = tiny()
+    model = tiny_lm()
     engine = FastRolloutEngine(model)
     params = SamplingParams(n=1, temperature=0, max_new_tokens=6)
     before = engine.generate(prompts()[:2], params)
@@ -109,7 +101,7 @@ def test_weights_are_the_training_model_s_own():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graph_replays_equal_transformers_and_the_recompute():
-    model = tiny().cuda()
+    model = tiny_lm().cuda()
     engine = FastRolloutEngine(model, max_groups=2, sync_every=3)
     assert engine.cuda_graphs
     params = SamplingParams(n=3, temperature=0, max_new_tokens=12, stop_token_ids=(STOP,))
@@ -130,11 +122,11 @@ def test_a_copy_in_another_dtype_refreshes_and_is_never_sampled_stale():
 
     from longqa.config import load_config
 
-    model = tiny()
+    model = tiny_lm()
     engine = FastRolloutEngine(model, dtype=torch.float64)
     assert engine.model is not model and next(engine.model.parameters()).dtype == torch.float64
     params = SamplingParams(n=2, temperature=0, max_new_tokens=6)
-    reference = tiny().double()
+    reference = tiny_lm().double()
     assert [g[0].token_ids for g in engine.generate(prompts()[:2], params)] == \
            [hf_greedy(reference, p, 6) for p in prompts()[:2]]
     actor = Actor(model, load_config(None, ["actor.lr=0.1"]), 1, torch.device("cpu"))
@@ -150,13 +142,13 @@ def test_a_copy_in_another_dtype_refreshes_and_is_never_sampled_stale():
 
 
 def test_a_group_that_cannot_fit_is_a_clear_error():
-    engine = FastRolloutEngine(tiny(), kv_cache_bytes=1000)
+    engine = FastRolloutEngine(tiny_lm(), kv_cache_bytes=1000)
     with pytest.raises(KVBudgetError, match="needs .* GiB of KV cache but the budget is"):
         engine.generate(prompts(), SamplingParams(n=8, max_new_tokens=64))
 
 
 def test_max_new_tokens_of_one_and_immediate_stops():
-    model = tiny()
+    model = tiny_lm()
     params = SamplingParams(n=2, temperature=0, max_new_tokens=1)
     out = FastRolloutEngine(model, max_groups=2).generate(prompts(), params)
     assert [g[0].token_ids for g in out] == [hf_greedy(model, p, 1) for p in prompts()]
