@@ -14,6 +14,7 @@ import torch
 from longqa.cli import main
 from longqa.config import load_config
 from longqa.train.actor import Actor, Samples, TrainingError, lr_lambda
+from tiny_models import save_tiny_qwen3
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMING = ("time/", "perf/", "val/seconds")
@@ -21,18 +22,7 @@ TIMING = ("time/", "perf/", "val/seconds")
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory, tokenizer):
-    from transformers import AutoModelForCausalLM
-
-    from longqa.model.load import qwen3_config
-
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny-model")
-    config = qwen3_config(len(tokenizer), hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                          eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-                          pad_token_id=tokenizer.pad_token_id)
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_tiny_qwen3(tmp_path_factory.mktemp("tiny-model"), tokenizer)
 
 
 @pytest.fixture(scope="module")

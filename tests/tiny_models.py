@@ -16,3 +16,18 @@ def tiny_lm(family: str = "qwen3", head_dim: int = 8):
               "llama": lambda: LlamaConfig(**common)}[family]()
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()
+
+
+def save_tiny_qwen3(path, tokenizer):
+    """A two-layer random Qwen3 sized to ``tokenizer``, saved with it as a model folder (``model.path``)."""
+    from transformers import AutoModelForCausalLM
+
+    from longqa.model.load import qwen3_config
+
+    torch.manual_seed(0)
+    config = qwen3_config(len(tokenizer), hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                          eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+                          pad_token_id=tokenizer.pad_token_id)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

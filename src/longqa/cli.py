@@ -141,40 +141,34 @@ def cmd_sft(args: argparse.Namespace) -> None:
     print(f"wrote {options.output_dir} ({summary['steps']} steps, {summary['train_minutes']} min)")
 
 
-def cmd_bench_train(args: argparse.Namespace) -> None:
-    import json
-
-    from longqa.bench import bench_train
-
-    results = bench_train(args.shape, args.prompt, args.response, args.n, tuple(args.layouts), args.repeat,
-                          args.device, not args.no_gradient_checkpointing, args.budget, args.backend,
-                          args.compile)
+def _save_results(args: argparse.Namespace, results: list[dict]) -> None:
     if args.json:
+        import json
+
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+
+
+def cmd_bench_train(args: argparse.Namespace) -> None:
+    from longqa.bench import bench_train
+
+    _save_results(args, bench_train(args.shape, args.prompt, args.response, args.n, tuple(args.layouts), args.repeat,
+                                    args.device, not args.no_gradient_checkpointing, args.budget, args.backend,
+                                    args.compile))
 
 
 def cmd_bench_rollout(args: argparse.Namespace) -> None:
-    import json
-
     from longqa.bench import bench_rollout
 
-    results = bench_rollout(args.shape, args.prompt, args.new_tokens, args.n, tuple(args.groups), args.hf_new_tokens,
-                            args.device, not args.no_cuda_graphs)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    _save_results(args, bench_rollout(args.shape, args.prompt, args.new_tokens, args.n, tuple(args.groups),
+                                      args.hf_new_tokens, args.device, not args.no_cuda_graphs))
 
 
 def cmd_bench_step(args: argparse.Namespace) -> None:
-    import json
-
     from longqa.bench import bench_grpo_step
 
-    results = bench_grpo_step(args.shape, args.prompt, args.response, args.n, args.prompts, args.steps, args.device)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    _save_results(args, bench_grpo_step(args.shape, args.prompt, args.response, args.n, args.prompts, args.steps,
+                                        args.device))
 
 
 def cmd_cluster(args: argparse.Namespace) -> None:
@@ -313,54 +307,46 @@ def build_parser() -> argparse.ArgumentParser:
     bench = groups.add_parser("bench", help="speed of the training layouts on random-weight models",
                               description="Benchmarks on random-weight models of real shapes (no download).")
     bench_cmds = bench.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)
-    from longqa.bench import SHAPES
+    from longqa.bench import SHAPES  # plain data: the shapes `bench` and `plan --shape` know
+    def bench_parser(name: str, func, help: str, description: str) -> argparse.ArgumentParser:
+        """A bench subcommand with the arguments every bench takes: model shape, prompt, n, device, JSON."""
+        p = bench_cmds.add_parser(name, help=help, description=description)
+        p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-1.7b")
+        p.add_argument("--prompt", type=int, default=8192, help="prompt tokens (default 8192)")
+        p.add_argument("-n", type=int, default=8, help="samples per prompt (default 8)")
+        p.add_argument("--device", default="auto")
+        p.add_argument("--json", help="also write the results here")
+        p.set_defaults(func=func)
+        return p
 
-    p = bench_cmds.add_parser("train", help="forward+backward of one group: naive padded vs shared-prompt packed",
-                              description="Seconds per group of N samples of one prompt through the actor's code "
-                              "path, tokens/s, speed-up, MFU (model FLOPs, recompute excluded, over the H200 bf16 "
-                              "peak) and peak memory. bf16 on CUDA, float32 on the CPU.")
-    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-1.7b")
-    p.add_argument("--prompt", type=int, default=8192, help="prompt tokens (default 8192)")
+    p = bench_parser("train", cmd_bench_train, help="forward+backward of one group: naive padded vs shared-prompt packed",
+                     description="Seconds per group of N samples of one prompt through the actor's code path, "
+                     "tokens/s, speed-up, MFU (model FLOPs, recompute excluded, over the H200 bf16 peak) and peak "
+                     "memory. bf16 on CUDA, float32 on the CPU.")
     p.add_argument("--response", type=int, default=1024, help="tokens of each response (default 1024)")
-    p.add_argument("-n", type=int, default=8, help="samples per prompt (default 8)")
     p.add_argument("--layouts", nargs="+", choices=["naive", "packed"], default=["naive", "packed"])
     p.add_argument("--repeat", type=int, default=3, help="timed repetitions after one warm-up (default 3)")
-    p.add_argument("--device", default="auto")
     p.add_argument("--backend", choices=["auto", "dense", "flex"], default="auto", help="packed attention backend")
     p.add_argument("--budget", type=int, help="micro-batch token budget (default: one packed group)")
     p.add_argument("--no-gradient-checkpointing", action="store_true")
     p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
-    p.add_argument("--json", help="also write the results here")
-    p.set_defaults(func=cmd_bench_train)
 
-    p = bench_cmds.add_parser("rollout", help="sampling speed: transformers generate vs the fast engine",
-                              description="New tokens/s for n samples of random prompts (EOS ignored, temperature 1): "
-                              "transformers' generate for one group, the fast engine for each --groups count, and "
-                              "the fast engine's decode time against its HBM-bandwidth floor.")
-    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-1.7b")
-    p.add_argument("--prompt", type=int, default=8192, help="prompt tokens (default 8192)")
+    p = bench_parser("rollout", cmd_bench_rollout, help="sampling speed: transformers generate vs the fast engine",
+                     description="New tokens/s for n samples of random prompts (EOS ignored, temperature 1): "
+                     "transformers' generate for one group, the fast engine for each --groups count, and the fast "
+                     "engine's decode time against its HBM-bandwidth floor.")
     p.add_argument("--new-tokens", type=int, default=1024, help="new tokens per sample (default 1024)")
-    p.add_argument("-n", type=int, default=8, help="samples per prompt (default 8)")
     p.add_argument("--groups", type=int, nargs="+", default=[1, 16], help="prompts per run (default 1 16)")
     p.add_argument("--hf-new-tokens", type=int, help="new tokens for transformers (default --new-tokens; 0 skips)")
-    p.add_argument("--device", default="auto")
     p.add_argument("--no-cuda-graphs", action="store_true")
-    p.add_argument("--json", help="also write the results here")
-    p.set_defaults(func=cmd_bench_rollout)
 
-    p = bench_cmds.add_parser("step", help="a whole GRPO step: fast-engine rollout + packed update, per phase",
-                              description="Seconds per phase of GRPO steps on a random-weight model: rollout with "
-                              "the fast engine, rewards (random: such a model cannot answer) and advantages, one "
-                              "packed shared-prompt update. The first step includes warm-up.")
-    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-1.7b")
-    p.add_argument("--prompt", type=int, default=8192)
+    p = bench_parser("step", cmd_bench_step, help="a whole GRPO step: fast-engine rollout + packed update, per phase",
+                     description="Seconds per phase of GRPO steps on a random-weight model: rollout with the fast "
+                     "engine, rewards (random: such a model cannot answer) and advantages, one packed shared-prompt "
+                     "update. The first step includes warm-up.")
     p.add_argument("--response", type=int, default=1024, help="new tokens per sample (EOS ignored)")
-    p.add_argument("-n", type=int, default=8)
     p.add_argument("--prompts", type=int, default=16, help="prompts per step (default 16)")
     p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--json", help="also write the results here")
-    p.set_defaults(func=cmd_bench_step)
 
     cluster_p = groups.add_parser("cluster", help="a Ray cluster over ssh from a hostfile",
                                   description="Start, stop or inspect a Ray cluster on the hosts of an MPI-style "
@@ -383,9 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--gpus", type=int, default=1, help="GPUs the model is sharded over (default 1)")
     p.add_argument("--gpu-memory-gib", type=float, default=141.0, help="memory of one GPU (default 141, an H200)")
-    from longqa.bench import SHAPES as _SHAPES
-
-    p.add_argument("--shape", choices=sorted(_SHAPES), help="a known model shape instead of model.path's config")
+    p.add_argument("--shape", choices=sorted(SHAPES), help="a known model shape instead of model.path's config")
     p.set_defaults(func=cmd_plan)
 
     config = groups.add_parser("config", help="show the config", description="The typed config tree: YAML plus "
