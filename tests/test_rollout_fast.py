@@ -86,6 +86,45 @@ def test_stop_strings_cut_like_the_reference_engine(tokenizer):
     assert "stop" in reasons and "length" in reasons
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama"])
+def test_fused_decode_step_equals_the_model_s_own_modules(family):
+    """Same samples and log-probs from the fused step (decode_step.py) as from the transformers modules
+    (biases: Qwen2; q/k norms: Qwen3; neither: Llama)."""
+    model = tiny_lm(family)
+    fused, modules = FastRolloutEngine(model, fused_decode=True), FastRolloutEngine(model, fused_decode=False)
+    assert fused.decode_step is not None and modules.decode_step is None
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=10, stop_token_ids=(STOP,))
+    a = fused.generate(prompts(), params, seeds=[1, 2, 3, 4, 5])
+    b = modules.generate(prompts(), params, seeds=[1, 2, 3, 4, 5])
+    for group_a, group_b in zip(a, b):
+        for x, y in zip(group_a, group_b):
+            assert x.token_ids == y.token_ids and x.finish_reason == y.finish_reason
+            assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5)
+
+
+def test_flex_decode_kernel_equals_the_matmul_kernel():
+    model = tiny_lm()
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=70, stop_token_ids=(STOP,))
+    a = FastRolloutEngine(model, max_groups=2, decode_kernel="flex").generate(prompts(), params, seeds=[1, 2, 3, 4, 5])
+    b = FastRolloutEngine(model, max_groups=2).generate(prompts(), params, seeds=[1, 2, 3, 4, 5])
+    assert max(len(s.token_ids) for g in a for s in g) > 64  # crosses a response bucket
+    for group_a, group_b in zip(a, b):
+        for x, y in zip(group_a, group_b):
+            assert x.token_ids == y.token_ids
+            assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5)
+
+
+def test_an_unsupported_model_runs_through_its_modules():
+    model = tiny_lm()
+    model.config.hidden_act = "tanh"  # not a fused activation (the modules keep their own)
+    assert FastRolloutEngine(model).decode_step is None
+    with pytest.raises(ValueError, match="activation 'tanh'"):
+        FastRolloutEngine(model, fused_decode=True)
+    params = SamplingParams(n=1, temperature=0, max_new_tokens=6)
+    assert [g[0].token_ids for g in FastRolloutEngine(model).generate(prompts()[:2], params)] == \
+           [hf_greedy(model, p, 6) for p in prompts()[:2]]
+
+
 def test_weights_are_the_training_model_s_own():
     model = tiny_lm()
     engine = FastRolloutEngine(model)
@@ -100,10 +139,13 @@ def test_weights_are_the_training_model_s_own():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_graph_replays_equal_transformers_and_the_recompute():
-    model = tiny_lm().cuda()
-    engine = FastRolloutEngine(model, max_groups=2, sync_every=3)
-    assert engine.cuda_graphs
+@pytest.mark.parametrize("kernel", ["bmm", "flex"])
+def test_cuda_graph_replays_equal_transformers_and_the_recompute(kernel):
+    """The compiled fused step and decode attention, replayed as CUDA graphs (head_dim 16: compiled flex
+    needs at least that)."""
+    model = tiny_lm(head_dim=16).cuda()
+    engine = FastRolloutEngine(model, max_groups=2, sync_every=3, decode_kernel=kernel)
+    assert engine.cuda_graphs and engine.decode_step is not None
     params = SamplingParams(n=3, temperature=0, max_new_tokens=12, stop_token_ids=(STOP,))
     for prompt, group in zip(prompts(), engine.generate(prompts(), params)):
         assert all(s.token_ids == hf_greedy(model, torch.tensor(prompt).cuda().tolist(), 12) for s in group)

@@ -159,7 +159,7 @@ def decode_floor_s(config, prompt: int, new_tokens: int, n: int, groups: int, sh
 
 def bench_rollout(shape: str = "qwen3-1.7b", prompt: int = 8192, new_tokens: int = 1024, n: int = 8,
                   groups: tuple[int, ...] = (1, 16), hf_new_tokens: int | None = None, device: str = "auto",
-                  cuda_graphs: bool = True) -> list[dict]:
+                  cuda_graphs: bool = True, engine_options: dict | None = None) -> list[dict]:
     """New tokens/s of transformers' ``generate`` (n samples of one prompt) and of the fast engine (1 and
     more groups of n), EOS ignored, temperature 1; the fast engine against its memory-bandwidth floor."""
     from longqa.model.load import pick_device
@@ -185,7 +185,7 @@ def bench_rollout(shape: str = "qwen3-1.7b", prompt: int = 8192, new_tokens: int
         results.append({"engine": "transformers generate", "groups": 1, "n": n, "prompt": prompt,
                         "new_tokens": tokens, "seconds": round(seconds, 3), "new_tokens_per_s": round(n * tokens / seconds)})
         print(json.dumps(results[-1]), flush=True)
-    engine = FastRolloutEngine(model, cuda_graphs=cuda_graphs)
+    engine = FastRolloutEngine(model, cuda_graphs=cuda_graphs, **(engine_options or {}))
     for count in groups:
         params = SamplingParams(n=n, temperature=1.0, max_new_tokens=new_tokens)
         first = SamplingParams(n=n, temperature=1.0, max_new_tokens=1)
@@ -203,7 +203,7 @@ def bench_rollout(shape: str = "qwen3-1.7b", prompt: int = 8192, new_tokens: int
         made = sum(len(s.token_ids) for group in out for s in group)
         floor = decode_floor_s(model.config, prompt, new_tokens, n, count)
         decode = seconds - prefill
-        row = {"engine": "longqa fast", "groups": count, "n": n, "prompt": prompt, "new_tokens": new_tokens,
+        row = {"engine": "longqa fast", **(engine_options or {}), "groups": count, "n": n, "prompt": prompt, "new_tokens": new_tokens,
                "groups_in_flight": engine.kv.groups, "seconds": round(seconds, 3), "prefill_seconds": round(prefill, 3),
                "new_tokens_per_s": round(made / seconds), "decode_tokens_per_s": round(made / decode),
                "decode_ms_per_step": round(1e3 * decode / new_tokens, 3),
@@ -220,7 +220,8 @@ def bench_rollout(shape: str = "qwen3-1.7b", prompt: int = 8192, new_tokens: int
 
 
 def bench_grpo_step(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int = 1024, n: int = 8,
-                    prompts_per_step: int = 16, steps: int = 2, device: str = "auto") -> list[dict]:
+                    prompts_per_step: int = 16, steps: int = 2, device: str = "auto",
+                    engine_options: dict | None = None) -> list[dict]:
     """Seconds per phase of whole GRPO steps: fast-engine rollout of ``prompts_per_step`` x ``n``, group
     advantages, one packed shared-prompt update (on-policy: no old log-prob pass). A random-weight
     model cannot answer, so rewards are random coin flips (scoring text costs milliseconds anyway)."""
@@ -237,7 +238,7 @@ def bench_grpo_step(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int
                              f"actor.ppo_mini_batch_size={prompts_per_step}", f"data.max_response_length={response}",
                              f"actor.max_tokens_per_micro_batch={prompt + n * response}", "actor.lr=1e-6"])
     actor = Actor(model, cfg, steps, dev)
-    engine = FastRolloutEngine(model)
+    engine = FastRolloutEngine(model, **(engine_options or {}))
     params = SamplingParams(n=n, temperature=1.0, max_new_tokens=response)
     g = torch.Generator().manual_seed(0)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)

@@ -161,14 +161,20 @@ def cmd_bench_rollout(args: argparse.Namespace) -> None:
     from longqa.bench import bench_rollout
 
     _save_results(args, bench_rollout(args.shape, args.prompt, args.new_tokens, args.n, tuple(args.groups),
-                                      args.hf_new_tokens, args.device, not args.no_cuda_graphs))
+                                      args.hf_new_tokens, args.device, not args.no_cuda_graphs, _engine_options(args)))
+
+
+def _engine_options(args: argparse.Namespace) -> dict:
+    """The fast engine's decode-step choices a bench was asked for (the defaults are left out)."""
+    return {**({"decode_kernel": args.decode_kernel} if args.decode_kernel else {}),
+            **({"fused_decode": False} if args.no_fused_decode else {})}
 
 
 def cmd_bench_step(args: argparse.Namespace) -> None:
     from longqa.bench import bench_grpo_step
 
     _save_results(args, bench_grpo_step(args.shape, args.prompt, args.response, args.n, args.prompts, args.steps,
-                                        args.device))
+                                        args.device, _engine_options(args)))
 
 
 def cmd_cluster(args: argparse.Namespace) -> None:
@@ -319,6 +325,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
         return p
 
+    def engine_arguments(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--decode-kernel", choices=["bmm", "flex"], help="fast engine decode attention")
+        p.add_argument("--no-fused-decode", action="store_true", help="decode through the model's own modules")
+
     p = bench_parser("train", cmd_bench_train, help="forward+backward of one group: naive padded vs shared-prompt packed",
                      description="Seconds per group of N samples of one prompt through the actor's code path, "
                      "tokens/s, speed-up, MFU (model FLOPs, recompute excluded, over the H200 bf16 peak) and peak "
@@ -339,6 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--groups", type=int, nargs="+", default=[1, 16], help="prompts per run (default 1 16)")
     p.add_argument("--hf-new-tokens", type=int, help="new tokens for transformers (default --new-tokens; 0 skips)")
     p.add_argument("--no-cuda-graphs", action="store_true")
+    engine_arguments(p)
 
     p = bench_parser("step", cmd_bench_step, help="a whole GRPO step: fast-engine rollout + packed update, per phase",
                      description="Seconds per phase of GRPO steps on a random-weight model: rollout with the fast "
@@ -347,6 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--response", type=int, default=1024, help="new tokens per sample (EOS ignored)")
     p.add_argument("--prompts", type=int, default=16, help="prompts per step (default 16)")
     p.add_argument("--steps", type=int, default=2)
+    engine_arguments(p)
 
     cluster_p = groups.add_parser("cluster", help="a Ray cluster over ssh from a hostfile",
                                   description="Start, stop or inspect a Ray cluster on the hosts of an MPI-style "

@@ -36,10 +36,12 @@ import torch
 import torch.nn.functional as F
 
 from longqa.model.attention import NO_MASK, use_longqa_attention
+from longqa.rollout.decode_step import DecodeStep, unsupported_reason
 from longqa.rollout.base import RolloutEngine, Sample, SamplingParams, StaleWeightsError, weights_version
 from longqa.rollout.hf import eval_mode, filter_logits
 
 MASK32 = 0xFFFFFFFF
+FLEX_BLOCK = 128
 
 
 class KVBudgetError(ValueError):
@@ -72,6 +74,7 @@ def gumbel_noise(keys: torch.Tensor, index: torch.Tensor, vocab: int) -> torch.T
 def sample_rows(logits: torch.Tensor, params: SamplingParams, keys: torch.Tensor, index: torch.Tensor):
     """Tokens and their log-probs under ``softmax(logits / T)`` (no top-k/top-p renormalisation, as the
     trainer recomputes them). Sampling is Gumbel-max over the filtered, tempered logits."""
+    logits = logits.float()
     if params.greedy:
         scaled = logits
         tokens = logits.argmax(-1)
@@ -89,8 +92,10 @@ class SharedPrefixKV:
     response_cap, head_dim]``; plus the attention that reads them (``attend``)."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, groups: int, n: int, prompt_cap: int,
-                 response_cap: int, dtype, device):
+                 response_cap: int, dtype, device, kernel: str = "bmm"):
         self.groups, self.n, self.prompt_cap, self.response_cap = groups, n, prompt_cap, response_cap
+        self.kernel = kernel
+        self.block_masks: dict = {}  # (prompt_view, response_view) -> flex block masks
         self.prefix_k = torch.zeros(layers, groups, kv_heads, prompt_cap, head_dim, dtype=dtype, device=device)
         self.prefix_v = torch.zeros_like(self.prefix_k)
         self.suffix_k = torch.zeros(layers, groups * n, kv_heads, response_cap, head_dim, dtype=dtype, device=device)
@@ -134,9 +139,27 @@ class SharedPrefixKV:
         each row's own tokens."""
         self.suffix_k[layer, self.rows, :, self.write_at] = k[:, :, 0]
         self.suffix_v[layer, self.rows, :, self.write_at] = v[:, :, 0]
+        if self.kernel == "flex":
+            return flex_decode_attention(q, self.prefix_k[layer], self.prefix_v[layer], self.suffix_k[layer],
+                                         self.suffix_v[layer], self._block_masks(), self.n, self.prompt_view,
+                                         self.response_view, scaling)
         math_fn = _compiled_decode_attention() if q.is_cuda else decode_attention
         return math_fn(q, self.prefix_k[layer], self.prefix_v[layer], self.suffix_k[layer], self.suffix_v[layer],
                        self.prefix_len, self.write_at, self.n, self.prompt_view, self.response_view, scaling)
+
+    def _block_masks(self):
+        """Flex block masks of the current views: every block kept (the stores are dense), the lengths
+        applied per key by mask functions that read ``prefix_len`` and ``write_at`` when they run, so one
+        mask serves every step of a length bucket (and its CUDA graph)."""
+        key = (self.prompt_view, self.response_view)
+        if key not in self.block_masks:
+            prefix_len, write_at = self.prefix_len, self.write_at
+            self.block_masks[key] = (
+                _dense_block_mask(self.groups, self.n, self.prompt_view, lambda b, h, q, k: k < prefix_len[b],
+                                  self.prefix_len.device),
+                _dense_block_mask(self.groups * self.n, 1, self.response_view,
+                                  lambda b, h, q, k: k <= write_at[b], self.prefix_len.device))
+        return self.block_masks[key]
 
 
 def _batched(store: torch.Tensor, length: int) -> torch.Tensor:
@@ -176,10 +199,62 @@ def decode_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, writ
     out_o, lse_o = _softmax_part(q[:, :, 0].reshape(rows * kv_heads, r, d), _batched(suffix_k, S),
                                  _batched(suffix_v, S), later, scaling)
     out_o, lse_o = out_o.view(rows, kv_heads, r, d), lse_o.view(rows, kv_heads, r)
-    top = torch.maximum(lse_p, lse_o)
-    w_p, w_o = (lse_p - top).exp()[..., None], (lse_o - top).exp()[..., None]
-    out = (out_p * w_p + out_o * w_o) / (w_p + w_o)
-    return out.to(q.dtype).reshape(rows, 1, heads, d)
+    return _merge(out_p.reshape(rows, heads, d), lse_p.reshape(rows, heads), out_o.reshape(rows, heads, d),
+                  lse_o.reshape(rows, heads)).to(q.dtype).reshape(rows, 1, heads, d)
+
+
+def _dense_block_mask(batch: int, q_len: int, kv_len: int, mask_mod, device):
+    from torch.nn.attention.flex_attention import BlockMask
+
+    blocks = math.ceil(kv_len / FLEX_BLOCK)
+    num = torch.full((batch, 1, 1), blocks, dtype=torch.int32, device=device)
+    indices = torch.arange(blocks, dtype=torch.int32, device=device).expand(batch, 1, 1, blocks).contiguous()
+    return BlockMask.from_kv_blocks(num, indices, mask_mod=mask_mod, seq_lengths=(q_len, kv_len),
+                                    BLOCK_SIZE=FLEX_BLOCK)
+
+
+def flex_decode_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, masks, n: int, prompt_view: int,
+                          response_view: int, scaling):
+    """``decode_attention`` with both halves as flex_attention calls (its split-K decoding kernel on a
+    GPU: every SM reads a share of the prompt even for one group): the n samples of a group are the
+    query positions against the shared prompt, and each row's one query against its own tokens."""
+    from torch.nn.attention.flex_attention import AuxRequest
+
+    rows, heads, _, d = q.shape
+    groups = prefix_k.shape[0]
+    flex = _compiled_flex() if q.is_cuda else _eager_flex
+    q_group = q[:, :, 0].view(groups, n, heads, d).transpose(1, 2)  # [groups, heads, n, d]
+    out_p, aux_p = flex(q_group, prefix_k[:, :, :prompt_view], prefix_v[:, :, :prompt_view], block_mask=masks[0],
+                        scale=scaling, enable_gqa=True, return_aux=AuxRequest(lse=True))
+    out_p = out_p.transpose(1, 2).reshape(rows, heads, d).float()
+    lse_p = aux_p.lse.transpose(1, 2).reshape(rows, heads)
+    out_o, aux_o = flex(q, suffix_k[:, :, :response_view], suffix_v[:, :, :response_view], block_mask=masks[1],
+                        scale=scaling, enable_gqa=True, return_aux=AuxRequest(lse=True))
+    return _merge(out_p, lse_p, out_o[:, :, 0].float(), aux_o.lse[:, :, 0]).to(q.dtype).reshape(rows, 1, heads, d)
+
+
+def _merge(out_a, lse_a, out_b, lse_b):
+    """Two attentions over disjoint key sets -> the attention over their union (weights by log-sum-exp)."""
+    top = torch.maximum(lse_a, lse_b)
+    w_a, w_b = (lse_a - top).exp()[..., None], (lse_b - top).exp()[..., None]
+    return (out_a * w_a + out_b * w_b) / (w_a + w_b)
+
+
+def _eager_flex(*args, **kwargs):
+    import warnings
+
+    from torch.nn.attention.flex_attention import flex_attention
+
+    with warnings.catch_warnings():  # the unfused reference form is what the CPU tests want
+        warnings.simplefilter("ignore")
+        return flex_attention(*args, **kwargs)
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=True)
 
 
 @functools.cache
@@ -198,18 +273,24 @@ class FastRolloutEngine(RolloutEngine):
 
     ``kv_cache_bytes`` bounds the KV stores (default: 40% of free GPU memory, 2 GiB on a CPU); as many
     groups run at once as fit. ``prefill_chunk`` bounds the tokens of one prefill forward.
-    ``cuda_graphs`` captures the decode step per length bucket (CUDA only).
+    ``cuda_graphs`` captures the decode step per length bucket (CUDA only). ``fused_decode`` runs the
+    decode step of Llama-family models as a few compiled kernels per layer (``decode_step.py``; compiled
+    on a GPU only); ``None`` uses it wherever the model is supported, ``False`` runs the model's modules.
+    ``decode_kernel`` computes decode attention with batched matmuls (``bmm``) or flex_attention (``flex``).
     """
 
     def __init__(self, model, tokenizer=None, kv_cache_bytes: int | None = None, prefill_chunk: int = 8192,
                  sync_every: int = 16, cuda_graphs: bool = True, max_groups: int | None = None, dtype=None,
-                 own_copy: bool = False):
+                 own_copy: bool = False, fused_decode: bool | None = None, decode_kernel: str = "bmm"):
         self.source, self.tokenizer = model, tokenizer
         self.model = model
         if own_copy or (dtype is not None and dtype != next(model.parameters()).dtype):
             # Made before the trainer shards the model (own_copy): sharded weights are gathered into it.
             self.model = copy.deepcopy(model).to(dtype or next(model.parameters()).dtype).requires_grad_(False)
         self.version = weights_version(model)
+        if decode_kernel not in ("bmm", "flex"):
+            raise ValueError(f"decode_kernel must be 'bmm' or 'flex', got {decode_kernel!r}")
+        self.decode_kernel = decode_kernel
         self.kv_cache_bytes, self.prefill_chunk, self.sync_every = kv_cache_bytes, prefill_chunk, sync_every
         self.max_groups = max_groups
         first = next(self.model.parameters())
@@ -224,6 +305,12 @@ class FastRolloutEngine(RolloutEngine):
         self.graphs: dict = {}
         self.stop_ids: dict = {}
         use_longqa_attention(self.model)
+        reason = unsupported_reason(self.model)
+        if fused_decode and reason:
+            raise ValueError(f"fused_decode=True but {reason}")
+        compiled = self.device.type == "cuda"
+        self.decode_step = DecodeStep(self.model, compiled) if fused_decode is not False and not reason else None
+        self.sample = torch.compile(sample_rows, dynamic=False) if compiled else sample_rows
 
     def sync_weights(self) -> None:
         """Load the training model's current weights into the engine's copy (in place); free when shared.
@@ -266,7 +353,7 @@ class FastRolloutEngine(RolloutEngine):
                 f"{per_group / 2**30:.2f} GiB of KV cache but the budget is {budget / 2**30:.2f} GiB: raise "
                 f"rollout.kv_cache_bytes, or lower data.max_prompt_length, data.max_response_length or rollout.n")
         self.kv = SharedPrefixKV(self.layers, self.kv_heads, self.head_dim, groups, params.n, prompt_cap, response_cap,
-                                 self.dtype, self.device)
+                                 self.dtype, self.device, self.decode_kernel)
         # Captured graphs read and write these very tensors: they live as long as the KV stores.
         self.state = DecodeState(groups * params.n, response_cap, self.device)
         self.stop_ids = {}
@@ -349,7 +436,7 @@ class FastRolloutEngine(RolloutEngine):
                                            attention_mask=NO_MASK.to(self.device), use_cache=False,
                                            longqa_kv=kv).last_hidden_state
         kv.mode = "decode"
-        logits = self.model.get_output_embeddings()(hidden[0, -1:]).float().expand(n, -1)
+        logits = self.model.get_output_embeddings()(hidden[0, -1:]).expand(n, -1)
         rows = slice(g * n, (g + 1) * n)
         kv.prefix_len[g] = len(prompt)
         state.keys[rows] = keys
@@ -387,11 +474,14 @@ class FastRolloutEngine(RolloutEngine):
         index = state.length  # index of the token sampled now; the fed token sits at index - 1
         kv.write_at.copy_((index - 1).clamp(0, kv.response_cap - 1))
         positions = kv.prefix_len.repeat_interleave(n) + index - 1
-        hidden = self.model.base_model(input_ids=state.last[:, None], position_ids=positions[:, None],
-                                       attention_mask=NO_MASK.to(self.device), use_cache=False,
-                                       longqa_kv=kv).last_hidden_state[:, 0]
-        logits = self.model.get_output_embeddings()(hidden).float()
-        tokens, logp = sample_rows(logits, params, state.keys, index)
+        if self.decode_step is not None:
+            hidden = self.decode_step.forward(state.last, positions, kv)
+        else:
+            hidden = self.model.base_model(input_ids=state.last[:, None], position_ids=positions[:, None],
+                                           attention_mask=NO_MASK.to(self.device), use_cache=False,
+                                           longqa_kv=kv).last_hidden_state[:, 0]
+        logits = self.model.get_output_embeddings()(hidden)
+        tokens, logp = self.sample(logits, params, state.keys, index)
         state.advance(tokens, logp, stops, params.max_new_tokens)
 
     def _collect(self, g: int, params, state: "DecodeState") -> list[Sample]:
