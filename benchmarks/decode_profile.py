@@ -64,7 +64,7 @@ def main() -> None:
     parser.add_argument("-n", type=int, default=8)
     parser.add_argument("--groups", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--decode-kernel", default="bmm")
+    parser.add_argument("--decode-kernel", default="auto")
     parser.add_argument("--no-fused-decode", action="store_true")
     args = parser.parse_args()
     options = {"decode_kernel": args.decode_kernel, **({"fused_decode": False} if args.no_fused_decode else {})}

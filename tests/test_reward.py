@@ -201,7 +201,7 @@ def test_garbage_solution_scores_zero(mode, solution):
 
 
 @pytest.mark.parametrize("mode", REWARD_MODES)
-@pytest.mark.parametrize("truth", GARBAGE_TRUTHS, ids=repr)
+@pytest.mark.parametrize("truth", GARBAGE_TRUTHS, ids=lambda v: repr(v) if type(v) is not object else "object()")
 def test_garbage_ground_truth_scores_zero(mode, truth):
     assert score_detailed("x", answered("Paris"), truth, mode=mode) == RewardResult(0.0, "bad_ground_truth")
 

@@ -233,7 +233,9 @@ def bench_grpo_step(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int
     from longqa.train.actor import Actor, Samples
 
     dev = pick_device(device)
-    model = random_model(shape, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32, True)
+    # As `longqa train` runs it: decoder layers compiled for training on a GPU (actor.compile_layers).
+    model = random_model(shape, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32, True,
+                         compile_layers=dev.type == "cuda")
     cfg = load_config(None, [f"rollout.n={n}", f"data.train_batch_size={prompts_per_step}",
                              f"actor.ppo_mini_batch_size={prompts_per_step}", f"data.max_response_length={response}",
                              f"actor.max_tokens_per_micro_batch={prompt + n * response}", "actor.lr=1e-6"])

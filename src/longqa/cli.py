@@ -326,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     def engine_arguments(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--decode-kernel", choices=["bmm", "flex"], help="fast engine decode attention")
+        p.add_argument("--decode-kernel", choices=["bmm", "triton"], help="fast engine decode attention")
         p.add_argument("--no-fused-decode", action="store_true", help="decode through the model's own modules")
 
     p = bench_parser("train", cmd_bench_train, help="forward+backward of one group: naive padded vs shared-prompt packed",

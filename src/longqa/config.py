@@ -116,6 +116,8 @@ class ActorConfig:
     attention_backend: Literal["auto", "dense", "flex"] = opt(
         "auto", "shared-prompt attention: dense (SDPA per pack, the reference), flex (flex_attention block "
         "mask), auto (flex on CUDA, dense otherwise)")
+    compile_layers: bool = opt(True, "on a GPU with the fast engine: torch.compile each decoder layer for "
+                               "training (norms, rotary and activations fuse; the engine never calls the layers)")
     grad_clip: float = opt(1.0, "max gradient norm", *positive)
     max_bad_steps: int = opt(3, "stop after this many non-finite steps in a row", *positive)
 

@@ -1,16 +1,19 @@
-"""The decode step of Llama-family models (Qwen3, Qwen2, Llama, Mistral) as a few fused kernels per layer.
+"""The forward passes of the fast engine for Llama-family models (Qwen3, Qwen2, Llama, Mistral): the decode
+step as a few fused kernels per layer, and prefill without the model's modules.
 
 A decode step moves one token per sample through the model: its matrices are tiny, so the time goes
 to kernel count, not arithmetic. Run through the transformers modules, each decoder layer is about
 fifty kernels (every RMSNorm is six, rotary ten), which on an H200 costs several times the step's
 memory-bandwidth floor even replayed as a CUDA graph. Here each layer is two functions of plain
-tensors, the part before attention (norm, projections, q/k norms, rotary) and the part after it
-(output projection, residual, norm, MLP, residual), compiled once on a GPU and called for every layer
-with that layer's weights as arguments, so one compiled graph serves all layers and every length.
+tensors, the part before attention (norm, one stacked q/k/v product, q/k norms, rotary) and the part
+after it (output projection, residual, norm, one stacked gate/up product, MLP, residual), compiled once
+on a GPU and called for every layer with that layer's weights as arguments, so one compiled graph
+serves all layers and every length.
 
-The weights are the model's own parameter tensors (read at each call, so updates made in place by the
-optimizer or by ``sync_weights`` are seen). The arithmetic is the transformers modules', operation for
-operation; tests hold the step to the module path and to ``generate``.
+Prefill runs the same functions eagerly, so the engine never calls the decoder layer modules: the
+trainer can compile those for training without the engine's shapes recompiling them. The arithmetic is
+the transformers modules', operation for operation; tests hold both to the module path and to
+``generate``.
 """
 
 from __future__ import annotations
@@ -38,24 +41,23 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-def attention_inputs(h, cos, sin, norm_w, q_w, q_b, k_w, k_b, v_w, v_b, q_norm_w, k_norm_w, *, eps: float,
-                     head_eps: float, heads: int, kv_heads: int, head_dim: int):
+def attention_inputs(h, cos, sin, norm_w, qkv_w, qkv_b, q_norm_w, k_norm_w, *, eps: float, head_eps: float,
+                     heads: int, kv_heads: int, head_dim: int):
     """``h`` ``[rows, hidden]`` -> rotated queries and keys, and values, ``[rows, heads, 1, head_dim]``."""
     rows = h.shape[0]
     x = rms_norm(h, norm_w, eps)
-    q = F.linear(x, q_w, q_b).view(rows, heads, head_dim)
-    k = F.linear(x, k_w, k_b).view(rows, kv_heads, head_dim)
-    v = F.linear(x, v_w, v_b).view(rows, kv_heads, head_dim)
+    q, k, v = F.linear(x, qkv_w, qkv_b).split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), -1)
+    q, k, v = q.view(rows, heads, head_dim), k.view(rows, kv_heads, head_dim), v.view(rows, kv_heads, head_dim)
     if q_norm_w is not None:
         q, k = rms_norm(q, q_norm_w, head_eps), rms_norm(k, k_norm_w, head_eps)
     return rotate(q, cos, sin)[:, :, None], rotate(k, cos, sin)[:, :, None], v[:, :, None]
 
 
-def layer_output(h, attn, o_w, o_b, norm_w, gate_w, gate_b, up_w, up_b, down_w, down_b, *, eps: float, act):
+def layer_output(h, attn, o_w, o_b, norm_w, gate_up_w, gate_up_b, down_w, down_b, *, eps: float, act):
     """The residual stream after the layer, given its attention output ``attn`` ``[rows, heads * head_dim]``."""
     h = h + F.linear(attn, o_w, o_b)
-    x = rms_norm(h, norm_w, eps)
-    return h + F.linear(act(F.linear(x, gate_w, gate_b)) * F.linear(x, up_w, up_b), down_w, down_b)
+    gate, up = F.linear(rms_norm(h, norm_w, eps), gate_up_w, gate_up_b).chunk(2, -1)
+    return h + F.linear(act(gate) * up, down_w, down_b)
 
 
 def unsupported_reason(model) -> str | None:
@@ -79,49 +81,116 @@ def unsupported_reason(model) -> str | None:
     return None
 
 
-class DecodeStep:
-    """``forward(ids, positions, kv)`` -> final hidden states ``[rows, hidden]`` of one decode step, with
-    attention delegated to ``kv.attend(layer, q, k, v, scaling)``."""
+class FusedLinear:
+    """The weights (and biases) of several linears that read the same input, stacked into one matrix so a
+    decode step runs one matrix product instead of several.
 
-    def __init__(self, model, compiled: bool):
+    ``views=True`` makes the stacked matrix the linears' own storage (their parameters become row blocks
+    of it): no extra memory and nothing to copy, for a model only the engine owns and updates in place.
+    A model that others also hold (the training model, which may be saved, cast or re-bound) is never
+    re-bound: it gets a stacked copy, refilled by ``refresh`` before every generate call."""
+
+    def __init__(self, linears, views: bool):
+        self.linears, self.views = linears, views
+        biased = [lin.bias is not None for lin in linears]
+        if any(biased) and not all(biased):
+            raise ValueError("cannot stack linears of which only some have a bias")
+        self.weight = torch.cat([lin.weight.detach() for lin in linears])
+        self.bias = torch.cat([lin.bias.detach() for lin in linears]) if all(biased) else None
+        if views:
+            self._bind()
+
+    def _pairs(self):
+        return [(self.weight, "weight")] + ([(self.bias, "bias")] if self.bias is not None else [])
+
+    def _bind(self) -> None:
+        for stacked, name in self._pairs():
+            start = 0
+            for lin in self.linears:
+                param = getattr(lin, name)
+                param.data = stacked[start:start + param.shape[0]]
+                start += param.shape[0]
+
+    def _bound(self) -> bool:
+        """Whether every parameter still lives in the stacked storage (a cast or a re-bind breaks that)."""
+        return all(getattr(lin, name).untyped_storage().data_ptr() == stacked.untyped_storage().data_ptr()
+                   for stacked, name in self._pairs() for lin in self.linears)
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        if self.views and self._bound():
+            return
+        for stacked, name in self._pairs():
+            parts = [getattr(lin, name) for lin in self.linears]
+            if self.views:  # some parts may still be views of ``stacked``: read them all before writing
+                stacked.copy_(torch.cat(parts))
+            else:
+                torch.cat(parts, out=stacked)
+        if self.views:
+            self._bind()
+
+
+class DecodeStep:
+    """``decode(ids, positions, kv)`` and ``prefill(ids, positions, kv)`` -> final hidden states of one
+    step, attention delegated to ``kv.attend(layer, q, k, v, scaling)``. ``views``: see ``FusedLinear``."""
+
+    def __init__(self, model, compiled: bool, views: bool = False):
         config, base = model.config, model.base_model
         self.base = base
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
-        self.scaling = base.layers[0].self_attn.scaling
         first = base.layers[0]
+        self.scaling = first.self_attn.scaling
         q_norm = getattr(first.self_attn, "q_norm", None)
-        shapes = dict(eps=first.input_layernorm.variance_epsilon,
-                      head_eps=q_norm.variance_epsilon if q_norm is not None else 0.0,
-                      heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim)
-        pre = functools.partial(attention_inputs, **shapes)
-        post = functools.partial(layer_output, eps=first.post_attention_layernorm.variance_epsilon,
-                                 act=ACTIVATIONS[config.hidden_act])
+        self.eager_pre = functools.partial(attention_inputs, eps=first.input_layernorm.variance_epsilon,
+                                           head_eps=q_norm.variance_epsilon if q_norm is not None else 0.0,
+                                           heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim)
+        self.eager_post = functools.partial(layer_output, eps=first.post_attention_layernorm.variance_epsilon,
+                                            act=ACTIVATIONS[config.hidden_act])
+        # Decode shapes are fixed per KV allocation: one compiled graph each, shared by every layer.
         # fullgraph: a graph break would silently bring back the kernels this module exists to remove.
-        self.pre = torch.compile(pre, fullgraph=True, dynamic=False) if compiled else pre
-        self.post = torch.compile(post, fullgraph=True, dynamic=False) if compiled else post
+        self.pre = torch.compile(self.eager_pre, fullgraph=True, dynamic=False) if compiled else self.eager_pre
+        self.post = torch.compile(self.eager_post, fullgraph=True, dynamic=False) if compiled else self.eager_post
+        self.qkv = [FusedLinear([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj], views) for l in base.layers]
+        self.gate_up = [FusedLinear([l.mlp.gate_proj, l.mlp.up_proj], views) for l in base.layers]
 
-    @staticmethod
-    def _pre_weights(layer):
-        a = layer.self_attn
-        q_norm, k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
-        return (layer.input_layernorm.weight, a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias,
-                a.v_proj.weight, a.v_proj.bias, q_norm.weight if q_norm is not None else None,
-                k_norm.weight if k_norm is not None else None)
+    def refresh(self) -> None:
+        """Bring the stacked projections up to the model's current weights (before each generate)."""
+        for fused in self.qkv + self.gate_up:
+            fused.refresh()
 
-    @staticmethod
-    def _post_weights(layer):
+    def _weights(self, index: int, layer):
         a, m = layer.self_attn, layer.mlp
-        return (a.o_proj.weight, a.o_proj.bias, layer.post_attention_layernorm.weight, m.gate_proj.weight,
-                m.gate_proj.bias, m.up_proj.weight, m.up_proj.bias, m.down_proj.weight, m.down_proj.bias)
+        q_norm, k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
+        qkv, gate_up = self.qkv[index], self.gate_up[index]
+        pre = (layer.input_layernorm.weight, qkv.weight, qkv.bias, q_norm.weight if q_norm is not None else None,
+               k_norm.weight if k_norm is not None else None)
+        post = (a.o_proj.weight, a.o_proj.bias, layer.post_attention_layernorm.weight, gate_up.weight, gate_up.bias,
+                m.down_proj.weight, m.down_proj.bias)
+        return pre, post
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
+    def decode(self, ids: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
+        """One token per row: ``ids``, ``positions`` ``[rows]`` -> ``[rows, hidden]``."""
         base = self.base
-        h = base.embed_tokens(ids)  # [rows, hidden]
+        h = base.embed_tokens(ids)
         cos, sin = base.rotary_emb(h, positions[:, None])  # [rows, 1, head_dim]: broadcasts over heads
         for index, layer in enumerate(base.layers):
-            q, k, v = self.pre(h, cos, sin, *self._pre_weights(layer))
+            pre, post = self._weights(index, layer)
+            q, k, v = self.pre(h, cos, sin, *pre)
             attn = kv.attend(index, q, k, v, self.scaling)  # [rows, 1, heads, head_dim]
-            h = self.post(h, attn.reshape(h.shape[0], -1), *self._post_weights(layer))
+            h = self.post(h, attn.reshape(h.shape[0], -1), *post)
+        return base.norm(h)
+
+    def prefill(self, ids: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
+        """A chunk of one prompt: ``ids``, ``positions`` ``[T]`` -> ``[T, hidden]``. Eager: chunk lengths
+        vary, and at thousands of rows the matrix products dominate anyway."""
+        base = self.base
+        h = base.embed_tokens(ids)
+        cos, sin = base.rotary_emb(h, positions[:, None])
+        for index, layer in enumerate(base.layers):
+            pre, post = self._weights(index, layer)
+            q, k, v = (x[:, :, 0].transpose(0, 1)[None] for x in self.eager_pre(h, cos, sin, *pre))  # [1, heads, T, d]
+            attn = kv.attend(index, q, k, v, self.scaling)  # [1, T, heads, head_dim]
+            h = self.eager_post(h, attn.reshape(h.shape[0], -1), *post)
         return base.norm(h)

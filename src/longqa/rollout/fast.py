@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib.util
 import math
 from collections import deque
 from collections.abc import Sequence
@@ -36,12 +37,12 @@ import torch
 import torch.nn.functional as F
 
 from longqa.model.attention import NO_MASK, use_longqa_attention
+from longqa.rollout.decode_kernel import merge_partials, partial_attention
 from longqa.rollout.decode_step import DecodeStep, unsupported_reason
 from longqa.rollout.base import RolloutEngine, Sample, SamplingParams, StaleWeightsError, weights_version
 from longqa.rollout.hf import eval_mode, filter_logits
 
 MASK32 = 0xFFFFFFFF
-FLEX_BLOCK = 128
 
 
 class KVBudgetError(ValueError):
@@ -95,7 +96,6 @@ class SharedPrefixKV:
                  response_cap: int, dtype, device, kernel: str = "bmm"):
         self.groups, self.n, self.prompt_cap, self.response_cap = groups, n, prompt_cap, response_cap
         self.kernel = kernel
-        self.block_masks: dict = {}  # (prompt_view, response_view) -> flex block masks
         self.prefix_k = torch.zeros(layers, groups, kv_heads, prompt_cap, head_dim, dtype=dtype, device=device)
         self.prefix_v = torch.zeros_like(self.prefix_k)
         self.suffix_k = torch.zeros(layers, groups * n, kv_heads, response_cap, head_dim, dtype=dtype, device=device)
@@ -104,6 +104,7 @@ class SharedPrefixKV:
         self.rows = torch.arange(rows, device=device)
         self.prefix_len = torch.ones(groups, dtype=torch.long, device=device)  # >= 1: an empty slot stays finite
         self.write_at = torch.zeros(rows, dtype=torch.long, device=device)  # suffix index of the token fed now
+        self.own_len = torch.ones(rows, dtype=torch.long, device=device)  # write_at + 1
         self.mode = "decode"
         self.prefill_slot = self.prefill_start = 0
         self.prompt_view = prompt_cap  # how much of the stores a decode step reads (length buckets)
@@ -139,27 +140,19 @@ class SharedPrefixKV:
         each row's own tokens."""
         self.suffix_k[layer, self.rows, :, self.write_at] = k[:, :, 0]
         self.suffix_v[layer, self.rows, :, self.write_at] = v[:, :, 0]
-        if self.kernel == "flex":
-            return flex_decode_attention(q, self.prefix_k[layer], self.prefix_v[layer], self.suffix_k[layer],
-                                         self.suffix_v[layer], self._block_masks(), self.n, self.prompt_view,
-                                         self.response_view, scaling)
+        if self.kernel == "triton":
+            rows, heads, _, d = q.shape
+            q = q[:, :, 0]
+            prompt = partial_attention(q, self.prefix_k[layer], self.prefix_v[layer], self.prefix_len, self.n,
+                                       self.prompt_view, scaling)
+            own = partial_attention(q, self.suffix_k[layer], self.suffix_v[layer], self.own_len, 1,
+                                    self.response_view, scaling)
+            merge = _compiled_merge() if q.is_cuda else merge_partials
+            return merge([prompt, own], [self.n, 1], q.dtype).view(rows, 1, heads, d)
         math_fn = _compiled_decode_attention() if q.is_cuda else decode_attention
         return math_fn(q, self.prefix_k[layer], self.prefix_v[layer], self.suffix_k[layer], self.suffix_v[layer],
                        self.prefix_len, self.write_at, self.n, self.prompt_view, self.response_view, scaling)
 
-    def _block_masks(self):
-        """Flex block masks of the current views: every block kept (the stores are dense), the lengths
-        applied per key by mask functions that read ``prefix_len`` and ``write_at`` when they run, so one
-        mask serves every step of a length bucket (and its CUDA graph)."""
-        key = (self.prompt_view, self.response_view)
-        if key not in self.block_masks:
-            prefix_len, write_at = self.prefix_len, self.write_at
-            self.block_masks[key] = (
-                _dense_block_mask(self.groups, self.n, self.prompt_view, lambda b, h, q, k: k < prefix_len[b],
-                                  self.prefix_len.device),
-                _dense_block_mask(self.groups * self.n, 1, self.response_view,
-                                  lambda b, h, q, k: k <= write_at[b], self.prefix_len.device))
-        return self.block_masks[key]
 
 
 def _batched(store: torch.Tensor, length: int) -> torch.Tensor:
@@ -203,36 +196,6 @@ def decode_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, writ
                   lse_o.reshape(rows, heads)).to(q.dtype).reshape(rows, 1, heads, d)
 
 
-def _dense_block_mask(batch: int, q_len: int, kv_len: int, mask_mod, device):
-    from torch.nn.attention.flex_attention import BlockMask
-
-    blocks = math.ceil(kv_len / FLEX_BLOCK)
-    num = torch.full((batch, 1, 1), blocks, dtype=torch.int32, device=device)
-    indices = torch.arange(blocks, dtype=torch.int32, device=device).expand(batch, 1, 1, blocks).contiguous()
-    return BlockMask.from_kv_blocks(num, indices, mask_mod=mask_mod, seq_lengths=(q_len, kv_len),
-                                    BLOCK_SIZE=FLEX_BLOCK)
-
-
-def flex_decode_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, masks, n: int, prompt_view: int,
-                          response_view: int, scaling):
-    """``decode_attention`` with both halves as flex_attention calls (its split-K decoding kernel on a
-    GPU: every SM reads a share of the prompt even for one group): the n samples of a group are the
-    query positions against the shared prompt, and each row's one query against its own tokens."""
-    from torch.nn.attention.flex_attention import AuxRequest
-
-    rows, heads, _, d = q.shape
-    groups = prefix_k.shape[0]
-    flex = _compiled_flex() if q.is_cuda else _eager_flex
-    q_group = q[:, :, 0].view(groups, n, heads, d).transpose(1, 2)  # [groups, heads, n, d]
-    out_p, aux_p = flex(q_group, prefix_k[:, :, :prompt_view], prefix_v[:, :, :prompt_view], block_mask=masks[0],
-                        scale=scaling, enable_gqa=True, return_aux=AuxRequest(lse=True))
-    out_p = out_p.transpose(1, 2).reshape(rows, heads, d).float()
-    lse_p = aux_p.lse.transpose(1, 2).reshape(rows, heads)
-    out_o, aux_o = flex(q, suffix_k[:, :, :response_view], suffix_v[:, :, :response_view], block_mask=masks[1],
-                        scale=scaling, enable_gqa=True, return_aux=AuxRequest(lse=True))
-    return _merge(out_p, lse_p, out_o[:, :, 0].float(), aux_o.lse[:, :, 0]).to(q.dtype).reshape(rows, 1, heads, d)
-
-
 def _merge(out_a, lse_a, out_b, lse_b):
     """Two attentions over disjoint key sets -> the attention over their union (weights by log-sum-exp)."""
     top = torch.maximum(lse_a, lse_b)
@@ -240,21 +203,9 @@ def _merge(out_a, lse_a, out_b, lse_b):
     return (out_a * w_a + out_b * w_b) / (w_a + w_b)
 
 
-def _eager_flex(*args, **kwargs):
-    import warnings
-
-    from torch.nn.attention.flex_attention import flex_attention
-
-    with warnings.catch_warnings():  # the unfused reference form is what the CPU tests want
-        warnings.simplefilter("ignore")
-        return flex_attention(*args, **kwargs)
-
-
 @functools.cache
-def _compiled_flex():
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return torch.compile(flex_attention, dynamic=True)
+def _compiled_merge():
+    return torch.compile(merge_partials, dynamic=True)
 
 
 @functools.cache
@@ -276,25 +227,28 @@ class FastRolloutEngine(RolloutEngine):
     ``cuda_graphs`` captures the decode step per length bucket (CUDA only). ``fused_decode`` runs the
     decode step of Llama-family models as a few compiled kernels per layer (``decode_step.py``; compiled
     on a GPU only); ``None`` uses it wherever the model is supported, ``False`` runs the model's modules.
-    ``decode_kernel`` computes decode attention with batched matmuls (``bmm``) or flex_attention (``flex``).
+    ``decode_kernel`` computes decode attention with a Triton split-K kernel (``triton``, the default on a
+    GPU where Triton is installed: ``decode_kernel.py``) or batched matmuls (``bmm``, any device).
     """
 
     def __init__(self, model, tokenizer=None, kv_cache_bytes: int | None = None, prefill_chunk: int = 8192,
                  sync_every: int = 16, cuda_graphs: bool = True, max_groups: int | None = None, dtype=None,
-                 own_copy: bool = False, fused_decode: bool | None = None, decode_kernel: str = "bmm"):
+                 own_copy: bool = False, fused_decode: bool | None = None, decode_kernel: str = "auto"):
         self.source, self.tokenizer = model, tokenizer
         self.model = model
         if own_copy or (dtype is not None and dtype != next(model.parameters()).dtype):
             # Made before the trainer shards the model (own_copy): sharded weights are gathered into it.
             self.model = copy.deepcopy(model).to(dtype or next(model.parameters()).dtype).requires_grad_(False)
         self.version = weights_version(model)
-        if decode_kernel not in ("bmm", "flex"):
-            raise ValueError(f"decode_kernel must be 'bmm' or 'flex', got {decode_kernel!r}")
-        self.decode_kernel = decode_kernel
+        if decode_kernel not in ("auto", "bmm", "triton"):
+            raise ValueError(f"decode_kernel must be 'auto', 'bmm' or 'triton', got {decode_kernel!r}")
         self.kv_cache_bytes, self.prefill_chunk, self.sync_every = kv_cache_bytes, prefill_chunk, sync_every
         self.max_groups = max_groups
         first = next(self.model.parameters())
         self.device, self.dtype = first.device, first.dtype
+        if decode_kernel == "auto":
+            decode_kernel = "triton" if self.device.type == "cuda" and importlib.util.find_spec("triton") else "bmm"
+        self.decode_kernel = decode_kernel
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         config = self.model.config
         self.layers = config.num_hidden_layers
@@ -309,7 +263,9 @@ class FastRolloutEngine(RolloutEngine):
         if fused_decode and reason:
             raise ValueError(f"fused_decode=True but {reason}")
         compiled = self.device.type == "cuda"
-        self.decode_step = DecodeStep(self.model, compiled) if fused_decode is not False and not reason else None
+        # A copy only the engine holds may have its projections re-bound as views of stacked matrices.
+        self.decode_step = (DecodeStep(self.model, compiled, views=self.model is not self.source)
+                            if fused_decode is not False and not reason else None)
         self.sample = torch.compile(sample_rows, dynamic=False) if compiled else sample_rows
 
     def sync_weights(self) -> None:
@@ -381,6 +337,8 @@ class FastRolloutEngine(RolloutEngine):
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
         with eval_mode(self.model):
+            if self.decode_step is not None:
+                self.decode_step.refresh()
             return self._run(prompts, params, torch.as_tensor(list(seeds), dtype=torch.long))
 
     def _run(self, prompts, params: SamplingParams, seeds: torch.Tensor) -> list[list[Sample]]:
@@ -432,11 +390,14 @@ class FastRolloutEngine(RolloutEngine):
             chunk = ids[start:start + self.prefill_chunk]
             kv.prefill_start = start
             positions = torch.arange(start, start + len(chunk), device=self.device)
-            hidden = self.model.base_model(input_ids=chunk[None], position_ids=positions[None],
-                                           attention_mask=NO_MASK.to(self.device), use_cache=False,
-                                           longqa_kv=kv).last_hidden_state
+            if self.decode_step is not None:
+                hidden = self.decode_step.prefill(chunk, positions, kv)
+            else:
+                hidden = self.model.base_model(input_ids=chunk[None], position_ids=positions[None],
+                                               attention_mask=NO_MASK.to(self.device), use_cache=False,
+                                               longqa_kv=kv).last_hidden_state[0]
         kv.mode = "decode"
-        logits = self.model.get_output_embeddings()(hidden[0, -1:]).expand(n, -1)
+        logits = self.model.get_output_embeddings()(hidden[-1:]).expand(n, -1)
         rows = slice(g * n, (g + 1) * n)
         kv.prefix_len[g] = len(prompt)
         state.keys[rows] = keys
@@ -473,9 +434,10 @@ class FastRolloutEngine(RolloutEngine):
         kv, n = self.kv, params.n
         index = state.length  # index of the token sampled now; the fed token sits at index - 1
         kv.write_at.copy_((index - 1).clamp(0, kv.response_cap - 1))
+        kv.own_len.copy_(kv.write_at + 1)
         positions = kv.prefix_len.repeat_interleave(n) + index - 1
         if self.decode_step is not None:
-            hidden = self.decode_step.forward(state.last, positions, kv)
+            hidden = self.decode_step.decode(state.last, positions, kv)
         else:
             hidden = self.model.base_model(input_ids=state.last[:, None], position_ids=positions[:, None],
                                            attention_mask=NO_MASK.to(self.device), use_cache=False,

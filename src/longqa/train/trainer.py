@@ -23,7 +23,7 @@ from longqa.data.prompts import PromptOptions, PromptSet, prepare_prompts
 from longqa.dist.env import DistEnv, all_reduce, gather_objects
 from longqa.dist.planner import check_run
 from longqa.evaluate import evaluate, stop_token_ids
-from longqa.model.load import load_model, load_model_tokenizer, pick_device
+from longqa.model.load import compile_decoder_layers, load_model, load_model_tokenizer, pick_device
 from longqa.report import MetricsLogger, write_report
 from longqa.rollout import HFRolloutEngine, SamplingParams
 from longqa.rollout.base import bump_weights_version
@@ -101,6 +101,9 @@ class Trainer:
                                          cuda_graphs=r.cuda_graphs, own_copy=self.env.distributed)
                        if r.engine == "fast" else HFRolloutEngine(self.model, self.tokenizer))
         self.actor = Actor(self.model, cfg, self.total_steps, self.device, pad)
+        if (cfg.actor.compile_layers and self.device.type == "cuda" and isinstance(self.engine, FastRolloutEngine)
+                and self.engine.decode_step is not None):
+            compile_decoder_layers(self.model)
         self.stops = tuple(stop_token_ids(self.tokenizer))
         self.params = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                      max_new_tokens=cfg.data.max_response_length, stop_token_ids=self.stops,
@@ -222,8 +225,9 @@ class Trainer:
             return {}
         # Every rank evaluates the whole set on an unsharded model (the engine's copy when sharded).
         model = self.engine.model if self.env.distributed else self.model
-        result = evaluate(model, self.tokenizer, self.val_set, self.cfg.data.max_response_length,
-                          mode=self.cfg.reward.mode)
+        with torch.compiler.set_stance("force_eager"):  # generate's shapes would recompile compiled layers
+            result = evaluate(model, self.tokenizer, self.val_set, self.cfg.data.max_response_length,
+                              mode=self.cfg.reward.mode)
         out = {"val/accuracy": result["all"]["accuracy"], "val/f1": result["all"]["f1"],
                "val/seconds": result["seconds"]}
         out.update({f"val/{source}/accuracy": r["accuracy"] for source, r in result.items()

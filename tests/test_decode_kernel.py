@@ -1,0 +1,250 @@
+"""The Triton decode attention (``rollout/decode_kernel.py``) against a naive per-row reference.
+
+Without a GPU the kernel runs in Triton's interpreter (``TRITON_INTERPRET=1``, set for this module
+only, before the kernel is built), so the shapes are tiny. On a GPU the same tests run the compiled
+kernel, plus a bfloat16 test and one that captures the attention in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+
+from longqa.rollout import decode_kernel
+from longqa.rollout.decode_kernel import merge_partials, partial_attention, shared_prefix_attention, split_plan
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="triton is not installed (pip install triton)")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreter():
+    """On a CPU, build the kernel in interpreter mode for this module and forget it afterwards."""
+    if CUDA:
+        yield
+        return
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    decode_kernel._kernel.cache_clear()
+    yield
+    decode_kernel._kernel.cache_clear()
+    if old is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = old
+
+
+def store(batch, kv_heads, cap, d, lengths, dtype=torch.float32):
+    """A KV store whose positions past each entry's length hold NaN: reading one would poison the output."""
+    k = torch.randn(batch, kv_heads, cap, d, dtype=torch.float64)
+    v = torch.randn(batch, kv_heads, cap, d, dtype=torch.float64)
+    for b, length in enumerate(lengths):
+        k[b, :, length:] = float("nan")
+        v[b, :, length:] = float("nan")
+    return k.to(DEVICE, dtype), v.to(DEVICE, dtype)
+
+
+def naive(q, k, v, scaling):
+    """One row: ``q`` ``[heads, d]`` over ``k``, ``v`` ``[kv_heads, L, d]`` -> (out ``[heads, d]``, lse ``[heads]``),
+    in float64 with each kv head repeated for its r query heads."""
+    q, k, v = q.double().cpu(), k.double().cpu(), v.double().cpu()
+    r = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(r, 0), v.repeat_interleave(r, 0)
+    scores = torch.einsum("hd,hld->hl", q, k) * scaling
+    return torch.einsum("hl,hld->hd", scores.softmax(-1), v), scores.logsumexp(-1)
+
+
+def test_split_plan():
+    assert split_plan(40, 4, 16, programs=6) == (4, 16)  # ceil(40/4) = 10 rounds up to one block
+    assert split_plan(100, 3, 16, programs=6) == (3, 48)
+    assert split_plan(40, None, 16, programs=6) == (3, 16)  # few programs: one block per split
+    assert split_plan(32768, None, 64, programs=64, sms=132) == (9, 3648)  # 576 programs >= 4 x 132
+    assert split_plan(300, None, 64, programs=4096) == (1, 320)  # enough programs: no split
+    assert split_plan(0, None, 64, programs=8) == (1, 64)
+    for view in (1, 63, 64, 65, 1000, 4097):
+        for programs in (1, 8, 100, 600):
+            splits, chunk = split_plan(view, None, 64, programs)
+            assert chunk % 64 == 0 and chunk >= 64 and (splits - 1) * chunk < max(view, 1) <= splits * chunk
+
+
+@needs_triton
+@pytest.mark.parametrize("n", [1, 3, 8])
+@pytest.mark.parametrize("r", [1, 2])
+def test_prompt_half_per_split(n, r):
+    """Every split's output and log-sum-exp, in the layout query m = j*r + t <-> row g*n + j, head h*r + t."""
+    torch.manual_seed(n * 10 + r)
+    groups, kv_heads, view, d, block_n, scaling = 3, 2, 40, 16, 16, 0.25
+    lengths = [40, 23, 5]  # == view, not a multiple of block_n, shorter than one block
+    k, v = store(groups, kv_heads, view, d, lengths)
+    q = torch.randn(groups * n, kv_heads * r, d, device=DEVICE)
+    for splits in (1, 4, None):  # with 4: split 3 starts past view, and group 2 has keys in split 0 only
+        out, lse = partial_attention(q, k, v, torch.tensor(lengths, device=DEVICE), n, view, scaling, block_n, splits)
+        splits, chunk = split_plan(view, splits, block_n, groups * kv_heads)
+        assert out.shape == (groups, kv_heads, splits, n * r, d) and lse.shape == (groups, kv_heads, splits, n * r)
+        for g in range(groups):
+            for s in range(splits):
+                lo, hi = s * chunk, min((s + 1) * chunk, lengths[g])
+                for j in range(n):
+                    got_out = out[g, :, s, j * r:(j + 1) * r].reshape(kv_heads * r, d).cpu()
+                    got_lse = lse[g, :, s, j * r:(j + 1) * r].reshape(kv_heads * r).cpu()
+                    if hi <= lo:
+                        assert torch.all(got_lse == float("-inf")) and torch.all(got_out == 0)
+                        continue
+                    ref_out, ref_lse = naive(q[g * n + j], k[g, :, lo:hi], v[g, :, lo:hi], scaling)
+                    torch.testing.assert_close(got_out.double(), ref_out, atol=1e-5, rtol=1e-5)
+                    torch.testing.assert_close(got_lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+        merged = merge_partials([(out, lse)], [n])
+        for row in range(groups * n):
+            g = row // n
+            ref, _ = naive(q[row], k[g, :, :lengths[g]], v[g, :, :lengths[g]], scaling)
+            torch.testing.assert_close(merged[row].cpu().double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def check_full(groups, n, kv_heads, r, d, prefix_len, own_len, prompt_view, own_view, dtype=torch.float32, tol=1e-5,
+               block_n=16, splits=(None, None)):
+    """Both halves merged == naive attention over [group's prompt keys ; own keys] for every row."""
+    rows, heads, scaling = groups * n, kv_heads * r, d ** -0.5
+    pk, pv = store(groups, kv_heads, prompt_view, d, prefix_len, dtype)
+    sk, sv = store(rows, kv_heads, own_view, d, own_len, dtype)
+    q = torch.randn(rows, heads, d, device=DEVICE).to(dtype)
+    prefix_t, own_t = torch.tensor(prefix_len, device=DEVICE), torch.tensor(own_len, device=DEVICE)
+    prompt = partial_attention(q, pk, pv, prefix_t, n, prompt_view, scaling, block_n, splits[0])
+    own = partial_attention(q, sk, sv, own_t, 1, own_view, scaling, block_n, splits[1])
+    got = merge_partials([prompt, own], [n, 1])
+    assert got.shape == (rows, heads, d) and got.dtype == torch.float32
+    for row in range(rows):
+        g = row // n
+        keys = torch.cat([pk[g, :, :prefix_len[g]], sk[row, :, :own_len[row]]], 1)
+        values = torch.cat([pv[g, :, :prefix_len[g]], sv[row, :, :own_len[row]]], 1)
+        ref, _ = naive(q[row], keys, values, scaling)
+        torch.testing.assert_close(got[row].cpu().double(), ref, atol=tol, rtol=tol)
+    return q, pk, pv, prefix_t, sk, sv, own_t, got
+
+
+@needs_triton
+@pytest.mark.parametrize("n, kv_heads, r, d", [(3, 2, 2, 32), (4, 1, 5, 16)])  # M = 6 and 20 (BLOCK_M 16, 32)
+def test_merge_of_both_halves(n, kv_heads, r, d):
+    torch.manual_seed(n)
+    groups = 3
+    prefix_len = [0, 37, 50]  # group 0 has no prompt key: its rows attend to their own keys only
+    # group 0's rows need own keys; later rows include 0 (no own key yet) and 12 (== own view)
+    own_len = [1 + row if row < n else 0 if row % 3 == 0 else row * 5 % 13 for row in range(groups * n)]
+    q, pk, pv, prefix_t, sk, sv, own_t, got = check_full(groups, n, kv_heads, r, d, prefix_len, own_len, 50, 12,
+                                                         splits=(4, None))
+    again = shared_prefix_attention(q, pk, pv, prefix_t, sk, sv, own_t, n, 50, 12, d ** -0.5, block_n=16)
+    torch.testing.assert_close(again, got.to(again.dtype))
+
+
+@needs_triton
+def test_strided_views_of_a_bigger_store():
+    """Layer slices of a layer-stacked store, sequence-major storage, a view shorter than cap, and q a slice
+    of a packed qkv tensor: nothing is copied and nothing past ``view`` is read (it is NaN there)."""
+    torch.manual_seed(1)
+    layers, groups, n, kv_heads, r, d, cap, view, own_cap, own_view = 2, 2, 3, 2, 2, 16, 64, 40, 24, 10
+    rows, heads, scaling = groups * n, kv_heads * r, 0.3
+    prefix_len, own_len = [40, 17], [1, 10, 4, 0, 9, 2]
+    # [layers, groups, cap, kv_heads, d] storage seen as [groups, kv_heads, cap, d] per layer
+    prefix = torch.full((2, layers, groups, cap, kv_heads, d), float("nan"), device=DEVICE)
+    suffix = torch.full((2, layers, rows, kv_heads, own_cap, d), float("nan"), device=DEVICE)
+    for g, length in enumerate(prefix_len):
+        prefix[:, :, g, :length] = torch.randn(2, layers, length, kv_heads, d, device=DEVICE)
+    for row, length in enumerate(own_len):
+        suffix[:, :, row, :, :length] = torch.randn(2, layers, kv_heads, length, d, device=DEVICE)
+    pk, pv = prefix[0, 1].transpose(1, 2), prefix[1, 1].transpose(1, 2)
+    sk, sv = suffix[0, 1], suffix[1, 1]
+    qkv = torch.randn(rows, heads + 2 * kv_heads, d, device=DEVICE)
+    q = qkv[:, :heads]
+    assert not (pk[:, :, :view].is_contiguous() or sk[:, :, :16].is_contiguous() or q.is_contiguous())
+    # the prompt half gets a sliced view, the own half a longer slice than own_view (the kernel stops there)
+    got = shared_prefix_attention(q, pk[:, :, :view], pv[:, :, :view], torch.tensor(prefix_len, device=DEVICE),
+                                  sk[:, :, :16], sv[:, :, :16], torch.tensor(own_len, device=DEVICE), n, view,
+                                  own_view, scaling, block_n=16)
+    for row in range(rows):
+        g = row // n
+        keys = torch.cat([pk[g, :, :prefix_len[g]], sk[row, :, :own_len[row]]], 1)
+        values = torch.cat([pv[g, :, :prefix_len[g]], sv[row, :, :own_len[row]]], 1)
+        ref, _ = naive(q[row], keys, values, scaling)
+        torch.testing.assert_close(got[row].cpu().double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_imports_without_triton(monkeypatch):
+    """longqa imports without triton; asking for the kernel then says what is missing."""
+    monkeypatch.setitem(sys.modules, "triton", None)
+    monkeypatch.setitem(sys.modules, "triton.language", None)
+    spec = importlib.util.spec_from_file_location("decode_kernel_without_triton", decode_kernel.__file__)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    q, k = torch.zeros(2, 2, 16), torch.zeros(2, 1, 16, 16)
+    with pytest.raises(RuntimeError, match="triton"):
+        module.partial_attention(q, k, k, torch.zeros(2, dtype=torch.long), 1, 16, 1.0)
+
+
+@needs_triton
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: the compiled kernel in bfloat16")
+@pytest.mark.parametrize("d", [64, 128])
+def test_cuda_bf16(d):
+    torch.manual_seed(d)
+    groups, n, kv_heads, r = 4, 8, 2, 4
+    prefix_len = [1000, 777, 64, 1]
+    own_len = torch.randint(0, 300, (groups * n,)).tolist()
+    check_full(groups, n, kv_heads, r, d, prefix_len, own_len, 1000, 300, torch.bfloat16, tol=2e-2, block_n=64)
+
+
+@needs_triton
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: CUDA graph capture")
+def test_cuda_graph_capture():
+    """No host synchronisation inside: the attention captures in a CUDA graph and replays with new lengths."""
+    torch.manual_seed(0)
+    groups, n, kv_heads, r, d, view, own_view = 2, 4, 2, 2, 64, 512, 128
+    rows, heads, scaling = groups * n, kv_heads * r, 0.125
+    pk, pv = (torch.randn(groups, kv_heads, view, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    sk, sv = (torch.randn(rows, kv_heads, own_view, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    q = torch.randn(rows, heads, d, device="cuda", dtype=torch.bfloat16)
+    prefix_t = torch.tensor([512, 300], device="cuda")
+    own_t = torch.full((rows,), 5, device="cuda")
+
+    def step():
+        return shared_prefix_attention(q, pk, pv, prefix_t, sk, sv, own_t, n, view, own_view, scaling)
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    prefix_t.copy_(torch.tensor([100, 511], device="cuda"))
+    own_t.copy_(torch.arange(rows, device="cuda") * 7 + 1)
+    graph.replay()
+    torch.testing.assert_close(out, step(), atol=0, rtol=0)
+    for row in range(rows):
+        g = row // n
+        p, o = int(prefix_t[g]), int(own_t[row])
+        keys = torch.cat([pk[g, :, :p], sk[row, :, :o]], 1)
+        values = torch.cat([pv[g, :, :p], sv[row, :, :o]], 1)
+        ref, _ = naive(q[row], keys, values, scaling)
+        torch.testing.assert_close(out[row].cpu().double(), ref, atol=2e-2, rtol=2e-2)
+
+
+@needs_triton
+def test_the_engine_samples_the_same_with_the_kernel_as_with_matmuls():
+    """The fast engine end to end: the Triton attention in its decode step (the GPU default) against the
+    batched-matmul attention, several prompt lengths, slots streaming, stops."""
+    from longqa.rollout.base import SamplingParams
+    from longqa.rollout.fast import FastRolloutEngine
+    from tiny_models import VOCAB, tiny_lm
+
+    model = tiny_lm(head_dim=16).to(DEVICE)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(6, VOCAB, (length,), generator=g).tolist() for length in (5, 70, 1)]
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=9, stop_token_ids=(5,))
+    runs = [FastRolloutEngine(model, max_groups=2, sync_every=4, decode_kernel=kernel, cuda_graphs=False)
+            .generate(prompts, params, seeds=[1, 2, 3]) for kernel in ("triton", "bmm")]
+    for group_a, group_b in zip(*runs):
+        for a, b in zip(group_a, group_b):
+            assert a.token_ids == b.token_ids
+            assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
