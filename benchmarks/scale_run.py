@@ -68,7 +68,7 @@ def main() -> None:
 
     overrides = {
         "model.path": model_dir, "model.dtype": "bfloat16" if args.device != "cpu" else "float32",
-        "model.gradient_checkpointing": "true", "data.train_files": data_dir / "merged/train.parquet",
+        "model.gradient_checkpointing": "true", "data.train_files": data_dir / "merged/train.parquet", "data.val_files": data_dir / "merged/test.parquet",
         "data.max_prompt_length": 2 * args.context_tokens, "data.max_response_length": args.response,
         "data.train_batch_size": args.prompts, "data.cache_dir": Path(args.root) / "cache", "rollout.n": args.n,
         "actor.ppo_mini_batch_size": args.prompts, "actor.lr": 1e-6,

@@ -21,7 +21,11 @@ def shard_model(root, layers, device: torch.device, cpu_offload: bool = False, m
         mixed_precision = device.type == "cuda"
     options = {}
     if mixed_precision:
-        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        # No input casting: the inputs are token ids and longqa's own batch objects (FSDP's cast rebuilds
+        # dataclasses field by field, which a dataclass with derived fields refuses), and the hidden
+        # states between layers come out of bf16 weights already.
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                                    cast_forward_inputs=False)
     options["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload \
         else OffloadPolicy()
     for layer in layers:
