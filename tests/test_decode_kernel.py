@@ -86,20 +86,19 @@ def test_prompt_half_per_split(n, r):
     for splits in (1, 4, None):  # with 4: split 3 starts past view, and group 2 has keys in split 0 only
         out, lse = partial_attention(q, k, v, torch.tensor(lengths, device=DEVICE), n, view, scaling, block_n, splits)
         splits, chunk = split_plan(view, splits, block_n, groups * kv_heads)
-        assert out.shape == (groups, kv_heads, splits, n * r, d) and lse.shape == (groups, kv_heads, splits, n * r)
+        assert out.shape == (groups * n, kv_heads * r, splits, d) and lse.shape == (groups * n, kv_heads * r, splits)
         for g in range(groups):
             for s in range(splits):
                 lo, hi = s * chunk, min((s + 1) * chunk, lengths[g])
                 for j in range(n):
-                    got_out = out[g, :, s, j * r:(j + 1) * r].reshape(kv_heads * r, d).cpu()
-                    got_lse = lse[g, :, s, j * r:(j + 1) * r].reshape(kv_heads * r).cpu()
+                    got_out, got_lse = out[g * n + j, :, s].cpu(), lse[g * n + j, :, s].cpu()
                     if hi <= lo:
                         assert torch.all(got_lse == float("-inf")) and torch.all(got_out == 0)
                         continue
                     ref_out, ref_lse = naive(q[g * n + j], k[g, :, lo:hi], v[g, :, lo:hi], scaling)
                     torch.testing.assert_close(got_out.double(), ref_out, atol=1e-5, rtol=1e-5)
                     torch.testing.assert_close(got_lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
-        merged = merge_partials([(out, lse)], [n])
+        merged = merge_partials(out, lse)
         for row in range(groups * n):
             g = row // n
             ref, _ = naive(q[row], k[g, :, :lengths[g]], v[g, :, :lengths[g]], scaling)
@@ -114,9 +113,14 @@ def check_full(groups, n, kv_heads, r, d, prefix_len, own_len, prompt_view, own_
     sk, sv = store(rows, kv_heads, own_view, d, own_len, dtype)
     q = torch.randn(rows, heads, d, device=DEVICE).to(dtype)
     prefix_t, own_t = torch.tensor(prefix_len, device=DEVICE), torch.tensor(own_len, device=DEVICE)
-    prompt = partial_attention(q, pk, pv, prefix_t, n, prompt_view, scaling, block_n, splits[0])
-    own = partial_attention(q, sk, sv, own_t, 1, own_view, scaling, block_n, splits[1])
-    got = merge_partials([prompt, own], [n, 1])
+    # Both halves into one buffer, side by side (as shared_prefix_attention lays them out)
+    prompt_splits, _ = split_plan(prompt_view, splits[0], block_n, groups * kv_heads)
+    own_splits, _ = split_plan(own_view, splits[1], block_n, rows * kv_heads)
+    out, lse = partial_attention(q, pk, pv, prefix_t, n, prompt_view, scaling, block_n, prompt_splits,
+                                 torch.empty(rows, heads, prompt_splits + own_splits, d, device=DEVICE),
+                                 torch.empty(rows, heads, prompt_splits + own_splits, device=DEVICE))
+    partial_attention(q, sk, sv, own_t, 1, own_view, scaling, block_n, own_splits, out, lse, prompt_splits)
+    got = merge_partials(out, lse)
     assert got.shape == (rows, heads, d) and got.dtype == torch.float32
     for row in range(rows):
         g = row // n

@@ -55,7 +55,8 @@ def _sm_count(device: torch.device) -> int:
 
 @functools.cache
 def _kernel():
-    """The jitted kernel, built on first use (``TRITON_INTERPRET`` is read here, at decoration)."""
+    """The jitted kernels (partial attention, merge), built on first use (``TRITON_INTERPRET`` is read
+    here, at decoration)."""
     try:
         import triton
         import triton.language as tl
@@ -67,7 +68,7 @@ def _kernel():
     def partial_attention_kernel(
             Q, K, V, LENGTHS, OUT, LSE,
             stride_qr, stride_qh, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-            scale_log2, kv_heads, n, r, splits, view, chunk,
+            scale_log2, kv_heads, n, r, view, chunk, heads, total_splits, split_offset,
             M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr):
         bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -77,8 +78,8 @@ def _kernel():
         offs_d = tl.arange(0, D)
         # Query m = j*r + t is sample row b*n + j, head h*r + t.
         rows = b * n + offs_m // r
-        heads = h * r + offs_m % r
-        q = tl.load(Q + rows[:, None] * stride_qr + heads[:, None] * stride_qh + offs_d[None, :],
+        heads_of_m = h * r + offs_m % r
+        q = tl.load(Q + rows[:, None] * stride_qr + heads_of_m[:, None] * stride_qh + offs_d[None, :],
                     mask=(offs_m < M)[:, None], other=0.0)
 
         length = tl.minimum(tl.load(LENGTHS + b).to(tl.int32), view)
@@ -118,24 +119,43 @@ def _kernel():
         safe_l = tl.where(has_keys, l_i, 1.0)
         out = acc / safe_l[:, None]
         lse = tl.where(has_keys, (m_i + tl.log2(safe_l)) * 0.6931471805599453, float("-inf"))
-        cell = (bh.to(tl.int64) * splits + split) * M + offs_m
+        # Row-major partials: [rows, heads, total_splits], so the merge reads each (row, head) contiguously.
+        cell = (rows * heads + heads_of_m) * total_splits + split_offset + split
         tl.store(OUT + cell[:, None] * D + offs_d[None, :], out, mask=(offs_m < M)[:, None])
         tl.store(LSE + cell, lse, mask=offs_m < M)
 
-    return partial_attention_kernel
+    @triton.jit
+    def merge_kernel(OUT, LSE, RESULT, splits, BLOCK_S: tl.constexpr, D: tl.constexpr):
+        """One (row, head): its splits' outputs weighted by exp(lse - logsumexp(lse))."""
+        cell = tl.program_id(0).to(tl.int64)
+        offs_s = tl.arange(0, BLOCK_S)
+        offs_d = tl.arange(0, D)
+        lse = tl.load(LSE + cell * splits + offs_s, mask=offs_s < splits, other=float("-inf"))
+        top = tl.max(lse, 0)
+        top = tl.where(top == float("-inf"), 0.0, top)  # no key at all: every weight 0, output 0
+        w = tl.exp(lse - top)
+        parts = tl.load(OUT + (cell * splits + offs_s)[:, None] * D + offs_d[None, :],
+                        mask=(offs_s < splits)[:, None], other=0.0)
+        total = tl.sum(w, 0)
+        out = tl.sum(w[:, None] * parts, 0) / tl.where(total > 0, total, 1.0)
+        tl.store(RESULT + cell * D + offs_d, out.to(RESULT.dtype.element_ty))
+
+    return partial_attention_kernel, merge_kernel
 
 
 def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, n: int, view: int,
-                      scaling: float, block_n: int = 64, splits: int | None = None):
+                      scaling: float, block_n: int = 64, splits: int | None = None, out: torch.Tensor | None = None,
+                      lse: torch.Tensor | None = None, split_offset: int = 0):
     """Attention of ``n`` query rows per batch entry over that entry's keys ``[0, lengths[b])``, in splits.
 
     ``q`` ``[batch*n, heads, d]``; ``k``, ``v`` ``[batch, kv_heads, cap, d]`` (any strides, last dim
     contiguous: a slice of the store, never copied); ``lengths`` ``[batch]`` ints, ``<= view``;
     ``view <= cap`` bounds the key positions read (a static number, so a CUDA graph per view).
-    Returns ``out`` ``[batch, kv_heads, splits, n*r, d]`` float32, each split's softmax-normalised
-    output over its keys (0 where it has none), and ``lse`` ``[batch, kv_heads, splits, n*r]`` float32,
-    its log-sum-exp (-inf where it has no valid key); query ``m = j*r + t`` is row ``b*n + j``, head
-    ``h*r + t`` for kv head ``h``. ``merge_partials`` turns these back into ``[rows, heads, d]``.
+    Returns ``out`` ``[rows, heads, S, d]`` float32, each split's softmax-normalised output over its
+    keys (0 where it has none), and ``lse`` ``[rows, heads, S]`` float32, its log-sum-exp (-inf where it
+    has no valid key). Given ``out``/``lse`` (from an earlier call over other keys of the same rows),
+    this call's splits go to ``[split_offset, split_offset + splits)`` of them, so ``merge_partials``
+    can combine both in one pass.
     """
     batch, kv_heads, cap, d = k.shape
     rows, heads = q.shape[0], q.shape[1]
@@ -154,14 +174,18 @@ def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths
     r = heads // kv_heads
     M = n * r
     splits, chunk = split_plan(view, splits, block_n, batch * kv_heads, _sm_count(q.device))
-    out = torch.empty(batch, kv_heads, splits, M, d, dtype=torch.float32, device=q.device)
-    lse = torch.empty(batch, kv_heads, splits, M, dtype=torch.float32, device=q.device)
+    if out is None:
+        out = torch.empty(rows, heads, splits, d, dtype=torch.float32, device=q.device)
+        lse = torch.empty(rows, heads, splits, dtype=torch.float32, device=q.device)
+    if out.shape[:2] != (rows, heads) or out.shape[2] < split_offset + splits or lse.shape != out.shape[:3]:
+        raise ValueError(f"out {tuple(out.shape)} / lse {tuple(lse.shape)} cannot take {splits} splits at "
+                         f"{split_offset} for {rows} rows x {heads} heads")
     if batch * kv_heads == 0:
         return out, lse
-    _kernel()[(batch * kv_heads, splits)](
+    _kernel()[0][(batch * kv_heads, splits)](
         q, k, v, lengths.contiguous(), out, lse,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        scaling * math.log2(math.e), kv_heads, n, r, splits, view, chunk,
+        scaling * math.log2(math.e), kv_heads, n, r, view, chunk, heads, out.shape[2], split_offset,
         M=M, BLOCK_M=max(16, _next_power_of_2(M)), BLOCK_N=block_n, D=d, IEEE=q.dtype == torch.float32)
     return out, lse
 
@@ -170,27 +194,16 @@ def _next_power_of_2(x: int) -> int:
     return 1 << max(0, x - 1).bit_length()
 
 
-def merge_partials(parts, ns, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``parts`` (``(out, lse)`` of ``partial_attention`` over disjoint key sets, launched with query
-    groups ``ns``) -> the attention over all their keys, ``[rows, heads, d]`` in ``dtype``.
-
-    Plain torch ops (the caller compiles them with the rest of the step): every split of every part is
-    weighted by ``exp(lse_s - LSE)``, ``LSE`` the log-sum-exp over all of them. Splits without keys have
-    ``lse = -inf`` and weight 0; a row with no key at all (never the case in decode) gets 0, not NaN.
-    """
-    outs, lses = [], []
-    for (out, lse), n in zip(parts, ns, strict=True):
-        batch, kv_heads, splits, m, d = out.shape
-        r = m // n
-        # [batch, kv_heads, splits, n, r, ...] -> [batch*n, kv_heads*r, splits, ...]
-        outs.append(out.view(batch, kv_heads, splits, n, r, d).permute(0, 3, 1, 4, 2, 5)
-                    .reshape(batch * n, kv_heads * r, splits, d))
-        lses.append(lse.view(batch, kv_heads, splits, n, r).permute(0, 3, 1, 4, 2)
-                    .reshape(batch * n, kv_heads * r, splits))
-    out, lse = torch.cat(outs, 2), torch.cat(lses, 2)
-    total = torch.logsumexp(lse, -1, keepdim=True)
-    total = total.masked_fill(total == float("-inf"), 0.0)
-    return (torch.exp(lse - total)[..., None] * out).sum(2).to(dtype)
+def merge_partials(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``out`` ``[rows, heads, S, d]`` and ``lse`` ``[rows, heads, S]`` (splits of ``partial_attention``
+    calls over disjoint key sets) -> the attention over all their keys, ``[rows, heads, d]`` in ``dtype``:
+    one kernel, every split weighted by ``exp(lse_s - LSE)``. Splits without keys weigh 0; a row with no
+    key at all (never the case in decode) gets 0, not NaN."""
+    rows, heads, splits, d = out.shape
+    result = torch.empty(rows, heads, d, dtype=dtype, device=out.device)
+    if rows * heads:
+        _kernel()[1][(rows * heads,)](out, lse, result, splits, BLOCK_S=_next_power_of_2(max(splits, 2)), D=d)
+    return result
 
 
 def shared_prefix_attention(q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_v, own_len, n: int,
@@ -198,7 +211,16 @@ def shared_prefix_attention(q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_
                             dtype: torch.dtype | None = None) -> torch.Tensor:
     """One layer's decode attention over the store: ``q`` ``[rows, heads, d]`` (rows = groups*n,
     group-major) against its group's prompt keys ``[0, prefix_len[g])`` and its own keys
-    ``[0, own_len[row])`` -> ``[rows, heads, d]`` in ``dtype`` (default ``q``'s)."""
-    prompt = partial_attention(q, prefix_k, prefix_v, prefix_len, n, prompt_view, scaling, block_n)
-    own = partial_attention(q, suffix_k, suffix_v, own_len, 1, own_view, scaling, block_n)
-    return merge_partials([prompt, own], [n, 1], dtype or q.dtype)
+    ``[0, own_len[row])`` -> ``[rows, heads, d]`` in ``dtype`` (default ``q``'s). Three launches: the
+    prompt half and the own half write their splits side by side, and one merge reads them."""
+    groups, kv_heads = prefix_k.shape[:2]
+    rows, heads, d = q.shape
+    sms = _sm_count(q.device)
+    prompt_splits, _ = split_plan(prompt_view, None, block_n, groups * kv_heads, sms)
+    own_splits, _ = split_plan(own_view, None, block_n, rows * kv_heads, sms)
+    out = torch.empty(rows, heads, prompt_splits + own_splits, d, dtype=torch.float32, device=q.device)
+    lse = torch.empty(rows, heads, prompt_splits + own_splits, dtype=torch.float32, device=q.device)
+    partial_attention(q, prefix_k, prefix_v, prefix_len, n, prompt_view, scaling, block_n, prompt_splits, out, lse)
+    partial_attention(q, suffix_k, suffix_v, own_len, 1, own_view, scaling, block_n, own_splits, out, lse,
+                      split_offset=prompt_splits)
+    return merge_partials(out, lse, dtype or q.dtype)

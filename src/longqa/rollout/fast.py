@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from longqa.model.attention import NO_MASK, use_longqa_attention
-from longqa.rollout.decode_kernel import merge_partials, partial_attention
+from longqa.rollout.decode_kernel import shared_prefix_attention
 from longqa.rollout.decode_step import DecodeStep, unsupported_reason
 from longqa.rollout.base import RolloutEngine, Sample, SamplingParams, StaleWeightsError, weights_version
 from longqa.rollout.hf import eval_mode, filter_logits
@@ -142,13 +142,10 @@ class SharedPrefixKV:
         self.suffix_v[layer, self.rows, :, self.write_at] = v[:, :, 0]
         if self.kernel == "triton":
             rows, heads, _, d = q.shape
-            q = q[:, :, 0]
-            prompt = partial_attention(q, self.prefix_k[layer], self.prefix_v[layer], self.prefix_len, self.n,
-                                       self.prompt_view, scaling)
-            own = partial_attention(q, self.suffix_k[layer], self.suffix_v[layer], self.own_len, 1,
-                                    self.response_view, scaling)
-            merge = _compiled_merge() if q.is_cuda else merge_partials
-            return merge([prompt, own], [self.n, 1], q.dtype).view(rows, 1, heads, d)
+            out = shared_prefix_attention(q[:, :, 0], self.prefix_k[layer], self.prefix_v[layer], self.prefix_len,
+                                          self.suffix_k[layer], self.suffix_v[layer], self.own_len, self.n,
+                                          self.prompt_view, self.response_view, scaling)
+            return out.view(rows, 1, heads, d)
         math_fn = _compiled_decode_attention() if q.is_cuda else decode_attention
         return math_fn(q, self.prefix_k[layer], self.prefix_v[layer], self.suffix_k[layer], self.suffix_v[layer],
                        self.prefix_len, self.write_at, self.n, self.prompt_view, self.response_view, scaling)
@@ -201,11 +198,6 @@ def _merge(out_a, lse_a, out_b, lse_b):
     top = torch.maximum(lse_a, lse_b)
     w_a, w_b = (lse_a - top).exp()[..., None], (lse_b - top).exp()[..., None]
     return (out_a * w_a + out_b * w_b) / (w_a + w_b)
-
-
-@functools.cache
-def _compiled_merge():
-    return torch.compile(merge_partials, dynamic=True)
 
 
 @functools.cache
