@@ -274,28 +274,69 @@ def test_filtered_sampling_at_temperature_one_uses_raw_logprobs(model, model_dir
     del raw.llm
 
 
-@needs_vllm
-@pytest.mark.vllm
-def test_a_short_grpo_run_on_the_vllm_backend(model_dir, tmp_path_factory, tmp_path):
-    """``longqa train rollout.engine=vllm`` end to end: sampling, updates with a sync after each,
-    validation, checkpoints, resume (which syncs the restored weights), the report."""
-    import json
-
-    from longqa.cli import main
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
     from longqa.data.synth import generate
 
-    data = tmp_path_factory.mktemp("vllm-data")
-    generate(data, rows_per_task=4, context_tokens=256, max_hops=2, test_ratio=0.25, seed=3)
-    out = tmp_path / "run"
-    args = [f"model.path={model_dir}", f"data.train_files={data}/merged/train.parquet",
-            f"data.val_files={data}/merged/test.parquet", "data.max_prompt_length=1000", "data.max_response_length=8",
-            "data.train_batch_size=2", f"data.cache_dir={out}/cache", "rollout.engine=vllm", "rollout.n=2",
-            f"rollout.kv_cache_bytes={KV_BYTES}", "rollout.enforce_eager=true", "actor.lr=1e-3",
-            "actor.ppo_mini_batch_size=2", "trainer.test_freq=2", "trainer.save_freq=1",
-            f"trainer.output_dir={out}", "trainer.device=cpu", "trainer.logger=[jsonl]"]
-    assert main(["train", *args, "trainer.max_steps=2"]) == 0
-    assert main(["train", *args, "trainer.max_steps=3"]) == 0  # resumes at step 2
+    path = tmp_path_factory.mktemp("vllm-data")
+    generate(path, rows_per_task=8, context_tokens=256, max_hops=2, test_ratio=0.25, seed=3)
+    return path
+
+
+def train_args(model_dir, data_dir, out, **extra) -> list[str]:
+    values = {"model.path": model_dir, "data.train_files": f"{data_dir}/merged/train.parquet",
+              "data.val_files": f"{data_dir}/merged/test.parquet", "data.max_prompt_length": 1000,
+              "data.max_response_length": 8, "data.train_batch_size": 4, "data.cache_dir": f"{out}/cache",
+              "rollout.engine": "vllm", "rollout.n": 2, "rollout.kv_cache_bytes": KV_BYTES,
+              "rollout.enforce_eager": "true", "actor.lr": 1e-3, "actor.ppo_mini_batch_size": 2,
+              "trainer.max_steps": 2, "trainer.test_freq": 2, "trainer.save_freq": 1, "trainer.output_dir": out,
+              "trainer.device": "cpu", "trainer.logger": "[jsonl]", **extra}
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def records(out) -> list[dict]:
+    import json
+
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/", "val/seconds"))} for r in rows]
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_a_short_grpo_run_on_the_vllm_backend(model_dir, data_dir, tmp_path):
+    """``longqa train rollout.engine=vllm`` end to end: sampling, updates with a sync after each,
+    validation, checkpoints, resume (which syncs the restored weights), the report."""
+    from longqa.cli import main
+
+    out = tmp_path / "run"
+    assert main(["train", *train_args(model_dir, data_dir, out)]) == 0
+    assert main(["train", *train_args(model_dir, data_dir, out, **{"trainer.max_steps": 3})]) == 0  # resumes
+    rows = records(out)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert all(r["response_length/mean"] > 0 and "grad_norm" in r for r in rows[1:])
-    assert (out / "report" / "summary.md").is_file()
+    assert "val/accuracy" in rows[2] and (out / "report" / "summary.md").is_file()
+
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_two_ranks_with_an_engine_each_log_the_single_process_run(model_dir, data_dir, tmp_path):
+    """torchrun with two ranks, one vLLM engine per rank (each sampling its share of the prompts with
+    per-prompt seeds, validating through vLLM because its training model is sharded): the same metrics
+    as one process."""
+    import subprocess
+
+    from test_distributed import free_port
+
+    runs = {}
+    for ranks in (1, 2):
+        out = tmp_path / f"ranks{ranks}"
+        launcher = ["-m", "longqa.cli"] if ranks == 1 else [
+            "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", f"--master_port={free_port()}",
+            "-m", "longqa.cli"]
+        subprocess.run([sys.executable, *launcher, "train", *train_args(model_dir, data_dir, out, **{
+            "trainer.save_freq": 0})], check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        runs[ranks] = records(out)
+    assert [r["step"] for r in runs[2]] == [0, 1, 2]
+    for single, double in zip(runs[1], runs[2]):
+        assert double == pytest.approx(single, rel=1e-4, abs=1e-6)

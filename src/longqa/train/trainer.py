@@ -262,10 +262,11 @@ class Trainer:
     def validate(self) -> dict:
         if self.val_set is None:
             return {}
-        # Every rank evaluates the whole set on an unsharded model (the engine's copy when sharded).
+        # Every rank evaluates the whole set on an unsharded model: the fast engine's copy, or vLLM, when sharded.
         model = self.engine.model if self.env.distributed else self.model
+        engine = self.engine if self.env.distributed and isinstance(self.engine, VLLMRolloutEngine) else None
         result = evaluate(model, self.tokenizer, self.val_set, self.cfg.data.max_response_length,
-                          mode=self.cfg.reward.mode)
+                          mode=self.cfg.reward.mode, engine=engine)
         out = {"val/accuracy": result["all"]["accuracy"], "val/f1": result["all"]["f1"],
                "val/seconds": result["seconds"]}
         out.update({f"val/{source}/accuracy": r["accuracy"] for source, r in result.items()
