@@ -93,6 +93,26 @@ def test_a_missing_vllm_is_a_clear_error(monkeypatch):
         import_vllm()
 
 
+def test_the_trainer_refuses_what_cannot_work_before_loading(monkeypatch):
+    from longqa.config import ConfigError, load_config
+    from longqa.train.trainer import check_data_parallel, check_vllm
+
+    cpu = torch.device("cpu")
+    with pytest.raises(ConfigError, match="tensor_model_parallel_size=2 needs GPUs"):
+        check_vllm(load_config(None, ["rollout.engine=vllm", "rollout.tensor_model_parallel_size=2"]), cpu)
+    with pytest.raises(ConfigError, match="not a GGUF file"):
+        check_vllm(load_config(None, ["rollout.engine=vllm", "model.path=x/model.gguf"]), cpu)
+    with pytest.raises(ConfigError, match="tensor_model_parallel_size=2 is not supported with 2 ranks"):
+        check_data_parallel(load_config(None, ["rollout.engine=vllm", "rollout.tensor_model_parallel_size=2",
+                                               "data.train_batch_size=4", "actor.ppo_mini_batch_size=2"]), 2)
+    check_data_parallel(load_config(None, ["rollout.engine=vllm", "data.train_batch_size=4",
+                                           "actor.ppo_mini_batch_size=2"]), 2)  # one engine per rank: fine
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    with pytest.raises(ConfigError, match=r"pip install 'longqa\[vllm\]'"):
+        check_vllm(load_config(None, ["rollout.engine=vllm"]), cpu)
+    check_vllm(load_config(None, ["rollout.engine=fast"]), cpu)  # other engines never need it
+
+
 def test_the_logprobs_mode_matches_the_sampling_settings():
     assert logprobs_mode_for(0.7, -1, 1.0) == "processed_logprobs"  # temperature only: after temperature
     assert logprobs_mode_for(1.0, 20, 0.9) == "raw_logprobs"  # filters at T=1: before the filters

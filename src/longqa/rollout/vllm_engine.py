@@ -2,8 +2,10 @@
 
 The reference recipe samples with vLLM on the GPUs it trains on. This engine keeps that layout with
 one vLLM engine per rank, built in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the trainer can
-reach vLLM's model directly: weights move by reference, never through a socket. vLLM holds its own
-copy of the weights, so after every update the engine
+reach vLLM's model directly: weights move by reference, never through a socket. Under torchrun each
+rank's engine is one data-parallel replica of vLLM's "external launcher" mode, on the rank's own device;
+a tensor-parallel group spanning ranks is not supported yet (``tensor_parallel_size`` > 1 is for one
+process driving several GPUs). vLLM holds its own copy of the weights, so after every update the engine
 
 1. wakes vLLM if it slept through the update (colocation: vLLM gives its GPU memory back while the
    actor trains, where the platform has sleep mode; the CPU has none and the step is skipped),
@@ -134,7 +136,21 @@ class VLLMRolloutEngine(RolloutEngine):
         vllm = import_vllm()
         if tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
-        on_cpu = next(model.parameters()).device.type == "cpu"
+        device = next(model.parameters()).device
+        on_cpu = device.type == "cpu"
+        ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        if ranks > 1:
+            # Under torchrun each rank's engine is one data-parallel replica launched by torchrun itself: vLLM
+            # then places it on the rank's own device (LOCAL_RANK) and steps the replicas together.
+            engine_kwargs = {"distributed_executor_backend": "external_launcher", "data_parallel_size": ranks,
+                             **engine_kwargs}
+        elif device.type == "cuda" and (device.index or 0) != 0:
+            # a single process's in-process executor always takes the first visible GPU
+            raise ValueError(f"the training model is on {device} but an in-process vLLM engine runs on the first "
+                             f"visible GPU: make it the first with CUDA_VISIBLE_DEVICES")
+        if tensor_parallel_size > 1 and ranks > 1:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} under {ranks} ranks: one engine per rank "
+                             f"needs tensor_parallel_size=1")
         if tensor_parallel_size > 1 and on_cpu:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size} needs GPUs: the CPU engine runs one "
                              f"process per rank (use 1)")
