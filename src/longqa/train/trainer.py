@@ -28,7 +28,7 @@ from longqa.report import MetricsLogger, write_report
 from longqa.rollout import HFRolloutEngine, SamplingParams
 from longqa.rollout.base import bump_weights_version
 from longqa.rollout.fast import FastRolloutEngine
-from longqa.rollout.vllm_engine import VLLMRolloutEngine, logprobs_mode_for
+from longqa.rollout.vllm_engine import VLLMRolloutEngine, import_vllm, logprobs_mode_for
 from longqa.train.actor import Actor, Samples
 from longqa.train.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 
@@ -86,10 +86,8 @@ def check_vllm(cfg: Config, device: torch.device) -> None:
     if r.tensor_model_parallel_size > 1 and device.type != "cuda":
         raise ConfigError(f"rollout.tensor_model_parallel_size={r.tensor_model_parallel_size} needs GPUs; on "
                           f"{device.type} use 1")
-    from longqa.rollout.vllm_engine import import_vllm
-
     try:
-        import_vllm()
+        import_vllm()  # missing: said now, not after the weights have loaded
     except ImportError as e:
         raise ConfigError(str(e)) from None
 
