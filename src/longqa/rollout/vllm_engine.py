@@ -210,9 +210,6 @@ class VLLMRolloutEngine(RolloutEngine):
                  generator: torch.Generator | None = None, seeds: Sequence[int] | None = None) -> list[list[Sample]]:
         """``params.n`` samples per prompt. ``seeds`` (one per prompt) make each prompt's samples a function
         of its seed alone (vLLM seeds sample j with seed + j); without them they are drawn from ``generator``."""
-        from vllm import SamplingParams as VLLMParams
-        from vllm.inputs import TokensPrompt
-
         prompts = [list(p) for p in prompts]
         if not prompts:
             return []
@@ -234,6 +231,9 @@ class VLLMRolloutEngine(RolloutEngine):
             seeds = torch.randint(0, 2**62, (len(prompts),), generator=generator, device=device).tolist()
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        from vllm import SamplingParams as VLLMParams
+        from vllm.inputs import TokensPrompt
+
         # vLLM refuses n > 1 when greedy: one greedy sample is every sample.
         n = 1 if params.greedy else params.n
         common = dict(n=n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
