@@ -6,6 +6,6 @@ set -euo pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/longqa-scale-out}
 shape=${1:-qwen3-1.7b}
 shift || true  # the rest: config overrides for both runs
-common=(--shape "$shape" --context-tokens 4096 --response 512 --prompts 16 -n 8 --steps 4 --root /tmp/longqa-scale)
+common=(--shape "$shape" --context-tokens 4096 --response 512 --prompts 16 -n 8 --steps 3 --root /tmp/longqa-scale)
 python benchmarks/scale_run.py "${common[@]}" --out "$OUT/one" "$@" 2>&1 | tail -1
 python -m torch.distributed.run --nproc_per_node 2 benchmarks/scale_run.py "${common[@]}" --out "$OUT/two" "$@" 2>&1 | tail -1
