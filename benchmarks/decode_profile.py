@@ -52,8 +52,6 @@ def profile(shape: str, prompt: int, n: int, groups: int, steps: int, options: d
               "kernel_ms_per_step": round(sum(t for _, t in decode.values()) / steps / 1e3, 3),
               "top": [{"kernel": name[:90], "calls_per_step": round(c / steps, 1), "ms_per_step": round(t / steps / 1e3, 3)}
                       for name, (c, t) in top]}
-    del engine, model
-    torch.cuda.empty_cache()
     return result
 
 

@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+
+# Without a GPU, Triton kernels (rollout/decode_kernel.py) run in Triton's interpreter. Triton reads the
+# switch when its own functions are defined, i.e. at its first import, which vLLM or torch may do before
+# any kernel test runs: so it is set here, before the tests import anything.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from longqa.data.schema import make_row, with_system_prompt
 

@@ -1,14 +1,13 @@
 """The Triton decode attention (``rollout/decode_kernel.py``) against a naive per-row reference.
 
-Without a GPU the kernel runs in Triton's interpreter (``TRITON_INTERPRET=1``, set for this module
-only, before the kernel is built), so the shapes are tiny. On a GPU the same tests run the compiled
+Without a GPU the kernel runs in Triton's interpreter (``TRITON_INTERPRET=1``, set by conftest.py
+before anything imports Triton), so the shapes are tiny. On a GPU the same tests run the compiled
 kernel, plus a bfloat16 test and one that captures the attention in a CUDA graph.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 
 import pytest
@@ -21,23 +20,6 @@ CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                   reason="triton is not installed (pip install triton)")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def interpreter():
-    """On a CPU, build the kernel in interpreter mode for this module and forget it afterwards."""
-    if CUDA:
-        yield
-        return
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    decode_kernel._kernel.cache_clear()
-    yield
-    decode_kernel._kernel.cache_clear()
-    if old is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = old
 
 
 def store(batch, kv_heads, cap, d, lengths, dtype=torch.float32):

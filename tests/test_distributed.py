@@ -66,6 +66,7 @@ def _worker(rank, world, port, shared, mode, budget, out, offload=False):
         state = {k.removeprefix("model."): v for k, v in full_state_dict(actor.scorer).items()}
         if rank == 0:
             torch.save({"state": state, "stats": stats, "grads": grads}, out)
+        dist.barrier()  # no collective left in flight when the group goes (gloo aborted a rank at exit now and then)
     finally:
         dist.destroy_process_group()
 
@@ -88,6 +89,7 @@ def _bf16_worker(rank, world, port, out):
         logprobs = actor.logprobs(rank_share(global_samples(), rank, world))
         if rank == 0:
             torch.save(logprobs, out)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
