@@ -78,6 +78,9 @@ def unsupported_reason(model) -> str | None:
                               (mlp, ("gate_proj", "up_proj", "down_proj"))):
             if not all(hasattr(module, n) for n in names):
                 return f"a {type(module).__name__} lacks one of {names}"
+        for stacked in ((attention.q_proj, attention.k_proj, attention.v_proj), (mlp.gate_proj, mlp.up_proj)):
+            if len({lin.bias is None for lin in stacked}) > 1:
+                return "only some of the projections that read one input have a bias"
     return None
 
 
@@ -152,8 +155,9 @@ class DecodeStep:
         # fullgraph: a graph break would silently bring back the kernels this module exists to remove.
         self.pre = torch.compile(self.eager_pre, fullgraph=True, dynamic=False) if compiled else self.eager_pre
         self.post = torch.compile(self.eager_post, fullgraph=True, dynamic=False) if compiled else self.eager_post
-        self.qkv = [FusedLinear([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj], views) for l in base.layers]
-        self.gate_up = [FusedLinear([l.mlp.gate_proj, l.mlp.up_proj], views) for l in base.layers]
+        self.qkv = [FusedLinear([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj], views)
+                    for layer in base.layers]
+        self.gate_up = [FusedLinear([layer.mlp.gate_proj, layer.mlp.up_proj], views) for layer in base.layers]
 
     def refresh(self) -> None:
         """Bring the stacked projections up to the model's current weights (before each generate)."""
@@ -171,26 +175,24 @@ class DecodeStep:
         return pre, post
 
     def decode(self, ids: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
-        """One token per row: ``ids``, ``positions`` ``[rows]`` -> ``[rows, hidden]``."""
+        """One token per row: ``ids``, ``positions`` ``[rows]`` -> ``[rows, hidden]`` (attention gets
+        ``[rows, heads, 1, head_dim]``)."""
+        return self._forward(ids, positions, kv, self.pre, self.post, lambda x: x)
+
+    def prefill(self, ids: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
+        """A chunk of one prompt: ``ids``, ``positions`` ``[T]`` -> ``[T, hidden]`` (attention gets
+        ``[1, heads, T, head_dim]``). Eager: chunk lengths vary, and at thousands of rows the matrix
+        products dominate anyway."""
+        return self._forward(ids, positions, kv, self.eager_pre, self.eager_post,
+                             lambda x: x[:, :, 0].transpose(0, 1)[None])
+
+    def _forward(self, ids, positions, kv, pre_fn, post_fn, layout) -> torch.Tensor:
         base = self.base
         h = base.embed_tokens(ids)
         cos, sin = base.rotary_emb(h, positions[:, None])  # [rows, 1, head_dim]: broadcasts over heads
         for index, layer in enumerate(base.layers):
             pre, post = self._weights(index, layer)
-            q, k, v = self.pre(h, cos, sin, *pre)
-            attn = kv.attend(index, q, k, v, self.scaling)  # [rows, 1, heads, head_dim]
-            h = self.post(h, attn.reshape(h.shape[0], -1), *post)
-        return base.norm(h)
-
-    def prefill(self, ids: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
-        """A chunk of one prompt: ``ids``, ``positions`` ``[T]`` -> ``[T, hidden]``. Eager: chunk lengths
-        vary, and at thousands of rows the matrix products dominate anyway."""
-        base = self.base
-        h = base.embed_tokens(ids)
-        cos, sin = base.rotary_emb(h, positions[:, None])
-        for index, layer in enumerate(base.layers):
-            pre, post = self._weights(index, layer)
-            q, k, v = (x[:, :, 0].transpose(0, 1)[None] for x in self.eager_pre(h, cos, sin, *pre))  # [1, heads, T, d]
-            attn = kv.attend(index, q, k, v, self.scaling)  # [1, T, heads, head_dim]
-            h = self.eager_post(h, attn.reshape(h.shape[0], -1), *post)
+            q, k, v = (layout(x) for x in pre_fn(h, cos, sin, *pre))
+            attn = kv.attend(index, q, k, v, self.scaling)
+            h = post_fn(h, attn.reshape(h.shape[0], -1), *post)
         return base.norm(h)

@@ -7,12 +7,17 @@ in two exact halves merged by their log-sum-exp: all n samples' queries against 
 (one batched matmul that reads the prompt once per group), and each sample against its own tokens.
 
 By default the model is the training model itself (the very modules and tensors the optimizer
-updates, so the weights are never stale and never copied). Asked for another dtype, the engine keeps
+updates, so the weights are never stale; the fused decode step below stacks each layer's q/k/v and
+gate/up projections into matrices refilled from them at every ``generate``). Asked for another dtype,
+the engine keeps
 its own copy, refreshed in place by ``sync_weights`` (so captured graphs stay valid) and checked
 against the training model's weights version before every ``generate``, so a stale copy is never
-sampled. Either way its attention goes through longqa's dispatcher
-(``model/attention.py``), which hands each layer's projected, normed, rotated queries, keys and
-values to ``SharedPrefixKV.attend``. No model code is copied.
+sampled. For Llama-family models (Qwen3, Qwen2, Llama, Mistral) prefill and decode run as plain
+functions of the layers' weights (``decode_step.py``: on a GPU a decode step is a few compiled kernels
+per layer); other models run their own modules with attention routed through longqa's dispatcher
+(``model/attention.py``). Either way each layer's queries, keys and values reach
+``SharedPrefixKV.attend``, whose decode attention on a GPU is a Triton split-K kernel
+(``decode_kernel.py``) and elsewhere two batched matmuls.
 
 Groups stream through a fixed number of slots sized from a memory budget: when all n samples of a
 group stop, its slot takes the next prompt. The decode step works on fixed-size tensors (every slot,
@@ -151,7 +156,6 @@ class SharedPrefixKV:
                        self.prefix_len, self.write_at, self.n, self.prompt_view, self.response_view, scaling)
 
 
-
 def _batched(store: torch.Tensor, length: int) -> torch.Tensor:
     """``[a, b, cap, d]`` -> a ``[a * b, length, d]`` view of the first ``length`` positions (no copy:
     batched matmuls read it with its strides)."""
@@ -189,15 +193,10 @@ def decode_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, writ
     out_o, lse_o = _softmax_part(q[:, :, 0].reshape(rows * kv_heads, r, d), _batched(suffix_k, S),
                                  _batched(suffix_v, S), later, scaling)
     out_o, lse_o = out_o.view(rows, kv_heads, r, d), lse_o.view(rows, kv_heads, r)
-    return _merge(out_p.reshape(rows, heads, d), lse_p.reshape(rows, heads), out_o.reshape(rows, heads, d),
-                  lse_o.reshape(rows, heads)).to(q.dtype).reshape(rows, 1, heads, d)
-
-
-def _merge(out_a, lse_a, out_b, lse_b):
-    """Two attentions over disjoint key sets -> the attention over their union (weights by log-sum-exp)."""
-    top = torch.maximum(lse_a, lse_b)
-    w_a, w_b = (lse_a - top).exp()[..., None], (lse_b - top).exp()[..., None]
-    return (out_a * w_a + out_b * w_b) / (w_a + w_b)
+    top = torch.maximum(lse_p, lse_o)
+    w_p, w_o = (lse_p - top).exp()[..., None], (lse_o - top).exp()[..., None]
+    out = (out_p * w_p + out_o * w_o) / (w_p + w_o)
+    return out.to(q.dtype).reshape(rows, 1, heads, d)
 
 
 @functools.cache
