@@ -44,3 +44,13 @@ def qa_row(i: int, words: int = 20, source: str = "hotpotqa") -> dict:
     messages = with_system_prompt([{"role": "user", "content": f"The following are given passages.\n{context}\n\n"
                                                                f"Question: who is number {i}?"}])
     return make_row(f"custom_{source}", messages, [f"Person {i}"], extra_info={"index": i})
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory):
+    """A small synthetic dataset (`longqa data synth`) for short training runs."""
+    from longqa.data.synth import generate
+
+    path = tmp_path_factory.mktemp("data")
+    generate(path, rows_per_task=8, context_tokens=256, max_hops=2, test_ratio=0.25, seed=3)
+    return path

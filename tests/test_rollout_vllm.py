@@ -308,15 +308,6 @@ def test_filtered_sampling_at_temperature_one_uses_raw_logprobs(model, model_dir
     del raw.llm
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    from longqa.data.synth import generate
-
-    path = tmp_path_factory.mktemp("vllm-data")
-    generate(path, rows_per_task=8, context_tokens=256, max_hops=2, test_ratio=0.25, seed=3)
-    return path
-
-
 def train_args(model_dir, data_dir, out, **extra) -> list[str]:
     values = {"model.path": model_dir, "data.train_files": f"{data_dir}/merged/train.parquet",
               "data.val_files": f"{data_dir}/merged/test.parquet", "data.max_prompt_length": 1000,

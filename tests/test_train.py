@@ -25,15 +25,6 @@ def tiny_model_dir(tmp_path_factory, tokenizer):
     return save_tiny_qwen3(tmp_path_factory.mktemp("tiny-model"), tokenizer)
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    from longqa.data.synth import generate
-
-    path = tmp_path_factory.mktemp("data")
-    generate(path, rows_per_task=8, context_tokens=256, max_hops=2, test_ratio=0.25, seed=3)
-    return path
-
-
 def overrides(model_dir, data_dir, out, **extra) -> list[str]:
     values = {
         "model.path": model_dir, "data.train_files": f"{data_dir}/merged/train.parquet",

@@ -87,6 +87,19 @@ def bump_weights_version(model) -> None:
     setattr(model, VERSION_ATTRIBUTE, weights_version(model) + 1)
 
 
+def prompt_seeds(count: int, generator: "torch.Generator | None" = None, seeds=None) -> list[int]:
+    """One seed per prompt for engines that seed each prompt's samples: ``seeds`` as given (checked), or
+    drawn from ``generator`` (so the same generator state gives the same samples)."""
+    import torch
+
+    if seeds is None:
+        device = generator.device if generator is not None else "cpu"
+        seeds = torch.randint(0, 2**62, (count,), generator=generator, device=device).tolist()
+    if len(seeds) != count:
+        raise ValueError(f"{len(seeds)} seeds for {count} prompts")
+    return list(seeds)
+
+
 class StaleWeightsError(RuntimeError):
     """An engine holding its own copy of the weights was asked to sample after an update it has not loaded."""
 

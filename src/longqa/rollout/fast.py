@@ -44,7 +44,8 @@ import torch.nn.functional as F
 from longqa.model.attention import NO_MASK, use_longqa_attention
 from longqa.rollout.decode_kernel import shared_prefix_attention
 from longqa.rollout.decode_step import DecodeStep, unsupported_reason
-from longqa.rollout.base import RolloutEngine, Sample, SamplingParams, StaleWeightsError, weights_version
+from longqa.rollout.base import (RolloutEngine, Sample, SamplingParams, StaleWeightsError, prompt_seeds,
+                                 weights_version)
 from longqa.rollout.hf import eval_mode, filter_logits
 
 MASK32 = 0xFFFFFFFF
@@ -322,11 +323,7 @@ class FastRolloutEngine(RolloutEngine):
         if self.model is not self.source and self.version != weights_version(self.source):
             raise StaleWeightsError(f"the engine's weights copy is version {self.version} but the training model is "
                                     f"at {weights_version(self.source)}: call sync_weights() after each update")
-        if seeds is None:
-            device = generator.device if generator is not None else "cpu"
-            seeds = torch.randint(0, 2**62, (len(prompts),), generator=generator, device=device).tolist()
-        if len(seeds) != len(prompts):
-            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        seeds = prompt_seeds(len(prompts), generator, seeds)
         with eval_mode(self.model):
             if self.decode_step is not None:
                 self.decode_step.refresh()

@@ -32,7 +32,8 @@ from typing import Literal
 import numpy as np
 import torch
 
-from longqa.rollout.base import RolloutEngine, Sample, SamplingParams, StaleWeightsError, weights_version
+from longqa.rollout.base import (RolloutEngine, Sample, SamplingParams, StaleWeightsError, prompt_seeds,
+                                 weights_version)
 
 LogprobsMode = Literal["processed_logprobs", "raw_logprobs"]
 
@@ -226,11 +227,7 @@ class VLLMRolloutEngine(RolloutEngine):
         if longest + params.max_new_tokens > self.max_model_len:
             raise ValueError(f"a {longest}-token prompt plus {params.max_new_tokens} new tokens exceeds vLLM's "
                              f"max_model_len={self.max_model_len}")
-        if seeds is None:
-            device = generator.device if generator is not None else "cpu"
-            seeds = torch.randint(0, 2**62, (len(prompts),), generator=generator, device=device).tolist()
-        if len(seeds) != len(prompts):
-            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        seeds = prompt_seeds(len(prompts), generator, seeds)
         from vllm import SamplingParams as VLLMParams
         from vllm.inputs import TokensPrompt
 
