@@ -28,7 +28,8 @@ SM_FALLBACK = 132  # H100/H200; used when the device is not a CUDA device (the i
 WAVES = 4  # the default split count aims at this many programs per SM
 
 
-def split_plan(view: int, splits: int | None, block_n: int, programs: int, sms: int = SM_FALLBACK) -> tuple[int, int]:
+def split_plan(view: int, splits: int | None, block_n: int, programs: int, sms: int = SM_FALLBACK,
+               waves: float = WAVES) -> tuple[int, int]:
     """``(splits, chunk)``: split ``s`` reads keys ``[s*chunk, (s+1)*chunk)`` (clipped to ``view``).
 
     ``chunk`` is ``ceil(view/splits)`` rounded up to a multiple of ``block_n``, so every block a program
@@ -38,7 +39,7 @@ def split_plan(view: int, splits: int | None, block_n: int, programs: int, sms: 
     """
     if splits is None:
         blocks = max(1, math.ceil(view / block_n))
-        want = min(blocks, max(1, math.ceil(WAVES * sms / max(programs, 1))))
+        want = min(blocks, max(1, math.ceil(waves * sms / max(programs, 1))))
         chunk = math.ceil(blocks / want) * block_n
         return max(1, math.ceil(view / chunk)), chunk  # fewer when the rounding left the last ones empty
     if splits < 1:
@@ -145,7 +146,7 @@ def _kernel():
 
 def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, n: int, view: int,
                       scaling: float, block_n: int = 64, splits: int | None = None, out: torch.Tensor | None = None,
-                      lse: torch.Tensor | None = None, split_offset: int = 0):
+                      lse: torch.Tensor | None = None, split_offset: int = 0, num_warps: int = 4, num_stages: int = 3):
     """Attention of ``n`` query rows per batch entry over that entry's keys ``[0, lengths[b])``, in splits.
 
     ``q`` ``[batch*n, heads, d]``; ``k``, ``v`` ``[batch, kv_heads, cap, d]`` (any strides, last dim
@@ -155,7 +156,7 @@ def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths
     keys (0 where it has none), and ``lse`` ``[rows, heads, S]`` float32, its log-sum-exp (-inf where it
     has no valid key). Given ``out``/``lse`` (from an earlier call over other keys of the same rows),
     this call's splits go to ``[split_offset, split_offset + splits)`` of them, so ``merge_partials``
-    can combine both in one pass.
+    can combine both in one pass. ``num_warps``/``num_stages`` are Triton's launch options.
     """
     batch, kv_heads, cap, d = k.shape
     rows, heads = q.shape[0], q.shape[1]
@@ -186,7 +187,8 @@ def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths
         q, k, v, lengths.contiguous(), out, lse,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         scaling * math.log2(math.e), kv_heads, n, r, view, chunk, heads, out.shape[2], split_offset,
-        M=M, BLOCK_M=max(16, _next_power_of_2(M)), BLOCK_N=block_n, D=d, IEEE=q.dtype == torch.float32)
+        M=M, BLOCK_M=max(16, _next_power_of_2(M)), BLOCK_N=block_n, D=d, IEEE=q.dtype == torch.float32,
+        num_warps=num_warps, num_stages=num_stages)
     return out, lse
 
 
@@ -208,7 +210,8 @@ def merge_partials(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype = to
 
 def shared_prefix_attention(q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_v, own_len, n: int,
                             prompt_view: int, own_view: int, scaling: float, block_n: int = 64,
-                            dtype: torch.dtype | None = None) -> torch.Tensor:
+                            dtype: torch.dtype | None = None, waves: float = WAVES, num_warps: int = 4,
+                            num_stages: int = 3) -> torch.Tensor:
     """One layer's decode attention over the store: ``q`` ``[rows, heads, d]`` (rows = groups*n,
     group-major) against its group's prompt keys ``[0, prefix_len[g])`` and its own keys
     ``[0, own_len[row])`` -> ``[rows, heads, d]`` in ``dtype`` (default ``q``'s). Three launches: the
@@ -216,11 +219,13 @@ def shared_prefix_attention(q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_
     groups, kv_heads = prefix_k.shape[:2]
     rows, heads, d = q.shape
     sms = _sm_count(q.device)
-    prompt_splits, _ = split_plan(prompt_view, None, block_n, groups * kv_heads, sms)
-    own_splits, _ = split_plan(own_view, None, block_n, rows * kv_heads, sms)
+    prompt_splits, _ = split_plan(prompt_view, None, block_n, groups * kv_heads, sms, waves)
+    own_splits, _ = split_plan(own_view, None, block_n, rows * kv_heads, sms, waves)
+    launch = dict(num_warps=num_warps, num_stages=num_stages)
     out = torch.empty(rows, heads, prompt_splits + own_splits, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(rows, heads, prompt_splits + own_splits, dtype=torch.float32, device=q.device)
-    partial_attention(q, prefix_k, prefix_v, prefix_len, n, prompt_view, scaling, block_n, prompt_splits, out, lse)
+    partial_attention(q, prefix_k, prefix_v, prefix_len, n, prompt_view, scaling, block_n, prompt_splits, out, lse,
+                      **launch)
     partial_attention(q, suffix_k, suffix_v, own_len, 1, own_view, scaling, block_n, own_splits, out, lse,
-                      split_offset=prompt_splits)
+                      split_offset=prompt_splits, **launch)
     return merge_partials(out, lse, dtype or q.dtype)

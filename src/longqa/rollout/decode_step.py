@@ -53,6 +53,16 @@ def attention_inputs(h, cos, sin, norm_w, qkv_w, qkv_b, q_norm_w, k_norm_w, *, e
     return rotate(q, cos, sin)[:, :, None], rotate(k, cos, sin)[:, :, None], v[:, :, None]
 
 
+def store_and_query(h, cos, sin, norm_w, qkv_w, qkv_b, q_norm_w, k_norm_w, k_store, v_store, rows, at, **shape):
+    """``attention_inputs`` for one decode token per row that writes the row's new key and value into
+    its own slot of the KV store (``k_store[rows, :, at]``) and returns only the queries: compiled, the
+    write is part of the kernel that computes them instead of two scatter launches of its own."""
+    q, k, v = attention_inputs(h, cos, sin, norm_w, qkv_w, qkv_b, q_norm_w, k_norm_w, **shape)
+    k_store[rows, :, at] = k[:, :, 0]
+    v_store[rows, :, at] = v[:, :, 0]
+    return q
+
+
 def layer_output(h, attn, o_w, o_b, norm_w, gate_up_w, gate_up_b, down_w, down_b, *, eps: float, act):
     """The residual stream after the layer, given its attention output ``attn`` ``[rows, heads * head_dim]``."""
     h = h + F.linear(attn, o_w, o_b)
@@ -146,15 +156,18 @@ class DecodeStep:
         first = base.layers[0]
         self.scaling = first.self_attn.scaling
         q_norm = getattr(first.self_attn, "q_norm", None)
-        self.eager_pre = functools.partial(attention_inputs, eps=first.input_layernorm.variance_epsilon,
-                                           head_eps=q_norm.variance_epsilon if q_norm is not None else 0.0,
-                                           heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim)
+        shape = dict(eps=first.input_layernorm.variance_epsilon,
+                     head_eps=q_norm.variance_epsilon if q_norm is not None else 0.0,
+                     heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim)
+        self.eager_pre = functools.partial(attention_inputs, **shape)
+        self.eager_store_pre = functools.partial(store_and_query, **shape)
         self.eager_post = functools.partial(layer_output, eps=first.post_attention_layernorm.variance_epsilon,
                                             act=ACTIVATIONS[config.hidden_act])
         # Decode shapes are fixed per KV allocation: one compiled graph each, shared by every layer.
         # fullgraph: a graph break would silently bring back the kernels this module exists to remove.
-        self.pre = torch.compile(self.eager_pre, fullgraph=True, dynamic=False) if compiled else self.eager_pre
-        self.post = torch.compile(self.eager_post, fullgraph=True, dynamic=False) if compiled else self.eager_post
+        jit = functools.partial(torch.compile, fullgraph=True, dynamic=False)
+        self.store_pre = jit(self.eager_store_pre) if compiled else self.eager_store_pre
+        self.post = jit(self.eager_post) if compiled else self.eager_post
         self.qkv = [FusedLinear([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj], views)
                     for layer in base.layers]
         self.gate_up = [FusedLinear([layer.mlp.gate_proj, layer.mlp.up_proj], views) for layer in base.layers]
@@ -175,24 +188,29 @@ class DecodeStep:
         return pre, post
 
     def decode(self, ids: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
-        """One token per row: ``ids``, ``positions`` ``[rows]`` -> ``[rows, hidden]`` (attention gets
-        ``[rows, heads, 1, head_dim]``)."""
-        return self._forward(ids, positions, kv, self.pre, self.post, lambda x: x)
+        """One token per row: ``ids``, ``positions`` ``[rows]`` -> ``[rows, hidden]``. The new keys and
+        values go straight into ``kv.own_slot(layer)``; attention gets queries ``[rows, heads, 1,
+        head_dim]``."""
+        def attention(index, h, cos, sin, weights):
+            q = self.store_pre(h, cos, sin, *weights, *kv.own_slot(index))
+            return kv.attend(index, q, None, None, self.scaling)
+        return self._forward(ids, positions, attention, self.post)
 
     def prefill(self, ids: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
         """A chunk of one prompt: ``ids``, ``positions`` ``[T]`` -> ``[T, hidden]`` (attention gets
         ``[1, heads, T, head_dim]``). Eager: chunk lengths vary, and at thousands of rows the matrix
         products dominate anyway."""
-        return self._forward(ids, positions, kv, self.eager_pre, self.eager_post,
-                             lambda x: x[:, :, 0].transpose(0, 1)[None])
+        def attention(index, h, cos, sin, weights):
+            q, k, v = (x[:, :, 0].transpose(0, 1)[None] for x in self.eager_pre(h, cos, sin, *weights))
+            return kv.attend(index, q, k, v, self.scaling)
+        return self._forward(ids, positions, attention, self.eager_post)
 
-    def _forward(self, ids, positions, kv, pre_fn, post_fn, layout) -> torch.Tensor:
+    def _forward(self, ids, positions, attention, post_fn) -> torch.Tensor:
         base = self.base
         h = base.embed_tokens(ids)
         cos, sin = base.rotary_emb(h, positions[:, None])  # [rows, 1, head_dim]: broadcasts over heads
         for index, layer in enumerate(base.layers):
             pre, post = self._weights(index, layer)
-            q, k, v = (layout(x) for x in pre_fn(h, cos, sin, *pre))
-            attn = kv.attend(index, q, k, v, self.scaling)
+            attn = attention(index, h, cos, sin, pre)
             h = post_fn(h, attn.reshape(h.shape[0], -1), *post)
         return base.norm(h)

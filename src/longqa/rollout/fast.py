@@ -121,7 +121,13 @@ class SharedPrefixKV:
         size = torch.empty(0, dtype=dtype).element_size()
         return 2 * layers * kv_heads * head_dim * size * (prompt_cap + n * response_cap)
 
+    def own_slot(self, layer: int):
+        """Where a decode step's new keys and values go: ``(k_store, v_store, rows, at)`` with row ``i``'s
+        token at ``k_store[rows[i], :, at[i]]`` (the fused decode step writes them itself)."""
+        return self.suffix_k[layer], self.suffix_v[layer], self.rows, self.write_at
+
     def attend(self, layer: int, q, k, v, scaling):
+        """Attention of this step's queries; ``k``/``v`` None in decode when they are already in ``own_slot``."""
         if self.mode == "prefill":
             return self._prefill(layer, q, k, v, scaling)
         return self._decode(layer, q, k, v, scaling)
@@ -144,8 +150,9 @@ class SharedPrefixKV:
     def _decode(self, layer, q, k, v, scaling):
         """One new token per sample row: the shared prompt read once per group, merged exactly with
         each row's own tokens."""
-        self.suffix_k[layer, self.rows, :, self.write_at] = k[:, :, 0]
-        self.suffix_v[layer, self.rows, :, self.write_at] = v[:, :, 0]
+        if k is not None:
+            self.suffix_k[layer, self.rows, :, self.write_at] = k[:, :, 0]
+            self.suffix_v[layer, self.rows, :, self.write_at] = v[:, :, 0]
         if self.kernel == "triton":
             rows, heads, _, d = q.shape
             out = shared_prefix_attention(q[:, :, 0], self.prefix_k[layer], self.prefix_v[layer], self.prefix_len,
