@@ -15,7 +15,7 @@ import json
 
 import torch
 
-from longqa.rollout.decode_kernel import shared_prefix_attention
+from longqa.rollout.decode_kernel import WAVES, shared_prefix_attention
 
 
 def time_config(stores, q, prefix_len, own_len, n, prompt, own, config, reps: int = 10) -> float:
@@ -66,7 +66,7 @@ def sweep(groups: int, n: int, prompt: int, own: int, layers: int, heads: int, k
         results.append({**config, "ms": round(ms, 4), "TBps": round(read / ms / 1e9, 2)})
     timed = [r for r in results if "ms" in r]
     best = min(timed, key=lambda r: r["ms"])
-    default = next(r for r in timed if (r["block_n"], r["num_warps"], r["num_stages"], r["waves"]) == (64, 4, 3, 4))
+    default = next(r for r in timed if (r["block_n"], r["num_warps"], r["num_stages"], r["waves"]) == (64, 4, 3, WAVES))
     return {"groups": groups, "n": n, "prompt": prompt, "own": own, "layers": layers, "best": best,
             "default": default, "top5": sorted(timed, key=lambda r: r["ms"])[:5]}
 

@@ -46,7 +46,8 @@ def test_split_plan():
     assert split_plan(40, 4, 16, programs=6) == (4, 16)  # ceil(40/4) = 10 rounds up to one block
     assert split_plan(100, 3, 16, programs=6) == (3, 48)
     assert split_plan(40, None, 16, programs=6) == (3, 16)  # few programs: one block per split
-    assert split_plan(32768, None, 64, programs=64, sms=132) == (9, 3648)  # 576 programs >= 4 x 132
+    assert split_plan(32768, None, 64, programs=64, sms=132, waves=4) == (9, 3648)  # 576 programs >= 4 x 132
+    assert split_plan(32768, None, 64, programs=64, sms=132) == (5, 6592)  # default 2 waves: 320 >= 2 x 132
     assert split_plan(300, None, 64, programs=4096) == (1, 320)  # enough programs: no split
     assert split_plan(0, None, 64, programs=8) == (1, 64)
     for view in (1, 63, 64, 65, 1000, 4097):

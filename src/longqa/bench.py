@@ -221,10 +221,11 @@ def bench_rollout(shape: str = "qwen3-1.7b", prompt: int = 8192, new_tokens: int
 
 def bench_grpo_step(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int = 1024, n: int = 8,
                     prompts_per_step: int = 16, steps: int = 2, device: str = "auto",
-                    engine_options: dict | None = None) -> list[dict]:
+                    engine_options: dict | None = None, gradient_checkpointing: bool = False) -> list[dict]:
     """Seconds per phase of whole GRPO steps: fast-engine rollout of ``prompts_per_step`` x ``n``, group
     advantages, one packed shared-prompt update (on-policy: no old log-prob pass). A random-weight
-    model cannot answer, so rewards are random coin flips (scoring text costs milliseconds anyway)."""
+    model cannot answer, so rewards are random coin flips (scoring text costs milliseconds anyway).
+    Gradient checkpointing is off by default, as in ``longqa train`` (``model.gradient_checkpointing``)."""
     from longqa import algo
     from longqa.config import load_config
     from longqa.model.load import pick_device
@@ -234,7 +235,7 @@ def bench_grpo_step(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int
 
     dev = pick_device(device)
     # As `longqa train` runs it: decoder layers compiled for training on a GPU (actor.compile_layers).
-    model = random_model(shape, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32, True,
+    model = random_model(shape, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32, gradient_checkpointing,
                          compile_layers=dev.type == "cuda")
     cfg = load_config(None, [f"rollout.n={n}", f"data.train_batch_size={prompts_per_step}",
                              f"actor.ppo_mini_batch_size={prompts_per_step}", f"data.max_response_length={response}",
@@ -263,7 +264,7 @@ def bench_grpo_step(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int
         t3 = time.perf_counter()
         new_tokens = sum(len(s) for s in samples.response_ids)
         row = {"step": step, "shape": shape, "prompts": prompts_per_step, "n": n, "prompt": prompt,
-               "response": response, "rollout_s": round(t1 - t0, 2), "reward_and_advantages_s": round(t2 - t1, 3),
+               "response": response, "gradient_checkpointing": gradient_checkpointing, "rollout_s": round(t1 - t0, 2), "reward_and_advantages_s": round(t2 - t1, 3),
                "update_s": round(t3 - t2, 2), "step_s": round(t3 - t0, 2), "new_tokens": new_tokens,
                "rollout_new_tokens_per_s": round(new_tokens / (t1 - t0)),
                "update_tokens_per_s": round((prompts_per_step * prompt + new_tokens) / (t3 - t2)),

@@ -174,7 +174,7 @@ def cmd_bench_step(args: argparse.Namespace) -> None:
     from longqa.bench import bench_grpo_step
 
     _save_results(args, bench_grpo_step(args.shape, args.prompt, args.response, args.n, args.prompts, args.steps,
-                                        args.device, _engine_options(args)))
+                                        args.device, _engine_options(args), args.gradient_checkpointing))
 
 
 def cmd_cluster(args: argparse.Namespace) -> None:
@@ -357,6 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "update. The first step includes warm-up.")
     p.add_argument("--response", type=int, default=1024, help="new tokens per sample (EOS ignored)")
     p.add_argument("--prompts", type=int, default=16, help="prompts per step (default 16)")
+    p.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in the backward pass")
     p.add_argument("--steps", type=int, default=2)
     engine_arguments(p)
 

@@ -25,7 +25,7 @@ import math
 import torch
 
 SM_FALLBACK = 132  # H100/H200; used when the device is not a CUDA device (the interpreter)
-WAVES = 4  # the default split count aims at this many programs per SM
+WAVES = 2  # the default split count aims at this many programs per SM (measured: benchmarks/decode_attention_sweep.py)
 
 
 def split_plan(view: int, splits: int | None, block_n: int, programs: int, sms: int = SM_FALLBACK,
