@@ -23,8 +23,6 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from longqa.rollout.skinny_linear import decode_linear
-
 FAMILIES = ("qwen3", "qwen2", "llama", "mistral")
 ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu,
                "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}
@@ -44,11 +42,11 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def attention_inputs(h, cos, sin, norm_w, qkv_w, qkv_b, q_norm_w, k_norm_w, *, eps: float, head_eps: float,
-                     heads: int, kv_heads: int, head_dim: int, linear=F.linear):
+                     heads: int, kv_heads: int, head_dim: int):
     """``h`` ``[rows, hidden]`` -> rotated queries and keys, and values, ``[rows, heads, 1, head_dim]``."""
     rows = h.shape[0]
     x = rms_norm(h, norm_w, eps)
-    q, k, v = linear(x, qkv_w, qkv_b).split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), -1)
+    q, k, v = F.linear(x, qkv_w, qkv_b).split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), -1)
     q, k, v = q.view(rows, heads, head_dim), k.view(rows, kv_heads, head_dim), v.view(rows, kv_heads, head_dim)
     if q_norm_w is not None:
         q, k = rms_norm(q, q_norm_w, head_eps), rms_norm(k, k_norm_w, head_eps)
@@ -65,12 +63,11 @@ def store_and_query(h, cos, sin, norm_w, qkv_w, qkv_b, q_norm_w, k_norm_w, k_sto
     return q
 
 
-def layer_output(h, attn, o_w, o_b, norm_w, gate_up_w, gate_up_b, down_w, down_b, *, eps: float, act,
-                 linear=F.linear):
+def layer_output(h, attn, o_w, o_b, norm_w, gate_up_w, gate_up_b, down_w, down_b, *, eps: float, act):
     """The residual stream after the layer, given its attention output ``attn`` ``[rows, heads * head_dim]``."""
-    h = h + linear(attn, o_w, o_b)
-    gate, up = linear(rms_norm(h, norm_w, eps), gate_up_w, gate_up_b).chunk(2, -1)
-    return h + linear(act(gate) * up, down_w, down_b)
+    h = h + F.linear(attn, o_w, o_b)
+    gate, up = F.linear(rms_norm(h, norm_w, eps), gate_up_w, gate_up_b).chunk(2, -1)
+    return h + F.linear(act(gate) * up, down_w, down_b)
 
 
 def unsupported_reason(model) -> str | None:
@@ -163,16 +160,14 @@ class DecodeStep:
                      head_eps=q_norm.variance_epsilon if q_norm is not None else 0.0,
                      heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim)
         self.eager_pre = functools.partial(attention_inputs, **shape)
-        post = dict(eps=first.post_attention_layernorm.variance_epsilon, act=ACTIVATIONS[config.hidden_act])
-        self.eager_post = functools.partial(layer_output, **post)
-        # A decode step's few rows take the skinny kernel on a GPU (F.linear elsewhere).
-        self.eager_store_pre = functools.partial(store_and_query, **shape, linear=decode_linear)
-        self.eager_decode_post = functools.partial(layer_output, **post, linear=decode_linear)
+        self.eager_store_pre = functools.partial(store_and_query, **shape)
+        self.eager_post = functools.partial(layer_output, eps=first.post_attention_layernorm.variance_epsilon,
+                                            act=ACTIVATIONS[config.hidden_act])
         # Decode shapes are fixed per KV allocation: one compiled graph each, shared by every layer.
         # fullgraph: a graph break would silently bring back the kernels this module exists to remove.
         jit = functools.partial(torch.compile, fullgraph=True, dynamic=False)
         self.store_pre = jit(self.eager_store_pre) if compiled else self.eager_store_pre
-        self.post = jit(self.eager_decode_post) if compiled else self.eager_decode_post
+        self.post = jit(self.eager_post) if compiled else self.eager_post
         self.qkv = [FusedLinear([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj], views)
                     for layer in base.layers]
         self.gate_up = [FusedLinear([layer.mlp.gate_proj, layer.mlp.up_proj], views) for layer in base.layers]
