@@ -14,8 +14,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 trl() {
-    timeout 280 python benchmarks/trl_grpo_step.py --shape qwen3-1.7b --prompt 8192 --response 1024 -n 8 --prompts 2 \
-        --steps 3 --json "$OUT/trl_2x8.json" > "$OUT/trl.log" 2>&1
+    timeout 330 python benchmarks/trl_grpo_step.py --shape qwen3-1.7b --prompt 8192 --response 1024 -n 8 --prompts 2 \
+        --steps 4 --json "$OUT/trl_2x8.json" > "$OUT/trl.log" 2>&1
 }
 gpus=$(python -c "import torch; print(torch.cuda.device_count())")
 if [ "$gpus" -ge 2 ]; then CUDA_VISIBLE_DEVICES=1 trl & fi
