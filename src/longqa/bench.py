@@ -264,7 +264,8 @@ def bench_grpo_step(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int
         t3 = time.perf_counter()
         new_tokens = sum(len(s) for s in samples.response_ids)
         row = {"step": step, "shape": shape, "prompts": prompts_per_step, "n": n, "prompt": prompt,
-               "response": response, "gradient_checkpointing": gradient_checkpointing, "rollout_s": round(t1 - t0, 2), "reward_and_advantages_s": round(t2 - t1, 3),
+               "response": response, "gradient_checkpointing": gradient_checkpointing,
+               "rollout_s": round(t1 - t0, 2), "reward_and_advantages_s": round(t2 - t1, 3),
                "update_s": round(t3 - t2, 2), "step_s": round(t3 - t0, 2), "new_tokens": new_tokens,
                "rollout_new_tokens_per_s": round(new_tokens / (t1 - t0)),
                "update_tokens_per_s": round((prompts_per_step * prompt + new_tokens) / (t3 - t2)),

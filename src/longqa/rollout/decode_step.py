@@ -5,7 +5,8 @@ A decode step moves one token per sample through the model: its matrices are tin
 to kernel count, not arithmetic. Run through the transformers modules, each decoder layer is about
 fifty kernels (every RMSNorm is six, rotary ten), which on an H200 costs several times the step's
 memory-bandwidth floor even replayed as a CUDA graph. Here each layer is two functions of plain
-tensors, the part before attention (norm, one stacked q/k/v product, q/k norms, rotary) and the part
+tensors, the part before attention (norm, one stacked q/k/v product, q/k norms, rotary, and the write
+of the new keys and values into the KV store, which Inductor fuses into the same kernel) and the part
 after it (output projection, residual, norm, one stacked gate/up product, MLP, residual), compiled once
 on a GPU and called for every layer with that layer's weights as arguments, so one compiled graph
 serves all layers and every length.
