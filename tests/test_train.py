@@ -64,6 +64,28 @@ def test_training_end_to_end(tiny_model_dir, data_dir, tmp_path):
 
 
 @pytest.mark.slow
+def test_validation_answers_through_the_rollout_engine(tiny_model_dir, data_dir, tmp_path, monkeypatch):
+    """The fast engine answers the held-out questions (greedy, without touching the run's random state):
+    the metrics are those of transformers' unpadded greedy generate on the same model."""
+    import longqa.evaluate as evaluation
+    from longqa.train.trainer import Trainer
+
+    cfg = load_config(None, overrides(tiny_model_dir, data_dir, tmp_path / "run", **{"data.max_response_length": 12}))
+    trainer = Trainer(cfg)
+    asked = []
+    monkeypatch.setattr(evaluation, "greedy_responses", lambda *a, **k: asked.append("generate"))
+    rng = torch.get_rng_state()
+    got = trainer.validate()
+    assert not asked and torch.equal(rng, torch.get_rng_state())
+    monkeypatch.undo()
+    reference = evaluation.evaluate(trainer.model, trainer.tokenizer, trainer.val_set, 12, batch_size=1)
+    assert got["val/accuracy"] == reference["all"]["accuracy"] and got["val/f1"] == reference["all"]["f1"]
+    engine_answers = evaluation.engine_greedy_responses(trainer.engine, trainer.tokenizer,
+                                                        [trainer.val_set.ids(i) for i in range(4)], 12)
+    assert engine_answers == evaluation.greedy_responses(trainer.model, trainer.tokenizer,
+                                                         [trainer.val_set.ids(i) for i in range(4)], 12, batch_size=1)
+
+
 def test_resume_after_kill_reproduces_the_uninterrupted_run(tiny_model_dir, data_dir, tmp_path):
     straight = tmp_path / "straight"
     assert main(["train", *overrides(tiny_model_dir, data_dir, straight, **{"trainer.max_steps": 5})]) == 0

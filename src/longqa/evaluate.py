@@ -56,13 +56,14 @@ def greedy_responses(model, tokenizer, prompts: Sequence[Sequence[int]], max_new
 
 
 def engine_greedy_responses(engine, tokenizer, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[str]:
-    """Greedy responses from a rollout engine (vLLM under data parallelism, where the training model is sharded
-    and vLLM holds the whole current model); equal to ``greedy_responses`` up to float ties."""
+    """Greedy responses from a rollout engine (the trainer's validation: the engine holds the whole current
+    model even when training shards it); equal to ``greedy_responses`` up to float ties."""
     from longqa.rollout.base import SamplingParams
 
     params = SamplingParams(n=1, temperature=0, max_new_tokens=max_new_tokens,
                             stop_token_ids=tuple(stop_token_ids(tokenizer)), return_logprobs=False)
-    groups = engine.generate([list(p) for p in prompts], params)
+    # Greedy needs no randomness: fixed seeds leave the global generator (the training run's) untouched.
+    groups = engine.generate([list(p) for p in prompts], params, seeds=[0] * len(prompts))
     return [tokenizer.decode(group[0].token_ids, skip_special_tokens=True) for group in groups]
 
 

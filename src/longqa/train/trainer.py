@@ -264,11 +264,15 @@ class Trainer:
     def validate(self) -> dict:
         if self.val_set is None:
             return {}
-        # Every rank evaluates the whole set on an unsharded model: the fast engine's copy, or vLLM, when sharded.
-        model = self.engine.model if self.env.distributed else self.model
-        engine = self.engine if self.env.distributed and isinstance(self.engine, VLLMRolloutEngine) else None
-        with torch.compiler.set_stance("force_eager"):  # generate's shapes would recompile compiled layers
-            result = evaluate(model, self.tokenizer, self.val_set, self.cfg.data.max_response_length,
+        # Greedy answers come from the rollout engine, which holds the whole current model on every rank
+        # (the fast engine's copy, or vLLM, when the trainer is sharded) and is much faster than
+        # transformers' generate; the reference engine's runs use generate on the model itself.
+        engine = self.engine if isinstance(self.engine, (FastRolloutEngine, VLLMRolloutEngine)) else None
+        # Compiled decoder layers would recompile for generation's shapes: run them eagerly where they
+        # are called (generate, or the fast engine on a model its fused decode step does not support).
+        eager = engine is None or getattr(engine, "decode_step", 0) is None
+        with torch.compiler.set_stance("force_eager" if eager else "default"):
+            result = evaluate(self.model, self.tokenizer, self.val_set, self.cfg.data.max_response_length,
                               mode=self.cfg.reward.mode, engine=engine)
         out = {"val/accuracy": result["all"]["accuracy"], "val/f1": result["all"]["f1"],
                "val/seconds": result["seconds"]}
