@@ -86,6 +86,33 @@ def test_validation_answers_through_the_rollout_engine(tiny_model_dir, data_dir,
                                                          [trainer.val_set.ids(i) for i in range(4)], 12, batch_size=1)
 
 
+def test_a_sharded_validation_puts_every_answer_back_in_its_place(tokenizer):
+    """Under data parallelism each rank answers every world-th question; the gathered answers must be
+    scored against their own questions (an engine that echoes the prompt gets every one right)."""
+    import numpy as np
+
+    from longqa.data.prompts import PromptSet
+    from longqa.evaluate import engine_greedy_responses, evaluate
+    from longqa.rollout.base import Sample
+
+    class Echo:
+        def generate(self, prompts, params, seeds=None):
+            return [[Sample(list(p), "stop", None)] for p in prompts]
+
+    names = [f"city {chr(97 + i)}" for i in range(7)]
+    ids = [tokenizer.encode(f"\\boxed{{{name}}}", add_special_tokens=False) for name in names]
+    prompts = PromptSet(np.concatenate(ids).astype(np.int32), np.cumsum([0] + [len(x) for x in ids]),
+                        [{"data_source": "hotpotqa", "ground_truth": name} for name in names])
+    world = 3
+    for rank in range(world):
+        def gather(mine, rank=rank):  # what every rank would contribute, checked against this rank's own
+            parts = [engine_greedy_responses(Echo(), tokenizer, ids[r::world], 8) for r in range(world)]
+            assert parts[rank] == mine
+            return parts
+        result = evaluate(None, tokenizer, prompts, 8, engine=Echo(), shard=(rank, world, gather))
+        assert result["all"]["n"] == 7 and result["all"]["em"] == 1.0
+
+
 def test_resume_after_kill_reproduces_the_uninterrupted_run(tiny_model_dir, data_dir, tmp_path):
     straight = tmp_path / "straight"
     assert main(["train", *overrides(tiny_model_dir, data_dir, straight, **{"trainer.max_steps": 5})]) == 0

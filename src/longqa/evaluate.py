@@ -97,12 +97,19 @@ def score(meta: Sequence[dict], responses: Sequence[str], mode: str = "hardened"
 
 
 def evaluate(model, tokenizer, prompts, max_new_tokens: int, batch_size: int = 64, samples_path: Path | None = None,
-             mode: str = "hardened", engine=None) -> dict:
+             mode: str = "hardened", engine=None, shard=None) -> dict:
     """Greedy answers for a PromptSet, scored; optionally every answer written as JSONL for inspection. With
-    ``engine`` (a rollout engine holding its own weights) the answers come from it instead of ``model``."""
+    ``engine`` (a rollout engine holding its own weights) the answers come from it instead of ``model``.
+    ``shard`` ``(rank, world, gather)`` splits the engine's work over data-parallel ranks: each answers
+    every ``world``-th question from ``rank`` (an engine answers each prompt on its own: the split changes
+    no answer beyond float ties) and ``gather`` (every rank's list, in rank order) brings the rest."""
     start = time.perf_counter()
     ids = [prompts.ids(i) for i in range(len(prompts))]
-    if engine is not None:
+    if engine is not None and shard is not None:
+        rank, world, gather = shard
+        parts = gather(engine_greedy_responses(engine, tokenizer, ids[rank::world], max_new_tokens))
+        responses = [parts[i % world][i // world] for i in range(len(ids))]
+    elif engine is not None:
         responses = engine_greedy_responses(engine, tokenizer, ids, max_new_tokens)
     else:
         responses = greedy_responses(model, tokenizer, ids, max_new_tokens, batch_size)

@@ -266,14 +266,16 @@ class Trainer:
             return {}
         # Greedy answers come from the rollout engine, which holds the whole current model on every rank
         # (the fast engine's copy, or vLLM, when the trainer is sharded) and is much faster than
-        # transformers' generate; the reference engine's runs use generate on the model itself.
+        # transformers' generate; the reference engine's runs use generate on the model itself. Ranks
+        # share the questions out and gather the answers.
         engine = self.engine if isinstance(self.engine, (FastRolloutEngine, VLLMRolloutEngine)) else None
+        shard = (self.env.rank, self.env.world_size, gather_objects) if self.env.distributed else None
         # Compiled decoder layers would recompile for generation's shapes: run them eagerly where they
         # are called (generate, or the fast engine on a model its fused decode step does not support).
         eager = engine is None or getattr(engine, "decode_step", 0) is None
         with torch.compiler.set_stance("force_eager" if eager else "default"):
             result = evaluate(self.model, self.tokenizer, self.val_set, self.cfg.data.max_response_length,
-                              mode=self.cfg.reward.mode, engine=engine)
+                              mode=self.cfg.reward.mode, engine=engine, shard=shard)
         out = {"val/accuracy": result["all"]["accuracy"], "val/f1": result["all"]["f1"],
                "val/seconds": result["seconds"]}
         out.update({f"val/{source}/accuracy": r["accuracy"] for source, r in result.items()
