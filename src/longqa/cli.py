@@ -357,7 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "update. The first step includes warm-up.")
     p.add_argument("--response", type=int, default=1024, help="new tokens per sample (EOS ignored)")
     p.add_argument("--prompts", type=int, default=16, help="prompts per step (default 16)")
-    p.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in the backward pass")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="recompute activations in the backward pass (off, as in longqa train)")
     p.add_argument("--steps", type=int, default=2)
     engine_arguments(p)
 
