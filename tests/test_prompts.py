@@ -1,4 +1,5 @@
 import json
+import os
 
 import numpy as np
 import pytest
@@ -119,6 +120,32 @@ def test_interrupted_cache_entry_is_not_trusted(files, tokenizer, tmp_path):
     (entry / "stats.json").unlink()  # what a kill during the final write leaves
     again = prepare_prompts(files, tokenizer, PromptOptions(10_000), cache_dir=cache)
     assert not again.stats.cache_hit and np.array_equal(first.token_ids, again.token_ids)
+
+
+def test_ranks_preparing_one_cache_entry_at_once_keep_the_first(files, tokenizer, tmp_path, monkeypatch):
+    """Two ranks start on a cold cache; while the second tokenizes, the first commits its entry and opens
+    it. The second must then keep that entry (it once deleted it under the first: "No such file")."""
+    import longqa.data.prompts as prompts_module
+
+    cache, options = tmp_path / "cache", PromptOptions(10_000)
+    tokenize, first = prompts_module._tokenize, []
+
+    def slow_tokenize(*args):
+        stats = tokenize(*args)
+        if not first:  # the other rank (tokenizing at normal speed) finishes meanwhile
+            first.append(None)
+            with monkeypatch.context() as other_rank:  # its own process id, so its own work folder
+                other_rank.setattr(os, "getpid", lambda: 1)
+                first[0] = prepare_prompts(files, tokenizer, options, cache_dir=cache)
+            first.append(os.stat(first[0].token_ids.filename).st_ino)  # the file the first rank has open
+        return stats
+
+    monkeypatch.setattr(prompts_module, "_tokenize", slow_tokenize)
+    second = prepare_prompts(files, tokenizer, options, cache_dir=cache)
+    entry = cache / "prompts" / first[0].stats.cache_path.rsplit("/", 1)[-1]
+    assert os.stat(entry / "tokens.int32").st_ino == first[1]  # still the first rank's file, not replaced
+    assert np.array_equal(first[0].token_ids, second.token_ids) and first[0].meta == second.meta
+    assert [p.name for p in (cache / "prompts").iterdir()] == [entry.name]  # the second's copy is gone
 
 
 def test_files_written_by_verl_recipes_load_unchanged(tmp_path, tokenizer):

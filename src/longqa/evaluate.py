@@ -105,12 +105,10 @@ def evaluate(model, tokenizer, prompts, max_new_tokens: int, batch_size: int = 6
     no answer beyond float ties) and ``gather`` (every rank's list, in rank order) brings the rest."""
     start = time.perf_counter()
     ids = [prompts.ids(i) for i in range(len(prompts))]
-    if engine is not None and shard is not None:
-        rank, world, gather = shard
+    if engine is not None:
+        rank, world, gather = shard or (0, 1, lambda answers: [answers])
         parts = gather(engine_greedy_responses(engine, tokenizer, ids[rank::world], max_new_tokens))
         responses = [parts[i % world][i // world] for i in range(len(ids))]
-    elif engine is not None:
-        responses = engine_greedy_responses(engine, tokenizer, ids, max_new_tokens)
     else:
         responses = greedy_responses(model, tokenizer, ids, max_new_tokens, batch_size)
     result = score(prompts.meta, responses, mode)

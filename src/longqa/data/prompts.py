@@ -200,6 +200,20 @@ def _load_cached(entry: Path) -> PromptSet:
     return PromptSet(tokens, offsets, meta, stats)
 
 
+def _commit(work: Path, entry: Path) -> None:
+    """Move a finished ``work`` folder to ``entry`` in one rename. Several processes (the ranks of a run)
+    may prepare the same entry at once: the first rename wins and the others drop their copy, never
+    deleting an entry that a reader may already have open."""
+    try:
+        os.replace(work, entry)  # atomic; refused when entry is a non-empty folder
+    except OSError:
+        if not (entry / "stats.json").is_file():  # not a finished entry (a crash of older code): take its place
+            shutil.rmtree(entry, ignore_errors=True)
+            os.replace(work, entry)
+            return
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def prepare_prompts(files: Sequence[str | os.PathLike], tokenizer, options: PromptOptions,
                     cache_dir: str | os.PathLike | None = None) -> PromptSet:
     """Tokenized prompts of ``files``; with ``cache_dir``, reused when files, tokenizer and options match.
@@ -238,8 +252,7 @@ def prepare_prompts(files: Sequence[str | os.PathLike], tokenizer, options: Prom
         stats.cache_path = str(entry or work)
         (work / "stats.json").write_text(json.dumps(dataclasses.asdict(stats)))
         if entry is not None:
-            shutil.rmtree(entry, ignore_errors=True)  # a partial entry from a crash has no stats.json
-            os.replace(work, entry)
+            _commit(work, entry)
             work = entry
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)

@@ -272,7 +272,7 @@ class Trainer:
         shard = (self.env.rank, self.env.world_size, gather_objects) if self.env.distributed else None
         # Compiled decoder layers would recompile for generation's shapes: run them eagerly where they
         # are called (generate, or the fast engine on a model its fused decode step does not support).
-        eager = engine is None or getattr(engine, "decode_step", 0) is None
+        eager = engine is None or (isinstance(engine, FastRolloutEngine) and engine.decode_step is None)
         with torch.compiler.set_stance("force_eager" if eager else "default"):
             result = evaluate(self.model, self.tokenizer, self.val_set, self.cfg.data.max_response_length,
                               mode=self.cfg.reward.mode, engine=engine, shard=shard)
