@@ -34,13 +34,25 @@ class DistEnv:
             return torch.device("cuda", self.local_rank)
         return torch.device("cpu")
 
-    def init(self, device: torch.device) -> None:
-        """Join the process group (NCCL on GPUs, gloo on CPUs) once; nothing to do for a single process."""
+    def init(self, device: torch.device) -> bool:
+        """Join the process group (NCCL on GPUs, gloo on CPUs) once; nothing to do for a single process.
+        True when this call created the group (Ray Train makes its own): the caller then ``leave_group``s."""
         if self.distributed and not dist.is_initialized():
             if device.type == "cuda":
                 torch.cuda.set_device(device)
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=self.rank,
                                     world_size=self.world_size)
+            return True
+        return False
+
+
+def leave_group() -> None:
+    """Leave the process group at the end of a finished run, after every rank got there: a process that
+    exits with gloo's threads still up, or while a peer still talks to it, was seen to abort now and then
+    ("terminate called without an active exception"), failing a run that had finished."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def all_reduce(values: list[float], op: str = "sum", device: torch.device | str = "cpu") -> list[float]:

@@ -20,7 +20,7 @@ import torch
 from longqa import algo, reward
 from longqa.config import Config, ConfigError, to_dict
 from longqa.data.prompts import PromptOptions, PromptSet, prepare_prompts
-from longqa.dist.env import DistEnv, all_reduce, gather_objects
+from longqa.dist.env import DistEnv, all_reduce, gather_objects, leave_group
 from longqa.dist.planner import check_run
 from longqa.evaluate import evaluate, stop_token_ids
 from longqa.model.load import (compile_decoder_layers, load_model, load_model_tokenizer, pick_device,
@@ -98,10 +98,11 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = Path(cfg.trainer.output_dir)
         self.env = DistEnv.from_environment()
+        self.owns_group = False
         if self.env.distributed:
             check_data_parallel(cfg, self.env.world_size)
             self.device = self.env.device(cfg.trainer.device)
-            self.env.init(self.device)
+            self.owns_group = self.env.init(self.device)
         else:
             self.device = pick_device(cfg.trainer.device)
         check_vllm(cfg, self.device)
@@ -336,7 +337,11 @@ def train(cfg: Config) -> dict:
         from longqa.dist.ray_launcher import run_with_ray
 
         return run_with_ray(cfg)
-    return Trainer(cfg).run()
+    trainer = Trainer(cfg)
+    result = trainer.run()
+    if trainer.owns_group:
+        leave_group()
+    return result
 
 
 __all__ = ["Trainer", "train", "reward_function", "load_prompts"]
