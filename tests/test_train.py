@@ -63,7 +63,6 @@ def test_training_end_to_end(tiny_model_dir, data_dir, tmp_path):
     assert AutoModelForCausalLM.from_pretrained(exported) is not None
 
 
-@pytest.mark.slow
 def test_validation_answers_through_the_rollout_engine(tiny_model_dir, data_dir, tmp_path, monkeypatch):
     """The fast engine answers the held-out questions (greedy, without touching the run's random state):
     the metrics are those of transformers' unpadded greedy generate on the same model."""
@@ -80,10 +79,9 @@ def test_validation_answers_through_the_rollout_engine(tiny_model_dir, data_dir,
     monkeypatch.undo()
     reference = evaluation.evaluate(trainer.model, trainer.tokenizer, trainer.val_set, 12, batch_size=1)
     assert got["val/accuracy"] == reference["all"]["accuracy"] and got["val/f1"] == reference["all"]["f1"]
-    engine_answers = evaluation.engine_greedy_responses(trainer.engine, trainer.tokenizer,
-                                                        [trainer.val_set.ids(i) for i in range(4)], 12)
-    assert engine_answers == evaluation.greedy_responses(trainer.model, trainer.tokenizer,
-                                                         [trainer.val_set.ids(i) for i in range(4)], 12, batch_size=1)
+    questions = [trainer.val_set.ids(i) for i in range(4)]
+    assert (evaluation.engine_greedy_responses(trainer.engine, trainer.tokenizer, questions, 12)
+            == evaluation.greedy_responses(trainer.model, trainer.tokenizer, questions, 12, batch_size=1))
 
 
 def test_a_sharded_validation_puts_every_answer_back_in_its_place(tokenizer):
@@ -113,6 +111,7 @@ def test_a_sharded_validation_puts_every_answer_back_in_its_place(tokenizer):
         assert result["all"]["n"] == 7 and result["all"]["em"] == 1.0
 
 
+@pytest.mark.slow
 def test_resume_after_kill_reproduces_the_uninterrupted_run(tiny_model_dir, data_dir, tmp_path):
     straight = tmp_path / "straight"
     assert main(["train", *overrides(tiny_model_dir, data_dir, straight, **{"trainer.max_steps": 5})]) == 0
