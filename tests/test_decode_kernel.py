@@ -8,13 +8,14 @@ kernel, plus a bfloat16 test and one that captures the attention in a CUDA graph
 from __future__ import annotations
 
 import importlib.util
+import math
 import sys
 
 import pytest
 import torch
 
 from longqa.rollout import decode_kernel
-from longqa.rollout.decode_kernel import merge_partials, partial_attention, shared_prefix_attention, split_plan
+from longqa.rollout.decode_kernel import shared_prefix_attention, split_plan
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -60,28 +61,32 @@ def test_split_plan():
 @pytest.mark.parametrize("n", [1, 3, 8])
 @pytest.mark.parametrize("r", [1, 2])
 def test_prompt_half_per_split(n, r):
-    """Every split's output and log-sum-exp, in the layout query m = j*r + t <-> row g*n + j, head h*r + t."""
+    """Every prompt split's output and log-sum-exp (rows without own keys), in the layout query
+    m = j*r + t <-> row g*n + j, head h*r + t, and their merge."""
     torch.manual_seed(n * 10 + r)
     groups, kv_heads, view, d, block_n, scaling = 3, 2, 40, 16, 16, 0.25
     lengths = [40, 23, 5]  # == view, not a multiple of block_n, shorter than one block
     k, v = store(groups, kv_heads, view, d, lengths)
+    own_k, own_v = store(groups * n, kv_heads, 16, d, [0] * groups * n)
     q = torch.randn(groups * n, kv_heads * r, d, device=DEVICE)
+    no_own = torch.zeros(groups * n, dtype=torch.long, device=DEVICE)
     for splits in (1, 4, None):  # with 4: split 3 starts past view, and group 2 has keys in split 0 only
-        out, lse = partial_attention(q, k, v, torch.tensor(lengths, device=DEVICE), n, view, scaling, block_n, splits)
+        merged, out, lse = shared_prefix_attention(q, k, v, torch.tensor(lengths, device=DEVICE), own_k, own_v, no_own,
+                                                   n, view, 16, scaling, block_n, splits=(splits, None), partials=True)
         splits, chunk = split_plan(view, splits, block_n, groups * kv_heads)
-        assert out.shape == (groups * n, kv_heads * r, splits, d) and lse.shape == (groups * n, kv_heads * r, splits)
+        assert out.shape[:3] == (groups * n, kv_heads * r, splits + 1) and lse.shape == out.shape[:3]
+        assert torch.all(lse[:, :, splits] == float("-inf")) and torch.all(out[:, :, splits] == 0)  # the own split
         for g in range(groups):
             for s in range(splits):
                 lo, hi = s * chunk, min((s + 1) * chunk, lengths[g])
                 for j in range(n):
-                    got_out, got_lse = out[g * n + j, :, s].cpu(), lse[g * n + j, :, s].cpu()
+                    got_out, got_lse = out[g * n + j, :, s].cpu(), lse[g * n + j, :, s].cpu() * math.log(2)
                     if hi <= lo:
                         assert torch.all(got_lse == float("-inf")) and torch.all(got_out == 0)
                         continue
                     ref_out, ref_lse = naive(q[g * n + j], k[g, :, lo:hi], v[g, :, lo:hi], scaling)
                     torch.testing.assert_close(got_out.double(), ref_out, atol=1e-5, rtol=1e-5)
                     torch.testing.assert_close(got_lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
-        merged = merge_partials(out, lse)
         for row in range(groups * n):
             g = row // n
             ref, _ = naive(q[row], k[g, :, :lengths[g]], v[g, :, :lengths[g]], scaling)
@@ -90,27 +95,27 @@ def test_prompt_half_per_split(n, r):
 
 def check_full(groups, n, kv_heads, r, d, prefix_len, own_len, prompt_view, own_view, dtype=torch.float32, tol=1e-5,
                block_n=16, splits=(None, None)):
-    """Both halves merged == naive attention over [group's prompt keys ; own keys] for every row."""
+    """Both halves merged == naive attention over [group's prompt keys ; own keys] for every row; the
+    arrival counters end at zero, so a second call on the same counters gives the same result."""
     rows, heads, scaling = groups * n, kv_heads * r, d ** -0.5
     pk, pv = store(groups, kv_heads, prompt_view, d, prefix_len, dtype)
     sk, sv = store(rows, kv_heads, own_view, d, own_len, dtype)
     q = torch.randn(rows, heads, d, device=DEVICE).to(dtype)
     prefix_t, own_t = torch.tensor(prefix_len, device=DEVICE), torch.tensor(own_len, device=DEVICE)
-    # Both halves into one buffer, side by side (as shared_prefix_attention lays them out)
-    prompt_splits, _ = split_plan(prompt_view, splits[0], block_n, groups * kv_heads)
-    own_splits, _ = split_plan(own_view, splits[1], block_n, rows * kv_heads)
-    out, lse = partial_attention(q, pk, pv, prefix_t, n, prompt_view, scaling, block_n, prompt_splits,
-                                 torch.empty(rows, heads, prompt_splits + own_splits, d, device=DEVICE),
-                                 torch.empty(rows, heads, prompt_splits + own_splits, device=DEVICE))
-    partial_attention(q, sk, sv, own_t, 1, own_view, scaling, block_n, own_splits, out, lse, prompt_splits)
-    got = merge_partials(out, lse)
-    assert got.shape == (rows, heads, d) and got.dtype == torch.float32
+    counters = torch.zeros(rows * heads, dtype=torch.int32, device=DEVICE)
+    got = shared_prefix_attention(q, pk, pv, prefix_t, sk, sv, own_t, n, prompt_view, own_view, scaling, block_n,
+                                  splits=splits, counters=counters)
+    assert got.shape == (rows, heads, d) and got.dtype == dtype
+    assert torch.all(counters == 0)
     for row in range(rows):
         g = row // n
         keys = torch.cat([pk[g, :, :prefix_len[g]], sk[row, :, :own_len[row]]], 1)
         values = torch.cat([pv[g, :, :prefix_len[g]], sv[row, :, :own_len[row]]], 1)
         ref, _ = naive(q[row], keys, values, scaling)
         torch.testing.assert_close(got[row].cpu().double(), ref, atol=tol, rtol=tol)
+    again = shared_prefix_attention(q, pk, pv, prefix_t, sk, sv, own_t, n, prompt_view, own_view, scaling, block_n,
+                                    splits=splits, counters=counters)
+    torch.testing.assert_close(again, got, atol=0, rtol=0)
     return q, pk, pv, prefix_t, sk, sv, own_t, got
 
 
@@ -122,10 +127,8 @@ def test_merge_of_both_halves(n, kv_heads, r, d):
     prefix_len = [0, 37, 50]  # group 0 has no prompt key: its rows attend to their own keys only
     # group 0's rows need own keys; later rows include 0 (no own key yet) and 12 (== own view)
     own_len = [1 + row if row < n else 0 if row % 3 == 0 else row * 5 % 13 for row in range(groups * n)]
-    q, pk, pv, prefix_t, sk, sv, own_t, got = check_full(groups, n, kv_heads, r, d, prefix_len, own_len, 50, 12,
-                                                         splits=(4, None))
-    again = shared_prefix_attention(q, pk, pv, prefix_t, sk, sv, own_t, n, 50, 12, d ** -0.5, block_n=16)
-    torch.testing.assert_close(again, got.to(again.dtype))
+    for splits in ((4, None), (None, 2), (1, 1)):
+        check_full(groups, n, kv_heads, r, d, prefix_len, own_len, 50, 12, splits=splits)
 
 
 @needs_triton
@@ -164,12 +167,14 @@ def test_imports_without_triton(monkeypatch):
     """longqa imports without triton; asking for the kernel then says what is missing."""
     monkeypatch.setitem(sys.modules, "triton", None)
     monkeypatch.setitem(sys.modules, "triton.language", None)
+    monkeypatch.setitem(sys.modules, "longqa.rollout.decode_triton", None)  # as if never importable
     spec = importlib.util.spec_from_file_location("decode_kernel_without_triton", decode_kernel.__file__)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     q, k = torch.zeros(2, 2, 16), torch.zeros(2, 1, 16, 16)
     with pytest.raises(RuntimeError, match="triton"):
-        module.partial_attention(q, k, k, torch.zeros(2, dtype=torch.long), 1, 16, 1.0)
+        none = torch.zeros(2, dtype=torch.long)
+        module.shared_prefix_attention(q, k, k, none, k, k, none, 1, 16, 16, 1.0)
 
 
 @needs_triton

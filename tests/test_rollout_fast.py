@@ -136,6 +136,10 @@ def test_an_unsupported_model_runs_through_its_modules():
     params = SamplingParams(n=1, temperature=0, max_new_tokens=6)
     assert [g[0].token_ids for g in FastRolloutEngine(model).generate(prompts()[:2], params)] == \
            [hf_greedy(model, p, 6) for p in prompts()[:2]]
+    model = tiny_lm()
+    model.model.norm.variance_epsilon = 1e-3  # the fused step applies the final norm with the layers' epsilon
+    with pytest.raises(ValueError, match="epsilon"):
+        FastRolloutEngine(model, fused_decode=True)
 
 
 def test_weights_are_the_training_model_s_own():

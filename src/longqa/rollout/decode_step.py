@@ -5,16 +5,16 @@ A decode step moves one token per sample through the model: its matrices are tin
 to kernel count, not arithmetic. Run through the transformers modules, each decoder layer is about
 fifty kernels (every RMSNorm is six, rotary ten), which on an H200 costs several times the step's
 memory-bandwidth floor even replayed as a CUDA graph. Here each layer is two functions of plain
-tensors, the part before attention (norm, one stacked q/k/v product, q/k norms, rotary, and the write
-of the new keys and values into the KV store, which Inductor fuses into the same kernel) and the part
-after it (output projection, residual, norm, one stacked gate/up product, MLP, residual), compiled once
-on a GPU and called for every layer with that layer's weights as arguments, so one compiled graph
-serves all layers and every length.
+tensors, the part before attention (one stacked q/k/v product, q/k norms, rotary, and the write of the
+new keys and values into the KV store, which Inductor fuses into the same kernel) and the part after
+it (output projection, residual, norm, one stacked gate/up product, MLP, residual, and the *next*
+layer's input norm, which fuses with that residual add), compiled once on a GPU and called for every
+layer with that layer's weights as arguments, so one compiled graph serves all layers.
 
-Prefill runs the same functions eagerly, so the engine never calls the decoder layer modules: the
-trainer can compile those for training without the engine's shapes recompiling them. The arithmetic is
-the transformers modules', operation for operation; tests hold both to the module path and to
-``generate``.
+Prefill runs the same functions, compiled for dynamic lengths (one graph for every chunk length), so
+the engine never calls the decoder layer modules: the trainer can compile those for training without
+the engine's shapes recompiling them. The arithmetic is the transformers modules', operation for
+operation; tests hold both to the module path and to ``generate``.
 """
 
 from __future__ import annotations
@@ -42,11 +42,11 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-def attention_inputs(h, cos, sin, norm_w, qkv_w, qkv_b, q_norm_w, k_norm_w, *, eps: float, head_eps: float,
-                     heads: int, kv_heads: int, head_dim: int):
-    """``h`` ``[rows, hidden]`` -> rotated queries and keys, and values, ``[rows, heads, 1, head_dim]``."""
-    rows = h.shape[0]
-    x = rms_norm(h, norm_w, eps)
+def attention_inputs(x, cos, sin, qkv_w, qkv_b, q_norm_w, k_norm_w, *, head_eps: float, heads: int, kv_heads: int,
+                     head_dim: int):
+    """``x`` ``[rows, hidden]`` (already through the layer's input norm) -> rotated queries and keys, and
+    values, ``[rows, heads, 1, head_dim]``."""
+    rows = x.shape[0]
     q, k, v = F.linear(x, qkv_w, qkv_b).split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), -1)
     q, k, v = q.view(rows, heads, head_dim), k.view(rows, kv_heads, head_dim), v.view(rows, kv_heads, head_dim)
     if q_norm_w is not None:
@@ -54,21 +54,24 @@ def attention_inputs(h, cos, sin, norm_w, qkv_w, qkv_b, q_norm_w, k_norm_w, *, e
     return rotate(q, cos, sin)[:, :, None], rotate(k, cos, sin)[:, :, None], v[:, :, None]
 
 
-def store_and_query(h, cos, sin, norm_w, qkv_w, qkv_b, q_norm_w, k_norm_w, k_store, v_store, rows, at, **shape):
+def store_and_query(x, cos, sin, qkv_w, qkv_b, q_norm_w, k_norm_w, k_store, v_store, rows, at, **shape):
     """``attention_inputs`` for one decode token per row that writes the row's new key and value into
     its own slot of the KV store (``k_store[rows, :, at]``) and returns only the queries: compiled, the
     write is part of the kernel that computes them instead of two scatter launches of its own."""
-    q, k, v = attention_inputs(h, cos, sin, norm_w, qkv_w, qkv_b, q_norm_w, k_norm_w, **shape)
+    q, k, v = attention_inputs(x, cos, sin, qkv_w, qkv_b, q_norm_w, k_norm_w, **shape)
     k_store[rows, :, at] = k[:, :, 0]
     v_store[rows, :, at] = v[:, :, 0]
     return q
 
 
-def layer_output(h, attn, o_w, o_b, norm_w, gate_up_w, gate_up_b, down_w, down_b, *, eps: float, act):
-    """The residual stream after the layer, given its attention output ``attn`` ``[rows, heads * head_dim]``."""
+def layer_output(h, attn, o_w, o_b, norm_w, gate_up_w, gate_up_b, down_w, down_b, next_norm_w, *, eps: float, act):
+    """The residual stream after the layer, given its attention output ``attn`` ``[rows, heads * head_dim]``,
+    and that stream through the next norm (the next layer's input norm, or the final one): computed
+    here, the norm fuses into the kernel that adds the residual instead of starting the next layer."""
     h = h + F.linear(attn, o_w, o_b)
     gate, up = F.linear(rms_norm(h, norm_w, eps), gate_up_w, gate_up_b).chunk(2, -1)
-    return h + F.linear(act(gate) * up, down_w, down_b)
+    h = h + F.linear(act(gate) * up, down_w, down_b)
+    return h, rms_norm(h, next_norm_w, eps)
 
 
 def unsupported_reason(model) -> str | None:
@@ -92,6 +95,9 @@ def unsupported_reason(model) -> str | None:
         for stacked in ((attention.q_proj, attention.k_proj, attention.v_proj), (mlp.gate_proj, mlp.up_proj)):
             if len({lin.bias is None for lin in stacked}) > 1:
                 return "only some of the projections that read one input have a bias"
+    norms = [base.norm] + [n for layer in base.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    if len({getattr(n, "variance_epsilon", None) for n in norms}) > 1:
+        return "its RMSNorms do not share one epsilon"
     return None
 
 
@@ -157,18 +163,21 @@ class DecodeStep:
         first = base.layers[0]
         self.scaling = first.self_attn.scaling
         q_norm = getattr(first.self_attn, "q_norm", None)
-        shape = dict(eps=first.input_layernorm.variance_epsilon,
-                     head_eps=q_norm.variance_epsilon if q_norm is not None else 0.0,
+        eps = first.input_layernorm.variance_epsilon  # all of them (unsupported_reason)
+        shape = dict(head_eps=q_norm.variance_epsilon if q_norm is not None else 0.0,
                      heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim)
-        self.eager_pre = functools.partial(attention_inputs, **shape)
-        self.eager_store_pre = functools.partial(store_and_query, **shape)
-        self.eager_post = functools.partial(layer_output, eps=first.post_attention_layernorm.variance_epsilon,
-                                            act=ACTIVATIONS[config.hidden_act])
-        # Decode shapes are fixed per KV allocation: one compiled graph each, shared by every layer.
+        norm = functools.partial(rms_norm, eps=eps)
+        pre = functools.partial(attention_inputs, **shape)
+        store_pre = functools.partial(store_and_query, **shape)
+        post = functools.partial(layer_output, eps=eps, act=ACTIVATIONS[config.hidden_act])
         # fullgraph: a graph break would silently bring back the kernels this module exists to remove.
-        jit = functools.partial(torch.compile, fullgraph=True, dynamic=False)
-        self.store_pre = jit(self.eager_store_pre) if compiled else self.eager_store_pre
-        self.post = jit(self.eager_post) if compiled else self.eager_post
+        # Decode shapes are fixed per KV allocation: one graph each, shared by every layer. Prefill
+        # chunks vary in length: one dynamic-shape graph for all of them (eager, its norms, rotary and
+        # activation cost as much as its matrix products).
+        jit = functools.partial(torch.compile, fullgraph=True, dynamic=False) if compiled else (lambda fn: fn)
+        dynamic_jit = functools.partial(torch.compile, fullgraph=True, dynamic=True) if compiled else (lambda fn: fn)
+        self.decode_fns = (jit(norm), jit(store_pre), jit(post))
+        self.prefill_fns = (dynamic_jit(norm), dynamic_jit(pre), dynamic_jit(post))
         self.qkv = [FusedLinear([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj], views)
                     for layer in base.layers]
         self.gate_up = [FusedLinear([layer.mlp.gate_proj, layer.mlp.up_proj], views) for layer in base.layers]
@@ -182,36 +191,44 @@ class DecodeStep:
         a, m = layer.self_attn, layer.mlp
         q_norm, k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
         qkv, gate_up = self.qkv[index], self.gate_up[index]
-        pre = (layer.input_layernorm.weight, qkv.weight, qkv.bias, q_norm.weight if q_norm is not None else None,
+        layers = self.base.layers
+        next_norm = layers[index + 1].input_layernorm if index + 1 < len(layers) else self.base.norm
+        pre = (qkv.weight, qkv.bias, q_norm.weight if q_norm is not None else None,
                k_norm.weight if k_norm is not None else None)
         post = (a.o_proj.weight, a.o_proj.bias, layer.post_attention_layernorm.weight, gate_up.weight, gate_up.bias,
-                m.down_proj.weight, m.down_proj.bias)
+                m.down_proj.weight, m.down_proj.bias, next_norm.weight)
         return pre, post
 
     def decode(self, ids: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
         """One token per row: ``ids``, ``positions`` ``[rows]`` -> ``[rows, hidden]``. The new keys and
         values go straight into ``kv.own_slot(layer)``; attention gets queries ``[rows, heads, 1,
         head_dim]``."""
-        def attention(index, h, cos, sin, weights):
-            q = self.store_pre(h, cos, sin, *weights, *kv.own_slot(index))
+        norm, store_pre, post = self.decode_fns
+
+        def attention(index, x, cos, sin, weights):
+            q = store_pre(x, cos, sin, *weights, *kv.own_slot(index))
             return kv.attend(index, q, None, None, self.scaling)
-        return self._forward(ids, positions, attention, self.post)
+        return self._forward(ids, positions, norm, attention, post)
 
     def prefill(self, ids: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
         """A chunk of one prompt: ``ids``, ``positions`` ``[T]`` -> ``[T, hidden]`` (attention gets
-        ``[1, heads, T, head_dim]``). Eager: chunk lengths vary, and at thousands of rows the matrix
-        products dominate anyway."""
-        def attention(index, h, cos, sin, weights):
-            q, k, v = (x[:, :, 0].transpose(0, 1)[None] for x in self.eager_pre(h, cos, sin, *weights))
-            return kv.attend(index, q, k, v, self.scaling)
-        return self._forward(ids, positions, attention, self.eager_post)
+        ``[1, heads, T, head_dim]``)."""
+        norm, pre, post = self.prefill_fns
 
-    def _forward(self, ids, positions, attention, post_fn) -> torch.Tensor:
+        def attention(index, x, cos, sin, weights):
+            q, k, v = (t[:, :, 0].transpose(0, 1)[None] for t in pre(x, cos, sin, *weights))
+            return kv.attend(index, q, k, v, self.scaling)
+        return self._forward(ids, positions, norm, attention, post)
+
+    def _forward(self, ids, positions, norm, attention, post) -> torch.Tensor:
+        """The residual stream ``h`` and its normed copy ``x`` through every layer; returns the last
+        ``x``, which the last layer's ``post`` put through the final norm."""
         base = self.base
         h = base.embed_tokens(ids)
         cos, sin = base.rotary_emb(h, positions[:, None])  # [rows, 1, head_dim]: broadcasts over heads
+        x = norm(h, base.layers[0].input_layernorm.weight)
         for index, layer in enumerate(base.layers):
-            pre, post = self._weights(index, layer)
-            attn = attention(index, h, cos, sin, pre)
-            h = post_fn(h, attn.reshape(h.shape[0], -1), *post)
-        return base.norm(h)
+            pre_weights, post_weights = self._weights(index, layer)
+            attn = attention(index, x, cos, sin, pre_weights)
+            h, x = post(h, attn.reshape(h.shape[0], -1), *post_weights)
+        return x

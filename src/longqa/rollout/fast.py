@@ -115,6 +115,7 @@ class SharedPrefixKV:
         self.prefill_slot = self.prefill_start = 0
         self.prompt_view = prompt_cap  # how much of the stores a decode step reads (length buckets)
         self.response_view = response_cap
+        self.counters = None  # the Triton attention's merge counters: one buffer, left zeroed by every launch
 
     @staticmethod
     def bytes_per_group(layers, kv_heads, head_dim, n, prompt_cap, response_cap, dtype) -> int:
@@ -155,9 +156,11 @@ class SharedPrefixKV:
             self.suffix_v[layer, self.rows, :, self.write_at] = v[:, :, 0]
         if self.kernel == "triton":
             rows, heads, _, d = q.shape
+            if self.counters is None:  # the first decode step (a warm-up, before any graph capture) sizes them
+                self.counters = torch.zeros(rows * heads, dtype=torch.int32, device=q.device)
             out = shared_prefix_attention(q[:, :, 0], self.prefix_k[layer], self.prefix_v[layer], self.prefix_len,
                                           self.suffix_k[layer], self.suffix_v[layer], self.own_len, self.n,
-                                          self.prompt_view, self.response_view, scaling)
+                                          self.prompt_view, self.response_view, scaling, counters=self.counters)
             return out.view(rows, 1, heads, d)
         math_fn = _compiled_decode_attention() if q.is_cuda else decode_attention
         return math_fn(q, self.prefix_k[layer], self.prefix_v[layer], self.suffix_k[layer], self.suffix_v[layer],

@@ -1,0 +1,112 @@
+"""The Triton source of the decode attention (``decode_kernel.py`` holds its launcher and its contract).
+
+A module of its own because Triton resolves the functions a kernel calls among the module's globals,
+and ``decode_kernel`` must import without Triton: this module is imported on first use.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def attend_split(Q, K, V, OUT, LSE, COUNT, RESULT, rows, heads_m, valid_m, length, lo, hi, slot,
+                 stride_qr, stride_qh, stride_kn, stride_vn, scale_log2, heads, total_splits,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr):
+    """Attention of the tile's queries (cell m = row ``rows[m]``, head ``heads_m[m]``) over keys
+    ``[lo, hi)`` of ``K``/``V`` (already at the tile's batch entry and kv head), stored as split
+    ``slot`` of each cell; the cell's last arriving split merges all of them into ``RESULT``."""
+    offs_d = tl.arange(0, D)
+    q = tl.load(Q + rows[:, None] * stride_qr + heads_m[:, None] * stride_qh + offs_d[None, :],
+                mask=valid_m[:, None], other=0.0)
+    # Online softmax in base 2 (scores pre-multiplied by log2(e)); every block inside [lo, hi) has
+    # at least one valid key, so the running max is finite after the first block.
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        valid = offs_n < hi
+        k = tl.load(K + offs_n[:, None] * stride_kn + offs_d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(V + offs_n[:, None] * stride_vn + offs_d[None, :], mask=valid[:, None], other=0.0)
+        if IEEE:  # float32 stores: exact products (tl.dot would otherwise use tf32 on a GPU)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    # No valid key: l_i = 0, m_i = -inf -> output 0 and lse -inf (weight 0 in the merge).
+    has_keys = l_i > 0
+    safe_l = tl.where(has_keys, l_i, 1.0)
+    cell = rows * heads + heads_m
+    part = cell * total_splits + slot
+    tl.store(OUT + part[:, None] * D + offs_d[None, :], acc / safe_l[:, None], mask=valid_m[:, None])
+    tl.store(LSE + part, tl.where(has_keys, m_i + tl.log2(safe_l), float("-inf")), mask=valid_m)
+
+    # Every thread's partial is written before one of them counts the split in (release); the last
+    # arrival reads the others' partials after its count (acquire), from L2 (.cg), not a stale L1.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(COUNT + cell, 1, mask=valid_m, sem="acq_rel", scope="gpu")
+    last = valid_m & (arrived == total_splits - 1)
+    tl.debug_barrier()
+    if tl.sum(last.to(tl.int32), 0) > 0:
+        top = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        weight = tl.zeros([BLOCK_M], tl.float32)
+        merged = tl.zeros([BLOCK_M, D], tl.float32)
+        for s in range(0, total_splits):
+            lse_s = tl.load(LSE + cell * total_splits + s, mask=last, other=float("-inf"), cache_modifier=".cg")
+            out_s = tl.load(OUT + (cell * total_splits + s)[:, None] * D + offs_d[None, :], mask=last[:, None],
+                            other=0.0, cache_modifier=".cg")
+            top_new = tl.maximum(top, lse_s)
+            shift = tl.where(top_new == float("-inf"), 0.0, top_new)  # no key so far: weights stay 0
+            alpha = tl.exp2(top - shift)
+            w = tl.exp2(lse_s - shift)
+            merged = merged * alpha[:, None] + w[:, None] * out_s
+            weight = weight * alpha + w
+            top = top_new
+        result = merged / tl.where(weight > 0, weight, 1.0)[:, None]  # no key at all: 0, not NaN
+        tl.store(RESULT + cell[:, None] * D + offs_d[None, :], result.to(RESULT.dtype.element_ty),
+                 mask=last[:, None])
+        tl.store(COUNT + cell, 0, mask=last)  # every split has arrived: ready for the next call
+
+@triton.jit
+def shared_prefix_kernel(
+        Q, PK, PV, PLEN, SK, SV, OLEN, OUT, LSE, COUNT, RESULT,
+        stride_qr, stride_qh, stride_pkb, stride_pkh, stride_pkn, stride_pvb, stride_pvh, stride_pvn,
+        stride_skb, stride_skh, stride_skn, stride_svb, stride_svh, stride_svn,
+        scale_log2, kv_heads, n, r, heads, prompt_view, own_view, prompt_chunk, own_chunk,
+        prompt_splits, own_splits, prompt_programs,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr):
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    total_splits = prompt_splits + own_splits
+    if pid < prompt_programs:  # prompt half: query m = j*r + t is sample row b*n + j, head h*r + t
+        split = pid % prompt_splits
+        b = (pid // prompt_splits // kv_heads).to(tl.int64)
+        h = (pid // prompt_splits % kv_heads).to(tl.int64)
+        length = tl.minimum(tl.load(PLEN + b).to(tl.int32), prompt_view)
+        lo = split * prompt_chunk
+        attend_split(Q, PK + b * stride_pkb + h * stride_pkh, PV + b * stride_pvb + h * stride_pvh,
+                     OUT, LSE, COUNT, RESULT, b * n + offs_m // r, h * r + offs_m % r, offs_m < n * r, length,
+                     lo, tl.minimum(lo + prompt_chunk, length), split, stride_qr, stride_qh, stride_pkn,
+                     stride_pvn, scale_log2, heads, total_splits, BLOCK_M, BLOCK_N, D, IEEE)
+    else:  # own half: query t is head h*r + t of row b
+        p = pid - prompt_programs
+        split = p % own_splits
+        b = (p // own_splits // kv_heads).to(tl.int64)
+        h = (p // own_splits % kv_heads).to(tl.int64)
+        length = tl.minimum(tl.load(OLEN + b).to(tl.int32), own_view)
+        lo = split * own_chunk
+        attend_split(Q, SK + b * stride_skb + h * stride_skh, SV + b * stride_svb + h * stride_svh,
+                     OUT, LSE, COUNT, RESULT, b + offs_m * 0, h * r + offs_m % r, offs_m < r, length,
+                     lo, tl.minimum(lo + own_chunk, length), prompt_splits + split, stride_qr, stride_qh,
+                     stride_skn, stride_svn, scale_log2, heads, total_splits, BLOCK_M, BLOCK_N, D, IEEE)
