@@ -20,12 +20,10 @@ from longqa.rollout.decode_kernel import WAVES, shared_prefix_attention
 
 def time_config(stores, q, prefix_len, own_len, n, prompt, own, config, reps: int = 10) -> float:
     """Milliseconds of one step's attention (every layer once), replayed as a CUDA graph."""
-    counters = torch.zeros(q.shape[0] * q.shape[1], dtype=torch.int32, device=q.device)  # the engine keeps one
 
     def step():
         for pk, pv, sk, sv in stores:
-            shared_prefix_attention(q, pk, pv, prefix_len, sk, sv, own_len, n, prompt, own, 0.088, counters=counters,
-                                    **config)
+            shared_prefix_attention(q, pk, pv, prefix_len, sk, sv, own_len, n, prompt, own, 0.088, **config)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

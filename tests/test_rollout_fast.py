@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from longqa.rollout import HFRolloutEngine, SamplingParams, response_logprobs
-from longqa.rollout.fast import FastRolloutEngine, KVBudgetError
+from longqa.rollout.fast import FastRolloutEngine, KVBudgetError, first_argmax, log_softmax_at
 from tiny_models import VOCAB, tiny_lm
 
 STOP = 5
@@ -210,3 +210,17 @@ def test_max_new_tokens_of_one_and_immediate_stops():
     out = FastRolloutEngine(model, max_groups=2).generate(prompts(), params)
     assert [g[0].token_ids for g in out] == [hf_greedy(model, p, 1) for p in prompts()]
     assert all(s.finish_reason in ("length", "stop") and len(s.token_ids) == 1 for g in out for s in g)
+
+
+@pytest.mark.parametrize("vocab", [2, 63, 64, 100, 1000])
+def test_two_stage_argmax_and_log_softmax_equal_the_flat_ones(vocab):
+    """Chunked over the vocabulary (padding included), the first maximum and the log-softmax of the picked
+    token are torch's own, ties and -inf (filtered) entries included."""
+    torch.manual_seed(vocab)
+    x = torch.randn(6, vocab)
+    x[0] = 0.5  # every entry ties: the first one wins
+    x[1, vocab // 2:] = float("-inf")
+    x[2, -1] = 10.0  # the maximum in the last, padded chunk
+    tokens = first_argmax(x)
+    assert torch.equal(tokens, x.argmax(-1))
+    torch.testing.assert_close(log_softmax_at(x, tokens), x.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1))

@@ -7,15 +7,13 @@ d]``). A row's attention is over the union of its group's prompt keys and its ow
 as *partial* attentions over splits of both key sets, each a normalised output with its log-sum-exp,
 merged exactly.
 
-All of it is one launch per layer. A program owns one (batch entry, kv head) and one split of the key
-axis, of either half: for the prompt half all n samples of a group times the r query heads of the kv
-head are rows of its one Q tile (so the prompt is read once per group, not once per sample); for the
+Two launches per layer. In the first a program owns one (batch entry, kv head) and one split of the
+key axis, of either half: for the prompt half all n samples of a group times the r query heads of the
+kv head are rows of its one Q tile (so the prompt is read once per group, not once per sample); for the
 own half the r heads of one row. Splitting the key axis (flash-decoding) gives enough programs to fill
-the GPU when there are few groups and long prompts. Each program writes its partial and counts itself
-in per (row, head) arrival counters; the program that arrives last for a (row, head) merges that
-cell's partials and writes the result, then zeroes the counter for the next call. The merge costs no
-launch of its own, and the short own-half programs fill in behind the long prompt-half ones instead
-of waiting for them to finish.
+the GPU when there are few groups and long prompts, and with both halves in one grid the short
+own-half programs fill in behind the long prompt-half ones instead of waiting for them to finish. The
+second launch merges each (row, head)'s splits.
 
 Nothing here reads tensor values on the host: grid and key ranges depend on shapes, views and
 split counts only, so the step can be captured in a CUDA graph (one graph per view). Triton is
@@ -61,13 +59,13 @@ def _sm_count(device: torch.device) -> int:
 
 @functools.cache
 def _kernel():
-    """The jitted kernel, imported on first use (``TRITON_INTERPRET`` is read then, at decoration)."""
+    """The jitted kernels, imported on first use (``TRITON_INTERPRET`` is read then, at decoration)."""
     try:
-        from longqa.rollout.decode_triton import shared_prefix_kernel
+        from longqa.rollout.decode_triton import merge_kernel, partial_kernel
     except ImportError as err:  # pragma: no cover - depends on the environment
         raise RuntimeError("longqa's Triton decode attention needs the `triton` package "
                            "(it comes with CUDA builds of torch)") from err
-    return shared_prefix_kernel
+    return partial_kernel, merge_kernel
 
 
 def _next_power_of_2(x: int) -> int:
@@ -87,17 +85,15 @@ def shared_prefix_attention(q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_
                             prompt_view: int, own_view: int, scaling: float, block_n: int = 64,
                             dtype: torch.dtype | None = None, waves: float = WAVES, num_warps: int = 4,
                             num_stages: int = 3, splits: tuple[int | None, int | None] = (None, None),
-                            counters: torch.Tensor | None = None, partials: bool = False):
+                            partials: bool = False):
     """One layer's decode attention over the store: ``q`` ``[rows, heads, d]`` (rows = groups*n,
     group-major) against its group's prompt keys ``[0, prefix_len[g])`` and its own keys
-    ``[0, own_len[row])`` -> ``[rows, heads, d]`` in ``dtype`` (default ``q``'s), in one launch.
+    ``[0, own_len[row])`` -> ``[rows, heads, d]`` in ``dtype`` (default ``q``'s).
 
     ``prefix_k``/``prefix_v`` ``[groups, kv_heads, >= prompt_view, d]`` and ``suffix_k``/``suffix_v``
     ``[rows, kv_heads, >= own_view, d]`` may have any strides with a contiguous last dimension (layer
     slices of the store, never copied); the views bound the key positions read (static numbers, so a
     CUDA graph per view). ``splits`` fixes each half's split count (default: ``split_plan``).
-    ``counters`` (int32, at least ``rows * heads``, all zero) are the merge's arrival counts; the
-    kernel leaves them zero again, so a caller that keeps one buffer launches nothing to clear it.
     ``partials=True`` also returns every split's output ``[rows, heads, S, d]`` and log-sum-exp
     ``[rows, heads, S]`` (base 2; -inf where a split has no key), prompt splits first."""
     groups, kv_heads, _, d = prefix_k.shape
@@ -114,7 +110,7 @@ def shared_prefix_attention(q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     if q.stride(-1) != 1:
         q = q.contiguous()
-    kernel = _kernel()
+    partial_kernel, merge_kernel = _kernel()
     r = heads // kv_heads
     sms = _sm_count(q.device)
     prompt_splits, prompt_chunk = split_plan(prompt_view, splits[0], block_n, groups * kv_heads, sms, waves)
@@ -123,18 +119,14 @@ def shared_prefix_attention(q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_
     out = torch.empty(rows, heads, total, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(rows, heads, total, dtype=torch.float32, device=q.device)
     result = torch.empty(rows, heads, d, dtype=dtype or q.dtype, device=q.device)
-    if counters is None:
-        counters = torch.zeros(rows * heads, dtype=torch.int32, device=q.device)
-    elif counters.dtype != torch.int32 or counters.numel() < rows * heads:
-        raise ValueError(f"counters must be int32 with at least {rows * heads} entries")
     prompt_programs = groups * kv_heads * prompt_splits
-    programs = prompt_programs + rows * kv_heads * own_splits
-    if programs:
-        kernel[(programs,)](
+    if rows * heads:
+        partial_kernel[(prompt_programs + rows * kv_heads * own_splits,)](
             q, prefix_k, prefix_v, prefix_len.contiguous(), suffix_k, suffix_v, own_len.contiguous(), out, lse,
-            counters, result, q.stride(0), q.stride(1), *prefix_k.stride()[:3], *prefix_v.stride()[:3],
-            *suffix_k.stride()[:3], *suffix_v.stride()[:3], scaling * math.log2(math.e), kv_heads, n, r, heads,
-            prompt_view, own_view, prompt_chunk, own_chunk, prompt_splits, own_splits, prompt_programs,
+            q.stride(0), q.stride(1), *prefix_k.stride()[:3], *prefix_v.stride()[:3], *suffix_k.stride()[:3],
+            *suffix_v.stride()[:3], scaling * math.log2(math.e), kv_heads, n, r, heads, prompt_view, own_view,
+            prompt_chunk, own_chunk, prompt_splits, own_splits, prompt_programs,
             BLOCK_M=max(16, _next_power_of_2(n * r)), BLOCK_N=block_n, D=d, IEEE=q.dtype == torch.float32,
             num_warps=num_warps, num_stages=num_stages)
+        merge_kernel[(rows * heads,)](out, lse, result, total, BLOCK_S=_next_power_of_2(max(total, 2)), D=d)
     return (result, out, lse) if partials else result

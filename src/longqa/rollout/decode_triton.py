@@ -9,12 +9,12 @@ import triton.language as tl
 
 
 @triton.jit
-def attend_split(Q, K, V, OUT, LSE, COUNT, RESULT, rows, heads_m, valid_m, length, lo, hi, slot,
-                 stride_qr, stride_qh, stride_kn, stride_vn, scale_log2, heads, total_splits,
+def attend_split(Q, K, V, OUT, LSE, rows, heads_m, valid_m, lo, hi, slot, stride_qr, stride_qh, stride_kn,
+                 stride_vn, scale_log2, heads, total_splits,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr):
     """Attention of the tile's queries (cell m = row ``rows[m]``, head ``heads_m[m]``) over keys
     ``[lo, hi)`` of ``K``/``V`` (already at the tile's batch entry and kv head), stored as split
-    ``slot`` of each cell; the cell's last arriving split merges all of them into ``RESULT``."""
+    ``slot`` of each cell: the normalised output and its base-2 log-sum-exp."""
     offs_d = tl.arange(0, D)
     q = tl.load(Q + rows[:, None] * stride_qr + heads_m[:, None] * stride_qh + offs_d[None, :],
                 mask=valid_m[:, None], other=0.0)
@@ -47,45 +47,20 @@ def attend_split(Q, K, V, OUT, LSE, COUNT, RESULT, rows, heads_m, valid_m, lengt
     # No valid key: l_i = 0, m_i = -inf -> output 0 and lse -inf (weight 0 in the merge).
     has_keys = l_i > 0
     safe_l = tl.where(has_keys, l_i, 1.0)
-    cell = rows * heads + heads_m
-    part = cell * total_splits + slot
+    part = (rows * heads + heads_m) * total_splits + slot  # [rows, heads, splits]: a cell's splits side by side
     tl.store(OUT + part[:, None] * D + offs_d[None, :], acc / safe_l[:, None], mask=valid_m[:, None])
     tl.store(LSE + part, tl.where(has_keys, m_i + tl.log2(safe_l), float("-inf")), mask=valid_m)
 
-    # Every thread's partial is written before one of them counts the split in (release); the last
-    # arrival reads the others' partials after its count (acquire), from L2 (.cg), not a stale L1.
-    tl.debug_barrier()
-    arrived = tl.atomic_add(COUNT + cell, 1, mask=valid_m, sem="acq_rel", scope="gpu")
-    last = valid_m & (arrived == total_splits - 1)
-    tl.debug_barrier()
-    if tl.sum(last.to(tl.int32), 0) > 0:
-        top = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        weight = tl.zeros([BLOCK_M], tl.float32)
-        merged = tl.zeros([BLOCK_M, D], tl.float32)
-        for s in range(0, total_splits):
-            lse_s = tl.load(LSE + cell * total_splits + s, mask=last, other=float("-inf"), cache_modifier=".cg")
-            out_s = tl.load(OUT + (cell * total_splits + s)[:, None] * D + offs_d[None, :], mask=last[:, None],
-                            other=0.0, cache_modifier=".cg")
-            top_new = tl.maximum(top, lse_s)
-            shift = tl.where(top_new == float("-inf"), 0.0, top_new)  # no key so far: weights stay 0
-            alpha = tl.exp2(top - shift)
-            w = tl.exp2(lse_s - shift)
-            merged = merged * alpha[:, None] + w[:, None] * out_s
-            weight = weight * alpha + w
-            top = top_new
-        result = merged / tl.where(weight > 0, weight, 1.0)[:, None]  # no key at all: 0, not NaN
-        tl.store(RESULT + cell[:, None] * D + offs_d[None, :], result.to(RESULT.dtype.element_ty),
-                 mask=last[:, None])
-        tl.store(COUNT + cell, 0, mask=last)  # every split has arrived: ready for the next call
 
 @triton.jit
-def shared_prefix_kernel(
-        Q, PK, PV, PLEN, SK, SV, OLEN, OUT, LSE, COUNT, RESULT,
+def partial_kernel(
+        Q, PK, PV, PLEN, SK, SV, OLEN, OUT, LSE,
         stride_qr, stride_qh, stride_pkb, stride_pkh, stride_pkn, stride_pvb, stride_pvh, stride_pvn,
         stride_skb, stride_skh, stride_skn, stride_svb, stride_svh, stride_svn,
         scale_log2, kv_heads, n, r, heads, prompt_view, own_view, prompt_chunk, own_chunk,
         prompt_splits, own_splits, prompt_programs,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr):
+    """Programs ``[0, prompt_programs)`` take the prompt half, the rest the own half."""
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     total_splits = prompt_splits + own_splits
@@ -95,10 +70,10 @@ def shared_prefix_kernel(
         h = (pid // prompt_splits % kv_heads).to(tl.int64)
         length = tl.minimum(tl.load(PLEN + b).to(tl.int32), prompt_view)
         lo = split * prompt_chunk
-        attend_split(Q, PK + b * stride_pkb + h * stride_pkh, PV + b * stride_pvb + h * stride_pvh,
-                     OUT, LSE, COUNT, RESULT, b * n + offs_m // r, h * r + offs_m % r, offs_m < n * r, length,
-                     lo, tl.minimum(lo + prompt_chunk, length), split, stride_qr, stride_qh, stride_pkn,
-                     stride_pvn, scale_log2, heads, total_splits, BLOCK_M, BLOCK_N, D, IEEE)
+        attend_split(Q, PK + b * stride_pkb + h * stride_pkh, PV + b * stride_pvb + h * stride_pvh, OUT, LSE,
+                     b * n + offs_m // r, h * r + offs_m % r, offs_m < n * r, lo, tl.minimum(lo + prompt_chunk, length),
+                     split, stride_qr, stride_qh, stride_pkn, stride_pvn, scale_log2, heads, total_splits,
+                     BLOCK_M, BLOCK_N, D, IEEE)
     else:  # own half: query t is head h*r + t of row b
         p = pid - prompt_programs
         split = p % own_splits
@@ -106,7 +81,24 @@ def shared_prefix_kernel(
         h = (p // own_splits % kv_heads).to(tl.int64)
         length = tl.minimum(tl.load(OLEN + b).to(tl.int32), own_view)
         lo = split * own_chunk
-        attend_split(Q, SK + b * stride_skb + h * stride_skh, SV + b * stride_svb + h * stride_svh,
-                     OUT, LSE, COUNT, RESULT, b + offs_m * 0, h * r + offs_m % r, offs_m < r, length,
-                     lo, tl.minimum(lo + own_chunk, length), prompt_splits + split, stride_qr, stride_qh,
-                     stride_skn, stride_svn, scale_log2, heads, total_splits, BLOCK_M, BLOCK_N, D, IEEE)
+        attend_split(Q, SK + b * stride_skb + h * stride_skh, SV + b * stride_svb + h * stride_svh, OUT, LSE,
+                     b + offs_m * 0, h * r + offs_m % r, offs_m < r, lo, tl.minimum(lo + own_chunk, length),
+                     prompt_splits + split, stride_qr, stride_qh, stride_skn, stride_svn, scale_log2, heads,
+                     total_splits, BLOCK_M, BLOCK_N, D, IEEE)
+
+
+@triton.jit
+def merge_kernel(OUT, LSE, RESULT, splits, BLOCK_S: tl.constexpr, D: tl.constexpr):
+    """One (row, head): its splits' outputs weighted by 2^(lse - max lse)."""
+    cell = tl.program_id(0).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, D)
+    lse = tl.load(LSE + cell * splits + offs_s, mask=offs_s < splits, other=float("-inf"))
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # no key at all: every weight 0, output 0
+    w = tl.exp2(lse - top)
+    parts = tl.load(OUT + (cell * splits + offs_s)[:, None] * D + offs_d[None, :], mask=(offs_s < splits)[:, None],
+                    other=0.0)
+    total = tl.sum(w, 0)
+    out = tl.sum(w[:, None] * parts, 0) / tl.where(total > 0, total, 1.0)
+    tl.store(RESULT + cell * D + offs_d, out.to(RESULT.dtype.element_ty))
