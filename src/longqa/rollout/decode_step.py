@@ -20,6 +20,7 @@ operation; tests hold both to the module path and to ``generate``.
 from __future__ import annotations
 
 import functools
+import types
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +73,24 @@ def layer_output(h, attn, o_w, o_b, norm_w, gate_up_w, gate_up_b, down_w, down_b
     gate, up = F.linear(rms_norm(h, norm_w, eps), gate_up_w, gate_up_b).chunk(2, -1)
     h = h + F.linear(act(gate) * up, down_w, down_b)
     return h, rms_norm(h, next_norm_w, eps)
+
+
+def _own_copy(fn):
+    """``fn`` with a code object of its own. Dynamo keeps compiled graphs per code object, up to a limit
+    of 8 that ``fullgraph`` turns into an error: decode (one graph per batch shape) and prefill (one
+    dynamic graph) each compile their own copy rather than share, and exhaust, one cache."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+DECODE_NORM, DECODE_POST = _own_copy(rms_norm), _own_copy(layer_output)
+PREFILL_NORM, PREFILL_POST = _own_copy(rms_norm), _own_copy(layer_output)
+
+
+@functools.cache
+def _compiled(fn, dynamic: bool):
+    """``fn`` compiled once per process, so every engine reuses the graphs of the shapes already seen.
+    ``fullgraph``: a graph break would silently bring back the kernels this module exists to remove."""
+    return torch.compile(fn, fullgraph=True, dynamic=dynamic)
 
 
 def unsupported_reason(model) -> str | None:
@@ -166,18 +185,18 @@ class DecodeStep:
         eps = first.input_layernorm.variance_epsilon  # all of them (unsupported_reason)
         shape = dict(head_eps=q_norm.variance_epsilon if q_norm is not None else 0.0,
                      heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim)
-        norm = functools.partial(rms_norm, eps=eps)
-        pre = functools.partial(attention_inputs, **shape)
-        store_pre = functools.partial(store_and_query, **shape)
-        post = functools.partial(layer_output, eps=eps, act=ACTIVATIONS[config.hidden_act])
-        # fullgraph: a graph break would silently bring back the kernels this module exists to remove.
         # Decode shapes are fixed per KV allocation: one graph each, shared by every layer. Prefill
         # chunks vary in length: one dynamic-shape graph for all of them (eager, its norms, rotary and
         # activation cost as much as its matrix products).
-        jit = functools.partial(torch.compile, fullgraph=True, dynamic=False) if compiled else (lambda fn: fn)
-        dynamic_jit = functools.partial(torch.compile, fullgraph=True, dynamic=True) if compiled else (lambda fn: fn)
-        self.decode_fns = (jit(norm), jit(store_pre), jit(post))
-        self.prefill_fns = (dynamic_jit(norm), dynamic_jit(pre), dynamic_jit(post))
+        decode = (lambda fn: _compiled(fn, False)) if compiled else (lambda fn: fn)
+        prefill = (lambda fn: _compiled(fn, True)) if compiled else (lambda fn: fn)
+        post = dict(eps=eps, act=ACTIVATIONS[config.hidden_act])
+        self.decode_fns = (functools.partial(decode(DECODE_NORM), eps=eps),
+                           functools.partial(decode(store_and_query), **shape),
+                           functools.partial(decode(DECODE_POST), **post))
+        self.prefill_fns = (functools.partial(prefill(PREFILL_NORM), eps=eps),
+                            functools.partial(prefill(attention_inputs), **shape),
+                            functools.partial(prefill(PREFILL_POST), **post))
         self.qkv = [FusedLinear([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj], views)
                     for layer in base.layers]
         self.gate_up = [FusedLinear([layer.mlp.gate_proj, layer.mlp.up_proj], views) for layer in base.layers]

@@ -70,11 +70,18 @@ def request_seeds(seeds: torch.Tensor, n: int) -> torch.Tensor:
                                              & MASK32))
 
 
-def gumbel_noise(keys: torch.Tensor, index: torch.Tensor, vocab: int) -> torch.Tensor:
-    """``[rows, vocab]`` standard Gumbel noise, a pure function of (key, token index, vocabulary id)."""
+def hashed_vocab(vocab: int, device) -> torch.Tensor:
+    """Each vocabulary id's term in the noise hash, ``[vocab]``. Built once and handed to the compiled
+    sampler as a tensor: computed inside it from ``arange``, Inductor folds the constants into its index
+    arithmetic and overflows int32 once the vocabulary is chunked."""
+    return (torch.arange(vocab, device=device) * 0x2C1B3C6D) & MASK32
+
+
+def gumbel_noise(keys: torch.Tensor, index: torch.Tensor, vocab_terms: torch.Tensor) -> torch.Tensor:
+    """``[rows, vocab]`` standard Gumbel noise, a pure function of (key, token index, vocabulary id);
+    ``vocab_terms`` is ``hashed_vocab(vocab)``."""
     row = _mix32(keys ^ ((index * 0x9E3779B1) & MASK32))
-    ids = (torch.arange(vocab, device=keys.device) * 0x2C1B3C6D) & MASK32
-    u = (_mix32(row[:, None] ^ ids[None, :]).float() + 0.5) / 2.0 ** 32
+    u = (_mix32(row[:, None] ^ vocab_terms[None, :]).float() + 0.5) / 2.0 ** 32
     u = u.clamp(1e-7, 1 - 1e-7)
     return -torch.log(-torch.log(u))
 
@@ -93,7 +100,7 @@ def first_argmax(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(-1)`` for ``[rows, vocab]`` (the first of equal maxima), in two stages."""
     best, at = _vocab_chunks(x).max(-1)
     chunk = best.argmax(-1)  # the first chunk that holds the maximum, and the first place in it
-    return chunk * at.new_tensor(-(-x.shape[-1] // VOCAB_CHUNKS)) + at.gather(-1, chunk[:, None]).squeeze(-1)
+    return chunk * -(-x.shape[-1] // VOCAB_CHUNKS) + at.gather(-1, chunk[:, None]).squeeze(-1)
 
 
 def log_softmax_at(x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -101,7 +108,8 @@ def log_softmax_at(x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return x.gather(-1, tokens[:, None]).squeeze(-1) - _vocab_chunks(x).logsumexp(-1).logsumexp(-1)
 
 
-def sample_rows(logits: torch.Tensor, params: SamplingParams, keys: torch.Tensor, index: torch.Tensor):
+def sample_rows(logits: torch.Tensor, params: SamplingParams, keys: torch.Tensor, index: torch.Tensor,
+                vocab_terms: torch.Tensor):
     """Tokens and their log-probs under ``softmax(logits / T)`` (no top-k/top-p renormalisation, as the
     trainer recomputes them). Sampling is Gumbel-max over the filtered, tempered logits."""
     logits = logits.float()
@@ -111,7 +119,7 @@ def sample_rows(logits: torch.Tensor, params: SamplingParams, keys: torch.Tensor
     else:
         scaled = logits / params.temperature
         filtered = filter_logits(scaled, params.top_k, params.top_p)
-        tokens = first_argmax(filtered + gumbel_noise(keys, index, logits.shape[-1]))
+        tokens = first_argmax(filtered + gumbel_noise(keys, index, vocab_terms))
     return tokens, log_softmax_at(scaled, tokens)
 
 
@@ -288,6 +296,7 @@ class FastRolloutEngine(RolloutEngine):
         self.decode_step = (DecodeStep(self.model, compiled, views=self.model is not self.source)
                             if fused_decode is not False and not reason else None)
         self.sample = torch.compile(sample_rows, dynamic=False) if compiled else sample_rows
+        self.vocab_terms = hashed_vocab(self.model.get_output_embeddings().weight.shape[0], self.device)
 
     def sync_weights(self) -> None:
         """Load the training model's current weights into the engine's copy (in place); free when shared.
@@ -418,7 +427,8 @@ class FastRolloutEngine(RolloutEngine):
         rows = slice(g * n, (g + 1) * n)
         kv.prefix_len[g] = len(prompt)
         state.keys[rows] = keys
-        tokens, logp = sample_rows(logits, params, keys, torch.zeros(n, dtype=torch.long, device=self.device))
+        tokens, logp = sample_rows(logits, params, keys, torch.zeros(n, dtype=torch.long, device=self.device),
+                                   self.vocab_terms)
         state.start(rows, tokens, logp, stops, params.max_new_tokens)
 
     def _decode_step(self, params, state: "DecodeState", stops) -> None:
@@ -460,7 +470,7 @@ class FastRolloutEngine(RolloutEngine):
                                            attention_mask=NO_MASK.to(self.device), use_cache=False,
                                            longqa_kv=kv).last_hidden_state[:, 0]
         logits = self.model.get_output_embeddings()(hidden)
-        tokens, logp = self.sample(logits, params, state.keys, index)
+        tokens, logp = self.sample(logits, params, state.keys, index, self.vocab_terms)
         state.advance(tokens, logp, stops, params.max_new_tokens)
 
     def _collect(self, g: int, params, state: "DecodeState") -> list[Sample]:
