@@ -69,10 +69,18 @@ def layer_output(h, attn, o_w, o_b, norm_w, gate_up_w, gate_up_b, down_w, down_b
     """The residual stream after the layer, given its attention output ``attn`` ``[rows, heads * head_dim]``,
     and that stream through the next norm (the next layer's input norm, or the final one): computed
     here, the norm fuses into the kernel that adds the residual instead of starting the next layer."""
-    h = h + F.linear(attn, o_w, o_b)
+    h = residual_add(h, F.linear(attn, o_w, o_b))
     gate, up = F.linear(rms_norm(h, norm_w, eps), gate_up_w, gate_up_b).chunk(2, -1)
-    h = h + F.linear(act(gate) * up, down_w, down_b)
+    h = residual_add(h, F.linear(act(gate) * up, down_w, down_b))
     return h, rms_norm(h, next_norm_w, eps)
+
+
+def residual_add(h: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+    """``h + update``, written in float32, which is what a bfloat16 add computes (so the result is the same
+    bit for bit). Written plainly, Inductor turns a product plus ``h`` into ``addmm``, which for a 2-D
+    ``h`` first copies it into the output: one more kernel, twice per layer, where the add could have
+    joined the norm kernel that follows."""
+    return (h.float() + update.float()).to(h.dtype)
 
 
 def _own_copy(fn):
