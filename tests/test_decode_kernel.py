@@ -7,6 +7,7 @@ kernel, plus a bfloat16 test and one that captures the attention in a CUDA graph
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import sys
@@ -155,6 +156,21 @@ def test_strided_views_of_a_bigger_store():
         values = torch.cat([pv[g, :, :prefix_len[g]], sv[row, :, :own_len[row]]], 1)
         ref, _ = naive(q[row], keys, values, scaling)
         torch.testing.assert_close(got[row].cpu().double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@needs_triton
+def test_bad_inputs_are_clear_errors():
+    q = torch.zeros(4, 2, 16, device=DEVICE)
+    pk, sk, lengths = torch.zeros(2, 1, 32, 16, device=DEVICE), torch.zeros(4, 1, 8, 16, device=DEVICE), torch.ones(4)
+    call = functools.partial(shared_prefix_attention, q, pk, pk)
+    with pytest.raises(ValueError, match="prompt view 40 is outside"):
+        call(lengths[:2], sk, sk, lengths, 2, 40, 8, 1.0)
+    with pytest.raises(ValueError, match="own keys .* and values"):
+        call(lengths[:2], sk, sk[:, :, :4], lengths, 2, 32, 4, 1.0)
+    with pytest.raises(ValueError, match="shapes do not fit"):
+        call(lengths[:2], sk, sk, lengths, 3, 32, 8, 1.0)  # 4 rows are not 2 groups of 3
+    with pytest.raises(ValueError, match="contiguous last dimension"):
+        call(lengths[:2], sk.transpose(2, 3), sk.transpose(2, 3), lengths, 2, 16, 8, 1.0)
 
 
 def test_imports_without_triton(monkeypatch):

@@ -72,7 +72,7 @@ def _next_power_of_2(x: int) -> int:
     return 1 << max(0, x - 1).bit_length()
 
 
-def _check_store(name: str, k: torch.Tensor, v: torch.Tensor, view: int, block_n: int) -> None:
+def _check_store(name: str, k: torch.Tensor, v: torch.Tensor, view: int) -> None:
     if v.shape != k.shape or k.dim() != 4:
         raise ValueError(f"{name} keys {tuple(k.shape)} and values {tuple(v.shape)} must be [batch, kv_heads, cap, d]")
     if k.stride(-1) != 1 or v.stride(-1) != 1:
@@ -98,8 +98,8 @@ def shared_prefix_attention(q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_
     ``[rows, heads, S]`` (base 2; -inf where a split has no key), prompt splits first."""
     groups, kv_heads, _, d = prefix_k.shape
     rows, heads = q.shape[0], q.shape[1]
-    _check_store("prompt", prefix_k, prefix_v, prompt_view, block_n)
-    _check_store("own", suffix_k, suffix_v, own_view, block_n)
+    _check_store("prompt", prefix_k, prefix_v, prompt_view)
+    _check_store("own", suffix_k, suffix_v, own_view)
     if (q.shape[2] != d or suffix_k.shape[3] != d or rows != groups * n or suffix_k.shape[0] != rows
             or heads % kv_heads or suffix_k.shape[1] != kv_heads):
         raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, prompt keys {tuple(prefix_k.shape)}, "
