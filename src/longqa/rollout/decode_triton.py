@@ -65,26 +65,26 @@ def partial_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     total_splits = prompt_splits + own_splits
     if pid < prompt_programs:  # prompt half: query m = j*r + t is sample row b*n + j, head h*r + t
-        split = pid % prompt_splits
-        b = (pid // prompt_splits // kv_heads).to(tl.int64)
-        h = (pid // prompt_splits % kv_heads).to(tl.int64)
-        length = tl.minimum(tl.load(PLEN + b).to(tl.int32), prompt_view)
-        lo = split * prompt_chunk
+        split, b, h, lo, hi = locate(pid, prompt_splits, prompt_chunk, kv_heads, PLEN, prompt_view)
         attend_split(Q, PK + b * stride_pkb + h * stride_pkh, PV + b * stride_pvb + h * stride_pvh, OUT, LSE,
-                     b * n + offs_m // r, h * r + offs_m % r, offs_m < n * r, lo, tl.minimum(lo + prompt_chunk, length),
-                     split, stride_qr, stride_qh, stride_pkn, stride_pvn, scale_log2, heads, total_splits,
-                     BLOCK_M, BLOCK_N, D, IEEE)
+                     b * n + offs_m // r, h * r + offs_m % r, offs_m < n * r, lo, hi, split, stride_qr, stride_qh,
+                     stride_pkn, stride_pvn, scale_log2, heads, total_splits, BLOCK_M, BLOCK_N, D, IEEE)
     else:  # own half: query t is head h*r + t of row b
-        p = pid - prompt_programs
-        split = p % own_splits
-        b = (p // own_splits // kv_heads).to(tl.int64)
-        h = (p // own_splits % kv_heads).to(tl.int64)
-        length = tl.minimum(tl.load(OLEN + b).to(tl.int32), own_view)
-        lo = split * own_chunk
+        split, b, h, lo, hi = locate(pid - prompt_programs, own_splits, own_chunk, kv_heads, OLEN, own_view)
         attend_split(Q, SK + b * stride_skb + h * stride_skh, SV + b * stride_svb + h * stride_svh, OUT, LSE,
-                     b + offs_m * 0, h * r + offs_m % r, offs_m < r, lo, tl.minimum(lo + own_chunk, length),
-                     prompt_splits + split, stride_qr, stride_qh, stride_skn, stride_svn, scale_log2, heads,
-                     total_splits, BLOCK_M, BLOCK_N, D, IEEE)
+                     b + offs_m * 0, h * r + offs_m % r, offs_m < r, lo, hi, prompt_splits + split, stride_qr,
+                     stride_qh, stride_skn, stride_svn, scale_log2, heads, total_splits, BLOCK_M, BLOCK_N, D, IEEE)
+
+
+@triton.jit
+def locate(p, splits, chunk, kv_heads, LENGTHS, view):
+    """Program ``p`` of a half -> its split, batch entry, kv head and key range ``[lo, hi)`` (empty past
+    the entry's length)."""
+    split = p % splits
+    b = (p // splits // kv_heads).to(tl.int64)
+    h = (p // splits % kv_heads).to(tl.int64)
+    lo = split * chunk
+    return split, b, h, lo, tl.minimum(lo + chunk, tl.minimum(tl.load(LENGTHS + b).to(tl.int32), view))
 
 
 @triton.jit
