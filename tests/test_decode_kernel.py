@@ -111,7 +111,6 @@ def check_full(groups, n, kv_heads, r, d, prefix_len, own_len, prompt_view, own_
         values = torch.cat([pv[g, :, :prefix_len[g]], sv[row, :, :own_len[row]]], 1)
         ref, _ = naive(q[row], keys, values, scaling)
         torch.testing.assert_close(got[row].cpu().double(), ref, atol=tol, rtol=tol)
-    return q, pk, pv, prefix_t, sk, sv, own_t, got
 
 
 @needs_triton

@@ -1,4 +1,4 @@
-"""Decode-time attention for the shared-prefix KV store as one Triton flash-decoding (split-K) kernel.
+"""Decode-time attention for the shared-prefix KV store as Triton flash-decoding (split-K) kernels.
 
 In a decode step every sample row has one query, so attention is a matrix-vector product bound by
 reading the KV store. The store keeps each group's prompt once (``prefix_k`` ``[groups, kv_heads,
