@@ -34,13 +34,15 @@ def store(batch, kv_heads, cap, d, lengths, dtype=torch.float32):
     return k.to(DEVICE, dtype), v.to(DEVICE, dtype)
 
 
-def naive(q, k, v, scaling):
+def naive(q, k, v, scaling, softcap=None):
     """One row: ``q`` ``[heads, d]`` over ``k``, ``v`` ``[kv_heads, L, d]`` -> (out ``[heads, d]``, lse ``[heads]``),
     in float64 with each kv head repeated for its r query heads."""
     q, k, v = q.double().cpu(), k.double().cpu(), v.double().cpu()
     r = q.shape[0] // k.shape[0]
     k, v = k.repeat_interleave(r, 0), v.repeat_interleave(r, 0)
     scores = torch.einsum("hd,hld->hl", q, k) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     return torch.einsum("hl,hld->hd", scores.softmax(-1), v), scores.logsumexp(-1)
 
 
@@ -95,21 +97,24 @@ def test_prompt_half_per_split(n, r):
 
 
 def check_full(groups, n, kv_heads, r, d, prefix_len, own_len, prompt_view, own_view, dtype=torch.float32, tol=1e-5,
-               block_n=16, splits=(None, None)):
-    """Both halves merged == naive attention over [group's prompt keys ; own keys] for every row."""
+               block_n=16, splits=(None, None), window=None, softcap=None):
+    """Both halves merged == naive attention over [group's prompt keys ; own keys] for every row (with a
+    window: only the last ``window`` of them, the row's query being the last)."""
     rows, heads, scaling = groups * n, kv_heads * r, d ** -0.5
     pk, pv = store(groups, kv_heads, prompt_view, d, prefix_len, dtype)
     sk, sv = store(rows, kv_heads, own_view, d, own_len, dtype)
     q = torch.randn(rows, heads, d, device=DEVICE).to(dtype)
     prefix_t, own_t = torch.tensor(prefix_len, device=DEVICE), torch.tensor(own_len, device=DEVICE)
     got = shared_prefix_attention(q, pk, pv, prefix_t, sk, sv, own_t, n, prompt_view, own_view, scaling, block_n,
-                                  splits=splits)
+                                  splits=splits, window=window, softcap=softcap)
     assert got.shape == (rows, heads, d) and got.dtype == dtype
     for row in range(rows):
         g = row // n
         keys = torch.cat([pk[g, :, :prefix_len[g]], sk[row, :, :own_len[row]]], 1)
         values = torch.cat([pv[g, :, :prefix_len[g]], sv[row, :, :own_len[row]]], 1)
-        ref, _ = naive(q[row], keys, values, scaling)
+        if window is not None:
+            keys, values = keys[:, -window:], values[:, -window:]
+        ref, _ = naive(q[row], keys, values, scaling, softcap)
         torch.testing.assert_close(got[row].cpu().double(), ref, atol=tol, rtol=tol)
 
 
@@ -123,6 +128,18 @@ def test_merge_of_both_halves(n, kv_heads, r, d):
     own_len = [1 + row if row < n else 0 if row % 3 == 0 else row * 5 % 13 for row in range(groups * n)]
     for splits in ((4, None), (None, 2), (1, 1)):
         check_full(groups, n, kv_heads, r, d, prefix_len, own_len, 50, 12, splits=splits)
+
+
+@needs_triton
+@pytest.mark.parametrize("window, softcap", [(1, None), (7, None), (20, 0.5), (None, 0.3)])
+def test_sliding_window_and_soft_capping(window, softcap):
+    """Windows that end inside the prompt, inside the own keys, and at the query itself; rows of one group
+    whose windows start at different keys; a row with no own key."""
+    torch.manual_seed(window or 0)
+    groups, n = 2, 3
+    prefix_len, own_len = [40, 9], [1, 6, 13, 2, 1, 12]
+    check_full(groups, n, 2, 2, 16, prefix_len, own_len, 40, 13, splits=(3, 2), window=window, softcap=softcap)
+    check_full(groups, n, 2, 2, 16, prefix_len, own_len, 40, 13, window=window, softcap=softcap)
 
 
 @needs_triton
@@ -195,6 +212,8 @@ def test_cuda_bf16(d):
     prefix_len = [1000, 777, 64, 1]
     own_len = torch.randint(0, 300, (groups * n,)).tolist()
     check_full(groups, n, kv_heads, r, d, prefix_len, own_len, 1000, 300, torch.bfloat16, tol=2e-2, block_n=64)
+    check_full(groups, n, kv_heads, r, d, prefix_len, [max(1, o) for o in own_len], 1000, 300, torch.bfloat16,
+               tol=2e-2, block_n=64, window=200, softcap=0.5)
 
 
 @needs_triton
@@ -232,14 +251,17 @@ def test_cuda_graph_capture():
 
 
 @needs_triton
-def test_the_engine_samples_the_same_with_the_kernel_as_with_matmuls():
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "gemma2"])
+def test_the_engine_samples_the_same_with_the_kernel_as_with_matmuls(family):
     """The fast engine end to end: the Triton attention in its decode step (the GPU default) against the
-    batched-matmul attention, several prompt lengths, slots streaming, stops."""
+    batched-matmul attention, several prompt lengths, slots streaming, stops; with a sliding window of 5
+    (Mistral) and soft-capping (Gemma2)."""
     from longqa.rollout.base import SamplingParams
     from longqa.rollout.fast import FastRolloutEngine
+    from model_zoo import tiny_model
     from tiny_models import VOCAB, tiny_lm
 
-    model = tiny_lm(head_dim=16).to(DEVICE)
+    model = (tiny_lm(head_dim=16) if family == "qwen3" else tiny_model(family, head_dim=16, hidden_size=64)).to(DEVICE)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(6, VOCAB, (length,), generator=g).tolist() for length in (5, 70, 1)]
     params = SamplingParams(n=3, temperature=1.0, max_new_tokens=9, stop_token_ids=(5,))

@@ -89,6 +89,43 @@ def test_compiled_flex_on_cuda_equals_the_naive_layout():
                 extra=("actor.attention_backend=flex",), device="cuda")
 
 
+# Sliding windows (all layers: Mistral; alternating with full layers: Gemma3) and attention soft-capping
+# (Gemma2, with windows too) with a window of 5, shorter than most of the test's sequences.
+WINDOWED = ["mistral", "gemma2", "gemma3_text"]
+
+
+def windowed_lm(family: str, head_dim: int = 8):
+    from model_zoo import WINDOW, tiny_model
+
+    model = tiny_model(family, head_dim=head_dim, hidden_size=4 * head_dim)
+    spec = use_longqa_attention(copy.deepcopy(model))
+    assert {layer.window for layer in spec.layers.values()} >= {WINDOW}
+    assert (family == "gemma2") == any(layer.softcap for layer in spec.layers.values())
+    return model
+
+
+@pytest.mark.parametrize("family", WINDOWED)
+def test_sliding_windows_and_soft_capping_are_exact_in_the_packed_update(family):
+    assert_same(windowed_lm(family), samples_for(PROMPTS, LENGTHS))
+
+
+@pytest.mark.parametrize("family", WINDOWED)
+def test_flex_block_masks_honour_sliding_windows_and_soft_capping(family):
+    """Eager flex_attention on the CPU: the windowed block masks and the soft-capping score transform."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    model, samples = windowed_lm(family), samples_for(PROMPTS, LENGTHS)
+    reference = actor_for(copy.deepcopy(model), shared=False).logprobs(samples)
+    flex = actor_for(copy.deepcopy(model), shared=True, budget=40, extra=("actor.attention_backend=flex",))
+    assert all(torch.allclose(a, b, atol=1e-5, rtol=0) for a, b in zip(reference, flex.logprobs(samples)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", WINDOWED)
+def test_compiled_flex_on_cuda_honours_windows_and_soft_capping(family):
+    assert_same(windowed_lm(family, head_dim=16), samples_for(PROMPTS, LENGTHS), budget=40,
+                extra=("actor.attention_backend=flex",), device="cuda")
+
+
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                                   "seq-mean-token-sum-norm"])
 def test_every_loss_aggregation_matches_with_entropy_and_kl(mode):

@@ -3,10 +3,11 @@
 ``use_longqa_attention(model)`` switches the model to ``longqa:<its implementation>``: a registered
 attention function that runs the shared-prompt rule (``model/packing.py``) when the forward pass
 carries a ``longqa_pack`` keyword, hands the step to the fast rollout engine's KV cache when it
-carries ``longqa_kv`` (``rollout/fast.py``), and runs the model's own implementation otherwise, so
-generation and plain forwards keep working unchanged. No model code is copied or patched: any
-decoder whose attention goes through ``ALL_ATTENTION_FUNCTIONS`` (Qwen3, Qwen2, Llama, ...) works,
-GQA included, since keys and values arrive with their own head count.
+carries ``longqa_kv`` (``rollout/fast.py``), and runs the model's own implementation otherwise (eager
+included), so generation and plain forwards keep working unchanged. No model code is copied or
+patched. Before switching, the model is probed once (``attention_spec.inspect_model``): each layer's
+sliding window and logit soft-capping are honoured here and in the engine, and a model that needs
+anything else is refused with an ``UnsupportedModelError`` instead of being computed without it.
 
 Backends, chosen per call:
 - ``dense``: per pack, PyTorch SDPA with an explicit boolean mask. Exact and simple; the reference,
@@ -20,9 +21,12 @@ Neither copies the prompt's keys and values per response nor synchronises with t
 from __future__ import annotations
 
 import functools
+import sys
+
 import torch
 import torch.nn.functional as F
 
+from longqa.model.attention_spec import AttentionSpec, ModelSpec, UnsupportedModelError, inspect_model, read_call
 from longqa.model.packing import PackedBatch
 
 PREFIX = "longqa:"
@@ -30,35 +34,54 @@ BLOCK = 128  # flex_attention's block size: the packed row is padded to a multip
 BACKENDS = ("auto", "dense", "flex")
 
 
-def pack_mask(prompt_length: int, response_lengths: list[int], device=None) -> torch.Tensor:
-    """``[L, L]`` bool for one pack: True where query row may attend to key column."""
+def pack_mask(prompt_length: int, response_lengths: list[int], device=None, window: int | None = None) -> torch.Tensor:
+    """``[L, L]`` bool for one pack: True where query row may attend to key column (and, with a sliding
+    window, where the key's position is within ``window`` of the query's)."""
     segment = torch.cat([torch.zeros(prompt_length, dtype=torch.long, device=device)] +
                         [torch.full((n,), r + 1, dtype=torch.long, device=device) for r, n in enumerate(response_lengths)])
-    position = torch.arange(len(segment), device=device)
-    causal = position[:, None] >= position[None, :]
-    return causal & ((segment[None, :] == 0) | (segment[None, :] == segment[:, None]))
+    row = torch.arange(len(segment), device=device)
+    mask = (row[:, None] >= row[None, :]) & ((segment[None, :] == 0) | (segment[None, :] == segment[:, None]))
+    if window is not None:
+        position = torch.cat([torch.arange(prompt_length, device=device)] +
+                             [torch.arange(prompt_length, prompt_length + n, device=device) for n in response_lengths])
+        mask &= position[:, None] - position[None, :] < window
+    return mask
 
 
-def _dense(query, key, value, pack: PackedBatch, scaling):
+def masked_attention(query, key, value, mask, scaling, softcap: float | None = None):
+    """Attention of ``[b, heads, q, d]`` queries over ``[b, kv_heads, k, d]`` keys where ``mask`` allows.
+
+    Without soft-capping it is SDPA; with it (SDPA cannot transform scores) the scores are formed
+    explicitly, as transformers' eager attention does: scaled, capped, masked, softmax in float32."""
+    gqa = key.shape[1] != query.shape[1]
+    if softcap is None:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+    repeat = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1)
+    scores = torch.matmul(query, key.transpose(-1, -2)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
+    scores = (torch.tanh(scores / softcap) * softcap).masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(value.dtype), value)
+
+
+def _dense(query, key, value, pack: PackedBatch, scaling, spec: AttentionSpec):
     parts = []
     for start, prompt_length, response_lengths in pack.segments:
         end = start + prompt_length + sum(response_lengths)
-        mask = pack_mask(prompt_length, response_lengths, query.device)
-        parts.append(F.scaled_dot_product_attention(
-            query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], attn_mask=mask, scale=scaling,
-            enable_gqa=key.shape[1] != query.shape[1]))
+        mask = pack_mask(prompt_length, response_lengths, query.device, spec.window)
+        parts.append(masked_attention(query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], mask,
+                                      scaling, spec.softcap))
     if end < query.shape[2]:  # the padding pack is never read
         parts.append(query.new_zeros(query.shape[0], query.shape[1], query.shape[2] - end, query.shape[3]))
     return torch.cat(parts, dim=2)
 
 
-def block_mask(pack: PackedBatch):
+def block_mask(pack: PackedBatch, window: int | None = None):
     """The flex_attention BlockMask of a packed row, classified block by block from the layout.
 
     For every query token the allowed keys are at most two intervals (its pack's prompt up to the
-    token, and its own response up to the token), so the number of allowed pairs in each
-    (query block, key block) is a sum of interval overlaps: exact, and without ever forming the
-    ``T x T`` token mask.
+    token, and its own response up to the token; a sliding window raises both lower ends), so the
+    number of allowed pairs in each (query block, key block) is a sum of interval overlaps: exact,
+    and without ever forming the ``T x T`` token mask.
     """
     from torch.nn.attention.flex_attention import BlockMask
 
@@ -81,8 +104,14 @@ def block_mask(pack: PackedBatch):
     def overlap(a, b):  # |[a, b) ∩ each key block|, [T, blocks]
         return (torch.minimum(b[:, None], lo[None] + BLOCK) - torch.maximum(a[:, None], lo[None])).clamp(min=0)
 
-    allowed = overlap(pack_start, torch.minimum(prompt_end, t + 1))
-    allowed += torch.where((segment > 0)[:, None], overlap(segment_start, t + 1), 0)
+    prompt_lo, own_lo = pack_start, segment_start
+    position = pack.position_ids[0].to(torch.int32)
+    if window is not None:  # keys at positions > p - window: prompt rows from pack_start + that position on,
+        reach = position - window + 1  # own rows from the response's start + (that position - prompt length)
+        prompt_lo = pack_start + reach.clamp(min=0)
+        own_lo = segment_start + (reach - (prompt_end - pack_start)).clamp(min=0)
+    allowed = overlap(prompt_lo, torch.minimum(prompt_end, t + 1))
+    allowed += torch.where((segment > 0)[:, None], overlap(own_lo, t + 1), 0)
     counts = allowed.view(blocks, BLOCK, blocks).sum(1)
     full = counts == BLOCK * BLOCK
     partial = (counts > 0) & ~full
@@ -96,9 +125,13 @@ def block_mask(pack: PackedBatch):
     def mask_mod(b, h, q, k):
         return (pid[q] == pid[k]) & (k <= q) & ((seg[k] == 0) | (seg[k] == seg[q]))
 
+    def window_mod(b, h, q, k):
+        return mask_mod(b, h, q, k) & (position[q] - position[k] < window)
+
     kv_num, kv_idx = as_kv(partial)
     full_num, full_idx = as_kv(full)
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=BLOCK, mask_mod=mask_mod,
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=BLOCK,
+                                    mask_mod=mask_mod if window is None else window_mod,
                                     seq_lengths=(pack.length, pack.length))
 
 
@@ -110,18 +143,32 @@ def _flex_kernel(compiled: bool):
     return torch.compile(flex_attention) if compiled else flex_attention
 
 
-def prepare(pack: PackedBatch) -> None:
+def prepare(pack: PackedBatch, spec: ModelSpec) -> None:
     """Build what the pack's backend needs once per micro-batch (shared by every layer and by the
-    checkpointing recompute), before the forward pass so it is never traced into a compiled layer."""
-    if pack.backend == "flex" and pack.block_mask is None:
-        pack.block_mask = block_mask(pack)
+    checkpointing recompute), before the forward pass so it is never traced into a compiled layer:
+    one block mask per sliding window the model's layers use."""
+    if pack.backend == "flex":
+        for window in spec.windows - pack.block_masks.keys():
+            pack.block_masks[window] = block_mask(pack, window)
 
 
-def _flex(query, key, value, pack: PackedBatch, scaling):
-    prepare(pack)
+@functools.cache
+def _softcap_mod(softcap: float):
+    """flex_attention's score transform for logit soft-capping (one function per cap, so compiled kernels
+    are reused)."""
+    def score_mod(score, b, h, q, k):
+        return torch.tanh(score / softcap) * softcap
+    return score_mod
+
+
+def _flex(query, key, value, pack: PackedBatch, scaling, spec: AttentionSpec):
+    if spec.window not in pack.block_masks:
+        raise UnsupportedModelError(f"no block mask was prepared for sliding window {spec.window}: the pack was "
+                                    f"prepared for windows {sorted(pack.block_masks, key=str)}")
     # Inside a compiled decoder layer the plain function is traced into the layer's graph.
     kernel = _flex_kernel(query.is_cuda and not torch.compiler.is_compiling())
-    return kernel(query, key, value, block_mask=pack.block_mask, scale=scaling,
+    return kernel(query, key, value, block_mask=pack.block_masks[spec.window], scale=scaling,
+                  score_mod=_softcap_mod(spec.softcap) if spec.softcap else None,
                   enable_gqa=key.shape[1] != query.shape[1])
 
 
@@ -133,20 +180,35 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, longqa_pack=None,
-               longqa_kv=None, **kwargs):
+def own_attention(module):
+    """The attention function the model would call without longqa: its registered implementation, or for
+    ``eager`` the ``eager_attention_forward`` of the module's own modeling file (not in the registry)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    inner = module.config._attn_implementation.removeprefix(PREFIX)
+    if inner != "eager":
+        return ALL_ATTENTION_FUNCTIONS[inner]
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if eager is None:
+        raise UnsupportedModelError(f"{type(module).__name__} has no eager_attention_forward beside it to hand "
+                                    f"plain forwards back to; load the model with attn_implementation='sdpa'")
+    return eager
+
+
+def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, longqa_pack=None,
+               longqa_kv=None, longqa_probe=None, **kwargs):
+    if longqa_kv is None and longqa_pack is None:
+        if longqa_probe is not None:
+            longqa_probe.calls.append((module, read_call(module, kwargs), query, key, value))
+        return own_attention(module)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                     **kwargs)
+    spec = read_call(module, kwargs)
     if longqa_kv is not None:
-        return longqa_kv.attend(module.layer_idx, query, key, value, scaling), None
-    if longqa_pack is None:
-        inner = module.config._attn_implementation.removeprefix(PREFIX)
-        return ALL_ATTENTION_FUNCTIONS[inner](module, query, key, value, attention_mask, scaling=scaling,
-                                              dropout=dropout, **kwargs)
+        return longqa_kv.attend(module.layer_idx, query, key, value, scaling, spec), None
     if dropout:
         raise ValueError("shared-prompt attention does not implement attention dropout")
     run = _flex if longqa_pack.backend == "flex" else _dense
-    out = run(query, key, value, longqa_pack, scaling)
+    out = run(query, key, value, longqa_pack, scaling, spec)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -160,14 +222,21 @@ def _register(name: str) -> None:
         AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[inner])
 
 
-def use_longqa_attention(model) -> None:
-    """Route the model's attention through longqa's dispatcher (idempotent)."""
+def use_longqa_attention(model) -> ModelSpec:
+    """Route the model's attention through longqa's dispatcher (idempotent) and return what its layers need
+    (``attention_spec.ModelSpec``); a model longqa cannot compute exactly is refused and left as it was."""
     current = model.config._attn_implementation or "sdpa"
     if current.startswith(PREFIX):
-        return
+        return model.longqa_spec
     name = PREFIX + current
     _register(name)
     model.set_attn_implementation(name)
+    try:
+        model.longqa_spec = inspect_model(model)
+    except UnsupportedModelError:
+        model.set_attn_implementation(current)
+        raise
+    return model.longqa_spec
 
 
 # A 4-D placeholder handed to the model as ``attention_mask`` in packed calls: transformers returns a

@@ -14,12 +14,14 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from longqa.algo import entropy_from_logits
-from longqa.model.attention import NO_MASK, prepare
+from longqa.model.attention import NO_MASK, prepare, use_longqa_attention
+from longqa.model.attention_spec import LogitsSpec, logits_spec
 from longqa.model.packing import PackedBatch
 
 
-def _head_chunk(hidden: torch.Tensor, weight: torch.Tensor, bias, targets: torch.Tensor, temperature: float):
-    logits = torch.nn.functional.linear(hidden, weight, bias).float()
+def _head_chunk(hidden: torch.Tensor, weight: torch.Tensor, bias, targets: torch.Tensor, temperature: float,
+                logits_spec: LogitsSpec):
+    logits = logits_spec.apply(torch.nn.functional.linear(hidden, weight, bias).float())
     if temperature != 1.0:
         logits = logits / temperature
     logp = logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)
@@ -34,13 +36,15 @@ def _compiled_head_chunk():
 
 def chunked_head(model, states: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
                  chunk_size: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob of each target given its hidden state, and the entropy there: ``[K]`` each."""
+    """Log-prob of each target given its hidden state, and the entropy there: ``[K]`` each. The model's
+    logit transforms (``attention_spec.logits_spec``) apply, as in its own forward."""
     head = model.get_output_embeddings()
+    transform = logits_spec(model.config)
     fn = _compiled_head_chunk() if states.is_cuda else _head_chunk
     logp_parts, ent_parts = [], []
     for start in range(0, len(targets), chunk_size):
         args = (states[start:start + chunk_size], head.weight, head.bias, targets[start:start + chunk_size],
-                temperature)
+                temperature, transform)
         logp, ent = checkpoint(fn, *args, use_reentrant=False) if torch.is_grad_enabled() else fn(*args)
         logp_parts.append(logp)
         ent_parts.append(ent)
@@ -72,8 +76,8 @@ def packed_logprobs(model, pack: PackedBatch, temperature: float = 1.0,
                     chunk_size: int = 2048) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(logp, entropy, mask)``, each ``[len(pack.samples), longest response]``, one row per sample in
     ``pack.samples`` order: the shared-prompt layout's response-token log-probs (``model/packing.py``).
-    The model must have gone through ``use_longqa_attention``."""
-    prepare(pack)
+    The model is routed through longqa's attention (``use_longqa_attention``) if it is not yet."""
+    prepare(pack, use_longqa_attention(model))
     hidden = model.base_model(input_ids=pack.input_ids, position_ids=pack.position_ids,
                               attention_mask=NO_MASK.to(pack.input_ids.device), use_cache=False,
                               longqa_pack=pack).last_hidden_state

@@ -88,7 +88,7 @@ class PackedBatch:
     predict_at: torch.Tensor  # [K] long
     targets: torch.Tensor  # [K] long
     backend: str = "dense"  # which attention backend runs it (model/attention.py)
-    block_mask: object = None  # the flex backend's BlockMask, built on first use
+    block_masks: dict = field(default_factory=dict)  # the flex backend's BlockMask per sliding window (None: none)
     length: int = field(init=False)
 
     def __post_init__(self):

@@ -85,7 +85,7 @@ def shared_prefix_attention(q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_
                             prompt_view: int, own_view: int, scaling: float, block_n: int = 64,
                             dtype: torch.dtype | None = None, waves: float = WAVES, num_warps: int = 4,
                             num_stages: int = 3, splits: tuple[int | None, int | None] = (None, None),
-                            partials: bool = False):
+                            partials: bool = False, window: int | None = None, softcap: float | None = None):
     """One layer's decode attention over the store: ``q`` ``[rows, heads, d]`` (rows = groups*n,
     group-major) against its group's prompt keys ``[0, prefix_len[g])`` and its own keys
     ``[0, own_len[row])`` -> ``[rows, heads, d]`` in ``dtype`` (default ``q``'s).
@@ -95,7 +95,10 @@ def shared_prefix_attention(q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_
     slices of the store, never copied); the views bound the key positions read (static numbers, so a
     CUDA graph per view). ``splits`` fixes each half's split count (default: ``split_plan``).
     ``partials=True`` also returns every split's output ``[rows, heads, S, d]`` and log-sum-exp
-    ``[rows, heads, S]`` (base 2; -inf where a split has no key), prompt splits first."""
+    ``[rows, heads, S]`` (base 2; -inf where a split has no key), prompt splits first. ``window``: a row
+    whose query sits at position ``p = prefix_len[g] + own_len[row] - 1`` reads keys at positions
+    ``> p - window`` only (prompt key i at position i, own key j at ``prefix_len[g] + j``); ``softcap``:
+    scores become ``softcap * tanh(score / softcap)``."""
     groups, kv_heads, _, d = prefix_k.shape
     rows, heads = q.shape[0], q.shape[1]
     _check_store("prompt", prefix_k, prefix_v, prompt_view)
@@ -124,9 +127,9 @@ def shared_prefix_attention(q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_
         partial_kernel[(prompt_programs + rows * kv_heads * own_splits,)](
             q, prefix_k, prefix_v, prefix_len.contiguous(), suffix_k, suffix_v, own_len.contiguous(), out, lse,
             q.stride(0), q.stride(1), *prefix_k.stride()[:3], *prefix_v.stride()[:3], *suffix_k.stride()[:3],
-            *suffix_v.stride()[:3], scaling * math.log2(math.e), kv_heads, n, r, heads, prompt_view, own_view,
-            prompt_chunk, own_chunk, prompt_splits, own_splits, prompt_programs,
+            *suffix_v.stride()[:3], scaling * math.log2(math.e), float(softcap or 0.0), int(window or 0), kv_heads,
+            n, r, heads, prompt_view, own_view, prompt_chunk, own_chunk, prompt_splits, own_splits, prompt_programs,
             BLOCK_M=max(16, _next_power_of_2(n * r)), BLOCK_N=block_n, D=d, IEEE=q.dtype == torch.float32,
-            num_warps=num_warps, num_stages=num_stages)
+            WINDOW=window is not None, SOFTCAP=softcap is not None, num_warps=num_warps, num_stages=num_stages)
         merge_kernel[(rows * heads,)](out, lse, result, total, BLOCK_S=_next_power_of_2(max(total, 2)), D=d)
     return (result, out, lse) if partials else result

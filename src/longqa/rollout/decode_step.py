@@ -179,7 +179,7 @@ class FusedLinear:
 
 class DecodeStep:
     """``decode(ids, positions, kv)`` and ``prefill(ids, positions, kv)`` -> final hidden states of one
-    step, attention delegated to ``kv.attend(layer, q, k, v, scaling)``. ``views``: see ``FusedLinear``."""
+    step, attention delegated to ``kv.attend(layer, q, k, v, scaling, spec)``. ``views``: see ``FusedLinear``."""
 
     def __init__(self, model, compiled: bool, views: bool = False):
         config, base = model.config, model.base_model
@@ -189,6 +189,8 @@ class DecodeStep:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         first = base.layers[0]
         self.scaling = first.self_attn.scaling
+        spec = model.longqa_spec  # the engine routed the model through longqa's attention, which reads it
+        self.specs = [spec.layers[index] for index in range(len(base.layers))]
         q_norm = getattr(first.self_attn, "q_norm", None)
         eps = first.input_layernorm.variance_epsilon  # all of them (unsupported_reason)
         shape = dict(head_eps=q_norm.variance_epsilon if q_norm is not None else 0.0,
@@ -234,7 +236,7 @@ class DecodeStep:
 
         def attention(index, x, cos, sin, weights):
             q = store_pre(x, cos, sin, *weights, *kv.own_slot(index))
-            return kv.attend(index, q, None, None, self.scaling)
+            return kv.attend(index, q, None, None, self.scaling, self.specs[index])
         return self._forward(ids, positions, norm, attention, post)
 
     def prefill(self, ids: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
@@ -244,7 +246,7 @@ class DecodeStep:
 
         def attention(index, x, cos, sin, weights):
             q, k, v = (t[:, :, 0].transpose(0, 1)[None] for t in pre(x, cos, sin, *weights))
-            return kv.attend(index, q, k, v, self.scaling)
+            return kv.attend(index, q, k, v, self.scaling, self.specs[index])
         return self._forward(ids, positions, norm, attention, post)
 
     def _forward(self, ids, positions, norm, attention, post) -> torch.Tensor:

@@ -41,7 +41,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from longqa.model.attention import NO_MASK, use_longqa_attention
+from longqa.model.attention import NO_MASK, masked_attention, use_longqa_attention
+from longqa.model.attention_spec import AttentionSpec, UnsupportedModelError
 from longqa.rollout.decode_kernel import shared_prefix_attention
 from longqa.rollout.decode_step import DecodeStep, unsupported_reason
 from longqa.rollout.base import (RolloutEngine, Sample, SamplingParams, StaleWeightsError, prompt_seeds,
@@ -156,28 +157,30 @@ class SharedPrefixKV:
         token at ``k_store[rows[i], :, at[i]]`` (the fused decode step writes them itself)."""
         return self.suffix_k[layer], self.suffix_v[layer], self.rows, self.write_at
 
-    def attend(self, layer: int, q, k, v, scaling):
-        """Attention of this step's queries; ``k``/``v`` None in decode when they are already in ``own_slot``."""
+    def attend(self, layer: int, q, k, v, scaling, spec: AttentionSpec = AttentionSpec()):
+        """Attention of this step's queries under the layer's ``spec`` (sliding window, soft-capping);
+        ``k``/``v`` None in decode when they are already in ``own_slot``."""
         if self.mode == "prefill":
-            return self._prefill(layer, q, k, v, scaling)
-        return self._decode(layer, q, k, v, scaling)
+            return self._prefill(layer, q, k, v, scaling, spec)
+        return self._decode(layer, q, k, v, scaling, spec)
 
-    def _prefill(self, layer, q, k, v, scaling):
+    def _prefill(self, layer, q, k, v, scaling, spec: AttentionSpec):
         """One chunk of one prompt: store its keys/values, attend causally to the prompt so far."""
         g, start, length = self.prefill_slot, self.prefill_start, q.shape[2]
         end = start + length
         self.prefix_k[layer, g, :, start:end] = k[0]
         self.prefix_v[layer, g, :, start:end] = v[0]
         keys, values = self.prefix_k[layer, g, :, :end][None], self.prefix_v[layer, g, :, :end][None]
-        gqa = keys.shape[1] != q.shape[1]
-        if start == 0:
-            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scaling, enable_gqa=gqa)
+        if start == 0 and spec == AttentionSpec():
+            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scaling,
+                                                 enable_gqa=keys.shape[1] != q.shape[1])
         else:
-            mask = torch.arange(end, device=q.device)[None, :] <= torch.arange(start, end, device=q.device)[:, None]
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+            distance = torch.arange(start, end, device=q.device)[:, None] - torch.arange(end, device=q.device)[None, :]
+            mask = (distance >= 0) & (distance < (spec.window or end + 1))
+            out = masked_attention(q, keys, values, mask, scaling, spec.softcap)
         return out.transpose(1, 2)
 
-    def _decode(self, layer, q, k, v, scaling):
+    def _decode(self, layer, q, k, v, scaling, spec: AttentionSpec):
         """One new token per sample row: the shared prompt read once per group, merged exactly with
         each row's own tokens."""
         if k is not None:
@@ -187,11 +190,13 @@ class SharedPrefixKV:
             rows, heads, _, d = q.shape
             out = shared_prefix_attention(q[:, :, 0], self.prefix_k[layer], self.prefix_v[layer], self.prefix_len,
                                           self.suffix_k[layer], self.suffix_v[layer], self.own_len, self.n,
-                                          self.prompt_view, self.response_view, scaling)
+                                          self.prompt_view, self.response_view, scaling, window=spec.window,
+                                          softcap=spec.softcap)
             return out.view(rows, 1, heads, d)
         math_fn = _compiled_decode_attention() if q.is_cuda else decode_attention
         return math_fn(q, self.prefix_k[layer], self.prefix_v[layer], self.suffix_k[layer], self.suffix_v[layer],
-                       self.prefix_len, self.write_at, self.n, self.prompt_view, self.response_view, scaling)
+                       self.prefix_len, self.write_at, self.n, self.prompt_view, self.response_view, scaling,
+                       spec.window, spec.softcap)
 
 
 def _batched(store: torch.Tensor, length: int) -> torch.Tensor:
@@ -201,37 +206,48 @@ def _batched(store: torch.Tensor, length: int) -> torch.Tensor:
     return store.view(a * b, cap, d)[:, :length]
 
 
-def _softmax_part(q, keys, values, outside, scaling):
+def _softmax_part(q, keys, values, outside, scaling, softcap):
     """Attention of ``q`` ``[batch, m, d]`` over ``keys``/``values`` ``[batch, L, d]`` with the
-    ``outside`` keys masked, returned with its log-sum-exp so two parts can be merged exactly."""
+    ``outside`` keys masked, returned with its log-sum-exp so two parts can be merged exactly
+    (-inf where a query has no key in this part)."""
     scores = torch.bmm(q, keys.transpose(1, 2)).float() * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(outside, float("-inf"))
     lse = scores.logsumexp(-1)
-    out = torch.bmm((scores - lse[..., None]).exp().to(values.dtype), values)
+    weights = (scores - lse.clamp(min=torch.finfo(lse.dtype).min)[..., None]).exp()
+    out = torch.bmm(weights.to(values.dtype), values)
     return out.float(), lse
 
 
 def decode_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, write_at, n: int, prompt_view: int,
-                     response_view: int, scaling):
-    """``q`` ``[rows, heads, 1, d]`` (rows = groups x n, group-major) -> ``[rows, 1, heads, d]``."""
+                     response_view: int, scaling, window: int | None = None, softcap: float | None = None):
+    """``q`` ``[rows, heads, 1, d]`` (rows = groups x n, group-major) -> ``[rows, 1, heads, d]``. With a
+    ``window`` a row at position ``p`` reads keys at positions ``> p - window`` only."""
     rows, heads, _, d = q.shape
     groups, kv_heads = prefix_k.shape[0], prefix_k.shape[1]
     r = heads // kv_heads
     P, S = prompt_view, response_view
     # Prompt part: the n samples' queries of a group (x r heads sharing a KV head) as one batch row.
     q_group = q[:, :, 0].reshape(groups, n, kv_heads, r, d).transpose(1, 2).reshape(groups * kv_heads, n * r, d)
-    outside = (torch.arange(P, device=q.device)[None, :] >= prefix_len[:, None])
-    outside = outside[:, None, None, :].expand(groups, kv_heads, 1, P).reshape(groups * kv_heads, 1, P)
-    out_p, lse_p = _softmax_part(q_group, _batched(prefix_k, P), _batched(prefix_v, P), outside, scaling)
+    outside = torch.arange(P, device=q.device)[None, :] >= prefix_len[:, None]  # [groups, P]
+    later = torch.arange(S, device=q.device)[None, :] > write_at[:, None]  # [rows, S]
+    if window is None:  # one mask row for all the group's queries
+        outside = outside[:, None, None, :].expand(groups, kv_heads, 1, P).reshape(groups * kv_heads, 1, P)
+    else:  # a row per sample: the fed token sits at position prefix_len + write_at
+        reach = (prefix_len.repeat_interleave(n) + write_at - window + 1).view(groups, 1, n, 1, 1)
+        outside = outside[:, None, None, None, :] | (torch.arange(P, device=q.device) < reach)
+        outside = outside.expand(groups, kv_heads, n, r, P).reshape(groups * kv_heads, n * r, P)
+        later = later | (torch.arange(S, device=q.device)[None, :] < write_at[:, None] - window + 1)
+    out_p, lse_p = _softmax_part(q_group, _batched(prefix_k, P), _batched(prefix_v, P), outside, scaling, softcap)
     out_p = out_p.view(groups, kv_heads, n, r, d).transpose(1, 2).reshape(rows, kv_heads, r, d)
     lse_p = lse_p.view(groups, kv_heads, n, r).transpose(1, 2).reshape(rows, kv_heads, r)
     # Own part: each row against its generated tokens up to and including the one fed now.
-    later = (torch.arange(S, device=q.device)[None, :] > write_at[:, None])
     later = later[:, None, None, :].expand(rows, kv_heads, 1, S).reshape(rows * kv_heads, 1, S)
     out_o, lse_o = _softmax_part(q[:, :, 0].reshape(rows * kv_heads, r, d), _batched(suffix_k, S),
-                                 _batched(suffix_v, S), later, scaling)
+                                 _batched(suffix_v, S), later, scaling, softcap)
     out_o, lse_o = out_o.view(rows, kv_heads, r, d), lse_o.view(rows, kv_heads, r)
-    top = torch.maximum(lse_p, lse_o)
+    top = torch.maximum(lse_p, lse_o)  # finite: the own part always holds the fed token
     w_p, w_o = (lse_p - top).exp()[..., None], (lse_o - top).exp()[..., None]
     out = (out_p * w_p + out_o * w_o) / (w_p + w_o)
     return out.to(q.dtype).reshape(rows, 1, heads, d)
@@ -279,15 +295,16 @@ class FastRolloutEngine(RolloutEngine):
             decode_kernel = "triton" if self.device.type == "cuda" and importlib.util.find_spec("triton") else "bmm"
         self.decode_kernel = decode_kernel
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
-        config = self.model.config
-        self.layers = config.num_hidden_layers
-        self.kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        spec = use_longqa_attention(self.model)
+        if spec.engine_problem:
+            raise UnsupportedModelError(f"the fast engine cannot hold {spec.model_type!r} models in its KV store: "
+                                        f"{spec.engine_problem}; use rollout.engine=hf")
+        self.layers = max(spec.layers) + 1
+        self.kv_heads, self.head_dim, self.logits_spec = spec.kv_heads, spec.head_dim, spec.logits
         self.kv: SharedPrefixKV | None = None
         self.state: DecodeState | None = None  # sized with the KV stores (graphs capture both)
         self.graphs: dict = {}
         self.stop_ids: dict = {}
-        use_longqa_attention(self.model)
         reason = unsupported_reason(self.model)
         if fused_decode and reason:
             raise ValueError(f"fused_decode=True but {reason}")
@@ -423,7 +440,7 @@ class FastRolloutEngine(RolloutEngine):
                                                attention_mask=NO_MASK.to(self.device), use_cache=False,
                                                longqa_kv=kv).last_hidden_state[0]
         kv.mode = "decode"
-        logits = self.model.get_output_embeddings()(hidden[-1:]).expand(n, -1)
+        logits = self._logits(hidden[-1:]).expand(n, -1)
         rows = slice(g * n, (g + 1) * n)
         kv.prefix_len[g] = len(prompt)
         state.keys[rows] = keys
@@ -469,9 +486,13 @@ class FastRolloutEngine(RolloutEngine):
             hidden = self.model.base_model(input_ids=state.last[:, None], position_ids=positions[:, None],
                                            attention_mask=NO_MASK.to(self.device), use_cache=False,
                                            longqa_kv=kv).last_hidden_state[:, 0]
-        logits = self.model.get_output_embeddings()(hidden)
+        logits = self._logits(hidden)
         tokens, logp = self.sample(logits, params, state.keys, index, self.vocab_terms)
         state.advance(tokens, logp, stops, params.max_new_tokens)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's logits from final hidden states: its LM head and logit transforms, in float32."""
+        return self.logits_spec.apply(self.model.get_output_embeddings()(hidden).float())
 
     def _collect(self, g: int, params, state: "DecodeState") -> list[Sample]:
         n = params.n

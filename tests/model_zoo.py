@@ -1,0 +1,98 @@
+"""Every causal-LM family of the installed transformers as a tiny random model, for the family sweep.
+
+The families are enumerated from transformers' own causal-LM mapping, not chosen. Each family's default
+configuration is shrunk by the common size keys (any the config has), its layer kinds kept one of
+each, and its sliding window and soft-caps set small enough to change the results at test lengths.
+A family whose configuration cannot be shrunk this way is reported with the reason (``ZooError``).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+VOCAB = 101
+WINDOW = 5  # shorter than the test prompts: a window that is ignored changes the log-probs
+ATTENTION_SOFTCAP = 2.0
+FINAL_SOFTCAP = 3.0
+MAX_PARAMETERS = 3_000_000
+
+SIZES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=8, max_position_embeddings=256, moe_intermediate_size=32,
+             num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+             shared_expert_intermediate_size=32, ffn_hidden_size=64, n_embd=32, n_layer=2, n_head=4, d_model=32,
+             n_positions=256, num_layers=2, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+             qk_nope_head_dim=8, qk_head_dim=16, v_head_dim=8, n_inner=64, decoder_layers=2,
+             decoder_attention_heads=4, decoder_ffn_dim=64, encoder_layers=2, encoder_attention_heads=4,
+             encoder_ffn_dim=64, num_heads=4, ffn_dim=64, rotary_dim=8, partial_rotary_factor=None,
+             global_head_dim=8, num_global_key_value_heads=2, initializer_range=0.2, pad_token_id=0,
+             bos_token_id=1, eos_token_id=2, sliding_window=WINDOW, attn_logit_softcapping=ATTENTION_SOFTCAP,
+             final_logit_softcapping=FINAL_SOFTCAP, tie_word_embeddings=False)
+
+
+class ZooError(RuntimeError):
+    """The family's default configuration could not be made into a tiny model."""
+
+
+def families() -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def _set(config, name, value) -> None:
+    if name == "partial_rotary_factor" or not hasattr(config, name):
+        return
+    if value is None or getattr(config, name) is None and name in ("sliding_window", "attn_logit_softcapping",
+                                                                   "final_logit_softcapping"):
+        return  # a feature the family does not have stays off
+    try:
+        setattr(config, name, value)
+    except Exception:  # read-only properties of some configurations
+        pass
+
+
+def tiny_config(family: str, **overrides):
+    from transformers import CONFIG_MAPPING
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = CONFIG_MAPPING[family]()
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        for cfg in {id(config): config, id(text): text}.values():
+            for name, value in {**SIZES, **overrides}.items():
+                _set(cfg, name, value)
+            if getattr(cfg, "kv_lora_rank", None):  # latent attention expands keys per query head
+                _set(cfg, "num_key_value_heads", cfg.num_attention_heads)
+            kinds = getattr(cfg, "layer_types", None)
+            if isinstance(kinds, list) and kinds:
+                distinct = list(dict.fromkeys(kinds))
+                kinds = distinct if len(distinct) > 1 else distinct * 2
+                _set(cfg, "num_hidden_layers", len(kinds))
+                _set(cfg, "layer_types", kinds)
+    return config
+
+
+def tiny_model(family: str, attn_implementation: str = "eager", **overrides):
+    """A seeded float32 model of ``family`` (``overrides``: config keys beside the tiny sizes); ``ZooError``
+    says why there is none."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        config = tiny_config(family, **overrides)
+        with torch.device("meta"):
+            size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+        if size > MAX_PARAMETERS:
+            raise ZooError(f"{size:,} parameters after shrinking the default configuration")
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+        model = model.float().eval()
+        model(input_ids=torch.arange(3, 9)[None])  # the model must at least run
+        return model
+    except ZooError:
+        raise
+    except Exception as err:
+        raise ZooError(f"{type(err).__name__}: {str(err).splitlines()[0][:160]}") from None
