@@ -156,11 +156,15 @@ def test_weights_are_the_training_model_s_own():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_graph_replays_equal_transformers_and_the_recompute():
-    """The compiled fused step and decode attention, replayed as CUDA graphs."""
-    model = tiny_lm(head_dim=16).cuda()
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "gemma2"])
+def test_cuda_graph_replays_equal_transformers_and_the_recompute(family):
+    """The compiled fused step (Qwen3, Mistral with a sliding window of 5) or the model's modules (Gemma2:
+    windows and soft-capping) and the Triton decode attention, replayed as CUDA graphs."""
+    from model_zoo import tiny_model
+
+    model = (tiny_lm(head_dim=16) if family == "qwen3" else tiny_model(family, head_dim=16, hidden_size=64)).cuda()
     engine = FastRolloutEngine(model, max_groups=2, sync_every=3)
-    assert engine.cuda_graphs and engine.decode_step is not None
+    assert engine.cuda_graphs and (engine.decode_step is not None) == (family != "gemma2")
     params = SamplingParams(n=3, temperature=0, max_new_tokens=12, stop_token_ids=(STOP,))
     for prompt, group in zip(prompts(), engine.generate(prompts(), params)):
         assert all(s.token_ids == hf_greedy(model, torch.tensor(prompt).cuda().tolist(), 12) for s in group)
