@@ -26,7 +26,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from longqa.model.attention_spec import AttentionSpec, ModelSpec, UnsupportedModelError, inspect_model, read_call
+from longqa.model.attention_spec import (AttentionSpec, ModelSpec, UnsupportedModelError, close, inspect_model,
+                                         read_call)
 from longqa.model.packing import PackedBatch
 
 PREFIX = "longqa:"
@@ -204,7 +205,8 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
                                      **kwargs)
     spec = read_call(module, kwargs)
     if longqa_kv is not None:
-        return longqa_kv.attend(module.layer_idx, query, key, value, scaling, spec), None
+        # Contiguous, as transformers' own kernels return it (some modules view the output).
+        return longqa_kv.attend(module.layer_idx, query, key, value, scaling, spec).contiguous(), None
     if dropout:
         raise ValueError("shared-prompt attention does not implement attention dropout")
     run = _flex if longqa_pack.backend == "flex" else _dense
@@ -233,10 +235,44 @@ def use_longqa_attention(model) -> ModelSpec:
     model.set_attn_implementation(name)
     try:
         model.longqa_spec = inspect_model(model)
+        _check_packed(model, model.longqa_spec)
     except UnsupportedModelError:
         model.set_attn_implementation(current)
         raise
     return model.longqa_spec
+
+
+@torch.no_grad()
+def _check_packed(model, spec: ModelSpec) -> None:
+    """One small pack (a prompt and two responses) against a plain forward of each sample: whatever a model
+    does outside its attention calls that the packed layout would break (its own use of the mask, state
+    carried along the sequence) shows here, before any training."""
+    from longqa.model.packing import Pack, build_packed_batch
+
+    device = next(model.parameters()).device
+    vocab = model.get_output_embeddings().weight.shape[0]
+    prompt, responses = [1 % vocab, 5 % vocab, 2 % vocab, 7 % vocab], [[3 % vocab, 4 % vocab], [6 % vocab]]
+    pack = build_packed_batch([Pack(prompt, [0, 1], [2, 1])], responses).to(device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.compiler.set_stance("force_eager"):
+            packed = model.base_model(input_ids=pack.input_ids, position_ids=pack.position_ids,
+                                      attention_mask=NO_MASK.to(device), use_cache=False,
+                                      longqa_pack=pack).last_hidden_state[0]
+            for start, response in ((4, responses[0]), (6, responses[1])):
+                ids = torch.tensor([prompt + response], device=device)
+                plain = model.base_model(input_ids=ids, use_cache=False).last_hidden_state[0]
+                if not close(torch.cat([packed[:4], packed[start:start + len(response)]]), plain):
+                    raise UnsupportedModelError(f"longqa cannot train or sample {spec.model_type!r} models exactly: "
+                                                f"a packed forward differs from plain forwards of the same samples")
+    except UnsupportedModelError:
+        raise
+    except Exception as err:
+        raise UnsupportedModelError(f"longqa cannot train or sample {spec.model_type!r} models exactly: a packed "
+                                    f"forward fails ({type(err).__name__}: {err})") from None
+    finally:
+        model.train(was_training)
 
 
 # A 4-D placeholder handed to the model as ``attention_mask`` in packed calls: transformers returns a

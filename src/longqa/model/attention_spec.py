@@ -156,22 +156,29 @@ def inspect_model(model) -> ModelSpec:
     positions = torch.arange(PROBE_TOKENS, device=device)[None]
     was_training = model.training
     model.eval()
-    try:
-        recorder = Recorder()
+    # Eagerly: traced into compiled decoder layers, the recording would recompile them once per layer.
+    with torch.compiler.set_stance("force_eager"):
         try:
-            hidden = model.base_model(input_ids=ids, position_ids=positions, use_cache=False,
-                                      longqa_probe=recorder).last_hidden_state
-            expected = model(input_ids=ids, position_ids=positions, use_cache=False).logits
-        except UnsupportedModelError:
-            raise
-        except Exception as err:  # a model that cannot take the probe's arguments cannot take longqa's either
-            raise _refuse(model_type, f"a forward with position_ids and longqa's arguments fails "
-                                      f"({type(err).__name__}: {err})") from None
-        spec = _spec_from_calls(model, recorder.calls)
-        _check_positions(model, ids, positions, hidden)
-        _check_logits(model, spec.logits, hidden, expected)
-    finally:
-        model.train(was_training)
+            return _probe(model, ids, positions)
+        finally:
+            model.train(was_training)
+
+
+def _probe(model, ids, positions) -> ModelSpec:
+    model_type = model.config.model_type
+    recorder = Recorder()
+    try:
+        hidden = model.base_model(input_ids=ids, position_ids=positions, use_cache=False,
+                                  longqa_probe=recorder).last_hidden_state
+        expected = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+    except UnsupportedModelError:
+        raise
+    except Exception as err:  # a model that cannot take the probe's arguments cannot take longqa's either
+        raise _refuse(model_type, f"a forward with position_ids and longqa's arguments fails "
+                                  f"({type(err).__name__}: {err})") from None
+    spec = _spec_from_calls(model, recorder.calls)
+    _check_positions(model, ids, positions, hidden)
+    _check_logits(model, spec.logits, hidden, expected)
     return spec
 
 
@@ -215,12 +222,16 @@ def _check_positions(model, ids, positions, hidden) -> None:
                                                "layout restarts them at every response)")
 
 
+def close(ours: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Equal up to the rounding of the dtype the model computes in (relative to the largest value)."""
+    ours, expected = ours.float(), expected.float()
+    scale = float(expected.abs().max()) or 1.0
+    tolerance = 1e-4 if expected.dtype == torch.float32 and ours.dtype == torch.float32 else 2e-2
+    return math.isfinite(scale) and torch.allclose(ours, expected, rtol=tolerance, atol=tolerance * scale)
+
+
 def _check_logits(model, logits: LogitsSpec, hidden, expected) -> None:
     head = model.get_output_embeddings()
-    ours = logits.apply(torch.nn.functional.linear(hidden, head.weight, head.bias).float())
-    expected = expected.float()
-    scale = float(expected.abs().max()) or 1.0
-    tolerance = 1e-4 if hidden.dtype == torch.float32 else 2e-2
-    if not torch.allclose(ours, expected, rtol=tolerance, atol=tolerance * scale) or not math.isfinite(scale):
+    if not close(logits.apply(torch.nn.functional.linear(hidden, head.weight, head.bias).float()), expected):
         raise _refuse(model.config.model_type, "its logits are not its LM head applied to the last hidden states "
                                                "(up to logit scaling and soft-capping)")
