@@ -223,11 +223,13 @@ def _check_positions(model, ids, positions, hidden) -> None:
 
 
 def close(ours: torch.Tensor, expected: torch.Tensor) -> bool:
-    """Equal up to the rounding of the dtype the model computes in (relative to the largest value)."""
+    """Equal up to the rounding of the dtype the model computes in: a relative error (in norm) of 1e-4 in
+    float32, 5% in 16-bit types, where different kernels round differently through many layers. What the
+    checks look for (positions or masks the packed layout breaks) is an error of order one."""
+    tolerance = 1e-4 if expected.dtype == torch.float32 and ours.dtype == torch.float32 else 5e-2
     ours, expected = ours.float(), expected.float()
-    scale = float(expected.abs().max()) or 1.0
-    tolerance = 1e-4 if expected.dtype == torch.float32 and ours.dtype == torch.float32 else 2e-2
-    return math.isfinite(scale) and torch.allclose(ours, expected, rtol=tolerance, atol=tolerance * scale)
+    error = float((ours - expected).norm() / expected.norm().clamp(min=1e-30))
+    return math.isfinite(error) and error <= tolerance
 
 
 def _check_logits(model, logits: LogitsSpec, hidden, expected) -> None:
