@@ -178,7 +178,7 @@ def cmd_bench_step(args: argparse.Namespace) -> None:
 
 
 def cmd_cluster(args: argparse.Namespace) -> None:
-    from longqa.dist import cluster
+    from longqa.distributed import cluster
 
     hosts = cluster.parse_hostfile(args.hostfile)
     if args.command == "up":
@@ -191,7 +191,7 @@ def cmd_cluster(args: argparse.Namespace) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
-    from longqa.dist.planner import GIB, ModelSizes, check_config, model_sizes, plan_config
+    from longqa.distributed.planner import GIB, ModelSizes, check_config, model_sizes, plan_config
 
     cfg = load_config(args.config, args.overrides)
     if args.shape:
@@ -400,8 +400,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from longqa.data.io import DataFileError
-    from longqa.dist.cluster import HostfileError
-    from longqa.dist.planner import PlanError
+    from longqa.distributed.cluster import HostfileError
+    from longqa.distributed.planner import PlanError
     from longqa.data.loongrl import SourceError
     from longqa.model.load import ModelError
     from longqa.model.tokenizer import TokenizerError
