@@ -140,7 +140,7 @@ def bench_train(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int = 1
     return results
 
 
-HBM_BYTES_PER_S = 4.3e12  # H200 copy bandwidth measured on the device (DESIGN.md); the datasheet says 4.8e12
+HBM_BYTES_PER_S = 4.3e12  # H200 bandwidth a large copy reaches, measured; the datasheet says 4.8e12
 
 
 def decode_floor_s(config, prompt: int, new_tokens: int, n: int, groups: int, shared: bool = True,
