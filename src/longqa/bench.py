@@ -15,20 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-H200_BF16_PEAK = 989e12  # dense bf16 TFLOP/s, datasheet
+from longqa.model.shapes import SHAPES  # the shapes this module builds (also read by `longqa plan --shape`)
 
-SHAPES = {  # Qwen3 family shapes (config.json of the released models)
-    "qwen3-tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=True),
-    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
-    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
-    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
-    "qwen3-32b": dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
-                      num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
-}
+H200_BF16_PEAK = 989e12  # dense bf16 TFLOP/s, datasheet
 
 
 def random_model(shape: str, device, dtype=torch.bfloat16, gradient_checkpointing: bool = True,

@@ -197,7 +197,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     if args.shape:
         from transformers import Qwen3Config
 
-        from longqa.bench import SHAPES
+        from longqa.model.shapes import SHAPES
 
         sizes = ModelSizes.from_config(Qwen3Config(**SHAPES[args.shape]))
     else:
@@ -307,7 +307,7 @@ def _add_model_commands(groups: argparse._SubParsersAction) -> None:
 
 def _add_sft_command(groups: argparse._SubParsersAction) -> None:
     """``longqa sft``: its flags are the fields of ``SFTOptions``, so the two cannot drift apart."""
-    from longqa.sft import SFTOptions
+    from longqa.sft_options import SFTOptions
 
     p = groups.add_parser("sft", help="supervised warm-up on reference responses (builds the embedded default)",
                           description="Train a model on the reference responses of verl-schema rows "
@@ -320,7 +320,7 @@ def _add_sft_command(groups: argparse._SubParsersAction) -> None:
 
 def _add_bench_args(p: argparse.ArgumentParser, func) -> None:
     """The arguments every bench takes: model shape, prompt, n, device, JSON output."""
-    from longqa.bench import SHAPES
+    from longqa.model.shapes import SHAPES
 
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-1.7b")
     p.add_argument("--prompt", type=int, default=8192, help="prompt tokens (default 8192)")
@@ -381,7 +381,7 @@ def _add_bench_commands(groups: argparse._SubParsersAction) -> None:
 
 def _add_scale_out_commands(groups: argparse._SubParsersAction) -> None:
     """``longqa cluster up|down|status`` and ``longqa plan``: the machines, and whether a run fits them."""
-    from longqa.bench import SHAPES
+    from longqa.model.shapes import SHAPES
 
     cluster_p = groups.add_parser("cluster", help="a Ray cluster over ssh from a hostfile",
                                   description="Start, stop or inspect a Ray cluster on the hosts of an MPI-style "
@@ -434,25 +434,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
-    args.argv = argv  # the command as typed, for records such as the model card
-    # The errors a command reports in one line; imported after parsing, so `--help` stays quick.
+def _reported_errors() -> tuple[type[Exception], ...]:
+    """The errors a command reports in one line (a bad input, not a bug). Imported only when something
+    fails, so that parsing, --help and the light commands do not load torch."""
     from longqa.data.io import DataFileError
+    from longqa.data.loongrl import SourceError
     from longqa.distributed.cluster import HostfileError
     from longqa.distributed.planner import PlanError
-    from longqa.data.loongrl import SourceError
     from longqa.model.load import ModelError
     from longqa.model.tokenizer import TokenizerError
     from longqa.rollout.fast import KVBudgetError
     from longqa.train.actor import TrainingError
     from longqa.train.checkpoint import CheckpointError
 
+    return (ConfigError, DataFileError, SourceError, TokenizerError, ModelError, CheckpointError, TrainingError,
+            KVBudgetError, HostfileError, PlanError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    args.argv = argv  # the command as typed, for records such as the model card
     try:
         args.func(args)
-    except (ConfigError, DataFileError, SourceError, TokenizerError, ModelError, CheckpointError, TrainingError,
-            KVBudgetError, HostfileError, PlanError) as e:
+    except Exception as e:
+        if not isinstance(e, _reported_errors()):
+            raise
         print(f"longqa: error: {e}", file=sys.stderr)
         return 2
     return 0
