@@ -5,6 +5,8 @@ nothing is served from L2) for every combination of key block, warps, pipeline s
 and prints the best and the default per number of groups, with the HBM bandwidth they reach:
 
     python benchmarks/decode_attention_sweep.py --groups 1 2 16
+
+Needs a CUDA GPU (the kernel is Triton's; pick the GPU with CUDA_VISIBLE_DEVICES).
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ Runs the decode step eagerly (no CUDA graph, so each kernel is visible to the pr
 steps after a warm-up, on a random-weight model of a real shape:
 
     python benchmarks/decode_profile.py --shape qwen3-1.7b --prompt 8192 -n 8 --groups 1 16
+
+Needs a CUDA GPU (pick it with CUDA_VISIBLE_DEVICES).
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ Inductor's default launch settings and a few given ones, then under max-autotune
 line per setting:
 
     python benchmarks/flex_attention_settings.py --prompt 8192 --response 1024 -n 8
+
+Needs a CUDA GPU (pick it with CUDA_VISIBLE_DEVICES).
 """
 
 from __future__ import annotations

@@ -7,7 +7,10 @@ size (``longqa.data.synth``, one parquet file), then times on the same rows:
   cached  ``prepare_prompts`` again with nothing changed (content digest + memory map).
 
     python benchmarks/prompt_prep.py --rows 14000 --context-tokens 15900 \
-        --tokenizer ../shared/tokenizers/qwen2.5 --workdir /tmp/longqa-prompt-bench
+        --tokenizer Qwen/Qwen2.5-7B-Instruct --workdir /tmp/longqa-prompt-bench
+
+``--tokenizer`` is a Qwen2.5 tokenizer, as a Hub id or a local folder (the figures in RESULTS.md used a
+local copy of one); any fast tokenizer with a chat template works, but moves the token counts.
 """
 
 from __future__ import annotations
@@ -62,7 +65,8 @@ def main() -> None:
     parser.add_argument("--context-tokens", type=int, default=15_900,
                         help="synth target (approximate count), set so Qwen2.5 prompts land just under 16,384")
     parser.add_argument("--max-prompt-length", type=int, default=16_384)
-    parser.add_argument("--tokenizer", required=True)
+    parser.add_argument("--tokenizer", required=True,
+                        help="tokenizer folder or Hub id with a chat template, e.g. Qwen/Qwen2.5-7B-Instruct")
     parser.add_argument("--workdir", default="/tmp/longqa-prompt-bench")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()

@@ -1,4 +1,4 @@
-"""A short GRPO run on a random-weight model of a real shape, for scaling measurements (issue 6).
+"""A short GRPO run on a random-weight model of a real shape, for scaling measurements (``scale_gpu.sh``).
 
 Run it once per device count on the same global batch, then compare: the per-step time and tokens/s
 are in each run's metrics.jsonl. One process:

@@ -1,4 +1,4 @@
-"""TRL's GRPOTrainer on the work of a longqa GRPO step: the peer issue 5 compares against.
+"""TRL's GRPOTrainer on the work of a longqa GRPO step: the baseline ``longqa bench step`` is compared with.
 
 The setting users of TRL would pick without vLLM: transformers generation, beta 0 (no reference
 model), gradient checkpointing, bf16; a random-weight Qwen3 shape; ``--prompts`` prompts of
@@ -8,7 +8,7 @@ around the whole step (generation, rewards, forward and backward, optimizer):
 
     python benchmarks/trl_grpo_step.py --shape qwen3-1.7b --prompt 8192 --response 1024 -n 8 --prompts 2
 
-Compare with ``longqa bench step`` on the same numbers. Needs ``trl`` (and ``datasets``).
+Compare with ``longqa bench step`` on the same numbers. Needs ``pip install trl datasets``.
 """
 
 from __future__ import annotations
@@ -38,13 +38,6 @@ def prompt_texts(tokenizer, count: int, length: int, seed: int = 0) -> list[str]
 
 
 def main() -> None:
-    from datasets import Dataset
-    from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    from longqa.bench import random_model
-    from longqa.model.load import EMBEDDED_MODEL, load_model_tokenizer, pick_device
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="qwen3-1.7b")
     parser.add_argument("--prompt", type=int, default=8192)
@@ -54,6 +47,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()
+    try:
+        from datasets import Dataset
+        from trl import GRPOConfig, GRPOTrainer
+    except ImportError as err:
+        raise SystemExit(f"trl_grpo_step.py needs TRL and datasets ({err}): pip install trl datasets") from None
+    from transformers import TrainerCallback
+
+    from longqa.bench import random_model
+    from longqa.model.load import EMBEDDED_MODEL, load_model_tokenizer, pick_device
 
     dev = pick_device("auto")
     cuda = dev.type == "cuda"

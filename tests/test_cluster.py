@@ -3,7 +3,7 @@
 import pytest
 
 from longqa.cli import main
-from longqa.dist.cluster import (Host, HostfileError, Step, down_commands, parse_hostfile, run_steps,
+from longqa.distributed.cluster import (Host, HostfileError, Step, down_commands, parse_hostfile, run_steps,
                                  status_command, up_commands)
 
 SSH = ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=accept-new"]

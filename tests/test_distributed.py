@@ -55,7 +55,7 @@ def _worker(rank, world, port, shared, mode, budget, out, offload=False):
 
     import torch.distributed as dist
 
-    from longqa.dist.fsdp import full_state_dict
+    from longqa.distributed.fsdp import full_state_dict
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -79,7 +79,7 @@ def _bf16_worker(rank, world, port, out):
     import torch.distributed as dist
 
     import longqa.train.actor as actor_module
-    from longqa.dist.fsdp import shard_model
+    from longqa.distributed.fsdp import shard_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

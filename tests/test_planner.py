@@ -5,7 +5,7 @@ from transformers import Qwen3Config
 
 from longqa.bench import SHAPES
 from longqa.cli import main
-from longqa.dist.planner import GIB, ModelSizes, PlanError, check_plan, plan_memory
+from longqa.distributed.planner import GIB, ModelSizes, PlanError, check_plan, plan_memory
 
 H200 = 141 * GIB
 RECIPE = dict(micro_batch_tokens=16384, prompt_length=16384, response_length=4096, n=8)
@@ -66,7 +66,7 @@ def test_cli_prints_the_table_and_refuses_with_exit_2(capsys):
 
 def test_the_trainer_check_refuses_before_loading(tmp_path):
     from longqa.config import load_config
-    from longqa.dist.planner import check_run
+    from longqa.distributed.planner import check_run
 
     cfg = load_config(None, [])  # the embedded default: tiny
     assert check_run(cfg, world_size=1, gpu_bytes=H200).total < H200

@@ -250,7 +250,7 @@ def test_reward_result_is_frozen():
         result.score = 0.0
 
 
-# --- evaluation helpers --------------------------------------------------------------------------
+# --- evaluation functions ------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("solution, expected", [
@@ -287,7 +287,7 @@ def test_token_f1(prediction, truth, expected):
     assert token_f1(prediction, truth) == pytest.approx(expected)
 
 
-def test_eval_helpers_reject_malformed_truth():
+def test_eval_functions_reject_malformed_truth():
     with pytest.raises(ValueError):
         exact_match("Paris", [])
     with pytest.raises(ValueError):

@@ -15,20 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-H200_BF16_PEAK = 989e12  # dense bf16 TFLOP/s, datasheet
+from longqa.model.shapes import SHAPES  # the shapes this module builds (also read by `longqa plan --shape`)
 
-SHAPES = {  # Qwen3 family shapes (config.json of the released models)
-    "qwen3-tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=True),
-    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
-    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
-    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
-    "qwen3-32b": dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
-                      num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
-}
+H200_BF16_PEAK = 989e12  # dense bf16 TFLOP/s, datasheet
 
 
 def random_model(shape: str, device, dtype=torch.bfloat16, gradient_checkpointing: bool = True,
@@ -140,7 +129,7 @@ def bench_train(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int = 1
     return results
 
 
-HBM_BYTES_PER_S = 4.3e12  # H200 copy bandwidth measured on the device (DESIGN.md); the datasheet says 4.8e12
+HBM_BYTES_PER_S = 4.3e12  # H200 bandwidth a large copy reaches, measured; the datasheet says 4.8e12
 
 
 def decode_floor_s(config, prompt: int, new_tokens: int, n: int, groups: int, shared: bool = True,

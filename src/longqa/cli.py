@@ -178,7 +178,7 @@ def cmd_bench_step(args: argparse.Namespace) -> None:
 
 
 def cmd_cluster(args: argparse.Namespace) -> None:
-    from longqa.dist import cluster
+    from longqa.distributed import cluster
 
     hosts = cluster.parse_hostfile(args.hostfile)
     if args.command == "up":
@@ -191,13 +191,13 @@ def cmd_cluster(args: argparse.Namespace) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
-    from longqa.dist.planner import GIB, ModelSizes, check_config, model_sizes, plan_config
+    from longqa.distributed.planner import GIB, ModelSizes, check_config, model_sizes, plan_config
 
     cfg = load_config(args.config, args.overrides)
     if args.shape:
         from transformers import Qwen3Config
 
-        from longqa.bench import SHAPES
+        from longqa.model.shapes import SHAPES
 
         sizes = ModelSizes.from_config(Qwen3Config(**SHAPES[args.shape]))
     else:
@@ -233,11 +233,12 @@ def _print_counts(output_dir: str, counts: dict[str, dict[str, int]]) -> None:
             print(f"  {task}/{split}.parquet  {n} rows")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="longqa", description=DESCRIPTION,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    groups = parser.add_subparsers(dest="group", metavar="COMMAND", required=True)
+# --- the parser, one function per command group ----------------------------------------------------------
+# `build_parser` composes them in the order `longqa --help` lists the commands.
 
+
+def _add_data_commands(groups: argparse._SubParsersAction) -> None:
+    """``longqa data loongrl|synth|prepare``: the files training reads."""
     data = groups.add_parser("data", help="make training data", description="Make training data in verl's "
                              "parquet schema and the recipe's folder layout (<task>/{train,test}.parquet, merged/).")
     data_cmds = data.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)
@@ -273,6 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.set_defaults(func=cmd_data_prepare)
 
+
+def _add_model_commands(groups: argparse._SubParsersAction) -> None:
+    """``longqa train``, ``eval`` and ``export``: a policy trained, scored, and written out."""
     p = groups.add_parser("train", help="GRPO training (no arguments: the embedded default demo on the CPU)",
                           description="GRPO training from a YAML config plus key=value overrides. With no config it "
                           "runs the embedded default: the committed small model on synthetic data generated on "
@@ -300,39 +304,49 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("output", help="output folder")
     p.set_defaults(func=cmd_export)
 
+
+def _add_sft_command(groups: argparse._SubParsersAction) -> None:
+    """``longqa sft``: its flags are the fields of ``SFTOptions``, so the two cannot drift apart."""
+    from longqa.sft_options import SFTOptions
+
     p = groups.add_parser("sft", help="supervised warm-up on reference responses (builds the embedded default)",
                           description="Train a model on the reference responses of verl-schema rows "
                           "(extra_info.reference_response, written by `longqa data synth`): a new small Qwen3 with a "
                           "tokenizer trained on the data, or --init MODEL to continue from one. Evaluates greedy "
                           "held-out accuracy as it goes and writes the model folder with a model card.")
-    from longqa.sft import SFTOptions
-
     _add_dataclass_args(p, SFTOptions)
     p.set_defaults(func=cmd_sft)
 
+
+def _add_bench_args(p: argparse.ArgumentParser, func) -> None:
+    """The arguments every bench takes: model shape, prompt, n, device, JSON output."""
+    from longqa.model.shapes import SHAPES
+
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-1.7b")
+    p.add_argument("--prompt", type=int, default=8192, help="prompt tokens (default 8192)")
+    p.add_argument("-n", type=int, default=8, help="samples per prompt (default 8)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--json", help="also write the results here")
+    p.set_defaults(func=func)
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The fast engine's decode-step choices, for the benches that sample."""
+    p.add_argument("--decode-kernel", choices=["bmm", "triton"], help="fast engine decode attention")
+    p.add_argument("--no-fused-decode", action="store_true", help="decode through the model's own modules")
+
+
+def _add_bench_commands(groups: argparse._SubParsersAction) -> None:
+    """``longqa bench train|rollout|step``: speed on random-weight models of real shapes."""
     bench = groups.add_parser("bench", help="speed of the training layouts on random-weight models",
                               description="Benchmarks on random-weight models of real shapes (no download).")
     bench_cmds = bench.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)
-    from longqa.bench import SHAPES  # plain data: the shapes `bench` and `plan --shape` know
-    def bench_parser(name: str, func, help: str, description: str) -> argparse.ArgumentParser:
-        """A bench subcommand with the arguments every bench takes: model shape, prompt, n, device, JSON."""
-        p = bench_cmds.add_parser(name, help=help, description=description)
-        p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-1.7b")
-        p.add_argument("--prompt", type=int, default=8192, help="prompt tokens (default 8192)")
-        p.add_argument("-n", type=int, default=8, help="samples per prompt (default 8)")
-        p.add_argument("--device", default="auto")
-        p.add_argument("--json", help="also write the results here")
-        p.set_defaults(func=func)
-        return p
 
-    def engine_arguments(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--decode-kernel", choices=["bmm", "triton"], help="fast engine decode attention")
-        p.add_argument("--no-fused-decode", action="store_true", help="decode through the model's own modules")
-
-    p = bench_parser("train", cmd_bench_train, help="forward+backward of one group: naive padded vs shared-prompt packed",
-                     description="Seconds per group of N samples of one prompt through the actor's code path, "
-                     "tokens/s, speed-up, MFU (model FLOPs, recompute excluded, over the H200 bf16 peak) and peak "
-                     "memory. bf16 on CUDA, float32 on the CPU.")
+    p = bench_cmds.add_parser("train", help="forward+backward of one group: naive padded vs shared-prompt packed",
+                              description="Seconds per group of N samples of one prompt through the actor's code "
+                              "path, tokens/s, speed-up, MFU (model FLOPs, recompute excluded, over the H200 bf16 "
+                              "peak) and peak memory. bf16 on CUDA, float32 on the CPU.")
+    _add_bench_args(p, cmd_bench_train)
     p.add_argument("--response", type=int, default=1024, help="tokens of each response (default 1024)")
     p.add_argument("--layouts", nargs="+", choices=["naive", "packed"], default=["naive", "packed"])
     p.add_argument("--repeat", type=int, default=3, help="timed repetitions after one warm-up (default 3)")
@@ -341,26 +355,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-gradient-checkpointing", action="store_true")
     p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
 
-    p = bench_parser("rollout", cmd_bench_rollout, help="sampling speed: transformers generate vs the fast engine",
-                     description="New tokens/s for n samples of random prompts (EOS ignored, temperature 1): "
-                     "transformers' generate for one group, the fast engine for each --groups count, and the fast "
-                     "engine's decode time against its HBM-bandwidth floor.")
+    p = bench_cmds.add_parser("rollout", help="sampling speed: transformers generate vs the fast engine",
+                              description="New tokens/s for n samples of random prompts (EOS ignored, temperature "
+                              "1): transformers' generate for one group, the fast engine for each --groups count, and "
+                              "the fast engine's decode time against its HBM-bandwidth floor.")
+    _add_bench_args(p, cmd_bench_rollout)
     p.add_argument("--new-tokens", type=int, default=1024, help="new tokens per sample (default 1024)")
     p.add_argument("--groups", type=int, nargs="+", default=[1, 16], help="prompts per run (default 1 16)")
     p.add_argument("--hf-new-tokens", type=int, help="new tokens for transformers (default --new-tokens; 0 skips)")
     p.add_argument("--no-cuda-graphs", action="store_true")
-    engine_arguments(p)
+    _add_engine_args(p)
 
-    p = bench_parser("step", cmd_bench_step, help="a whole GRPO step: fast-engine rollout + packed update, per phase",
-                     description="Seconds per phase of GRPO steps on a random-weight model: rollout with the fast "
-                     "engine, rewards (random: such a model cannot answer) and advantages, one packed shared-prompt "
-                     "update. The first step includes warm-up.")
+    p = bench_cmds.add_parser("step", help="a whole GRPO step: fast-engine rollout + packed update, per phase",
+                              description="Seconds per phase of GRPO steps on a random-weight model: rollout with "
+                              "the fast engine, rewards (random: such a model cannot answer) and advantages, one "
+                              "packed shared-prompt update. The first step includes warm-up.")
+    _add_bench_args(p, cmd_bench_step)
     p.add_argument("--response", type=int, default=1024, help="new tokens per sample (EOS ignored)")
     p.add_argument("--prompts", type=int, default=16, help="prompts per step (default 16)")
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="recompute activations in the backward pass (off, as in longqa train)")
     p.add_argument("--steps", type=int, default=2)
-    engine_arguments(p)
+    _add_engine_args(p)
+
+
+def _add_scale_out_commands(groups: argparse._SubParsersAction) -> None:
+    """``longqa cluster up|down|status`` and ``longqa plan``: the machines, and whether a run fits them."""
+    from longqa.model.shapes import SHAPES
 
     cluster_p = groups.add_parser("cluster", help="a Ray cluster over ssh from a hostfile",
                                   description="Start, stop or inspect a Ray cluster on the hosts of an MPI-style "
@@ -386,6 +407,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", choices=sorted(SHAPES), help="a known model shape instead of model.path's config")
     p.set_defaults(func=cmd_plan)
 
+
+def _add_config_commands(groups: argparse._SubParsersAction) -> None:
+    """``longqa config show|keys``: the config tree a run would use, and every key it accepts."""
     config = groups.add_parser("config", help="show the config", description="The typed config tree: YAML plus "
                                "dotted key=value overrides, checked before any work starts.")
     config_cmds = config.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)
@@ -395,27 +419,47 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_config_show)
     p = config_cmds.add_parser("keys", help="list every key with its help and default")
     p.set_defaults(func=cmd_config_keys)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="longqa", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    groups = parser.add_subparsers(dest="group", metavar="COMMAND", required=True)
+    _add_data_commands(groups)
+    _add_model_commands(groups)
+    _add_sft_command(groups)
+    _add_bench_commands(groups)
+    _add_scale_out_commands(groups)
+    _add_config_commands(groups)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def _reported_errors() -> tuple[type[Exception], ...]:
+    """The errors a command reports in one line (a bad input, not a bug). Imported only when something
+    fails, so that parsing, --help and the light commands do not load torch."""
     from longqa.data.io import DataFileError
-    from longqa.dist.cluster import HostfileError
-    from longqa.dist.planner import PlanError
     from longqa.data.loongrl import SourceError
+    from longqa.distributed.cluster import HostfileError
+    from longqa.distributed.planner import PlanError
     from longqa.model.load import ModelError
     from longqa.model.tokenizer import TokenizerError
     from longqa.rollout.fast import KVBudgetError
     from longqa.train.actor import TrainingError
     from longqa.train.checkpoint import CheckpointError
 
+    return (ConfigError, DataFileError, SourceError, TokenizerError, ModelError, CheckpointError, TrainingError,
+            KVBudgetError, HostfileError, PlanError)
+
+
+def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.argv = argv  # the command as typed, for records such as the model card
     try:
         args.func(args)
-    except (ConfigError, DataFileError, SourceError, TokenizerError, ModelError, CheckpointError, TrainingError,
-            KVBudgetError, HostfileError, PlanError) as e:
+    except Exception as e:
+        if not isinstance(e, _reported_errors()):
+            raise
         print(f"longqa: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -113,7 +113,7 @@ def _fail(reason: str) -> RewardResult:
     return RewardResult(0.0, reason)
 
 
-# --- shared text helpers -------------------------------------------------------------------------
+# --- shared text functions -----------------------------------------------------------------------
 
 
 def _truth_list(ground_truth: Any) -> list[str] | None:
@@ -422,7 +422,7 @@ def compute_score(data_source: Any, solution_str: Any, ground_truth: Any, extra_
     return score_detailed(data_source, solution_str, ground_truth, extra_info, **kwargs).score
 
 
-# --- evaluation helpers --------------------------------------------------------------------------
+# --- evaluation functions ------------------------------------------------------------------------
 
 
 def extract_answer(solution_str: Any) -> str | None:

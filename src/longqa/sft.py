@@ -16,7 +16,7 @@ import random
 import re
 import subprocess
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -28,35 +28,9 @@ from longqa.data.prompts import PromptOptions, PromptSet, prepare_prompts
 from longqa.evaluate import evaluate, format_table
 from longqa.model.load import load_model, pick_device, qwen3_config
 from longqa.model.tokenizer import train_tokenizer
+from longqa.sft_options import SFTOptions
 
 END_OF_TURN = "<|im_end|>"
-
-
-@dataclass
-class SFTOptions:
-    train_files: list[str]
-    output_dir: str
-    eval_files: list[str] = field(default_factory=list)
-    init: str | None = None  # continue from this model instead of building a new one
-    response_key: str = "reference_response"  # inside extra_info
-    no_think_fraction: float = 0.0  # this share of responses answer at once: "<think> </think> \\boxed{...}"
-    vocab_size: int = 2048
-    hidden_size: int = 256
-    num_layers: int = 6
-    num_heads: int = 8
-    num_kv_heads: int = 4
-    max_prompt_length: int = 2048
-    lr: float = 1e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 200
-    weight_decay: float = 0.1
-    batch_tokens: int = 131072
-    max_steps: int = 100_000
-    max_minutes: float = 10.0
-    eval_every: int = 500
-    eval_rows: int = 512
-    seed: int = 0
-    device: str = "auto"
 
 
 THINK_BLOCK = re.compile(r"<think>.*?</think>", re.DOTALL)

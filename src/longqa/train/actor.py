@@ -20,8 +20,8 @@ import torch
 from longqa import algo
 from longqa.batching import budget_batches, collate_right
 from longqa.config import Config
-from longqa.dist.env import all_reduce, world_size
-from longqa.dist.fsdp import shard_model
+from longqa.distributed.env import all_reduce, world_size
+from longqa.distributed.fsdp import shard_model
 from longqa.model.attention import BLOCK, resolve_backend, use_longqa_attention
 from longqa.model.logprobs import packed_logprobs, token_logprobs
 from longqa.model.packing import build_packed_batch, plan_packs

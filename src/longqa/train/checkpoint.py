@@ -252,7 +252,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Mo
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
-    from longqa.dist.env import barrier, is_main, world_size
+    from longqa.distributed.env import barrier, is_main, world_size
 
     sharded = world_size() > 1
     run_dir = Path(run_dir)

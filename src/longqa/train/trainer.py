@@ -20,8 +20,8 @@ import torch
 from longqa import algo, reward
 from longqa.config import Config, ConfigError, to_dict
 from longqa.data.prompts import PromptOptions, PromptSet, prepare_prompts
-from longqa.dist.env import DistEnv, all_reduce, gather_objects, leave_group
-from longqa.dist.planner import check_run
+from longqa.distributed.env import DistEnv, all_reduce, gather_objects, leave_group
+from longqa.distributed.planner import check_run
 from longqa.evaluate import evaluate, stop_token_ids
 from longqa.model.load import (compile_decoder_layers, load_model, load_model_tokenizer, pick_device,
                                resolve_model_path)
@@ -334,7 +334,7 @@ class _Silent:
 
 def train(cfg: Config) -> dict:
     if cfg.trainer.launcher == "ray":
-        from longqa.dist.ray_launcher import run_with_ray
+        from longqa.distributed.ray_launcher import run_with_ray
 
         return run_with_ray(cfg)
     trainer = Trainer(cfg)

@@ -1,0 +1,36 @@
+"""The options of ``longqa sft``: one field per command-line flag.
+
+Kept apart from ``sft.py`` (which needs torch) so the ``longqa`` command can build its flags without
+importing torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SFTOptions:
+    train_files: list[str]
+    output_dir: str
+    eval_files: list[str] = field(default_factory=list)
+    init: str | None = None  # continue from this model instead of building a new one
+    response_key: str = "reference_response"  # inside extra_info
+    no_think_fraction: float = 0.0  # this share of responses answer at once: "<think> </think> \\boxed{...}"
+    vocab_size: int = 2048
+    hidden_size: int = 256
+    num_layers: int = 6
+    num_heads: int = 8
+    num_kv_heads: int = 4
+    max_prompt_length: int = 2048
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 200
+    weight_decay: float = 0.1
+    batch_tokens: int = 131072
+    max_steps: int = 100_000
+    max_minutes: float = 10.0
+    eval_every: int = 500
+    eval_rows: int = 512
+    seed: int = 0
+    device: str = "auto"
