@@ -131,15 +131,15 @@ def test_merge_of_both_halves(n, kv_heads, r, d):
 
 
 @needs_triton
-@pytest.mark.parametrize("window, softcap", [(1, None), (7, None), (20, 0.5), (None, 0.3)])
-def test_sliding_window_and_soft_capping(window, softcap):
+@pytest.mark.parametrize("window, softcap, splits", [(1, None, (3, 2)), (7, None, (None, None)),
+                                                    (20, 0.5, (3, 2)), (None, 0.3, (None, None))])
+def test_sliding_window_and_soft_capping(window, softcap, splits):
     """Windows that end inside the prompt, inside the own keys, and at the query itself; rows of one group
-    whose windows start at different keys; a row with no own key."""
+    whose windows start at different keys; fixed and planned splits."""
     torch.manual_seed(window or 0)
     groups, n = 2, 3
     prefix_len, own_len = [40, 9], [1, 6, 13, 2, 1, 12]
-    check_full(groups, n, 2, 2, 16, prefix_len, own_len, 40, 13, splits=(3, 2), window=window, softcap=softcap)
-    check_full(groups, n, 2, 2, 16, prefix_len, own_len, 40, 13, window=window, softcap=softcap)
+    check_full(groups, n, 2, 2, 16, prefix_len, own_len, 40, 13, splits=splits, window=window, softcap=softcap)
 
 
 @needs_triton
