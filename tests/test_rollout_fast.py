@@ -228,3 +228,70 @@ def test_two_stage_argmax_and_log_softmax_equal_the_flat_ones(vocab):
     tokens = first_argmax(x)
     assert torch.equal(tokens, x.argmax(-1))
     torch.testing.assert_close(log_softmax_at(x, tokens), x.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1))
+
+
+def pick_stop_token(runs, max_new):
+    """A token some sample produced before its last step, that no sample meets first at its very last
+    step (there a stop token and the length limit end a sample alike, and only the token says "stop")."""
+    for group in runs:
+        for sample in group:
+            for t in sample.token_ids[:max_new - 1]:
+                firsts = [s.token_ids.index(t) for g in runs for s in g if t in s.token_ids]
+                if max_new - 1 not in firsts:
+                    return t
+    raise AssertionError("no usable stop token")
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+@pytest.mark.parametrize("max_groups", [None, 1])
+def test_stop_at_ends_a_sample_exactly_as_a_stop_token_would(temperature, max_groups):
+    """A sample cut by ``stop_at`` at the length a stop token ended it is that sample: same tokens, same
+    log-probs, same finish reason, whether the groups run together or stream through one slot."""
+    model, max_new = tiny_lm(), 12
+    engine = FastRolloutEngine(model, max_groups=max_groups, sync_every=3)
+    seeds = [3, 4, 5, 6, 7]
+    free = engine.generate(prompts(), SamplingParams(n=3, temperature=temperature, max_new_tokens=max_new),
+                           seeds=seeds)
+    stop = pick_stop_token(free, max_new)
+    stopped = engine.generate(prompts(), SamplingParams(n=3, temperature=temperature, max_new_tokens=max_new,
+                                                        stop_token_ids=(stop,)), seeds=seeds)
+    lengths = [[len(s.token_ids) for s in group] for group in stopped]
+    assert any(length < max_new for row in lengths for length in row)
+    cut = engine.generate(prompts(), SamplingParams(n=3, temperature=temperature, max_new_tokens=max_new),
+                          seeds=seeds, stop_at=lengths)
+    assert [[(s.token_ids, s.logprobs, s.finish_reason) for s in g] for g in cut] == \
+           [[(s.token_ids, s.logprobs, s.finish_reason) for s in g] for g in stopped]
+
+
+def test_stop_at_limits_of_one_and_of_max_new_tokens():
+    model, max_new = tiny_lm(), 7
+    engine = FastRolloutEngine(model, max_groups=2, sync_every=2)
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=max_new)
+    free = engine.generate(prompts(), params, seeds=[1, 2, 3, 4, 5])
+    limits = [[1, max_new, 3], [1, 1, 1], [max_new] * 3, [2, 1, max_new], [4, 5, 6]]
+    cut = engine.generate(prompts(), params, seeds=[1, 2, 3, 4, 5], stop_at=limits)
+    for row, whole, part in zip(limits, free, cut):  # groups change slots here: log-probs may differ in the last bits
+        for limit, a, b in zip(row, whole, part):
+            assert b.token_ids == a.token_ids[:limit]
+            assert torch.allclose(torch.tensor(b.logprobs), torch.tensor(a.logprobs[:limit]), atol=1e-5)
+            assert b.finish_reason == ("length" if limit == max_new else "stop")
+    steps = [[limit - 1 for limit in row] for row in limits]  # the first token comes with the prefill
+    run = engine.last_run
+    assert run["live_row_steps"] == sum(map(sum, steps)) and run["busy_slot_steps"] == sum(map(max, steps))
+    assert run["busy_slot_steps"] <= run["decode_steps"] * run["slots"]
+    assert engine.generate(prompts(), params, seeds=[1, 2, 3, 4, 5], stop_at=[[max_new] * 3] * 5) == free
+
+
+@pytest.mark.parametrize("stop_at, message", [
+    ([[2, 2]] * 4, "4 entries for 5 prompts"),
+    ([[2, 2]] * 4 + [[2, 2, 2]], r"stop_at\[4\] must be a sequence of n=2"),
+    ([[2, 2]] * 4 + [5], r"stop_at\[4\] must be a sequence"),
+    ([[2, 0]] + [[2, 2]] * 4, r"stop_at\[0\]\[1\] must be an integer in \[1, max_new_tokens=6\], got 0"),
+    ([[2, 7]] + [[2, 2]] * 4, r"stop_at\[0\]\[1\] .* got 7"),
+    ([[2, 2.5]] + [[2, 2]] * 4, r"got 2.5"),
+    ([[True, 2]] + [[2, 2]] * 4, r"got True"),
+])
+def test_bad_stop_at_is_refused(stop_at, message):
+    engine = FastRolloutEngine(tiny_lm())
+    with pytest.raises(ValueError, match=message):
+        engine.generate(prompts(), SamplingParams(n=2, max_new_tokens=6), seeds=[1, 2, 3, 4, 5], stop_at=stop_at)

@@ -25,6 +25,10 @@ finished or not), so on a GPU it is captured once per (prompt, response) length 
 graph and replayed; the host looks at the device only every ``sync_every`` steps, to retire
 finished groups and admit new ones.
 
+``generate(..., stop_at=...)`` ends each sample at a given length as if it had sampled EOS there, so
+that benchmarks on random-weight models (which never sample it) see the varied lengths of real
+responses; ``last_run`` says how full the last call kept the slots.
+
 Sampling draws its noise from a counter-based hash of (request seed, token index, vocabulary id),
 so a request's samples depend on its seed alone: not on the batch, the slot or the device order.
 """
@@ -35,6 +39,7 @@ import copy
 import functools
 import importlib.util
 import math
+import numbers
 from collections import deque
 from collections.abc import Sequence
 
@@ -305,6 +310,7 @@ class FastRolloutEngine(RolloutEngine):
         self.state: DecodeState | None = None  # sized with the KV stores (graphs capture both)
         self.graphs: dict = {}
         self.stop_ids: dict = {}
+        self.last_run: dict = {}  # how the last generate used the slots: see _run
         reason = unsupported_reason(self.model)
         if fused_decode and reason:
             raise ValueError(f"fused_decode=True but {reason}")
@@ -365,14 +371,22 @@ class FastRolloutEngine(RolloutEngine):
     # ------------------------------------------------------------------------------------- generate
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 generator: torch.Generator | None = None, seeds: Sequence[int] | None = None) -> list[list[Sample]]:
+                 generator: torch.Generator | None = None, seeds: Sequence[int] | None = None,
+                 stop_at: Sequence[Sequence[int]] | None = None) -> list[list[Sample]]:
         """``params.n`` samples per prompt. ``seeds`` (one per prompt) make each prompt's samples a
-        function of its seed alone; without them seeds are drawn from ``generator``."""
+        function of its seed alone; without them seeds are drawn from ``generator``.
+
+        ``stop_at[i][j]`` (in ``[1, max_new_tokens]``) ends sample j of prompt i after that many tokens as
+        if it had sampled EOS there: its tokens and log-probs are the first ``stop_at[i][j]`` it would
+        otherwise have produced, and it finishes "stop" (a real stop token or string may end it earlier).
+        A limit of ``max_new_tokens`` is no limit: such a sample finishes "length" like any other that
+        runs into it, so drawn lengths clipped at the maximum count as truncated responses."""
         prompts = [list(p) for p in prompts]
         if not prompts:
             return []
         if not all(prompts):
             raise ValueError("every prompt needs at least one token")
+        limits = _check_stop_at(stop_at, len(prompts), params)
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer: pass one to FastRolloutEngine")
         if self.model is not self.source and self.version != weights_version(self.source):
@@ -382,49 +396,72 @@ class FastRolloutEngine(RolloutEngine):
         with eval_mode(self.model):
             if self.decode_step is not None:
                 self.decode_step.refresh()
-            return self._run(prompts, params, torch.as_tensor(list(seeds), dtype=torch.long))
+            return self._run(prompts, params, torch.as_tensor(list(seeds), dtype=torch.long), limits)
 
-    def _run(self, prompts, params: SamplingParams, seeds: torch.Tensor) -> list[list[Sample]]:
+    def _run(self, prompts, params: SamplingParams, seeds: torch.Tensor, limits: list[list[int]]) -> list[list[Sample]]:
+        """Stream the prompts' groups through the slots. The host follows each slot's age (decode steps
+        since admission) and the longest length its rows may reach, and looks at the device only between
+        runs of ``sync_every`` steps, or as soon as a slot must have finished, to retire and admit groups.
+
+        ``last_run`` records, from host values alone: ``decode_steps``; ``busy_slot_steps``, the sum over
+        decode steps of the slots holding a group that still needed them; ``live_row_steps``, the same
+        count for rows (a finished row still computes, ignored, until its group leaves)."""
         kv = self._ensure_kv(prompts, params)
         n, dev, state = params.n, self.device, self.state
         state.reset()
         stops = self.stop_ids.setdefault(params.stop_token_ids,
                                          torch.as_tensor(params.stop_token_ids or (-1,), device=dev))
         keys = request_seeds(seeds.to(dev), n)  # [len(prompts) * n]
+        row_limits = torch.as_tensor(limits, dtype=torch.long).view(-1).to(dev)  # [len(prompts) * n]
         pending = deque(range(len(prompts)))
         slot_prompt: list[int | None] = [None] * kv.groups
         slot_prompt_len = [0] * kv.groups
         slot_age = [0] * kv.groups  # decode steps since admission: bounds the slot's response length
+        slot_done_at = [0] * kv.groups  # the age at which all the slot's rows have reached their limits
         results: list[list[Sample] | None] = [None] * len(prompts)
+        self.last_run = {"decode_steps": 0, "busy_slot_steps": 0, "live_row_steps": 0, "slots": kv.groups, "n": n}
         while True:
             for g in range(kv.groups):
                 if slot_prompt[g] is None and pending:
                     i = pending.popleft()
-                    self._admit(g, prompts[i], params, keys[i * n:(i + 1) * n], state, stops)
+                    self._admit(g, prompts[i], params, keys[i * n:(i + 1) * n], row_limits[i * n:(i + 1) * n],
+                                state, stops)
                     slot_prompt[g], slot_prompt_len[g], slot_age[g] = i, len(prompts[i]), 0
+                    slot_done_at[g] = max(limits[i]) - 1  # the first token came with the prefill
             active = state.active.view(kv.groups, n).any(1).tolist()
+            freed = False
             for g in range(kv.groups):  # groups that finished (possibly at their first token)
                 if slot_prompt[g] is not None and not active[g]:
                     results[slot_prompt[g]] = self._collect(g, params, state)
-                    slot_prompt[g] = None
+                    self._count_steps(results[slot_prompt[g]])
+                    slot_prompt[g], freed = None, True
+            if freed and pending:
+                continue  # a freed slot takes the next prompt before the next decode step
             if not any(active):
-                if not pending:
-                    break
-                continue
-            longest_prompt = max(slot_prompt_len[g] for g in range(kv.groups) if slot_prompt[g] is not None)
+                break
+            occupied = [g for g in range(kv.groups) if slot_prompt[g] is not None]
+            longest_prompt = max(slot_prompt_len[g] for g in occupied)
             for _ in range(self.sync_every):
-                longest_response = max(slot_age[g] for g in range(kv.groups) if slot_prompt[g] is not None) + 1
+                longest_response = max(slot_age[g] for g in occupied) + 1
                 kv.prompt_view = _bucket(longest_prompt, 256, kv.prompt_cap)
                 kv.response_view = _bucket(longest_response, 64, kv.response_cap)
                 self._decode_step(params, state, stops)
+                self.last_run["decode_steps"] += 1
                 slot_age = [age + 1 for age in slot_age]
-                if max(slot_age[g] for g in range(kv.groups) if slot_prompt[g] is not None) >= params.max_new_tokens:
+                if any(slot_age[g] >= slot_done_at[g] for g in occupied):
                     break
             if params.stop_strings:
                 self._apply_stop_strings(params, state, slot_prompt)
         return results
 
-    def _admit(self, g: int, prompt: list[int], params, keys, state: "DecodeState", stops) -> None:
+    def _count_steps(self, samples: list[Sample]) -> None:
+        """A row of final length L needed L - 1 decode steps (its first token came with the prefill);
+        its group needed as many as its longest row."""
+        steps = [len(s.token_ids) - 1 for s in samples]
+        self.last_run["busy_slot_steps"] += max(steps)
+        self.last_run["live_row_steps"] += sum(steps)
+
+    def _admit(self, g: int, prompt: list[int], params, keys, limits, state: "DecodeState", stops) -> None:
         """Prefill ``prompt`` into slot ``g`` (in chunks) and sample each of its rows' first token."""
         kv, n = self.kv, params.n
         ids = torch.as_tensor(prompt, device=self.device)
@@ -446,7 +483,7 @@ class FastRolloutEngine(RolloutEngine):
         state.keys[rows] = keys
         tokens, logp = sample_rows(logits, params, keys, torch.zeros(n, dtype=torch.long, device=self.device),
                                    self.vocab_terms)
-        state.start(rows, tokens, logp, stops, params.max_new_tokens)
+        state.start(rows, tokens, logp, stops, limits)
 
     def _decode_step(self, params, state: "DecodeState", stops) -> None:
         if not self.cuda_graphs:
@@ -488,7 +525,7 @@ class FastRolloutEngine(RolloutEngine):
                                            longqa_kv=kv).last_hidden_state[:, 0]
         logits = self._logits(hidden)
         tokens, logp = self.sample(logits, params, state.keys, index, self.vocab_terms)
-        state.advance(tokens, logp, stops, params.max_new_tokens)
+        state.advance(tokens, logp, stops)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The model's logits from final hidden states: its LM head and logit transforms, in float32."""
@@ -501,7 +538,8 @@ class FastRolloutEngine(RolloutEngine):
         tokens = state.tokens[rows].tolist()
         logps = state.logp[rows].tolist() if params.return_logprobs else None
         stopped = state.stopped[rows].tolist()
-        return [Sample(tokens[j][:lengths[j]], "stop" if stopped[j] else "length",
+        # A row shorter than max_new_tokens was ended by a stop token or string, or by its stop_at limit.
+        return [Sample(tokens[j][:lengths[j]], "stop" if stopped[j] or lengths[j] < params.max_new_tokens else "length",
                        logps[j][:lengths[j]] if logps is not None else None) for j in range(n)]
 
     def _apply_stop_strings(self, params, state: "DecodeState", slot_prompt) -> None:
@@ -520,6 +558,24 @@ class FastRolloutEngine(RolloutEngine):
             state.checked[row] = length
 
 
+def _check_stop_at(stop_at, prompts: int, params: SamplingParams) -> list[list[int]]:
+    """Each row's length limit: ``stop_at`` checked (one sequence of ``params.n`` integers in
+    ``[1, max_new_tokens]`` per prompt), or ``max_new_tokens`` everywhere."""
+    top = params.max_new_tokens
+    if stop_at is None:
+        return [[top] * params.n for _ in range(prompts)]
+    stop_at = [list(row) if hasattr(row, "__len__") and not isinstance(row, (str, bytes)) else row for row in stop_at]
+    if len(stop_at) != prompts:
+        raise ValueError(f"stop_at has {len(stop_at)} entries for {prompts} prompts: give one per prompt")
+    for i, row in enumerate(stop_at):
+        if not isinstance(row, list) or len(row) != params.n:
+            raise ValueError(f"stop_at[{i}] must be a sequence of n={params.n} lengths, got {row!r}")
+        for j, length in enumerate(row):
+            if not isinstance(length, numbers.Integral) or isinstance(length, bool) or not 1 <= length <= top:
+                raise ValueError(f"stop_at[{i}][{j}] must be an integer in [1, max_new_tokens={top}], got {length!r}")
+    return [[int(length) for length in row] for row in stop_at]
+
+
 class DecodeState:
     """Per-row device tensors of one ``generate`` call, updated in place (so CUDA graphs can replay)."""
 
@@ -532,6 +588,9 @@ class DecodeState:
         self.active = torch.zeros(rows, dtype=torch.bool, device=device)
         self.stopped = torch.zeros(rows, dtype=torch.bool, device=device)
         self.keys = torch.zeros(rows, dtype=torch.long, device=device)
+        # Each row's length limit (stop_at, or max_new_tokens), set at admission: a device tensor, so a
+        # captured decode step reads the limits of whichever groups hold the slots when it is replayed.
+        self.limit = torch.full((rows,), max_new, dtype=torch.long, device=device)
         self.row_ids = torch.arange(rows, device=device)
         self.checked = [0] * rows  # host: tokens already searched for stop strings
 
@@ -540,16 +599,17 @@ class DecodeState:
             flag.zero_()
         self.checked = [0] * self.rows
 
-    def start(self, rows: slice, tokens, logp, stops, max_new: int) -> None:
+    def start(self, rows: slice, tokens, logp, stops, limits: torch.Tensor) -> None:
         self.tokens[rows, 0], self.logp[rows, 0] = tokens, logp
         self.length[rows], self.last[rows] = 1, tokens
+        self.limit[rows] = limits
         stopped = torch.isin(tokens, stops)
         self.stopped[rows] = stopped
-        self.active[rows] = ~stopped & (max_new > 1)
+        self.active[rows] = ~stopped & (limits > 1)
         for row in range(rows.start, rows.stop):
             self.checked[row] = 0
 
-    def advance(self, tokens, logp, stops, max_new: int) -> None:
+    def advance(self, tokens, logp, stops) -> None:
         at = self.length.clamp(max=self.tokens.shape[1] - 1)
         live = self.active
         self.tokens[self.row_ids, at] = torch.where(live, tokens, self.tokens[self.row_ids, at])
@@ -558,7 +618,7 @@ class DecodeState:
         stopped = live & torch.isin(tokens, stops)
         self.stopped.copy_(self.stopped | stopped)
         self.length.add_(live.long())
-        self.active.copy_(live & ~stopped & (self.length < max_new))
+        self.active.copy_(live & ~stopped & (self.length < self.limit))
 
     def cut(self, row: int, length: int) -> None:
         self.length[row], self.active[row], self.stopped[row] = length, False, True
