@@ -2,33 +2,50 @@
 
 import json
 
+import pytest
+
 from longqa.cli import main
+from longqa.lengths import draw_response_lengths
 
 
 def test_bench_step_records_each_phase_of_each_step(tmp_path):
-    for checkpointing in (False, True):
+    for checkpointing, lengths in ((False, "max"), (True, "lognormal")):
         out = tmp_path / f"step_{checkpointing}.json"
         args = ["bench", "step", "--shape", "qwen3-tiny", "--prompt", "24", "--response", "5", "-n", "3",
-                "--prompts", "2", "--steps", "2", "--device", "cpu", "--json", str(out)]
+                "--prompts", "2", "--steps", "2", "--device", "cpu", "--json", str(out), "--lengths", lengths]
         main(args + (["--gradient-checkpointing"] if checkpointing else []))
         rows = json.loads(out.read_text())
         assert [r["step"] for r in rows] == [0, 1]
         for r in rows:
-            assert r["gradient_checkpointing"] is checkpointing
-            assert r["new_tokens"] == 2 * 3 * 5  # end of text ignored: every sample runs to --response
+            assert r["gradient_checkpointing"] is checkpointing and r["lengths"] == lengths
+            drawn = [x for i in range(2) for x in draw_response_lengths(lengths, 3, 5, (r["step"], i))]
+            assert r["new_tokens"] == sum(drawn)  # a random model never samples EOS: each sample ends where drawn
+            assert r["response_length_max"] == max(drawn) and r["response_length_mean"] == round(sum(drawn) / 6, 1)
             assert r["rollout_s"] > 0 and r["update_s"] > 0
             assert abs(r["step_s"] - (r["rollout_s"] + r["reward_and_advantages_s"] + r["update_s"])) < 0.02
+        if lengths == "max":
+            assert all(r["new_tokens"] == 2 * 3 * 5 for r in rows)
 
 
-def test_bench_rollout_compares_generate_and_the_fast_engine(tmp_path):
+@pytest.mark.parametrize("lengths", ["lognormal", "max"])
+def test_bench_rollout_compares_generate_and_the_fast_engine(tmp_path, lengths):
     out = tmp_path / "rollout.json"
-    main(["bench", "rollout", "--shape", "qwen3-tiny", "--prompt", "24", "--new-tokens", "6", "-n", "2",
-          "--groups", "1", "3", "--device", "cpu", "--json", str(out)])
+    main(["bench", "rollout", "--shape", "qwen3-tiny", "--prompt", "24", "--new-tokens", "40", "-n", "2",
+          "--groups", "1", "3", "--device", "cpu", "--json", str(out), "--lengths", lengths])
     rows = json.loads(out.read_text())
     assert [(r["engine"], r["groups"]) for r in rows] == [("transformers generate", 1), ("longqa fast", 1),
                                                          ("longqa fast", 3)]
-    assert all(r["new_tokens_per_s"] > 0 for r in rows)
+    assert all(r["new_tokens_per_s"] > 0 and r["lengths"] == lengths for r in rows)
     assert all("fraction_of_floor" in r and "decode_ms_per_step" in r for r in rows[1:])
+    drawn = [draw_response_lengths(lengths, 2, 40, (0, i)) for i in range(3)]
+    for r in rows:  # generate did the same work as the engine: prompt 0's drawn lengths, exactly
+        group = drawn[:r["groups"]]
+        assert r["response_length_max"] == max(map(max, group))
+        assert r["response_length_mean"] == round(sum(map(sum, group)) / (2 * r["groups"]), 1)
+    for r in rows[1:]:
+        assert 0 < r["row_occupancy"] <= r["slot_occupancy"] <= 1
+        if lengths == "max":  # every slot busy every step, every row live
+            assert r["slot_occupancy"] == r["row_occupancy"] == 1.0 and r["decode_steps"] == 39
 
 
 def test_the_decode_floor_of_the_qwen3_1_7b_shape():
@@ -49,3 +66,21 @@ def test_the_decode_floor_of_the_qwen3_1_7b_shape():
     for groups, shared, documented in [(1, True, 1.128), (16, True, 6.042), (1, False, 2.657), (16, False, 30.514)]:
         ms = 1e3 * decode_floor_s(config, 8192, 1024, 8, groups, shared) / 1024
         assert round(ms, 3) == documented and abs(ms - by_hand(groups, shared)) < 1e-9
+        assert decode_floor_s(config, 8192, [[1024] * 8] * groups, shared=shared) == pytest.approx(ms * 1.024, rel=1e-12)
+
+
+def test_the_decode_floor_of_drawn_lengths_counts_the_ideal_schedule():
+    """Three groups through two slots always full: (5 + 3 + 4) / 2 = 6 steps of weights; each group's
+    prompt once per step it lives (unshared: once per sample step); each sample its own KV so far."""
+    from transformers import Qwen3Config
+
+    from longqa.bench import SHAPES, decode_floor_s, ideal_decode_steps
+
+    config = Qwen3Config(**SHAPES["qwen3-1.7b"])
+    lengths = [[5, 2], [3, 3], [1, 4]]
+    weights, kv_token = 2 * 1_720_451_072, 114_688  # bytes per read
+    own = sum(x * (x - 1) / 2 for g in lengths for x in g)
+    assert ideal_decode_steps(lengths, 2) == 6
+    for shared, prompt_steps in ((True, 5 + 3 + 4), (False, 7 + 6 + 5)):
+        by_hand = (6 * weights + kv_token * (100 * prompt_steps + own)) / 4.3e12
+        assert decode_floor_s(config, 100, lengths, in_flight=2, shared=shared) == pytest.approx(by_hand, rel=1e-12)

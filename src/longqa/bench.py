@@ -5,16 +5,22 @@
 layout, and reports tokens/s, the speed-up, peak memory and MFU. MFU counts model FLOPs of the tokens
 each layout must compute (linear layers on every token, the LM head on response tokens, attention on
 the pairs its mask allows; the gradient-checkpointing recompute excluded) over the bf16 datasheet peak.
+
+``bench rollout`` and ``bench step`` sample from random-weight models, which never sample EOS: each
+response is given a length drawn from ``longqa.lengths`` (``lengths="lognormal"``, the realistic case) or
+the maximum (``"max"``, the worst case), and ends there as if it had sampled EOS.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from longqa.lengths import draw_response_lengths
 from longqa.model.shapes import SHAPES  # the shapes this module builds (also read by `longqa plan --shape`)
 
 H200_BF16_PEAK = 989e12  # dense bf16 TFLOP/s, datasheet
@@ -132,25 +138,102 @@ def bench_train(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int = 1
 HBM_BYTES_PER_S = 4.3e12  # H200 bandwidth a large copy reaches, measured; the datasheet says 4.8e12
 
 
-def decode_floor_s(config, prompt: int, new_tokens: int, n: int, groups: int, shared: bool = True,
-                   dtype_bytes: int = 2, bandwidth: float = HBM_BYTES_PER_S) -> float:
-    """Seconds for ``new_tokens`` decode steps if every step only had to read from HBM, once, the weights
-    (decoder + LM head), each group's prompt KV (once per sample when not ``shared``) and each sample's
-    own KV so far."""
+def per_sample_lengths(new_tokens: int | Sequence[Sequence[int]], n: int | None = None,
+                       groups: int | None = None) -> list[list[int]]:
+    """Each group's samples' lengths: ``new_tokens`` for all ``groups`` x ``n``, or as given."""
+    if isinstance(new_tokens, int):
+        return [[new_tokens] * n for _ in range(groups)]
+    lengths = [list(group) for group in new_tokens]
+    if (groups is not None and len(lengths) != groups) or (n is not None and any(len(g) != n for g in lengths)):
+        raise ValueError(f"expected {groups} groups of {n} lengths, got {lengths}")
+    return lengths
+
+
+def ideal_decode_steps(lengths: Sequence[Sequence[int]], in_flight: int) -> float:
+    """Decode steps of an engine whose ``in_flight`` slots are always full: each group holds a slot for
+    as many steps as its longest sample."""
+    return sum(max(group) for group in lengths) / min(in_flight, len(lengths))
+
+
+def decode_floor_s(config, prompt: int, new_tokens: int | Sequence[Sequence[int]], n: int | None = None,
+                   groups: int | None = None, shared: bool = True, dtype_bytes: int = 2,
+                   bandwidth: float = HBM_BYTES_PER_S, in_flight: int | None = None) -> float:
+    """Seconds of decoding if every step only had to read from HBM, once, the weights (decoder + LM
+    head), the prompt KV of each group it holds (of each live sample when not ``shared``) and each live
+    sample's own KV so far.
+
+    ``new_tokens`` is every sample's length (``groups`` x ``n`` samples, all in flight: ``new_tokens``
+    steps) or each group's list of its samples' lengths. Then the schedule is the ideal one, with
+    ``in_flight`` slots (default: every group) always full: a group lives as many steps as its longest
+    sample, and the weights are read once per step, ``ideal_decode_steps`` times."""
     h, layers = config.hidden_size, config.num_hidden_layers
     heads, kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     weights = layers * (h * heads * d * 2 + h * kv * d * 2 + 3 * h * config.intermediate_size) + config.vocab_size * h
     kv_token = 2 * layers * kv * d  # elements per token of KV
-    prompt_reads = groups * (1 if shared else n) * prompt
-    own_tokens = groups * n * new_tokens * (new_tokens - 1) / 2  # summed over steps
-    return dtype_bytes * (new_tokens * (weights + kv_token * prompt_reads) + kv_token * own_tokens) / bandwidth
+    lengths = per_sample_lengths(new_tokens, n, groups)
+    steps = ideal_decode_steps(lengths, in_flight or len(lengths))
+    if shared:  # a group's prompt, once per step it lives
+        prompt_reads = prompt * sum(max(group) for group in lengths)
+    else:  # once per sample, per step of that sample
+        prompt_reads = prompt * sum(sum(group) for group in lengths)
+    own_tokens = sum(length * (length - 1) / 2 for group in lengths for length in group)  # summed over steps
+    return dtype_bytes * (steps * weights + kv_token * (prompt_reads + own_tokens)) / bandwidth
+
+
+def _length_stats(lengths: Sequence[Sequence[int]]) -> dict:
+    flat = [length for group in lengths for length in group]
+    return {"response_length_mean": round(sum(flat) / len(flat), 1), "response_length_max": max(flat)}
+
+
+def _forced_stop(lengths: Sequence[int], prompt: int, stop_id: int, device):
+    """Logits processors for ``generate`` that make row r sample ``stop_id`` as its ``lengths[r]``-th
+    token and never before, so that transformers does the very work the fast engine does under
+    ``stop_at``."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    last = torch.tensor(lengths, device=device) - 1  # the index of each row's last token
+
+    class ForcedStop(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            banned = scores.index_fill(-1, torch.tensor([stop_id], device=scores.device), float("-inf"))
+            forced = torch.full_like(scores, float("-inf"))
+            forced[:, stop_id] = 0.0
+            return torch.where((last == input_ids.shape[1] - prompt)[:, None], forced, banned)
+
+    return LogitsProcessorList([ForcedStop()])
+
+
+def _real_tokens(generated: torch.Tensor, stop_id: int) -> list[int]:
+    """Each row's tokens up to and including its first ``stop_id`` (the padding after it is not work)."""
+    hits = generated == stop_id
+    first = torch.where(hits.any(1), hits.int().argmax(1) + 1, generated.shape[1])
+    return first.tolist()
+
+
+def _generate_row(model, prompt_ids: list[int], n: int, lengths: list[int], dev) -> dict:
+    """transformers ``generate`` sampling n responses of one prompt, each of its drawn length."""
+    stop_id = 0
+    ids = torch.tensor([prompt_ids], device=dev)
+    out = []
+
+    def hf():
+        with torch.no_grad():
+            out[:] = [model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                                     temperature=1.0, top_k=0, num_return_sequences=n,
+                                     max_new_tokens=max(lengths), eos_token_id=stop_id, pad_token_id=stop_id,
+                                     logits_processor=_forced_stop(lengths, len(prompt_ids), stop_id, dev))]
+    seconds = _time(hf, dev, 1)
+    made = _real_tokens(out[0][:, len(prompt_ids):], stop_id)
+    return {"seconds": round(seconds, 3), "new_tokens_per_s": round(sum(made) / seconds), **_length_stats([made])}
 
 
 def bench_rollout(shape: str = "qwen3-1.7b", prompt: int = 8192, new_tokens: int = 1024, n: int = 8,
                   groups: tuple[int, ...] = (1, 16), hf_new_tokens: int | None = None, device: str = "auto",
-                  cuda_graphs: bool = True, engine_options: dict | None = None) -> list[dict]:
+                  cuda_graphs: bool = True, engine_options: dict | None = None,
+                  lengths: str = "lognormal") -> list[dict]:
     """New tokens/s of transformers' ``generate`` (n samples of one prompt) and of the fast engine (1 and
-    more groups of n), EOS ignored, temperature 1; the fast engine against its memory-bandwidth floor."""
+    more groups of n), temperature 1, each response ending at its drawn length (at most ``new_tokens``);
+    the fast engine against its memory-bandwidth floor for those lengths, and how full it kept its slots."""
     from longqa.model.load import pick_device
     from longqa.rollout.base import SamplingParams
     from longqa.rollout.fast import FastRolloutEngine
@@ -163,43 +246,29 @@ def bench_rollout(shape: str = "qwen3-1.7b", prompt: int = 8192, new_tokens: int
     results = []
     if hf_new_tokens != 0:
         tokens = hf_new_tokens or new_tokens
-        ids = torch.tensor([prompts[0]], device=dev)
-
-        def hf():
-            with torch.no_grad():
-                model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
-                               top_k=0, num_return_sequences=n, max_new_tokens=tokens, min_new_tokens=tokens,
-                               pad_token_id=0)
-        seconds = _time(hf, dev, 1)
+        drawn = draw_response_lengths(lengths, n, tokens, (0, 0))  # prompt 0's, when tokens == new_tokens
         results.append({"engine": "transformers generate", "groups": 1, "n": n, "prompt": prompt,
-                        "new_tokens": tokens, "seconds": round(seconds, 3), "new_tokens_per_s": round(n * tokens / seconds)})
+                        "new_tokens": tokens, "lengths": lengths, **_generate_row(model, prompts[0], n, drawn, dev)})
         print(json.dumps(results[-1]), flush=True)
     engine = FastRolloutEngine(model, cuda_graphs=cuda_graphs, **(engine_options or {}))
     for count in groups:
         params = SamplingParams(n=n, temperature=1.0, max_new_tokens=new_tokens)
         first = SamplingParams(n=n, temperature=1.0, max_new_tokens=1)
         batch = prompts[:count]
-        engine.generate(batch, params, seeds=list(range(count)))  # warm-up: graphs, allocator
+        stop_at = [draw_response_lengths(lengths, n, new_tokens, (0, i)) for i in range(count)]
+        engine.generate(batch, params, seeds=list(range(count)), stop_at=stop_at)  # warm-up: graphs, allocator
         sync()
         start = time.perf_counter()
         engine.generate(batch, first, seeds=list(range(count)))
         sync()
         prefill = time.perf_counter() - start
         start = time.perf_counter()
-        out = engine.generate(batch, params, seeds=list(range(count)))
+        out = engine.generate(batch, params, seeds=list(range(count)), stop_at=stop_at)
         sync()
         seconds = time.perf_counter() - start
-        made = sum(len(s.token_ids) for group in out for s in group)
-        floor = decode_floor_s(model.config, prompt, new_tokens, n, count)
-        decode = seconds - prefill
-        row = {"engine": "longqa fast", **(engine_options or {}), "groups": count, "n": n, "prompt": prompt, "new_tokens": new_tokens,
-               "groups_in_flight": engine.kv.groups, "seconds": round(seconds, 3), "prefill_seconds": round(prefill, 3),
-               "new_tokens_per_s": round(made / seconds), "decode_tokens_per_s": round(made / decode),
-               "decode_ms_per_step": round(1e3 * decode / new_tokens, 3),
-               "floor_ms_per_step": round(1e3 * floor / new_tokens, 3),
-               "fraction_of_floor": round(floor / decode, 3),
-               "floor_ms_per_step_unshared": round(1e3 * decode_floor_s(model.config, prompt, new_tokens, n, count,
-                                                                        shared=False) / new_tokens, 3)}
+        row = {"engine": "longqa fast", **(engine_options or {}), "groups": count, "n": n, "prompt": prompt,
+               "new_tokens": new_tokens, "lengths": lengths, "groups_in_flight": engine.kv.groups,
+               **_fast_timings(model.config, prompt, out, engine, seconds, prefill)}
         results.append(row)
         print(json.dumps(row), flush=True)
     if results and results[0]["engine"] == "transformers generate":
@@ -208,12 +277,33 @@ def bench_rollout(shape: str = "qwen3-1.7b", prompt: int = 8192, new_tokens: int
     return results
 
 
+def _fast_timings(config, prompt: int, out, engine, seconds: float, prefill: float) -> dict:
+    """Speed of one fast-engine run against the floor for the lengths it made; per step means per step
+    of the ideal schedule (for equal lengths, all groups in flight: one per new token)."""
+    made = [[len(s.token_ids) for s in group] for group in out]
+    total, decode, in_flight = sum(map(sum, made)), seconds - prefill, engine.kv.groups
+    steps = ideal_decode_steps(made, in_flight)
+    floor = decode_floor_s(config, prompt, made, in_flight=in_flight)
+    unshared = decode_floor_s(config, prompt, made, in_flight=in_flight, shared=False)
+    run = engine.last_run
+    slot_steps = run["decode_steps"] * run["slots"]
+    return {"seconds": round(seconds, 3), "prefill_seconds": round(prefill, 3),
+            "new_tokens_per_s": round(total / seconds), "decode_tokens_per_s": round(total / decode),
+            **_length_stats(made), "decode_ms_per_step": round(1e3 * decode / steps, 3),
+            "floor_ms_per_step": round(1e3 * floor / steps, 3), "fraction_of_floor": round(floor / decode, 3),
+            "floor_ms_per_step_unshared": round(1e3 * unshared / steps, 3), "decode_steps": run["decode_steps"],
+            "slot_occupancy": round(run["busy_slot_steps"] / slot_steps, 3) if slot_steps else None,
+            "row_occupancy": round(run["live_row_steps"] / (slot_steps * run["n"]), 3) if slot_steps else None}
+
+
 def bench_grpo_step(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int = 1024, n: int = 8,
                     prompts_per_step: int = 16, steps: int = 2, device: str = "auto",
-                    engine_options: dict | None = None, gradient_checkpointing: bool = False) -> list[dict]:
-    """Seconds per phase of whole GRPO steps: fast-engine rollout of ``prompts_per_step`` x ``n``, group
-    advantages, one packed shared-prompt update (on-policy: no old log-prob pass). A random-weight
-    model cannot answer, so rewards are random coin flips (scoring text costs milliseconds anyway).
+                    engine_options: dict | None = None, gradient_checkpointing: bool = False,
+                    lengths: str = "lognormal") -> list[dict]:
+    """Seconds per phase of whole GRPO steps: fast-engine rollout of ``prompts_per_step`` x ``n``, each
+    response ending at its drawn length (at most ``response``), group advantages, one packed
+    shared-prompt update (on-policy: no old log-prob pass). A random-weight model cannot answer, so
+    rewards are random coin flips (scoring text costs milliseconds anyway).
     Gradient checkpointing is off by default, as in ``longqa train`` (``model.gradient_checkpointing``)."""
     from longqa import algo
     from longqa.config import load_config
@@ -240,7 +330,9 @@ def bench_grpo_step(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int
                    for _ in range(prompts_per_step)]
         sync()
         t0 = time.perf_counter()
-        groups = engine.generate(prompts, params, seeds=[step * 1000 + i for i in range(prompts_per_step)])
+        stop_at = [draw_response_lengths(lengths, n, response, (step, i)) for i in range(prompts_per_step)]
+        groups = engine.generate(prompts, params, seeds=[step * 1000 + i for i in range(prompts_per_step)],
+                                 stop_at=stop_at)
         sync()
         t1 = time.perf_counter()
         rewards = torch.randint(0, 2, (prompts_per_step * n,), generator=g).float()
@@ -253,9 +345,10 @@ def bench_grpo_step(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int
         t3 = time.perf_counter()
         new_tokens = sum(len(s) for s in samples.response_ids)
         row = {"step": step, "shape": shape, "prompts": prompts_per_step, "n": n, "prompt": prompt,
-               "response": response, "gradient_checkpointing": gradient_checkpointing,
+               "response": response, "lengths": lengths, "gradient_checkpointing": gradient_checkpointing,
                "rollout_s": round(t1 - t0, 2), "reward_and_advantages_s": round(t2 - t1, 3),
                "update_s": round(t3 - t2, 2), "step_s": round(t3 - t0, 2), "new_tokens": new_tokens,
+               **_length_stats([[len(s.token_ids) for s in grp] for grp in groups]),
                "rollout_new_tokens_per_s": round(new_tokens / (t1 - t0)),
                "update_tokens_per_s": round((prompts_per_step * prompt + new_tokens) / (t3 - t2)),
                "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if dev.type == "cuda" else None}

@@ -161,7 +161,8 @@ def cmd_bench_rollout(args: argparse.Namespace) -> None:
     from longqa.bench import bench_rollout
 
     _save_results(args, bench_rollout(args.shape, args.prompt, args.new_tokens, args.n, tuple(args.groups),
-                                      args.hf_new_tokens, args.device, not args.no_cuda_graphs, _engine_options(args)))
+                                      args.hf_new_tokens, args.device, not args.no_cuda_graphs, _engine_options(args),
+                                      args.lengths))
 
 
 def _engine_options(args: argparse.Namespace) -> dict:
@@ -174,7 +175,7 @@ def cmd_bench_step(args: argparse.Namespace) -> None:
     from longqa.bench import bench_grpo_step
 
     _save_results(args, bench_grpo_step(args.shape, args.prompt, args.response, args.n, args.prompts, args.steps,
-                                        args.device, _engine_options(args), args.gradient_checkpointing))
+                                        args.device, _engine_options(args), args.gradient_checkpointing, args.lengths))
 
 
 def cmd_cluster(args: argparse.Namespace) -> None:
@@ -331,9 +332,12 @@ def _add_bench_args(p: argparse.ArgumentParser, func) -> None:
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    """The fast engine's decode-step choices, for the benches that sample."""
+    """The fast engine's decode-step choices, and the responses' lengths, for the benches that sample."""
     p.add_argument("--decode-kernel", choices=["bmm", "triton"], help="fast engine decode attention")
     p.add_argument("--no-fused-decode", action="store_true", help="decode through the model's own modules")
+    p.add_argument("--lengths", choices=["lognormal", "max"], default="lognormal",
+                   help="each response's length (a random-weight model never samples EOS): drawn from a log-normal "
+                   "clipped to the maximum, mean about 40%% of it (default), or the maximum for all")
 
 
 def _add_bench_commands(groups: argparse._SubParsersAction) -> None:
@@ -356,13 +360,14 @@ def _add_bench_commands(groups: argparse._SubParsersAction) -> None:
     p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
 
     p = bench_cmds.add_parser("rollout", help="sampling speed: transformers generate vs the fast engine",
-                              description="New tokens/s for n samples of random prompts (EOS ignored, temperature "
-                              "1): transformers' generate for one group, the fast engine for each --groups count, and "
-                              "the fast engine's decode time against its HBM-bandwidth floor.")
+                              description="New tokens/s for n samples of random prompts (temperature 1, each "
+                              "response ending at its --lengths length): transformers' generate for one group, the "
+                              "fast engine for each --groups count, the fast engine's decode time against its "
+                              "HBM-bandwidth floor for those lengths and how full it kept its slots.")
     _add_bench_args(p, cmd_bench_rollout)
-    p.add_argument("--new-tokens", type=int, default=1024, help="new tokens per sample (default 1024)")
+    p.add_argument("--new-tokens", type=int, default=1024, help="most new tokens per sample (default 1024)")
     p.add_argument("--groups", type=int, nargs="+", default=[1, 16], help="prompts per run (default 1 16)")
-    p.add_argument("--hf-new-tokens", type=int, help="new tokens for transformers (default --new-tokens; 0 skips)")
+    p.add_argument("--hf-new-tokens", type=int, help="most new tokens for transformers (default --new-tokens; 0 skips)")
     p.add_argument("--no-cuda-graphs", action="store_true")
     _add_engine_args(p)
 
@@ -371,7 +376,7 @@ def _add_bench_commands(groups: argparse._SubParsersAction) -> None:
                               "the fast engine, rewards (random: such a model cannot answer) and advantages, one "
                               "packed shared-prompt update. The first step includes warm-up.")
     _add_bench_args(p, cmd_bench_step)
-    p.add_argument("--response", type=int, default=1024, help="new tokens per sample (EOS ignored)")
+    p.add_argument("--response", type=int, default=1024, help="most new tokens per sample (default 1024)")
     p.add_argument("--prompts", type=int, default=16, help="prompts per step (default 16)")
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="recompute activations in the backward pass (off, as in longqa train)")
