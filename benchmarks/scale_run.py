@@ -10,7 +10,9 @@ Two GPUs:
 
 The model is built from the shape (no download) and saved once with the embedded model's tokenizer
 (a random model reads any ids below its vocabulary); the data is `longqa data synth` at the given
-context length, shared by the runs.
+context length, shared by the runs. A random model never samples EOS, so each response ends at a length
+drawn from a log-normal (``--lengths lognormal``, ``rollout.response_lengths=lognormal``: mean about 40%
+of ``--response``) or runs to ``--response`` (``--lengths max``).
 """
 
 from __future__ import annotations
@@ -54,7 +56,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="qwen3-1.7b")
     parser.add_argument("--context-tokens", type=int, default=4096)
-    parser.add_argument("--response", type=int, default=512)
+    parser.add_argument("--response", type=int, default=512, help="most tokens of a response")
+    parser.add_argument("--lengths", choices=["lognormal", "max"], default="lognormal",
+                        help="responses' lengths: drawn (default), or all --response")
     parser.add_argument("--prompts", type=int, default=16, help="global prompts per step")
     parser.add_argument("-n", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3)
@@ -76,6 +80,8 @@ def main() -> None:
         "trainer.max_steps": args.steps, "trainer.test_freq": 0, "trainer.save_freq": 0,
         "trainer.output_dir": args.out, "trainer.device": args.device, "trainer.logger": "[console,jsonl]",
         "trainer.resume": "none",
+        # the model's own EOS, which a random model never samples: every response runs to --response
+        "rollout.response_lengths": "lognormal" if args.lengths == "lognormal" else "model",
     }
     code = longqa(["train", *[f"{k}={v}" for k, v in overrides.items()], *args.overrides])
     if code == 0 and int(os.environ.get("RANK", 0)) == 0:

@@ -13,6 +13,7 @@ import torch
 
 from longqa.cli import main
 from longqa.config import load_config
+from longqa.lengths import draw_response_lengths
 from longqa.train.actor import Actor, Samples, TrainingError, lr_lambda
 from tiny_models import save_tiny_qwen3
 
@@ -148,6 +149,29 @@ def test_sampled_logprobs_equal_the_training_recompute(tiny_model_dir):
         assert torch.allclose(torch.tensor(sample.logprobs), logp, atol=1e-5)
 
 
+def test_drawn_response_lengths_end_each_response_unless_eos_came_first(tiny_model_dir, data_dir, tmp_path):
+    """rollout.response_lengths=lognormal: each prompt's responses end at the lengths drawn for (seed, step,
+    prompt, round), or earlier where the model sampled EOS; the same step draws the same lengths again."""
+    from longqa.train.trainer import Trainer
+
+    extra = {"data.max_response_length": 16, "rollout.n": 4, "rollout.response_lengths": "lognormal"}
+    trainer = Trainer(load_config(None, overrides(tiny_model_dir, data_dir, tmp_path / "run", **extra)))
+    indices = trainer.step_prompts(3)
+    groups = trainer._sample_groups(indices, 3, 1, {})
+    shorter = 0
+    for i, group in zip(indices, groups):
+        drawn = draw_response_lengths("lognormal", 4, 16, (42, 3, i, 1))
+        for limit, sample in zip(drawn, group["samples"]):
+            made = len(sample.token_ids)
+            assert made == limit or (made < limit and sample.token_ids[-1] in trainer.stops)
+            truncated = made == 16 and sample.token_ids[-1] not in trainer.stops
+            assert sample.finish_reason == ("length" if truncated else "stop")
+            shorter += made < 16
+    assert shorter  # drawn lengths, not all the maximum
+    again = trainer._sample_groups(indices, 3, 1, {})
+    assert [[s.token_ids for s in g["samples"]] for g in again] == [[s.token_ids for s in g["samples"]] for g in groups]
+
+
 def random_samples(tokenizer, groups=3, n=4, seed=0) -> Samples:
     g = torch.Generator().manual_seed(seed)
     vocab = len(tokenizer)
@@ -227,6 +251,8 @@ def test_learning_rate_schedule():
     ({"data.max_prompt_length": 8}, "no prompt left to train on"),
     ({"data.train_batch_size": 99}, "data.train_batch_size=99 is larger than the 18 training prompts"),
     ({"reward.path": "/nope/reward.py"}, "reward.path / reward.name"),
+    ({"rollout.engine": "hf", "rollout.response_lengths": "lognormal"},
+     "rollout.response_lengths=lognormal needs rollout.engine=fast (got rollout.engine=hf)"),
 ])
 def test_bad_input_gets_one_clear_message(tiny_model_dir, data_dir, tmp_path, capsys, extra, message):
     assert main(["train", *overrides(tiny_model_dir, data_dir, tmp_path / "run", **extra)]) == 2

@@ -90,6 +90,12 @@ class RolloutConfig:
     top_p: float = opt(1.0, "nucleus sampling mass", lambda v: 0 < v <= 1, "in (0, 1]")
     top_k: int = opt(-1, "sample from the k most likely tokens; -1 for all", lambda v: v == -1 or v > 0, "-1 or > 0")
     stop: list[str] = opt([], "extra stop strings (EOS always stops)")
+    # For benchmarking random-weight models, whose responses never stop on their own: without a drawn
+    # length every response runs to data.max_response_length and a run measures only the worst case.
+    response_lengths: Literal["model", "lognormal"] = opt(
+        "model", "model: the model's own EOS ends each response; lognormal (fast engine only, for benchmarking "
+        "random-weight models, which never sample EOS): each response also ends at a length drawn from a "
+        "log-normal clipped to data.max_response_length (mean about 40% of it), seeded by (seed, step, prompt)")
 
 
 @dataclass

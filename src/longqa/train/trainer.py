@@ -23,6 +23,7 @@ from longqa.data.prompts import PromptOptions, PromptSet, prepare_prompts
 from longqa.distributed.env import DistEnv, all_reduce, gather_objects, leave_group
 from longqa.distributed.planner import check_run
 from longqa.evaluate import evaluate, stop_token_ids
+from longqa.lengths import draw_response_lengths
 from longqa.model.load import (compile_decoder_layers, load_model, load_model_tokenizer, pick_device,
                                resolve_model_path)
 from longqa.report import MetricsLogger, write_report
@@ -76,6 +77,14 @@ def check_data_parallel(cfg: Config, world: int) -> None:
             raise ConfigError(f"{what} is not supported with {world} ranks yet")
 
 
+def check_response_lengths(cfg: Config) -> None:
+    """Drawn response lengths need an engine that can end a sample at a given length."""
+    r = cfg.rollout
+    if r.response_lengths != "model" and r.engine != "fast":
+        raise ConfigError(f"rollout.response_lengths={r.response_lengths} needs rollout.engine=fast (got "
+                          f"rollout.engine={r.engine}): only the fast engine ends a sample at a drawn length")
+
+
 def check_vllm(cfg: Config, device: torch.device) -> None:
     """What ``rollout.engine=vllm`` needs, checked before any weight loads."""
     r = cfg.rollout
@@ -97,6 +106,7 @@ class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.run_dir = Path(cfg.trainer.output_dir)
+        check_response_lengths(cfg)
         self.env = DistEnv.from_environment()
         self.owns_group = False
         if self.env.distributed:
@@ -178,7 +188,8 @@ class Trainer:
         if isinstance(self.engine, (FastRolloutEngine, VLLMRolloutEngine)):  # samples depend on (seed, step, prompt)
             base = self.cfg.trainer.seed * 1_000_003 + step * 101 + round_
             seeds = [base * 2_147_483_659 + i for i in indices]
-            outputs = self.engine.generate(prompts, self.params, seeds=seeds)
+            outputs = self.engine.generate(prompts, self.params, seeds=seeds,
+                                           **self._drawn_lengths(indices, step, round_))
         else:
             outputs = self.engine.generate(prompts, self.params, self._generator(step, round_))
         t1 = time.perf_counter()
@@ -191,6 +202,15 @@ class Trainer:
         times["rollout_s"] = times.get("rollout_s", 0.0) + t1 - t0
         times["reward_s"] = times.get("reward_s", 0.0) + time.perf_counter() - t1
         return groups
+
+    def _drawn_lengths(self, indices: list[int], step: int, round_: int) -> dict:
+        """``stop_at`` for the fast engine under ``rollout.response_lengths=lognormal``: each prompt's n
+        lengths, a function of (seed, step, prompt, round) alone, so a resumed run draws the same ones."""
+        kind = self.cfg.rollout.response_lengths
+        if kind == "model":
+            return {}
+        top, n, seed = self.params.max_new_tokens, self.params.n, self.cfg.trainer.seed
+        return {"stop_at": [draw_response_lengths(kind, n, top, (seed, step, i, round_)) for i in indices]}
 
     def _informative(self, groups: list[dict]) -> list[dict]:
         rewards = torch.tensor([r.score for g in groups for r in g["results"]])
