@@ -8,6 +8,21 @@ from longqa.cli import main
 from longqa.lengths import draw_response_lengths
 
 
+def test_step_floor_adds_prefill_decode_and_update_at_their_limits():
+    from transformers import Qwen3Config
+
+    from longqa.bench import SHAPES, decode_floor_s, group_flops, prefill_flops, step_floor_s
+
+    config = Qwen3Config(**SHAPES["qwen3-1.7b"])
+    lengths = [[100, 300], [50, 900]]
+    floor = step_floor_s(config, 8192, lengths, in_flight=2, peak_flops=1e15)
+    assert floor["update"] == pytest.approx(sum(group_flops(config, 8192, g, True).flops for g in lengths) / 1e15)
+    assert floor["rollout"] == pytest.approx(2 * prefill_flops(config, 8192) / 1e15
+                                             + decode_floor_s(config, 8192, lengths, in_flight=2))
+    # a prefill is a third of a forward+backward of the same prompt alone
+    assert prefill_flops(config, 8192) == pytest.approx(group_flops(config, 8192, [0], True).flops / 3)
+
+
 def test_bench_step_records_each_phase_of_each_step(tmp_path):
     for checkpointing, lengths in ((False, "max"), (True, "lognormal")):
         out = tmp_path / f"step_{checkpointing}.json"
@@ -23,6 +38,8 @@ def test_bench_step_records_each_phase_of_each_step(tmp_path):
             assert r["response_length_max"] == max(drawn) and r["response_length_mean"] == round(sum(drawn) / 6, 1)
             assert r["rollout_s"] > 0 and r["update_s"] > 0
             assert abs(r["step_s"] - (r["rollout_s"] + r["reward_and_advantages_s"] + r["update_s"])) < 0.02
+            assert r["recompiles"] == 0 and r["graph_captures"] == 0  # on the CPU nothing compiles or captures
+            assert 0 <= r["fraction_of_floor"] < 1 and r["rollout_floor_s"] >= 0 and r["update_floor_s"] >= 0
         if lengths == "max":
             assert all(r["new_tokens"] == 2 * 3 * 5 for r in rows)
 

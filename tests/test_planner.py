@@ -72,3 +72,12 @@ def test_the_trainer_check_refuses_before_loading(tmp_path):
     assert check_run(cfg, world_size=1, gpu_bytes=H200).total < H200
     with pytest.raises(PlanError, match="GiB per GPU but a GPU has 1.0 GiB"):
         check_run(cfg, world_size=1, gpu_bytes=GIB)
+
+
+def test_recomputing_part_of_the_layers_plans_activations_between_none_and_all():
+    activations = [plan_memory(sizes("qwen3-8b"), world_size=1, gpu_bytes=H200, gradient_checkpointing=fraction,
+                               cpu_offload=True, **{**RECIPE, "micro_batch_tokens": 32768}).activations
+                   for fraction in (1.0, 0.5, 0.25, 0.0)]
+    assert activations == sorted(activations) and len(set(activations)) == 4
+    with pytest.raises(PlanError, match="raise model.checkpoint_fraction"):
+        plan("qwen3-8b", 1, offload=True, checkpointing=0.25, micro_batch_tokens=65536)

@@ -64,6 +64,28 @@ def test_training_end_to_end(tiny_model_dir, data_dir, tmp_path):
     assert AutoModelForCausalLM.from_pretrained(exported) is not None
 
 
+def test_compilations_during_a_step_are_counted_in_its_metrics(tiny_model_dir, data_dir, tmp_path, monkeypatch):
+    """perf/recompiles counts what torch.compile built during the step (here one function compiled in the
+    second update alone); perf/graph_captures the engine's CUDA graphs (none on the CPU)."""
+    double = torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
+    update, calls = Actor.update, []
+
+    def update_and_compile_once(self, samples):
+        calls.append(1)
+        if len(calls) == 2:
+            double(torch.zeros(7))
+        return update(self, samples)
+
+    monkeypatch.setattr(Actor, "update", update_and_compile_once)
+    out = tmp_path / "run"
+    assert main(["train", *overrides(tiny_model_dir, data_dir, out, **{"trainer.max_steps": 3,
+                                                                       "trainer.test_freq": 0})]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "perf/recompiles" in r]
+    assert [r["perf/recompiles"] for r in steps] == [0, 1, 0]
+    assert [r["perf/graph_captures"] for r in steps] == [0, 0, 0]
+
+
 def test_validation_answers_through_the_rollout_engine(tiny_model_dir, data_dir, tmp_path, monkeypatch):
     """The fast engine answers the held-out questions (greedy, without touching the run's random state):
     the metrics are those of transformers' unpadded greedy generate on the same model."""

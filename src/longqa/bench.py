@@ -26,8 +26,10 @@ from longqa.model.shapes import SHAPES  # the shapes this module builds (also re
 H200_BF16_PEAK = 989e12  # dense bf16 TFLOP/s, datasheet
 
 
-def random_model(shape: str, device, dtype=torch.bfloat16, gradient_checkpointing: bool = True,
+def random_model(shape: str, device, dtype=torch.bfloat16, gradient_checkpointing: float = 1.0,
                  compile_layers: bool = False, min_vocab: int = 0):
+    """A random-weight Qwen3 of ``shape``; ``gradient_checkpointing`` is the fraction of decoder layers
+    recomputed in the backward pass (True: all, False or 0: none)."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     if shape not in SHAPES:
@@ -37,12 +39,11 @@ def random_model(shape: str, device, dtype=torch.bfloat16, gradient_checkpointin
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    from longqa.model.load import checkpoint_layers, compile_decoder_layers
+
+    checkpoint_layers(model, float(gradient_checkpointing))
     model.config.use_cache = False
     if compile_layers:
-        from longqa.model.load import compile_decoder_layers
-
         compile_decoder_layers(model)
     return model.train()
 
@@ -86,9 +87,10 @@ def _time(fn, device, repeat: int) -> float:
 
 def bench_train(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int = 1024, n: int = 8,
                 layouts: tuple[str, ...] = ("naive", "packed"), repeat: int = 3, device: str = "auto",
-                gradient_checkpointing: bool = True, budget: int | None = None, backend: str = "auto",
+                gradient_checkpointing: float = 1.0, budget: int | None = None, backend: str = "auto",
                 compile_layers: bool = False, peak_flops: float = H200_BF16_PEAK) -> list[dict]:
-    """Seconds per group (forward + backward of n samples of one prompt) for each layout."""
+    """Seconds per group (forward + backward of n samples of one prompt) for each layout;
+    ``gradient_checkpointing`` is the fraction of decoder layers recomputed."""
     from longqa.config import load_config
     from longqa.model.load import pick_device
     from longqa.train.actor import Actor, Samples
@@ -178,6 +180,26 @@ def decode_floor_s(config, prompt: int, new_tokens: int | Sequence[Sequence[int]
         prompt_reads = prompt * sum(sum(group) for group in lengths)
     own_tokens = sum(length * (length - 1) / 2 for group in lengths for length in group)  # summed over steps
     return dtype_bytes * (steps * weights + kv_token * (prompt_reads + own_tokens)) / bandwidth
+
+
+def prefill_flops(config, prompt: int) -> float:
+    """Forward model FLOPs of one prompt's prefill: 2 x parameters per token, 4 x head_dim x heads x layers
+    per causal (query, key) pair."""
+    h, layers, heads, head_dim = config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.head_dim
+    linear = layers * (h * heads * head_dim * 2 + h * config.num_key_value_heads * head_dim * 2
+                       + 3 * h * config.intermediate_size)
+    return 2 * linear * prompt + 4 * head_dim * heads * layers * prompt * (prompt + 1) / 2
+
+
+def step_floor_s(config, prompt: int, lengths: Sequence[Sequence[int]], in_flight: int,
+                 peak_flops: float = H200_BF16_PEAK) -> dict:
+    """The least a GRPO step of these groups could take on this GPU, per phase: the rollout's prefills at
+    the bf16 peak plus its decoding at the HBM floor (``decode_floor_s``, ``in_flight`` slots always
+    full), and the packed update's model FLOPs (``group_flops``, unique tokens) at the bf16 peak."""
+    rollout = len(lengths) * prefill_flops(config, prompt) / peak_flops
+    rollout += decode_floor_s(config, prompt, lengths, in_flight=in_flight)
+    update = sum(group_flops(config, prompt, list(group), True).flops for group in lengths) / peak_flops
+    return {"rollout": rollout, "update": update}
 
 
 def _length_stats(lengths: Sequence[Sequence[int]]) -> dict:
@@ -307,7 +329,7 @@ def bench_grpo_step(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int
     Gradient checkpointing is off by default, as in ``longqa train`` (``model.gradient_checkpointing``)."""
     from longqa import algo
     from longqa.config import load_config
-    from longqa.model.load import pick_device
+    from longqa.model.load import compiled_graphs, pick_device
     from longqa.rollout.base import SamplingParams
     from longqa.rollout.fast import FastRolloutEngine
     from longqa.train.actor import Actor, Samples
@@ -329,6 +351,7 @@ def bench_grpo_step(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int
         prompts = [torch.randint(0, model.config.vocab_size, (prompt,), generator=g).tolist()
                    for _ in range(prompts_per_step)]
         sync()
+        compiled, captured = compiled_graphs(), engine.graph_captures
         t0 = time.perf_counter()
         stop_at = [draw_response_lengths(lengths, n, response, (step, i)) for i in range(prompts_per_step)]
         groups = engine.generate(prompts, params, seeds=[step * 1000 + i for i in range(prompts_per_step)],
@@ -344,11 +367,17 @@ def bench_grpo_step(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int
         sync()
         t3 = time.perf_counter()
         new_tokens = sum(len(s) for s in samples.response_ids)
+        made = [[len(s.token_ids) for s in grp] for grp in groups]
+        floor = step_floor_s(model.config, prompt, made, engine.kv.groups)
         row = {"step": step, "shape": shape, "prompts": prompts_per_step, "n": n, "prompt": prompt,
                "response": response, "lengths": lengths, "gradient_checkpointing": gradient_checkpointing,
                "rollout_s": round(t1 - t0, 2), "reward_and_advantages_s": round(t2 - t1, 3),
                "update_s": round(t3 - t2, 2), "step_s": round(t3 - t0, 2), "new_tokens": new_tokens,
-               **_length_stats([[len(s.token_ids) for s in grp] for grp in groups]),
+               **_length_stats(made),
+               "recompiles": compiled_graphs() - compiled, "graph_captures": engine.graph_captures - captured,
+               "rollout_floor_s": round(floor["rollout"], 3), "update_floor_s": round(floor["update"], 3),
+               "fraction_of_floor": round((floor["rollout"] + floor["update"]) / (t3 - t0), 3),
+               "update_mfu": round(floor["update"] / (t3 - t2), 3),
                "rollout_new_tokens_per_s": round(new_tokens / (t1 - t0)),
                "update_tokens_per_s": round((prompts_per_step * prompt + new_tokens) / (t3 - t2)),
                "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if dev.type == "cuda" else None}

@@ -153,8 +153,8 @@ def cmd_bench_train(args: argparse.Namespace) -> None:
     from longqa.bench import bench_train
 
     _save_results(args, bench_train(args.shape, args.prompt, args.response, args.n, tuple(args.layouts), args.repeat,
-                                    args.device, not args.no_gradient_checkpointing, args.budget, args.backend,
-                                    args.compile))
+                                    args.device, 0.0 if args.no_gradient_checkpointing else args.checkpoint_fraction,
+                                    args.budget, args.backend, args.compile))
 
 
 def cmd_bench_rollout(args: argparse.Namespace) -> None:
@@ -357,6 +357,8 @@ def _add_bench_commands(groups: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", choices=["auto", "dense", "flex"], default="auto", help="packed attention backend")
     p.add_argument("--budget", type=int, help="micro-batch token budget (default: one packed group)")
     p.add_argument("--no-gradient-checkpointing", action="store_true")
+    p.add_argument("--checkpoint-fraction", type=float, default=1.0,
+                   help="fraction of decoder layers recomputed in the backward pass (default 1: all)")
     p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
 
     p = bench_cmds.add_parser("rollout", help="sampling speed: transformers generate vs the fast engine",

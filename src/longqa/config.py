@@ -49,6 +49,9 @@ class ModelConfig:
     attn_implementation: Literal["sdpa", "eager", "flex_attention", "flash_attention_2"] = opt(
         "sdpa", "transformers attention backend")
     gradient_checkpointing: bool = opt(False, "recompute activations in the backward pass to save memory")
+    checkpoint_fraction: float = opt(1.0, "with gradient_checkpointing: the fraction of decoder layers recomputed "
+                                     "(the first ones); below 1 spends free memory to recompute less",
+                                     lambda v: 0 < v <= 1, "in (0, 1]")
 
 
 @dataclass

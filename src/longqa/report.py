@@ -8,6 +8,7 @@ The trainer logs a flat dict per step. These keys are the ones the console line 
 ``val/<name>``                          validation metrics, on the steps that ran validation
 ``response_length/mean``, ``/max``      response lengths in tokens
 ``perf/tokens_per_s``                   throughput of the step
+``perf/recompiles``, ``/graph_captures`` graphs compiled / decode steps captured in the step (0 once warm)
 ``time/step_s``                         seconds since the previous step; added by the logger unless given
 
 Every other key is stored and forwarded to the sinks as it is.

@@ -15,18 +15,22 @@ import torch
 def shard_model(root, layers, device: torch.device, cpu_offload: bool = False, mixed_precision: bool | None = None):
     """Shard each of ``layers`` and then ``root`` (which holds them and the remaining parameters: the
     embedding, final norm and LM head) in place over the default process group; returns ``root``."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+    # The mesh says where the shards live: on the training device, not on whatever accelerator the host
+    # has (FSDP's default mesh would move a CPU run's shards to cuda:0 on a machine with a GPU).
+    options = {"mesh": init_device_mesh(device.type, (dist.get_world_size(),))}
     if mixed_precision is None:
         mixed_precision = device.type == "cuda"
-    options = {}
     if mixed_precision:
         # No input casting: the inputs are token ids and longqa's own batch objects (FSDP's cast rebuilds
         # dataclasses field by field, which a dataclass with derived fields refuses), and the hidden
         # states between layers come out of bf16 weights already.
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                                     cast_forward_inputs=False)
-    options["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload \
+    options["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda") if cpu_offload \
         else OffloadPolicy()
     for layer in layers:
         fully_shard(layer, **options)

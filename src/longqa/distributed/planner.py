@@ -90,18 +90,19 @@ class MemoryPlan:
 
 
 def plan_memory(sizes: ModelSizes, *, world_size: int, gpu_bytes: int, micro_batch_tokens: int,
-                prompt_length: int, response_length: int, n: int, gradient_checkpointing: bool = True,
+                prompt_length: int, response_length: int, n: int, gradient_checkpointing: float = 1.0,
                 cpu_offload: bool = False, kv_cache_bytes: int | None = None) -> MemoryPlan:
-    """Per-GPU bytes of a plan (see the module docstring for what is counted)."""
+    """Per-GPU bytes of a plan (see the module docstring for what is counted); ``gradient_checkpointing`` is
+    the fraction of decoder layers recomputed (True: all)."""
     bf16 = 2
     state = 0 if cpu_offload else 16 * sizes.params // world_size
     unsharded = bf16 * (2 * sizes.layer_params + sizes.embedding_params)
     tokens = micro_batch_tokens
     per_token_layer = bf16 * (12 * sizes.hidden + 4 * sizes.intermediate)  # q,k,v,o, norms, residuals, MLP
-    if gradient_checkpointing:
-        activations = tokens * (bf16 * sizes.hidden * sizes.layers + per_token_layer)
-    else:
-        activations = tokens * per_token_layer * sizes.layers
+    recomputed = round(float(gradient_checkpointing) * sizes.layers)  # these keep their input alone
+    activations = tokens * (bf16 * sizes.hidden * recomputed + per_token_layer * (sizes.layers - recomputed))
+    if recomputed:
+        activations += tokens * per_token_layer  # one recomputed layer's activations during its backward
     activations += 3 * 4 * min(tokens, LM_HEAD_CHUNK) * sizes.vocab  # float32 logits of one chunk, twice + grad
     one_group = 2 * bf16 * sizes.layers * sizes.kv_heads * sizes.head_dim * (prompt_length + n * response_length)
     kv = max(kv_cache_bytes or 0, one_group)
@@ -109,7 +110,7 @@ def plan_memory(sizes: ModelSizes, *, world_size: int, gpu_bytes: int, micro_bat
                       activations=activations, rollout_weights=bf16 * sizes.params, rollout_kv=kv)
 
 
-def check_plan(plan: MemoryPlan, cpu_offload: bool, gradient_checkpointing: bool, micro_batch_tokens: int,
+def check_plan(plan: MemoryPlan, cpu_offload: bool, gradient_checkpointing: float, micro_batch_tokens: int,
                kv_cache_bytes: int | None, offload_setting: str = "actor.cpu_offload=true") -> None:
     """Refuse a plan over the GPU's memory, naming the settings that would make it fit."""
     if plan.total <= plan.gpu_bytes:
@@ -123,6 +124,8 @@ def check_plan(plan: MemoryPlan, cpu_offload: bool, gradient_checkpointing: bool
         advice.append(f"offload the training state to the CPU ({offload_setting})")
     if not gradient_checkpointing:
         advice.append("turn on model.gradient_checkpointing")
+    elif gradient_checkpointing < 1:
+        advice.append("raise model.checkpoint_fraction")
     if plan.activations > 0.2 * plan.gpu_bytes:
         advice.append(f"lower actor.max_tokens_per_micro_batch (now {micro_batch_tokens})")
     if kv_cache_bytes and plan.rollout_kv > 0.2 * plan.gpu_bytes:
@@ -138,12 +141,17 @@ def plan_config(cfg, sizes: ModelSizes, world_size: int, gpu_bytes: int) -> Memo
     return plan_memory(sizes, world_size=world_size, gpu_bytes=gpu_bytes, prompt_length=cfg.data.max_prompt_length,
                        response_length=cfg.data.max_response_length, n=cfg.rollout.n,
                        micro_batch_tokens=cfg.actor.max_tokens_per_micro_batch,
-                       gradient_checkpointing=cfg.model.gradient_checkpointing, cpu_offload=cfg.actor.cpu_offload,
+                       gradient_checkpointing=recomputed_fraction(cfg), cpu_offload=cfg.actor.cpu_offload,
                        kv_cache_bytes=cfg.rollout.kv_cache_bytes)
 
 
+def recomputed_fraction(cfg) -> float:
+    """The fraction of decoder layers a config recomputes in the backward pass."""
+    return cfg.model.checkpoint_fraction if cfg.model.gradient_checkpointing else 0.0
+
+
 def check_config(cfg, plan: MemoryPlan) -> None:
-    check_plan(plan, cfg.actor.cpu_offload, cfg.model.gradient_checkpointing, cfg.actor.max_tokens_per_micro_batch,
+    check_plan(plan, cfg.actor.cpu_offload, recomputed_fraction(cfg), cfg.actor.max_tokens_per_micro_batch,
                cfg.rollout.kv_cache_bytes)
 
 

@@ -65,7 +65,7 @@ def load_model_tokenizer(path: str | None = None, gguf_file: str | None = None):
 
 
 def load_model(path: str | None = None, *, gguf_file: str | None = None, dtype: str = "float32",
-               attn_implementation: str = "sdpa", gradient_checkpointing: bool = False,
+               attn_implementation: str = "sdpa", gradient_checkpointing: bool = False, checkpoint_fraction: float = 1.0,
                device: str | torch.device = "cpu", tokenizer=None):
     """(model, tokenizer) ready for training: any transformers causal LM (Qwen3, Qwen2, Llama, ...)."""
     from transformers import AutoModelForCausalLM
@@ -82,9 +82,23 @@ def load_model(path: str | None = None, *, gguf_file: str | None = None, dtype: 
         raise ModelError(f"cannot load a causal LM from {source}{' / ' + gguf_file if gguf_file else ''}: "
                          f"{type(e).__name__}: {e}") from None
     if gradient_checkpointing:
+        checkpoint_layers(model, checkpoint_fraction)
+    return model.to(device), tokenizer
+
+
+def checkpoint_layers(model, fraction: float = 1.0) -> int:
+    """Recompute the activations of the first ``fraction`` of the decoder layers in the backward pass
+    instead of keeping them; returns how many. Every layer recomputed costs a third more compute; a part
+    of them spends the memory that is free and keeps most of that compute (Qwen3-8B at 32K tokens on one
+    H200: 37.5% MFU with all 36 recomputed, 45.3% with 9)."""
+    layers = model.base_model.layers
+    count = round(fraction * len(layers))
+    if count:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
-    return model.to(device), tokenizer
+        for i, layer in enumerate(layers):
+            layer.gradient_checkpointing = i < count
+    return count
 
 
 def _gguf_tokenizer(folder: str, gguf_file: str):
@@ -117,12 +131,27 @@ def qwen3_config(vocab_size: int, hidden_size: int = 256, num_layers: int = 4, n
                        eos_token_id=eos_token_id, pad_token_id=pad_token_id)
 
 
-def compile_decoder_layers(model) -> int:
+def compile_decoder_layers(model, backend: str = "inductor") -> int:
     """``torch.compile`` each decoder layer in place (fuses norms, rotary and activations, which run as
-    dozens of memory-bound kernels per layer in eager mode); returns how many were compiled."""
+    dozens of memory-bound kernels per layer in eager mode); returns how many were compiled.
+
+    Shapes stay static: the packed rows come in a few padded lengths (``attention.length_step``), each
+    compiled once, rather than one dynamic graph whose kernels are slower."""
+    from longqa.model.attention import allow_length_buckets
+
     layers = getattr(model.base_model, "layers", None)
     if layers is None:
         raise ModelError(f"{type(model).__name__} has no decoder layer list (base_model.layers) to compile")
+    allow_length_buckets()
     for layer in layers:
-        layer.compile()
+        layer.compile(dynamic=False, backend=backend)
     return len(layers)
+
+
+def compiled_graphs() -> int:
+    """Graphs ``torch.compile`` has built in this process so far. Once a run is warm every new one is a
+    recompilation (a shape or guard it had not seen), which costs seconds and, past Dynamo's cache
+    limit, silently falls back to eager kernels: the trainer logs the count per step."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]

@@ -309,6 +309,7 @@ class FastRolloutEngine(RolloutEngine):
         self.kv: SharedPrefixKV | None = None
         self.state: DecodeState | None = None  # sized with the KV stores (graphs capture both)
         self.graphs: dict = {}
+        self.graph_captures = 0  # decode-step graphs captured so far (one per length bucket once warm)
         self.stop_ids: dict = {}
         self.last_run: dict = {}  # how the last generate used the slots: see _run
         reason = unsupported_reason(self.model)
@@ -492,6 +493,7 @@ class FastRolloutEngine(RolloutEngine):
         graph = self.graphs.get(key)
         if graph is None:
             graph = self.graphs[key] = self._capture(params, state, stops)
+            self.graph_captures += 1
         graph.replay()
 
     def _capture(self, params, state, stops):

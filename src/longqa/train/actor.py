@@ -22,7 +22,7 @@ from longqa.batching import budget_batches, collate_right
 from longqa.config import Config
 from longqa.distributed.env import all_reduce, world_size
 from longqa.distributed.fsdp import shard_model
-from longqa.model.attention import BLOCK, resolve_backend, use_longqa_attention
+from longqa.model.attention import length_step, resolve_backend, use_longqa_attention
 from longqa.model.logprobs import packed_logprobs, token_logprobs
 from longqa.model.packing import build_packed_batch, plan_packs
 from longqa.rollout.base import bump_weights_version
@@ -143,7 +143,8 @@ class Actor:
                 tensors = collate_right(sequences, [len(samples.prompt_ids[i]) for i in index], self.pad)
                 out.append(MicroBatch(index, tuple(t.to(self.device) for t in tensors)))
             return out
-        pad_to = BLOCK if self.backend == "flex" else 1
+        # Rows padded to a few lengths per budget, so compiled kernels keep static shapes (length_step).
+        pad_to = length_step(self.cfg.actor.max_tokens_per_micro_batch) if self.backend == "flex" else 1
         out = []
         for packs in self._plan(samples, indices):
             pack = build_packed_batch(packs, samples.response_ids, pad_to=pad_to)

@@ -24,8 +24,8 @@ from longqa.distributed.env import DistEnv, all_reduce, gather_objects, leave_gr
 from longqa.distributed.planner import check_run
 from longqa.evaluate import evaluate, stop_token_ids
 from longqa.lengths import draw_response_lengths
-from longqa.model.load import (compile_decoder_layers, load_model, load_model_tokenizer, pick_device,
-                               resolve_model_path)
+from longqa.model.load import (compile_decoder_layers, compiled_graphs, load_model, load_model_tokenizer,
+                               pick_device, resolve_model_path)
 from longqa.report import MetricsLogger, write_report
 from longqa.rollout import HFRolloutEngine, SamplingParams
 from longqa.rollout.base import bump_weights_version
@@ -125,7 +125,8 @@ class Trainer:
         if self.device.type == "cuda":  # refuse a plan that cannot fit before reading any weight
             check_run(cfg, self.env.world_size, torch.cuda.get_device_properties(self.device).total_memory)
         self.model, _ = load_model(m.path, gguf_file=m.gguf_file, dtype=m.dtype, attn_implementation=m.attn_implementation,
-                                   gradient_checkpointing=m.gradient_checkpointing, device=self.device,
+                                   gradient_checkpointing=m.gradient_checkpointing,
+                                   checkpoint_fraction=m.checkpoint_fraction, device=self.device,
                                    tokenizer=self.tokenizer)
         self.steps_per_epoch = len(self.train_set) // cfg.data.train_batch_size
         total = cfg.trainer.total_epochs * self.steps_per_epoch
@@ -241,6 +242,7 @@ class Trainer:
     def train_step(self, step: int) -> dict:
         cfg, n = self.cfg, self.cfg.rollout.n
         start = time.perf_counter()
+        compiled, captured = compiled_graphs(), getattr(self.engine, "graph_captures", 0)
         groups, stats = self._collect(step)
         results = [r for g in groups for r in g["results"]]
         samples = [s for g in groups for s in g["samples"]]
@@ -263,8 +265,10 @@ class Trainer:
         truncated = [x for part in every for x in part["truncated"]]
         reasons = Counter(x for part in every for x in part["reasons"])
         zero_var, tokens = sum(p["zero_var"] for p in every), sum(p["tokens"] for p in every)
-        times = dict(zip(("rollout_s", "reward_s", "update_s"), all_reduce(
-            [stats["rollout_s"], stats["reward_s"], end - t_update], "max", self.device)))
+        # Compilations and graph captures, the most of any rank: after warm-up both should stay at 0.
+        compiled, captured = compiled_graphs() - compiled, getattr(self.engine, "graph_captures", 0) - captured
+        times = dict(zip(("rollout_s", "reward_s", "update_s", "recompiles", "graph_captures"), all_reduce(
+            [stats["rollout_s"], stats["reward_s"], end - t_update, compiled, captured], "max", self.device)))
         metrics = {
             "epoch": step // self.steps_per_epoch,
             "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
@@ -275,6 +279,7 @@ class Trainer:
             **{f"reward_reason/{k}": v for k, v in sorted(reasons.items())},
             "time/rollout_s": times["rollout_s"], "time/reward_s": times["reward_s"],
             "time/update_s": times["update_s"], "perf/tokens_per_s": tokens / (end - start),
+            "perf/recompiles": int(times["recompiles"]), "perf/graph_captures": int(times["graph_captures"]),
             **update,
         }
         if cfg.algo.dynamic_sampling:

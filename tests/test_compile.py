@@ -1,0 +1,76 @@
+"""Compiled decoder layers see a few static packed lengths, and the compilation counter the trainer logs counts."""
+
+import pytest
+import torch
+
+from longqa.config import load_config
+from longqa.model.attention import LENGTH_BUCKETS, length_step
+from longqa.model.load import compile_decoder_layers, compiled_graphs
+from longqa.train.actor import Actor, Samples
+from tiny_models import VOCAB, tiny_lm
+
+BUDGET = 16 * 256  # packed rows padded to a multiple of 256 tokens
+
+
+def test_the_counter_counts_a_forced_recompilation():
+    double = torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
+    start = compiled_graphs()
+    double(torch.zeros(3))
+    double(torch.ones(3))
+    assert compiled_graphs() - start == 1
+    double(torch.zeros(5))  # a new static shape: compiled again
+    assert compiled_graphs() - start == 2
+
+
+def test_length_step_gives_at_most_the_bucket_count():
+    assert length_step(1) == 128 and length_step(BUDGET) == 256
+    assert length_step(16384) == 1024 and length_step(16384 + 1) == 1152
+    for budget in (300, 5000, 16384, 40000, 147456):
+        step = length_step(budget)
+        assert step % 128 == 0 and -(-budget // step) <= LENGTH_BUCKETS
+
+
+def samples(prompt: int, lengths: list[int], seed: int) -> Samples:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (prompt,), generator=g).tolist()
+    responses = [torch.randint(1, VOCAB, (r,), generator=g).tolist() for r in lengths]
+    return Samples([ids] * len(lengths), responses, torch.zeros(len(lengths)), len(lengths))
+
+
+# Response lengths of a 40-token prompt's three samples, and the packed length each micro-batch pads to.
+CASES = [([5, 9, 20], 256), ([30, 2, 11], 256), ([50, 60, 70], 256), ([100, 100, 100], 512), ([120, 120, 150], 512),
+         ([200, 200, 200], 768)]
+
+
+@pytest.mark.slow
+def test_packed_lengths_within_a_bucket_reuse_the_compiled_layers():
+    """Varied response lengths pad to a few packed lengths: within a bucket nothing compiles again, each new
+    bucket compiles once more (static shapes: no dynamic graph), and the log-probs are the eager model's."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    model = tiny_lm()
+    cfg = load_config(None, ["actor.shared_prompt=true", "actor.attention_backend=flex", "rollout.n=3",
+                             f"actor.max_tokens_per_micro_batch={BUDGET}", "data.train_batch_size=1",
+                             "actor.ppo_mini_batch_size=1"])
+    eager = Actor(model, cfg, 1, torch.device("cpu"))
+    assert [eager.micro_batches(samples(40, lengths, 0), [0, 1, 2])[0].inputs.length for lengths, _ in CASES] == \
+        [padded for _, padded in CASES]
+    reference = [eager.logprobs(samples(40, lengths, seed)) for seed, (lengths, _) in enumerate(CASES)]
+    compile_decoder_layers(model, backend="eager")
+    actor = Actor(model, cfg, 1, torch.device("cpu"))
+    new_graphs = []
+    for seed, (lengths, _) in enumerate(CASES):
+        before = compiled_graphs()
+        got = actor.logprobs(samples(40, lengths, seed))
+        new_graphs.append(compiled_graphs() - before)
+        assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got, reference[seed]))
+    assert [count > 0 for count in new_graphs] == [True, False, False, True, False, True], new_graphs
+
+
+def test_checkpointing_a_fraction_of_the_layers_recomputes_the_first_ones():
+    from longqa.model.load import checkpoint_layers
+
+    model = tiny_lm()
+    assert checkpoint_layers(model, 0.5) == 1
+    assert [layer.gradient_checkpointing for layer in model.base_model.layers] == [True, False]
+    model = tiny_lm()
+    assert checkpoint_layers(model, 0.0) == 0 and not model.is_gradient_checkpointing
