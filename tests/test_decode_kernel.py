@@ -254,7 +254,8 @@ def test_cuda_graph_capture():
 @pytest.mark.parametrize("family", ["qwen3", "mistral", "gemma2"])
 def test_the_engine_samples_the_same_with_the_kernel_as_with_matmuls(family):
     """The fast engine end to end: the Triton attention in its decode step (the GPU default) against the
-    batched-matmul attention, several prompt lengths, slots streaming, stops; with a sliding window of 5
+    batched-matmul attention, several prompt lengths, slots streaming, stops and drawn lengths (finished
+    rows and groups are skipped by the kernel while the others go on); with a sliding window of 5
     (Mistral) and soft-capping (Gemma2)."""
     from longqa.rollout.base import SamplingParams
     from longqa.rollout.fast import FastRolloutEngine
@@ -266,7 +267,8 @@ def test_the_engine_samples_the_same_with_the_kernel_as_with_matmuls(family):
     prompts = [torch.randint(6, VOCAB, (length,), generator=g).tolist() for length in (5, 70, 1)]
     params = SamplingParams(n=3, temperature=1.0, max_new_tokens=9, stop_token_ids=(5,))
     runs = [FastRolloutEngine(model, max_groups=2, sync_every=4, decode_kernel=kernel, cuda_graphs=False)
-            .generate(prompts, params, seeds=[1, 2, 3]) for kernel in ("triton", "bmm")]
+            .generate(prompts, params, seeds=[1, 2, 3], stop_at=[[2, 9, 4], [9, 1, 9], [3, 3, 3]])
+            for kernel in ("triton", "bmm")]
     for group_a, group_b in zip(*runs):
         for a, b in zip(group_a, group_b):
             assert a.token_ids == b.token_ids

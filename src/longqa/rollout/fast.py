@@ -146,7 +146,10 @@ class SharedPrefixKV:
         self.rows = torch.arange(rows, device=device)
         self.prefix_len = torch.ones(groups, dtype=torch.long, device=device)  # >= 1: an empty slot stays finite
         self.write_at = torch.zeros(rows, dtype=torch.long, device=device)  # suffix index of the token fed now
-        self.own_len = torch.ones(rows, dtype=torch.long, device=device)  # write_at + 1
+        self.own_len = torch.ones(rows, dtype=torch.long, device=device)  # write_at + 1; 0 once a row finished
+        # The prompt length the Triton decode attention reads: 0 once all the group's samples finished,
+        # so a slot whose group is done costs no KV reads while the others go on (its outputs are ignored).
+        self.prompt_read = torch.ones(groups, dtype=torch.long, device=device)
         self.mode = "decode"
         self.prefill_slot = self.prefill_start = 0
         self.prompt_view = prompt_cap  # how much of the stores a decode step reads (length buckets)
@@ -193,7 +196,7 @@ class SharedPrefixKV:
             self.suffix_v[layer, self.rows, :, self.write_at] = v[:, :, 0]
         if self.kernel == "triton":
             rows, heads, _, d = q.shape
-            out = shared_prefix_attention(q[:, :, 0], self.prefix_k[layer], self.prefix_v[layer], self.prefix_len,
+            out = shared_prefix_attention(q[:, :, 0], self.prefix_k[layer], self.prefix_v[layer], self.prompt_read,
                                           self.suffix_k[layer], self.suffix_v[layer], self.own_len, self.n,
                                           self.prompt_view, self.response_view, scaling, window=spec.window,
                                           softcap=spec.softcap)
@@ -517,7 +520,8 @@ class FastRolloutEngine(RolloutEngine):
         kv, n = self.kv, params.n
         index = state.length  # index of the token sampled now; the fed token sits at index - 1
         kv.write_at.copy_((index - 1).clamp(0, kv.response_cap - 1))
-        kv.own_len.copy_(kv.write_at + 1)
+        kv.own_len.copy_(torch.where(state.active, kv.write_at + 1, 0))
+        kv.prompt_read.copy_(torch.where(state.active.view(-1, n).any(1), kv.prefix_len, 0))
         positions = kv.prefix_len.repeat_interleave(n) + index - 1
         if self.decode_step is not None:
             hidden = self.decode_step.decode(state.last, positions, kv)
