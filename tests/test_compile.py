@@ -74,3 +74,25 @@ def test_checkpointing_a_fraction_of_the_layers_recomputes_the_first_ones():
     assert [layer.gradient_checkpointing for layer in model.base_model.layers] == [True, False]
     model = tiny_lm()
     assert checkpoint_layers(model, 0.0) == 0 and not model.is_gradient_checkpointing
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: compiled flex_attention with a backward")
+def test_after_compiling_every_length_bucket_no_update_compiles_again():
+    """Updates of random prompt and response lengths, off-policy (an old log-prob pass too), after
+    ``compile_length_buckets``: no new graph."""
+    model = tiny_lm(head_dim=16).cuda()
+    compile_decoder_layers(model)
+    cfg = load_config(None, ["actor.shared_prompt=true", "actor.attention_backend=flex", "rollout.n=3",
+                             f"actor.max_tokens_per_micro_batch={BUDGET}", "data.train_batch_size=2",
+                             "actor.ppo_mini_batch_size=1", "data.max_response_length=300"])
+    actor = Actor(model, cfg, 4, torch.device("cuda"))
+    assert actor.compile_length_buckets() == LENGTH_BUCKETS
+    g = torch.Generator().manual_seed(0)
+    before = compiled_graphs()
+    for _ in range(4):
+        groups = [samples(int(torch.randint(20, 1000, (1,), generator=g)),
+                          torch.randint(1, 300, (3,), generator=g).tolist(), int(torch.randint(0, 99, (1,))))
+                  for _ in range(2)]
+        actor.update(Samples([p for s in groups for p in s.prompt_ids], [r for s in groups for r in s.response_ids],
+                             torch.randn(6, generator=g), 3))
+    assert compiled_graphs() == before

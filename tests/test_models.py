@@ -19,8 +19,9 @@ def tiny(family: str, vocab: int = 96):
     return AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama"])
-def test_chunked_logprobs_equal_a_full_forward(family):
+@pytest.mark.parametrize("family,chunk_size", [("qwen3", 5), ("qwen2", 5), ("llama", 5), ("qwen3", 19)])
+def test_chunked_logprobs_equal_a_full_forward(family, chunk_size):
+    """20 targets: chunks of 5, or of 19 with the last single target folded into the chunk before it."""
     from longqa.model.logprobs import token_logprobs
 
     model = tiny(family)
@@ -29,7 +30,7 @@ def test_chunked_logprobs_equal_a_full_forward(family):
     attention[1, 17:] = 0  # right padding
     targets = torch.zeros_like(ids, dtype=torch.bool)
     targets[0, 10:24], targets[1, 12:17], targets[2, 23] = True, True, True  # a length-1 response too
-    logp, entropy = token_logprobs(model, ids, attention, targets, temperature=0.7, chunk_size=5)
+    logp, entropy = token_logprobs(model, ids, attention, targets, temperature=0.7, chunk_size=chunk_size)
     logits = model(input_ids=ids, attention_mask=attention).logits.float() / 0.7
     full = torch.zeros_like(logp)
     full[:, 1:] = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)

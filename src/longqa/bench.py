@@ -342,6 +342,8 @@ def bench_grpo_step(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int
                              f"actor.ppo_mini_batch_size={prompts_per_step}", f"data.max_response_length={response}",
                              f"actor.max_tokens_per_micro_batch={prompt + n * response}", "actor.lr=1e-6"])
     actor = Actor(model, cfg, steps, dev)
+    if dev.type == "cuda":
+        actor.compile_length_buckets()  # as `longqa train` does before its first step
     engine = FastRolloutEngine(model, **(engine_options or {}))
     params = SamplingParams(n=n, temperature=1.0, max_new_tokens=response)
     g = torch.Generator().manual_seed(0)

@@ -42,9 +42,11 @@ def chunked_head(model, states: torch.Tensor, targets: torch.Tensor, temperature
     transform = logits_spec(model.config)
     fn = _compiled_head_chunk() if states.is_cuda else _head_chunk
     logp_parts, ent_parts = [], []
-    for start in range(0, len(targets), chunk_size):
-        args = (states[start:start + chunk_size], head.weight, head.bias, targets[start:start + chunk_size],
-                temperature, transform)
+    bounds = list(range(0, len(targets), chunk_size)) + [len(targets)]
+    if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:  # no last chunk of one row: the compiled chunk
+        del bounds[-2]  # specialises on size 1 and would compile a graph of its own mid-run
+    for start, end in zip(bounds, bounds[1:]):
+        args = (states[start:end], head.weight, head.bias, targets[start:end], temperature, transform)
         logp, ent = checkpoint(fn, *args, use_reentrant=False) if torch.is_grad_enabled() else fn(*args)
         logp_parts.append(logp)
         ent_parts.append(ent)

@@ -152,6 +152,27 @@ class Actor:
             out.append(MicroBatch(pack.samples, pack.to(self.device)))
         return out
 
+    def compile_length_buckets(self) -> int:
+        """Run the update's passes once at every packed length the flex backend pads rows to (multiples of
+        ``length_step`` up to the token budget), so that compiled decoder layers build each length's graphs
+        here, before the first step, rather than in whichever step first meets that length (8 s at
+        Qwen3-1.7B). Gradients are dropped afterwards; returns how many lengths."""
+        if self.backend != "flex":
+            return 0
+        budget = self.cfg.actor.max_tokens_per_micro_batch
+        step = length_step(budget)
+        lengths = range(step, -(-budget // step) * step + 1, step)
+        off_policy = self.cfg.actor.ppo_epochs > 1 or self.cfg.data.train_batch_size > self.cfg.actor.ppo_mini_batch_size
+        for length in lengths:  # one pack of exactly `length` tokens: a prompt and a two-token response (a
+            # single target would compile the LM-head chunk for size 1 only: sizes 0 and 1 are specialised)
+            samples = Samples([[self.pad] * (length - 2)], [[self.pad] * 2], torch.zeros(1), 1)
+            logp, _, _ = self.forward(self.scorer, self.micro_batches(samples, [0])[0])
+            (logp.sum() * 0).backward()
+            if off_policy:  # the old log-prob pass: evaluation mode, no gradient
+                self.logprobs(samples)
+        self.optimizer.zero_grad(set_to_none=True)
+        return len(lengths)
+
     def forward(self, scorer: PolicyScorer, micro: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(logp, entropy, mask)``, ``[len(micro.index), width]``, rows in ``micro.index`` order."""
         return scorer(micro.inputs)

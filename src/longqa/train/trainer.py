@@ -153,6 +153,10 @@ class Trainer:
         if (cfg.actor.compile_layers and self.device.type == "cuda" and isinstance(self.engine, FastRolloutEngine)
                 and self.engine.decode_step is not None):
             compile_decoder_layers(self.model)
+            start = time.perf_counter()
+            if (count := self.actor.compile_length_buckets()) and self.env.is_main:
+                print(f"compiled the update for {count} packed lengths in {time.perf_counter() - start:.0f} s",
+                      flush=True)
         self.stops = tuple(stop_token_ids(self.tokenizer))
         # The trainer recomputes the old policy's log-probs itself; vLLM returns exact sample log-probs except
         # for tempered *and* top-k/top-p-filtered sampling, where it is not asked for them.
