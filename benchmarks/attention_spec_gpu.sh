@@ -17,7 +17,7 @@ fi
 for tree in "$PWD/src" "$baseline"; do
     [ -n "$tree" ] || continue
     name=$([ "$tree" = "$PWD/src" ] && echo current || echo baseline)
-    PYTHONPATH=$tree python -m longqa.cli bench rollout --shape qwen3-1.7b --prompt 8192 --new-tokens 1024 -n 8 \
+    PYTHONPATH=$tree python -m longqa.cli bench rollout --shape qwen3-1.7b --prompt 8192 --new-tokens 1024 -n 8 --lengths max \
         --groups 1 16 --hf-new-tokens 0 --json "$out/rollout_$name.json" 2>&1 | grep '^{'
     PYTHONPATH=$tree python -m longqa.cli bench train --shape qwen3-1.7b --prompt 8192 --response 1024 -n 8 \
         --layouts packed --repeat 3 --compile --json "$out/train_$name.json" 2>&1 | grep '^{'

@@ -27,13 +27,13 @@ trl() {
 if [ "$have_trl" = 1 ] && [ "${#ids[@]}" -ge 2 ]; then CUDA_VISIBLE_DEVICES=${ids[1]} trl & fi
 export CUDA_VISIBLE_DEVICES=${ids[0]}
 timeout 150 python -m pytest -q tests/test_rollout_fast.py tests/test_decode_kernel.py -k "cuda or engine" 2>&1 | tail -2
-python -m longqa.cli bench rollout --shape qwen3-1.7b --prompt 8192 --new-tokens 1024 -n 8 --groups 1 16 \
+python -m longqa.cli bench rollout --shape qwen3-1.7b --prompt 8192 --new-tokens 1024 -n 8 --groups 1 16 --lengths max \
     --json "$out/rollout_1.7b.json" 2>&1 | grep '^{'
-python -m longqa.cli bench step --shape qwen3-1.7b --prompt 8192 --response 1024 -n 8 --prompts 16 --steps 2 \
+python -m longqa.cli bench step --shape qwen3-1.7b --prompt 8192 --response 1024 -n 8 --prompts 16 --steps 2 --lengths max \
     --json "$out/step_16x8.json" 2>&1 | grep '^{'
-python -m longqa.cli bench step --shape qwen3-1.7b --prompt 8192 --response 1024 -n 8 --prompts 2 --steps 4 \
+python -m longqa.cli bench step --shape qwen3-1.7b --prompt 8192 --response 1024 -n 8 --prompts 2 --steps 4 --lengths max \
     --json "$out/step_2x8.json" 2>&1 | grep '^{'
-python -m longqa.cli bench step --shape qwen3-1.7b --prompt 8192 --response 1024 -n 8 --prompts 2 --steps 3 \
+python -m longqa.cli bench step --shape qwen3-1.7b --prompt 8192 --response 1024 -n 8 --prompts 2 --steps 3 --lengths max \
     --gradient-checkpointing --json "$out/step_2x8_checkpointing.json" 2>&1 | grep '^{'
 if [ "$have_trl" = 1 ]; then
     if [ "${#ids[@]}" -ge 2 ]; then wait; else trl; fi

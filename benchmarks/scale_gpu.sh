@@ -13,6 +13,6 @@ shift 2 || shift $#  # the rest: config overrides for both runs
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 gpus=$(python -c "import torch; print(torch.cuda.device_count())")
 [ "$gpus" -ge 2 ] || { echo "scale_gpu.sh needs two CUDA GPUs (torch sees $gpus)" >&2; exit 1; }
-common=(--shape "$shape" --context-tokens 4096 --response 512 --prompts 16 -n 8 --steps 3 --root "$out/shared")
+common=(--shape "$shape" --context-tokens 4096 --response 512 --prompts 16 -n 8 --steps 3 --lengths max --root "$out/shared")
 python benchmarks/scale_run.py "${common[@]}" --out "$out/one" "$@" 2>&1 | tail -1
 python -m torch.distributed.run --nproc_per_node 2 benchmarks/scale_run.py "${common[@]}" --out "$out/two" "$@" 2>&1 | tail -1

@@ -88,9 +88,9 @@ def load_model(path: str | None = None, *, gguf_file: str | None = None, dtype: 
 
 def checkpoint_layers(model, fraction: float = 1.0) -> int:
     """Recompute the activations of the first ``fraction`` of the decoder layers in the backward pass
-    instead of keeping them; returns how many. Every layer recomputed costs a third more compute; a part
-    of them spends the memory that is free and keeps most of that compute (Qwen3-8B at 32K tokens on one
-    H200: 37.5% MFU with all 36 recomputed, 45.3% with 9)."""
+    instead of keeping them; returns how many. Recomputing every layer costs a third more compute;
+    recomputing only as many as memory needs keeps most of it (a Qwen3-8B group of 32K tokens on one
+    H200: 37.5% MFU with all 36 layers recomputed, 44.5% with 9; benchmarks/RESULTS.md)."""
     layers = model.base_model.layers
     count = round(fraction * len(layers))
     if count:
