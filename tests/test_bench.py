@@ -11,16 +11,17 @@ from longqa.lengths import draw_response_lengths
 def test_step_floor_adds_prefill_decode_and_update_at_their_limits():
     from transformers import Qwen3Config
 
-    from longqa.bench import SHAPES, decode_floor_s, group_flops, prefill_flops, step_floor_s
+    from longqa.bench import SHAPES, decode_floor_s, group_flops, step_floor_s
 
     config = Qwen3Config(**SHAPES["qwen3-1.7b"])
     lengths = [[100, 300], [50, 900]]
     floor = step_floor_s(config, 8192, lengths, in_flight=2, peak_flops=1e15)
     assert floor["update"] == pytest.approx(sum(group_flops(config, 8192, g, True).flops for g in lengths) / 1e15)
-    assert floor["rollout"] == pytest.approx(2 * prefill_flops(config, 8192) / 1e15
-                                             + decode_floor_s(config, 8192, lengths, in_flight=2))
-    # a prefill is a third of a forward+backward of the same prompt alone
-    assert prefill_flops(config, 8192) == pytest.approx(group_flops(config, 8192, [0], True).flops / 3)
+    h, layers, heads, head_dim = config.hidden_size, config.num_hidden_layers, config.num_attention_heads, 128
+    params = layers * (h * heads * head_dim * 2 + h * config.num_key_value_heads * head_dim * 2
+                       + 3 * h * config.intermediate_size)
+    prefill = 2 * params * 8192 + 4 * head_dim * heads * layers * 8192 * 8193 / 2  # forward, causal pairs
+    assert floor["rollout"] == pytest.approx(2 * prefill / 1e15 + decode_floor_s(config, 8192, lengths, in_flight=2))
 
 
 def test_bench_step_records_each_phase_of_each_step(tmp_path):

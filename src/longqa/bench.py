@@ -182,21 +182,13 @@ def decode_floor_s(config, prompt: int, new_tokens: int | Sequence[Sequence[int]
     return dtype_bytes * (steps * weights + kv_token * (prompt_reads + own_tokens)) / bandwidth
 
 
-def prefill_flops(config, prompt: int) -> float:
-    """Forward model FLOPs of one prompt's prefill: 2 x parameters per token, 4 x head_dim x heads x layers
-    per causal (query, key) pair."""
-    h, layers, heads, head_dim = config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.head_dim
-    linear = layers * (h * heads * head_dim * 2 + h * config.num_key_value_heads * head_dim * 2
-                       + 3 * h * config.intermediate_size)
-    return 2 * linear * prompt + 4 * head_dim * heads * layers * prompt * (prompt + 1) / 2
-
-
 def step_floor_s(config, prompt: int, lengths: Sequence[Sequence[int]], in_flight: int,
                  peak_flops: float = H200_BF16_PEAK) -> dict:
     """The least a GRPO step of these groups could take on this GPU, per phase: the rollout's prefills at
-    the bf16 peak plus its decoding at the HBM floor (``decode_floor_s``, ``in_flight`` slots always
+    the bf16 peak (no LM head: one token each) plus its decoding at the HBM floor (``decode_floor_s``, ``in_flight`` slots always
     full), and the packed update's model FLOPs (``group_flops``, unique tokens) at the bf16 peak."""
-    rollout = len(lengths) * prefill_flops(config, prompt) / peak_flops
+    prefill = group_flops(config, prompt, [], True).flops / 3  # a forward pass: a third of forward + backward
+    rollout = len(lengths) * prefill / peak_flops
     rollout += decode_floor_s(config, prompt, lengths, in_flight=in_flight)
     update = sum(group_flops(config, prompt, list(group), True).flops for group in lengths) / peak_flops
     return {"rollout": rollout, "update": update}

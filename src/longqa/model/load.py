@@ -65,8 +65,8 @@ def load_model_tokenizer(path: str | None = None, gguf_file: str | None = None):
 
 
 def load_model(path: str | None = None, *, gguf_file: str | None = None, dtype: str = "float32",
-               attn_implementation: str = "sdpa", gradient_checkpointing: bool = False, checkpoint_fraction: float = 1.0,
-               device: str | torch.device = "cpu", tokenizer=None):
+               attn_implementation: str = "sdpa", gradient_checkpointing: bool = False,
+               checkpoint_fraction: float = 1.0, device: str | torch.device = "cpu", tokenizer=None):
     """(model, tokenizer) ready for training: any transformers causal LM (Qwen3, Qwen2, Llama, ...)."""
     from transformers import AutoModelForCausalLM
 

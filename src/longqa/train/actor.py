@@ -162,7 +162,8 @@ class Actor:
         budget = self.cfg.actor.max_tokens_per_micro_batch
         step = length_step(budget)
         lengths = range(step, -(-budget // step) * step + 1, step)
-        off_policy = self.cfg.actor.ppo_epochs > 1 or self.cfg.data.train_batch_size > self.cfg.actor.ppo_mini_batch_size
+        a = self.cfg.actor
+        off_policy = a.ppo_epochs > 1 or self.cfg.data.train_batch_size > a.ppo_mini_batch_size
         for length in lengths:  # one pack of exactly `length` tokens: a prompt and a two-token response (a
             # single target would compile the LM-head chunk for size 1 only: sizes 0 and 1 are specialised)
             samples = Samples([[self.pad] * (length - 2)], [[self.pad] * 2], torch.zeros(1), 1)

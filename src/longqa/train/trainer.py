@@ -269,9 +269,9 @@ class Trainer:
         truncated = [x for part in every for x in part["truncated"]]
         reasons = Counter(x for part in every for x in part["reasons"])
         zero_var, tokens = sum(p["zero_var"] for p in every), sum(p["tokens"] for p in every)
-        # Compilations and graph captures, the most of any rank: after warm-up both should stay at 0.
+        # Each phase's time and the compilations and graph captures (0 once warm): the most of any rank.
         compiled, captured = compiled_graphs() - compiled, getattr(self.engine, "graph_captures", 0) - captured
-        times = dict(zip(("rollout_s", "reward_s", "update_s", "recompiles", "graph_captures"), all_reduce(
+        most = dict(zip(("rollout_s", "reward_s", "update_s", "recompiles", "graph_captures"), all_reduce(
             [stats["rollout_s"], stats["reward_s"], end - t_update, compiled, captured], "max", self.device)))
         metrics = {
             "epoch": step // self.steps_per_epoch,
@@ -281,9 +281,9 @@ class Trainer:
             "response/truncated": float(np.mean(truncated)),
             "zero_variance_groups": zero_var, "reward_errors": sum(v for k, v in reasons.items() if k.startswith("error")),
             **{f"reward_reason/{k}": v for k, v in sorted(reasons.items())},
-            "time/rollout_s": times["rollout_s"], "time/reward_s": times["reward_s"],
-            "time/update_s": times["update_s"], "perf/tokens_per_s": tokens / (end - start),
-            "perf/recompiles": int(times["recompiles"]), "perf/graph_captures": int(times["graph_captures"]),
+            "time/rollout_s": most["rollout_s"], "time/reward_s": most["reward_s"],
+            "time/update_s": most["update_s"], "perf/tokens_per_s": tokens / (end - start),
+            "perf/recompiles": int(most["recompiles"]), "perf/graph_captures": int(most["graph_captures"]),
             **update,
         }
         if cfg.algo.dynamic_sampling:
