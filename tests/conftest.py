@@ -13,6 +13,14 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist every worker would otherwise run as many threads as the machine has cores (8 workers
+# on 16 cores: 128 threads fighting for 16); each takes its share, and so do the processes tests start.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+    _threads = max(1, (os.cpu_count() or 1) // _workers)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
+    torch.set_num_threads(_threads)
+
 from longqa.data.schema import make_row, with_system_prompt
 
 CORPUS = [
