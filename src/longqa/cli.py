@@ -13,7 +13,7 @@ longqa trains language models with GRPO to answer multi-hop questions over long 
 
 Command groups:
   train    GRPO training (no arguments: the embedded default demo, on the CPU)
-  eval     greedy evaluation of a model: accuracy, EM and F1 per data source
+  eval     greedy evaluation of a model: accuracy, EM and F1 per data source; LongBench's multi-hop QA F1
   export   a checkpoint as a Hugging Face folder
   data     make training data: the LoongRL seed recipe's files, offline synthetic files, tokenized prompts
   sft      supervised warm-up on reference responses (how the embedded default model is made)
@@ -101,6 +101,8 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
+    if args.longbench or args.longbench_scores:
+        return _eval_longbench(args)
     import json
     from pathlib import Path
 
@@ -115,6 +117,32 @@ def cmd_eval(args: argparse.Namespace) -> None:
     print(format_table(result))
     if args.output:
         Path(args.output).write_text(json.dumps(result, indent=1))
+
+
+def _eval_longbench(args: argparse.Namespace) -> None:
+    """``eval --longbench`` (answer, then score the files written) and ``--longbench-scores`` (score alone)."""
+    from longqa import longbench
+
+    folder, datasets = args.longbench_scores, None
+    if args.longbench:
+        if not args.output:
+            raise ConfigError("--longbench needs --output: the folder for the prediction files and result.json")
+        if args.limit is not None and args.limit < 1:
+            raise ConfigError(f"--limit must be at least 1, got {args.limit}")
+        if args.max_prompt_length < 2:
+            raise ConfigError(f"--max-prompt-length must be at least 2, got {args.max_prompt_length}")
+        from longqa.model.load import load_model, pick_device
+
+        examples = longbench.read_longbench(args.longbench, args.limit)  # before the weights: bad files fail fast
+        model, tokenizer = load_model(args.model, device=pick_device(args.device))
+        done = longbench.predict(model, tokenizer, examples, args.output, args.max_new_tokens,
+                                 args.max_prompt_length, args.batch_size, args.samples)
+        print(f"{done['rows']} rows answered in {done['seconds']:.1f}s; {done['truncated']} prompts over "
+              f"--max-prompt-length={args.max_prompt_length} lost their middle")
+        folder, datasets = args.output, list(examples)  # only what was just answered, not older files there
+    result = longbench.score_folder(folder, datasets)
+    path = longbench.save_result(folder, result)
+    print(f"{longbench.format_scores(result)}\nwrote {path}")
 
 
 def cmd_export(args: argparse.Namespace) -> None:
@@ -287,16 +315,30 @@ def _add_model_commands(groups: argparse._SubParsersAction) -> None:
 
     p = groups.add_parser("eval", help="greedy evaluation: accuracy, EM and F1 per data source",
                           description="Greedy answers of a model on verl-schema files, scored per data_source with "
-                          "the hardened reward, exact match and token F1; a table, optional JSON and samples.")
+                          "the hardened reward, exact match and token F1; a table, optional JSON and samples. "
+                          "With --longbench: greedy answers to LongBench v1's HotpotQA, 2WikiMultiHopQA and "
+                          "MuSiQue files (longqa's prompt, the \\boxed{} answer), written as LongBench prediction "
+                          "files and scored with LongBench's F1, overall and per length (0-4k, 4-8k, 8k+ words). "
+                          "With --longbench-scores: the same scores of prediction files any system wrote.")
     p.add_argument("--model", default=None, help="model folder, hub id or GGUF file (default: the embedded model)")
-    p.add_argument("--data", nargs="+", required=True, help="parquet/jsonl files in verl's schema")
+    inputs = p.add_mutually_exclusive_group(required=True)
+    inputs.add_argument("--data", nargs="+", help="parquet/jsonl files in verl's schema")
+    inputs.add_argument("--longbench", metavar="DATA_DIR",
+                        help="a folder with LongBench's hotpotqa.jsonl, 2wikimqa.jsonl and/or musique.jsonl")
+    inputs.add_argument("--longbench-scores", metavar="PRED_DIR",
+                        help="score the LongBench prediction files <dataset>.jsonl in PRED_DIR (no model); "
+                        "writes PRED_DIR/result.json")
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--max-prompt-length", type=int, default=16384)
+    p.add_argument("--max-prompt-length", type=int, default=16384,
+                   help="most prompt tokens: a longer prompt is left out with --data, and loses its middle "
+                   "with --longbench (as in LongBench)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--mode", default="hardened", help="reward mode that decides accuracy")
     p.add_argument("--device", default="auto")
-    p.add_argument("--output", help="write the scores as JSON here")
+    p.add_argument("--output", help="write the scores as JSON here (with --longbench: the folder for the "
+                   "prediction files and result.json)")
     p.add_argument("--samples", help="write every answer as JSONL here")
+    p.add_argument("--limit", type=int, help="with --longbench: the first N rows of each set (quick runs)")
     p.set_defaults(func=cmd_eval)
 
     p = groups.add_parser("export", help="a checkpoint as a Hugging Face folder (safetensors + tokenizer)",

@@ -22,10 +22,24 @@ SYSTEM_PROMPT = (
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
+# The recipe's user message for plain multi-hop QA: the passages under this line, then the question.
+QA_PREFIX = "The following are given passages.\n"
+
 
 def with_system_prompt(messages: list[dict], system_prompt: str = SYSTEM_PROMPT) -> list[dict]:
     """Prepend the system message, as the recipe does to every LoongRL row."""
     return [{"role": "system", "content": system_prompt}, *messages]
+
+
+def question_suffix(question: str) -> str:
+    """What follows the passages in a QA user message; kept apart so generators can count its tokens."""
+    return f"\n\nQuestion: {question}"
+
+
+def qa_user_message(passages: str, question: str) -> str:
+    """The user message of a plain QA row, as the recipe's rows have it: a model trained on them reads
+    any other source's passages and question best in this same shape."""
+    return QA_PREFIX + passages + question_suffix(question)
 
 
 def make_row(data_source: str, messages: list[dict], ground_truth: str | list[str],

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .io import write_task_splits
-from .schema import SYSTEM_PROMPT, make_row, with_system_prompt
+from .schema import QA_PREFIX, SYSTEM_PROMPT, make_row, question_suffix, with_system_prompt
 
 __all__ = ["STYLES", "TASKS", "SynthConfig", "approx_tokens", "generate", "generate_rows", "keychain_count",
            "make_synth_row", "token_counter"]
@@ -71,7 +71,6 @@ KEYCHAIN_HOPS = 4  # key:value pairs per chain, the last value being a question
 KEY_HEX_DIGITS = 8
 MAX_MISSES = 16  # passages in a row that did not fit before the context counts as full
 
-QA_PREFIX = "The following are given passages.\n"
 KEYCHAIN_PREFIX = "Please read the following text.\n"
 KEYCHAIN_INSTRUCTION = (
     "Exactly one of the questions hidden in the text above is the one to answer. It is found by "
@@ -785,7 +784,7 @@ def _draw_question(world: World, task: str, config: SynthConfig, style: str | No
 def _frame(question: Question, keychain: KeyChain | None) -> tuple[str, str]:
     """The user message's text before and after the passages, in the recipe's two prompt shapes."""
     if keychain is None:
-        return QA_PREFIX, f"\n\nQuestion: {question.text}"
+        return QA_PREFIX, question_suffix(question.text)
     return KEYCHAIN_PREFIX, "\n\n" + KEYCHAIN_INSTRUCTION.format(head=keychain.keys[0])
 
 
