@@ -17,6 +17,7 @@ EXTRA_INFO_TYPES = {
     "keychain": bool,
 }
 PAIR = re.compile(r'\{"([0-9a-f]{8})": "([^"]+)"\}\.')
+BY_LENGTH = (1024, 2048, 4096)
 LINEAR_STYLES = ("bridge", "chain", "compositional", "inference")
 
 
@@ -212,8 +213,73 @@ def test_keychain_count_follows_context_length():
     assert len(PAIR.findall(user_text(row))) == 4 * synth.KEYCHAIN_HOPS
 
 
+@pytest.fixture(scope="module")
+def by_length_rows() -> list[list[dict]]:
+    """Each question's rows at every length: plain, and with KeyChain (whose chains need 2048 tokens)."""
+    plain = synth.SynthConfig(seed=11)
+    keyed = synth.SynthConfig(seed=11, keychain=True)
+    return ([synth.make_synth_rows(task, i, plain, BY_LENGTH[::-1]) for task in synth.TASKS for i in range(8)]
+            + [synth.make_synth_rows(task, i, keyed, BY_LENGTH[1:]) for task in synth.TASKS for i in range(3)])
+
+
+def bare_passages(row: dict) -> set[str]:
+    """A row's passages as they read without the keychain pairs put between their sentences."""
+    return {f"{title}\n{re.sub(' ' + PAIR.pattern, '', text)}" for title, text in passages(row)}
+
+
+def test_by_length_rows_ask_one_question_at_every_length(by_length_rows):
+    same = ("index", "task", "style", "hops", "question", "answer_type", "supporting_facts", "reference_response",
+            "keychain", "question_id")
+    for rows in by_length_rows:
+        infos = [r["extra_info"] for r in rows]
+        assert [i["target_tokens"] for i in infos] == list(BY_LENGTH[-len(rows):])
+        assert infos[0]["question_id"] == f"{infos[0]['task']}/{infos[0]['index']}"
+        for key in same:
+            assert len({repr(i[key]) for i in infos}) == 1, key
+        assert all(r["reward_model"] == rows[0]["reward_model"] for r in rows)
+        for row in rows:
+            check_answer(row)
+            measured = sum(synth.approx_tokens(m["content"]) for m in row["prompt"])
+            assert abs(measured - row["extra_info"]["context_tokens"]) <= 2
+            assert 0.92 * row["extra_info"]["target_tokens"] <= measured <= row["extra_info"]["target_tokens"]
+
+
+def test_a_longer_context_adds_distractors_to_the_shorter_one(by_length_rows):
+    for rows in by_length_rows:
+        supporting = [title_stating(f, passages(rows[0])) for f in rows[0]["extra_info"]["supporting_facts"]]
+        for shorter, longer in zip(rows, rows[1:]):
+            assert bare_passages(shorter) < bare_passages(longer)
+            assert [title_stating(f, passages(longer)) for f in longer["extra_info"]["supporting_facts"]] == supporting
+        if rows[0]["extra_info"]["keychain"]:
+            chains = [len(PAIR.findall(user_text(r))) // synth.KEYCHAIN_HOPS for r in rows]
+            assert chains == [synth.keychain_count(n) for n in BY_LENGTH[1:]]
+            assert set(PAIR.findall(user_text(rows[0]))) < set(PAIR.findall(user_text(rows[1])))
+
+
+def test_one_length_is_the_plain_row():
+    config = synth.SynthConfig(context_tokens=2048, keychain=True)
+    [row] = synth.make_synth_rows("musique", 5, config, [2048])
+    info = row["extra_info"]
+    assert (info.pop("target_tokens"), info.pop("question_id")) == (2048, "musique/5")
+    assert row == synth.make_synth_row("musique", 5, config)
+
+
+def test_generate_by_length_holds_out_the_same_questions_at_every_length(tmp_path):
+    counts = synth.generate(tmp_path, rows_per_task=8, tasks=("hotpotqa", "musique"), context_lengths=(512, 256),
+                            test_ratio=0.25)
+    folders = [f"ctx{n}/{name}" for n in (256, 512) for name in ("hotpotqa", "musique", "merged")]
+    assert list(counts) == [*folders, "merged"]
+    assert counts["ctx256/merged"] == {"train": 12, "test": 4} and counts["merged"] == {"train": 24, "test": 8}
+    for split in ("train", "test"):
+        by_length = [read_rows(tmp_path / f"ctx{n}" / "merged" / f"{split}.parquet") for n in (256, 512)]
+        assert [r["extra_info"]["question_id"] for r in by_length[0]] == [r["extra_info"]["question_id"]
+                                                                          for r in by_length[1]]
+        assert read_rows(tmp_path / "merged" / f"{split}.parquet") == by_length[0] + by_length[1]
+
+
 @pytest.mark.parametrize("kwargs", [{"tasks": ("squad",)}, {"min_hops": 1}, {"min_hops": 4, "max_hops": 3},
-                                    {"max_hops": synth.MAX_HOPS + 1}, {"context_tokens": 100}])
+                                    {"max_hops": synth.MAX_HOPS + 1}, {"context_tokens": 100},
+                                    {"context_lengths": (1024, 100)}])
 def test_bad_arguments_are_refused(tmp_path: Path, kwargs):
     with pytest.raises(ValueError):
         synth.generate(tmp_path, rows_per_task=4, **kwargs)

@@ -66,7 +66,7 @@ def cmd_data_synth(args: argparse.Namespace) -> None:
     counts = generate(args.output_dir, rows_per_task=args.rows_per_task, context_tokens=args.context_tokens,
                       tasks=tuple(args.tasks), min_hops=args.min_hops, max_hops=args.max_hops,
                       keychain=args.keychain, test_ratio=args.test_ratio, seed=args.seed,
-                      tokenizer=args.tokenizer, workers=args.workers)
+                      tokenizer=args.tokenizer, workers=args.workers, context_lengths=args.context_lengths or ())
     _print_counts(args.output_dir, counts)
 
 
@@ -287,7 +287,13 @@ def _add_data_commands(groups: argparse._SubParsersAction) -> None:
                              "optionally with LoongRL's KeyChain. The same seed gives byte-identical files.")
     _add_layout_args(p, seed_help="generation and split seed")
     p.add_argument("--rows-per-task", type=int, default=400, help="rows per task before the split (default 400)")
-    p.add_argument("--context-tokens", type=int, default=1024, help="target context length in tokens (default 1024)")
+    length = p.add_mutually_exclusive_group()
+    length.add_argument("--context-tokens", type=int, default=1024,
+                        help="target context length in tokens (default 1024)")
+    length.add_argument("--context-lengths", type=int, nargs="+", metavar="TOKENS",
+                        help="the same questions at each of these context lengths, longer contexts adding only "
+                        "distractor passages: ctx<TOKENS>/ holds each length's files, merged/ every length's "
+                        "(longqa eval and validation then score accuracy per length)")
     p.add_argument("--tasks", nargs="+", default=["hotpotqa", "musique", "2wikimqa"], help="tasks to generate")
     p.add_argument("--min-hops", type=int, default=2, help="fewest hops of MuSiQue-style chains (default 2)")
     p.add_argument("--max-hops", type=int, default=4, help="most hops of MuSiQue-style chains (default 4)")

@@ -94,24 +94,33 @@ def split_train_test(n_rows: int, test_ratio: float, seed: int) -> tuple[np.ndar
     return permutation[n_test:], permutation[:n_test]
 
 
-def write_task_splits(rows_by_task: dict[str, list[dict]], output_dir: str | os.PathLike,
-                      test_ratio: float, seed: int) -> dict[str, dict[str, int]]:
-    """Write the recipe's layout: ``<task>/{train,test}.parquet`` and ``merged/{train,test}.parquet``.
-
-    Each task is split on its own with the same seed; merged is the per-task splits concatenated in
-    task order. Returns the row count of every file written.
-    """
-    output_dir = Path(output_dir)
+def task_splits(rows_by_task: dict[str, list[dict]], test_ratio: float,
+                seed: int) -> dict[str, dict[str, list[dict]]]:
+    """The recipe's splits: each task split on its own with the same seed, then ``merged``, the per-task
+    splits concatenated in task order. The same seed and row count hold out the same row indices, so
+    files made of the same questions (at several context lengths) hold out the same questions."""
     merged: dict[str, list[dict]] = {"train": [], "test": []}
-    counts: dict[str, dict[str, int]] = {}
+    splits: dict[str, dict[str, list[dict]]] = {}
     for task, rows in rows_by_task.items():
         train_idx, test_idx = split_train_test(len(rows), test_ratio, seed)
-        splits = {"train": [rows[i] for i in train_idx], "test": [rows[i] for i in test_idx]}
-        for split, split_rows in splits.items():
-            write_rows(split_rows, output_dir / task / f"{split}.parquet")
+        splits[task] = {"train": [rows[i] for i in train_idx], "test": [rows[i] for i in test_idx]}
+        for split, split_rows in splits[task].items():
             merged[split].extend(split_rows)
-        counts[task] = {split: len(split_rows) for split, split_rows in splits.items()}
-    for split, split_rows in merged.items():
-        write_rows(split_rows, output_dir / "merged" / f"{split}.parquet")
-    counts["merged"] = {split: len(split_rows) for split, split_rows in merged.items()}
-    return counts
+    splits["merged"] = merged
+    return splits
+
+
+def write_splits(splits: dict[str, dict[str, list[dict]]], output_dir: str | os.PathLike) -> dict[str, dict[str, int]]:
+    """Write ``<name>/<split>.parquet`` under ``output_dir`` for every name and split; return their row counts."""
+    output_dir = Path(output_dir)
+    for name, parts in splits.items():
+        for split, split_rows in parts.items():
+            write_rows(split_rows, output_dir / name / f"{split}.parquet")
+    return {name: {split: len(split_rows) for split, split_rows in parts.items()} for name, parts in splits.items()}
+
+
+def write_task_splits(rows_by_task: dict[str, list[dict]], output_dir: str | os.PathLike,
+                      test_ratio: float, seed: int) -> dict[str, dict[str, int]]:
+    """Write the recipe's layout: ``<task>/{train,test}.parquet`` and ``merged/{train,test}.parquet``
+    (see ``task_splits``). Returns the row count of every file written."""
+    return write_splits(task_splits(rows_by_task, test_ratio, seed), output_dir)

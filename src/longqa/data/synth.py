@@ -35,25 +35,38 @@ with the tokenizer given, else with ``approx_tokens`` (within about 5% of Qwen2.
 text). A context is full when the next passages no longer fit, so it ends a fraction of one passage
 short of the target; only the question's own passages and the keychain, which are always included, can
 push a short context past it.
+
+With ``context_lengths`` (``longqa data synth --context-lengths 1024 4096 16384``) every row is written
+at each length, so that accuracy can be measured against length with nothing else changing. The rows of
+one question share their world, question, answer, hop count and supporting passages; the context of
+each length is the one of the length below plus more distractor passages (with ``keychain``, also
+more chains: the same ones first, the real chain always), shuffled anew. ``extra_info`` then also holds
+``target_tokens`` (the length asked for; ``context_tokens`` stays the measured one) and ``question_id``
+(``<task>/<index>``, the same at every length). Each length splits its questions alike, so a question
+is held out at every length or at none. The files::
+
+    ctx1024/<task>/{train,test}.parquet   ctx1024/merged/{train,test}.parquet   (and so on per length)
+    merged/{train,test}.parquet           every length's merged rows, shortest length first
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import multiprocessing
 import os
 import random
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .io import write_task_splits
+from .io import task_splits, write_splits, write_task_splits
 from .schema import QA_PREFIX, SYSTEM_PROMPT, make_row, question_suffix, with_system_prompt
 
 __all__ = ["STYLES", "TASKS", "SynthConfig", "approx_tokens", "generate", "generate_rows", "keychain_count",
-           "make_synth_row", "token_counter"]
+           "length_folder", "make_synth_row", "make_synth_rows", "token_counter"]
 
 TASKS = ("hotpotqa", "musique", "2wikimqa")
 STYLES = {
@@ -633,11 +646,19 @@ def make_question(world: World, style: str, hops: int) -> Question:
 
 @dataclass
 class KeyChain:
-    """The pairs to scatter through the context, the real chain's keys, and the distractor questions."""
+    """The pairs to scatter through the context (every chain's, shuffled together), the real chain's keys,
+    the distractor questions, and each chain's own pairs (the real chain's first)."""
 
     pairs: list[str]
     keys: list[str]
     distractors: list[Question]
+    chains: list[list[str]]
+
+    def pairs_of(self, chains: int) -> list[str]:
+        """The pairs of the first ``chains`` chains, in their shuffled order: a shorter context shows part of
+        a longer one's keychain (the real chain, then the same distractor chains first)."""
+        keep = {pair for chain in self.chains[:chains] for pair in chain}
+        return [pair for pair in self.pairs if pair in keep]
 
 
 def make_keychain(world: World, question: Question, chains: int, new_question: Callable[[], Question]) -> KeyChain:
@@ -652,7 +673,7 @@ def make_keychain(world: World, question: Question, chains: int, new_question: C
             distractors.append(candidate)
             texts.add(candidate.text)
     used: set[str] = set()
-    pairs, real_keys = [], []
+    chains_pairs, real_keys = [], []
     for target in (question, *distractors):
         keys = []
         while len(keys) < KEYCHAIN_HOPS:
@@ -661,10 +682,11 @@ def make_keychain(world: World, question: Question, chains: int, new_question: C
                 used.add(key)
                 keys.append(key)
         values = [*keys[1:], target.text]
-        pairs += [f'{{"{k}": "{v}"}}.' for k, v in zip(keys, values)]
+        chains_pairs.append([f'{{"{k}": "{v}"}}.' for k, v in zip(keys, values)])
         real_keys = real_keys or keys
+    pairs = [pair for chain in chains_pairs for pair in chain]
     rng.shuffle(pairs)
-    return KeyChain(pairs, real_keys, distractors)
+    return KeyChain(pairs, real_keys, distractors, chains_pairs)
 
 
 def keychain_count(context_tokens: int) -> int:
@@ -690,13 +712,15 @@ class SynthConfig:
 
 @dataclass
 class Context:
-    """The passages chosen so far and the prompt's running token count."""
+    """The passages chosen so far, the prompt's running token count, and the entities whose passages did
+    not fit (tried again first when the context grows)."""
 
     world: World
     count: Callable[[str], int]
     budget: int
     total: int
     passages: list[Passage] = field(default_factory=list)
+    missed: list[Entity] = field(default_factory=list)
 
     def add(self, passage: Passage, cost: int) -> None:
         passage.entity.documented = True
@@ -712,10 +736,18 @@ class Context:
         header = _cached_count(self.count, f"\n\nPassage {len(self.passages) + 1}:\n")
         return passage, self.count(passage.text) + header
 
+    def grow(self, budget: int, fixed: int) -> None:
+        """Make room for a longer context, whose prompt has ``fixed`` more tokens besides passages (the
+        pairs of its extra keychain chains)."""
+        self.budget = budget
+        self.total += fixed
+
     def fill(self, candidates: Iterator[Entity]) -> None:
-        """Add passages while they fit; stop after ``MAX_MISSES`` passages in a row that did not."""
+        """Add passages while they fit; stop after ``MAX_MISSES`` passages in a row that did not. Those
+        that did not fit are tried first by the next fill, so a grown context gets them before new ones."""
+        retry, self.missed = collections.deque(self.missed), []
         misses = 0
-        for entity in candidates:
+        for entity in itertools.chain(_drain(retry), candidates):
             if entity.documented:
                 continue
             passage, cost = self.passage(entity)
@@ -723,9 +755,17 @@ class Context:
                 self.add(passage, cost)
                 misses = 0
             else:
+                self.missed.append(entity)
                 misses += 1
                 if misses >= MAX_MISSES:
+                    self.missed += retry
                     return
+
+
+def _drain(queue: collections.deque) -> Iterator:
+    """The queue's items, each removed as it is handed out, so what a stopped loop left stays queued."""
+    while queue:
+        yield queue.popleft()
 
 
 def _random_entities(world: World) -> Iterator[Entity]:
@@ -788,16 +828,69 @@ def _frame(question: Question, keychain: KeyChain | None) -> tuple[str, str]:
     return KEYCHAIN_PREFIX, "\n\n" + KEYCHAIN_INSTRUCTION.format(head=keychain.keys[0])
 
 
-def _build_context(world: World, question: Question, keychain: KeyChain | None, context: Context) -> None:
-    """The question's passages and its last hop's sibling always; then, while they fit, the other
-    siblings, the distractor questions' passages and random passages."""
+@dataclass
+class Draft:
+    """What every context length of a row shares: its world (and random stream), the question, the
+    keychain (with the longest length's chains) and the token counter."""
+
+    world: World
+    question: Question
+    keychain: KeyChain | None
+    count: Callable[[str], int]
+
+
+def _draft(task: str, index: int, config: SynthConfig, chains: int) -> Draft:
+    """The question of row ``index``, and ``chains`` keychain chains when ``config.keychain``."""
+    rng = random.Random(f"{config.seed}/{task}/{index}")
+    world = World(rng)
+    question = _draw_question(world, task, config, STYLES[task][index % len(STYLES[task])])
+    keychain = None
+    if config.keychain:
+        keychain = make_keychain(world, question, chains, lambda: _draw_question(world, task, config))
+    return Draft(world, question, keychain, token_counter(config.tokenizer))
+
+
+def _pairs(draft: Draft, length: int) -> list[str]:
+    """The keychain pairs a context of ``length`` tokens shows: LoongRL's number of chains for that length."""
+    return draft.keychain.pairs_of(keychain_count(length)) if draft.keychain else []
+
+
+def _fixed_tokens(draft: Draft, pairs: list[str]) -> int:
+    """The prompt's tokens besides its passages: system prompt, frame and keychain pairs."""
+    count = draft.count
+    prefix, suffix = _frame(draft.question, draft.keychain)
+    return (_cached_count(count, SYSTEM_PROMPT) + _cached_count(count, prefix) + count(suffix)
+            + sum(map(count, pairs)))
+
+
+def _add_required(world: World, question: Question, context: Context) -> list[Entity]:
+    """Add the passages every context of the row holds: the question's own, and its last hop's sibling so
+    that the answer's type has a second candidate (comparisons name two already). Returns the other
+    siblings, the first passages tried after these."""
     for subject in {id(s): s for s, _ in question.hops}.values():
         context.add(*context.passage(subject))
     siblings = [world.sibling(s, r) for s, r in reversed(question.hops)]
-    if question.style not in COMPARISON_STYLES:  # so that the answer's type has a second candidate
+    if question.style not in COMPARISON_STYLES:
         context.add(*context.passage(siblings.pop(0)))
+    return siblings
+
+
+def _contexts(draft: Draft, lengths: list[int]) -> Iterator[tuple[Context, list[str]]]:
+    """The row's context and keychain pairs at each of ``lengths`` (ascending), each context grown from the
+    one before with the other siblings, the distractor questions' passages and random passages, while
+    they fit: a shorter context's passages are all in every longer one. The context is the same object
+    at every length; take what is needed from it before asking for the next."""
+    world, keychain = draft.world, draft.keychain
+    pairs = {length: _pairs(draft, length) for length in lengths}
+    fixed = {length: _fixed_tokens(draft, pairs[length]) for length in lengths}
+    context = Context(world, draft.count, lengths[0], fixed[lengths[0]])
+    siblings = _add_required(world, draft.question, context)
     distractor_subjects = [s for q in (keychain.distractors if keychain else ()) for s, _ in q.hops]
-    context.fill(itertools.chain(siblings, distractor_subjects, _random_entities(world)))
+    candidates = itertools.chain(siblings, distractor_subjects, _random_entities(world))
+    for previous, length in zip((lengths[0], *lengths), lengths):
+        context.grow(length, fixed[length] - fixed[previous])
+        context.fill(candidates)
+        yield context, pairs[length]
 
 
 def _reference(question: Question, supporting: list[str], keychain: KeyChain | None) -> str:
@@ -808,28 +901,14 @@ def _reference(question: Question, supporting: list[str], keychain: KeyChain | N
     return f"<think> {' '.join(steps)} </think> \\boxed{{{question.answer}}}"
 
 
-def make_synth_row(task: str, index: int, config: SynthConfig) -> dict:
-    """Row ``index`` of ``task``: a function of (config, task, index) alone, so rows can be made in any
-    order and in any process."""
-    rng = random.Random(f"{config.seed}/{task}/{index}")
-    world = World(rng)
-    question = _draw_question(world, task, config, STYLES[task][index % len(STYLES[task])])
-    keychain = None
-    if config.keychain:
-        chains = keychain_count(config.context_tokens)
-        keychain = make_keychain(world, question, chains, lambda: _draw_question(world, task, config))
-    prefix, suffix = _frame(question, keychain)
-    count = token_counter(config.tokenizer)
-    fixed = (_cached_count(count, SYSTEM_PROMPT) + _cached_count(count, prefix) + count(suffix)
-             + sum(map(count, keychain.pairs if keychain else ())))
-    context = Context(world, count, config.context_tokens, fixed)
-    _build_context(world, question, keychain, context)
-
+def _row(task: str, index: int, draft: Draft, context: Context, pairs: list[str]) -> dict:
+    """The row for one context: its passages shuffled, the keychain's pairs put between their sentences."""
+    question, keychain, rng = draft.question, draft.keychain, draft.world.rng
     by_entity = {id(p.entity): p for p in context.passages}
     supporting = [by_entity[id(s)].facts[r] for s, r in question.hops]
     passages = context.passages[:]
     rng.shuffle(passages)
-    texts = _scatter(passages, keychain.pairs, rng) if keychain else [p.text for p in passages]
+    texts = _scatter(passages, pairs, rng) if keychain else [p.text for p in passages]
     body = "\n\n".join(f"Passage {i}:\n{text}" for i, text in enumerate(texts, 1))
     extra_info = {
         "index": index,
@@ -844,27 +923,56 @@ def make_synth_row(task: str, index: int, config: SynthConfig) -> dict:
         "context_tokens": context.total,
         "keychain": keychain is not None,
     }
+    prefix, suffix = _frame(question, keychain)
     messages = with_system_prompt([{"role": "user", "content": prefix + body + suffix}])
     return make_row(f"synth_{task}", messages, [question.answer], extra_info=extra_info)
+
+
+def _rows(task: str, index: int, config: SynthConfig, lengths: list[int]) -> list[dict]:
+    """Row ``index`` of ``task`` at each of ``lengths`` (ascending), from one draft."""
+    draft = _draft(task, index, config, keychain_count(lengths[-1]))
+    return [_row(task, index, draft, context, pairs) for context, pairs in _contexts(draft, lengths)]
+
+
+def make_synth_row(task: str, index: int, config: SynthConfig) -> dict:
+    """Row ``index`` of ``task``: a function of (config, task, index) alone, so rows can be made in any
+    order and in any process."""
+    [row] = _rows(task, index, config, [config.context_tokens])
+    return row
+
+
+def make_synth_rows(task: str, index: int, config: SynthConfig, lengths: Sequence[int]) -> list[dict]:
+    """Row ``index`` of ``task`` at each of ``lengths`` (they replace ``config.context_tokens``), shortest
+    first: one question, answer and set of supporting passages, longer contexts adding only distractor
+    passages (and keychain chains), so that length is the only thing that differs. ``extra_info`` also
+    holds ``target_tokens``, the length asked for, and ``question_id``, the same at every length."""
+    lengths = sorted(set(lengths))
+    rows = _rows(task, index, config, lengths)
+    for length, row in zip(lengths, rows):
+        row["extra_info"].update(target_tokens=length, question_id=f"{task}/{index}")
+    return rows
 
 
 # ----------------------------------------------------------------------------------------------------
 # Public API
 
 
-def _check(tasks: tuple[str, ...], config: SynthConfig) -> None:
+def _check(tasks: tuple[str, ...], config: SynthConfig, lengths: tuple[int, ...] = ()) -> None:
     unknown = [t for t in tasks if t not in STYLES]
     if unknown or not tasks:
         raise ValueError(f"unknown tasks {unknown}; choose from {', '.join(TASKS)}")
     if not 2 <= config.min_hops <= config.max_hops <= MAX_HOPS:
         raise ValueError(f"need 2 <= min_hops <= max_hops <= {MAX_HOPS}, got {config.min_hops}..{config.max_hops}")
-    if config.context_tokens < MIN_CONTEXT_TOKENS:
-        raise ValueError(f"context_tokens must be at least {MIN_CONTEXT_TOKENS}, got {config.context_tokens}")
+    for length in lengths or (config.context_tokens,):
+        if length < MIN_CONTEXT_TOKENS:
+            raise ValueError(f"context lengths must be at least {MIN_CONTEXT_TOKENS} tokens, got {length}")
 
 
-def _make_rows(jobs: list[tuple[str, int]], config: SynthConfig, workers: int) -> list[dict]:
-    """Rows for (task, index) jobs, in job order, made by ``workers`` processes."""
-    make = functools.partial(_make_job, config=config)
+def _make_rows(jobs: list[tuple[str, int]], config: SynthConfig, workers: int,
+               lengths: tuple[int, ...] = ()) -> list:
+    """For each (task, index) job, in job order, its row, or with ``lengths`` its list of rows (one per
+    length), made by ``workers`` processes."""
+    make = functools.partial(_make_job, config=config, lengths=lengths)
     if workers <= 1 or len(jobs) < 2:
         return [make(job) for job in jobs]
     vocabulary()  # build once here so forked workers inherit it
@@ -872,8 +980,31 @@ def _make_rows(jobs: list[tuple[str, int]], config: SynthConfig, workers: int) -
         return pool.map(make, jobs, chunksize=max(1, len(jobs) // (workers * 16)))
 
 
-def _make_job(job: tuple[str, int], config: SynthConfig) -> dict:
+def _make_job(job: tuple[str, int], config: SynthConfig, lengths: tuple[int, ...]) -> dict | list[dict]:
+    if lengths:
+        return make_synth_rows(job[0], job[1], config, lengths)
     return make_synth_row(job[0], job[1], config)
+
+
+def length_folder(length: int) -> str:
+    """The folder of one length's files in a by-length set: ``ctx1024`` for 1024 tokens."""
+    return f"ctx{length}"
+
+
+def _length_splits(rows: dict[int, dict[str, list[dict]]], test_ratio: float,
+                   seed: int) -> dict[str, dict[str, list[dict]]]:
+    """Each length's recipe layout under its ``length_folder``, then ``merged``: every length's merged
+    rows, shortest length first. Every length splits with the same seed and row counts, so a question
+    is held out at all lengths or at none."""
+    splits: dict[str, dict[str, list[dict]]] = {}
+    merged: dict[str, list[dict]] = {"train": [], "test": []}
+    for length, rows_by_task in rows.items():
+        parts = task_splits(rows_by_task, test_ratio, seed)
+        splits.update({f"{length_folder(length)}/{name}": part for name, part in parts.items()})
+        for split, split_rows in parts["merged"].items():
+            merged[split] += split_rows
+    splits["merged"] = merged
+    return splits
 
 
 def generate_rows(task: str, n: int, *, context_tokens: int = DEFAULT_CONTEXT_TOKENS, min_hops: int = 2,
@@ -889,13 +1020,24 @@ def generate_rows(task: str, n: int, *, context_tokens: int = DEFAULT_CONTEXT_TO
 def generate(output_dir: str | os.PathLike, *, rows_per_task: int = DEFAULT_ROWS_PER_TASK,
              context_tokens: int = DEFAULT_CONTEXT_TOKENS, tasks: tuple[str, ...] = TASKS, min_hops: int = 2,
              max_hops: int = 4, keychain: bool = False, test_ratio: float = 0.05, seed: int = 42,
-             tokenizer: str | os.PathLike | None = None, workers: int = 1) -> dict[str, dict[str, int]]:
+             tokenizer: str | os.PathLike | None = None, workers: int = 1,
+             context_lengths: Sequence[int] = ()) -> dict[str, dict[str, int]]:
     """Write ``<task>/{train,test}.parquet`` and ``merged/{train,test}.parquet`` under ``output_dir``,
-    as the recipe lays its data out, and return the row count of every file."""
+    as the recipe lays its data out, and return the row count of every file.
+
+    With ``context_lengths`` (in place of ``context_tokens``) the same questions at each length: that
+    layout for each length under ``ctx<length>/``, and ``merged/{train,test}.parquet`` with every length.
+    """
     tasks = tuple(tasks)
-    config = SynthConfig(context_tokens, min_hops, max_hops, keychain, seed,
+    lengths = tuple(sorted(set(context_lengths)))
+    config = SynthConfig(lengths[-1] if lengths else context_tokens, min_hops, max_hops, keychain, seed,
                          None if tokenizer is None else str(tokenizer))
-    _check(tasks, config)
-    rows = _make_rows([(t, i) for t in tasks for i in range(rows_per_task)], config, workers)
-    rows_by_task = {t: rows[k * rows_per_task:(k + 1) * rows_per_task] for k, t in enumerate(tasks)}
-    return write_task_splits(rows_by_task, output_dir, test_ratio, seed)
+    _check(tasks, config, lengths)
+    jobs = [(t, i) for t in tasks for i in range(rows_per_task)]
+    made = _make_rows(jobs, config, workers, lengths)
+    by_task = {t: made[k * rows_per_task:(k + 1) * rows_per_task] for k, t in enumerate(tasks)}
+    if not lengths:
+        return write_task_splits(by_task, output_dir, test_ratio, seed)
+    rows = {length: {t: [group[k] for group in groups] for t, groups in by_task.items()}
+            for k, length in enumerate(lengths)}
+    return write_splits(_length_splits(rows, test_ratio, seed), output_dir)
