@@ -1,3 +1,5 @@
+import json
+
 import pytest
 
 from longqa.cli import build_parser, main
@@ -56,3 +58,18 @@ def test_prepare_errors_are_one_line(tmp_path, tokenizer_dir, capsys):
     assert main(["data", "prepare", f"model.path={tokenizer_dir}", f"data.train_files={tmp_path}/nope.parquet",
                  f"data.cache_dir={tmp_path}/cache"]) == 2
     assert "nope.parquet: no such file" in capsys.readouterr().err
+
+
+def test_synth_by_length_then_eval_scores_each_length(tmp_path, capsys):
+    out_dir, scores = tmp_path / "data", tmp_path / "scores.json"
+    assert main(["data", "synth", "--output-dir", str(out_dir), "--rows-per-task", "4", "--tasks", "hotpotqa",
+                 "musique", "--max-hops", "3", "--context-lengths", "512", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "ctx256/musique/test.parquet  1 rows" in out and "\n  merged/test.parquet  4 rows" in out
+    assert main(["eval", "--data", str(out_dir / "merged" / "test.parquet"), "--max-new-tokens", "4",
+                 "--device", "cpu", "--output", str(scores)]) == 0
+    out = capsys.readouterr().out
+    assert "\n\ntarget_tokens " in out and "\n256 " in out and "\n\nhops " in out
+    result = json.loads(scores.read_text())
+    assert [(g["target_tokens"], g["n"]) for g in result["by_length"]] == [(256, 2), (512, 2)]
+    assert sum(g["n"] for g in result["by_hops"]) == result["all"]["n"] == 4

@@ -107,14 +107,14 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     from longqa.data.prompts import PromptOptions, prepare_prompts
-    from longqa.evaluate import evaluate, format_table
+    from longqa.evaluate import evaluate, format_groups, format_table
     from longqa.model.load import load_model, pick_device
 
     model, tokenizer = load_model(args.model, device=pick_device(args.device))
     prompts = prepare_prompts(args.data, tokenizer, PromptOptions(args.max_prompt_length))
     samples = Path(args.samples) if args.samples else None
     result = evaluate(model, tokenizer, prompts, args.max_new_tokens, args.batch_size, samples, args.mode)
-    print(format_table(result))
+    print(format_table(result) + format_groups(result))
     if args.output:
         Path(args.output).write_text(json.dumps(result, indent=1))
 

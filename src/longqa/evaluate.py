@@ -2,6 +2,10 @@
 
 Batched greedy decoding through transformers' ``generate`` with left padding: evaluation has one
 sample per prompt, so batching many prompts is what makes it fast, on a CPU as on a GPU.
+
+Rows whose ``extra_info`` names their target context length or hop count (``longqa data synth
+--context-lengths`` writes both) are also scored per length and per hop count, beside the per-source
+scores: on a set that asks the same questions at several lengths, accuracy against length alone.
 """
 
 from __future__ import annotations
@@ -96,6 +100,28 @@ def score(meta: Sequence[dict], responses: Sequence[str], mode: str = "hardened"
     return result
 
 
+# Groupings beside the per-source scores: result key -> the extra_info key whose integer values make the groups.
+GROUPINGS = {"by_length": "target_tokens", "by_hops": "hops"}
+
+
+def score_by(meta: Sequence[dict], responses: Sequence[str], key: str, mode: str = "hardened") -> list[dict]:
+    """``score``'s overall numbers for each integer value of ``extra_info[key]``, ascending, as
+    ``{key: value, "n": ..., "accuracy": ...}``; rows without one are left out."""
+    groups: dict[int, list[int]] = defaultdict(list)
+    for i, m in enumerate(meta):
+        value = (m.get("extra_info") or {}).get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            groups[value].append(i)
+    return [{key: value, **score([meta[i] for i in rows], [responses[i] for i in rows], mode)["all"]}
+            for value, rows in sorted(groups.items())]
+
+
+def score_groups(meta: Sequence[dict], responses: Sequence[str], mode: str = "hardened") -> dict[str, list[dict]]:
+    """``score_by`` for every grouping of ``GROUPINGS`` that some row has. Lists, not mappings, so that
+    whatever reads the per-source entries of a result (the ones that are mappings) reads only those."""
+    return {name: groups for name, key in GROUPINGS.items() if (groups := score_by(meta, responses, key, mode))}
+
+
 def evaluate(model, tokenizer, prompts, max_new_tokens: int, batch_size: int = 64, samples_path: Path | None = None,
              mode: str = "hardened", engine=None, shard=None) -> dict:
     """Greedy answers for a PromptSet, scored; optionally every answer written as JSONL for inspection. With
@@ -112,6 +138,7 @@ def evaluate(model, tokenizer, prompts, max_new_tokens: int, batch_size: int = 6
     else:
         responses = greedy_responses(model, tokenizer, ids, max_new_tokens, batch_size)
     result = score(prompts.meta, responses, mode)
+    result.update(score_groups(prompts.meta, responses, mode))
     result["seconds"] = time.perf_counter() - start
     if samples_path is not None:
         samples_path.parent.mkdir(parents=True, exist_ok=True)
@@ -131,3 +158,16 @@ def format_table(result: dict) -> str:
         lines.append(f"guessing baseline (1 / entities of the asked type in the context): "
                      f"{result['all']['guess_baseline']:.3f}")
     return "\n".join(lines)
+
+
+def format_groups(result: dict) -> str:
+    """The tables of ``score_groups``' groupings in ``result``, each after a blank line (nothing without any),
+    to print after ``format_table``."""
+    tables = []
+    for name, key in GROUPINGS.items():
+        lines = [f"{key:32s} {'n':>6s} {'acc':>7s} {'em':>7s} {'f1':>7s}"]
+        lines += [f"{g[key]:<32d} {g['n']:6d} {g['accuracy']:7.3f} {g['em']:7.3f} {g['f1']:7.3f}"
+                  for g in result.get(name, ())]
+        if len(lines) > 1:
+            tables.append("\n".join(lines))
+    return "".join(f"\n\n{table}" for table in tables)

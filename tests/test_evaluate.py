@@ -1,0 +1,63 @@
+"""Scores grouped by what the rows say of themselves: context length and hop count, beside data sources."""
+
+from __future__ import annotations
+
+import pytest
+
+from longqa.evaluate import format_groups, format_table, score, score_by, score_groups
+
+
+def answered(text: str) -> str:
+    return f"<think> reasoning </think> \\boxed{{{text}}}"
+
+
+def results(*rows: tuple[dict, bool]) -> tuple[list[dict], list[str]]:
+    """Meta and responses for (extra_info, right or wrong) pairs, all asking for "Tarvos"."""
+    meta = [{"data_source": "synth_musique", "ground_truth": ["Tarvos"], "extra_info": info} for info, _ in rows]
+    return meta, [answered("Tarvos" if right else "Quillex") for _, right in rows]
+
+
+META, RESPONSES = results(
+    ({"target_tokens": 4096, "hops": 2, "num_candidates": 4}, False),
+    ({"target_tokens": 1024, "hops": 2, "num_candidates": 2}, True),
+    ({"target_tokens": 1024, "hops": 3, "num_candidates": 2}, True),
+    ({"target_tokens": 4096, "hops": 3, "num_candidates": 4}, True),
+    ({"target_tokens": 1024, "hops": 4, "num_candidates": 2}, False),
+    ({"hops": 4}, True),  # no length: counted by hops only
+    ({}, True),  # neither
+    ({"target_tokens": "long", "hops": True}, True),  # not counts: left out
+)
+
+
+def test_rows_are_grouped_by_each_key_they_carry():
+    by_length = score_by(META, RESPONSES, "target_tokens")
+    assert [(g["target_tokens"], g["n"], g["accuracy"]) for g in by_length] == [(1024, 3, pytest.approx(2 / 3)),
+                                                                                (4096, 2, 0.5)]
+    assert by_length[0]["guess_baseline"] == 0.5 and by_length[1]["guess_baseline"] == 0.25
+    by_hops = score_by(META, RESPONSES, "hops")
+    assert [(g["hops"], g["n"], g["accuracy"]) for g in by_hops] == [(2, 2, 0.5), (3, 2, 1.0), (4, 2, 0.5)]
+    assert by_hops[0]["em"] == 0.5 and by_hops[1]["f1"] == 1.0
+
+
+def test_groupings_sit_beside_the_per_source_scores():
+    result = {**score(META, RESPONSES), **score_groups(META, RESPONSES)}
+    assert list(result) == ["all", "synth_musique", "by_length", "by_hops"]
+    assert result["all"]["n"] == 8
+    table = format_table(result)
+    assert "by_" not in table and len(table.splitlines()) == 4  # header, two sources, guessing baseline
+    assert format_groups(result).split("\n\n")[1:] == [
+        "target_tokens                         n     acc      em      f1\n"
+        "1024                                  3   0.667   0.667   0.667\n"
+        "4096                                  2   0.500   0.500   0.500",
+        "hops                                  n     acc      em      f1\n"
+        "2                                     2   0.500   0.500   0.500\n"
+        "3                                     2   1.000   1.000   1.000\n"
+        "4                                     2   0.500   0.500   0.500"]
+
+
+def test_rows_without_groups_add_nothing():
+    meta, responses = results(({}, True), ({"index": 3}, False))
+    assert score_groups(meta, responses) == {}
+    assert format_groups(score(meta, responses)) == ""
+    meta, responses = results(({"hops": 2}, True))
+    assert list(score_groups(meta, responses)) == ["by_hops"]
