@@ -164,6 +164,27 @@ def test_write_report_plots_and_summarises(tmp_path):
     assert "![accuracy](accuracy.png)" in text
 
 
+def test_write_report_draws_accuracy_by_length_at_the_first_and_last_validation(tmp_path):
+    from longqa.report import _length_curves
+
+    records = [{"step": s, "reward/mean": 0.5, "time/step_s": 1.0} for s in range(0, 31)]
+    for r in records[::10]:  # validations at steps 0, 10, 20, 30; 30 measured no length
+        r["val/accuracy"] = 0.5
+        if r["step"] < 30:
+            r.update({f"val/accuracy@{n}": (r["step"] + 10) / n for n in (4096, 512, 1024, 2048)})
+    records[20]["val/accuracy@4096"] = float("nan")
+    write_metrics(tmp_path, records)
+
+    keys = ["val/accuracy@512", "val/accuracy@1024", "val/accuracy@2048", "val/accuracy@4096"]
+    assert _length_curves(records, keys) == {0: ([512, 1024, 2048, 4096], [10 / 512, 10 / 1024, 10 / 2048, 10 / 4096]),
+                                             20: ([512, 1024, 2048], [30 / 512, 30 / 1024, 30 / 2048])}
+    text = write_report(tmp_path).read_text()
+    assert png_size(tmp_path / "report" / "accuracy_by_length.png") == (700, 400)
+    assert text.splitlines()[-1] == "![accuracy_by_length](accuracy_by_length.png)"
+    table = [line.split(" | ")[0] for line in text.splitlines() if line.startswith("| val/")]
+    assert table == ["| val/accuracy", *[f"| {k}" for k in keys]]
+
+
 def test_write_report_plots_only_what_was_logged(tmp_path):
     write_metrics(tmp_path, [{"step": s, "reward/mean": 0.1 * s} for s in (1, 2)])
     text = write_report(tmp_path).read_text()

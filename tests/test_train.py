@@ -54,14 +54,37 @@ def test_training_end_to_end(tiny_model_dir, data_dir, tmp_path):
                 "response_length/max", "response/truncated", "zero_variance_groups", "reward_errors"):
         assert key in rows[1], key
     assert rows[1]["lr"] < rows[2]["lr"]  # warmup then cosine
+    assert not [k for r in rows for k in r if k.startswith("val/accuracy@")]  # no lengths in these rows
     checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert checkpoints == ["step_00000003", "step_00000004"]
     assert (out / "report" / "summary.md").is_file() and (out / "report" / "reward.png").is_file()
+    assert not (out / "report" / "accuracy_by_length.png").exists()
     exported = tmp_path / "hf"
     assert main(["export", str(out / "checkpoints" / "step_00000004"), str(exported)]) == 0
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(exported) is not None
+
+
+def test_validation_by_length_is_logged_and_drawn(tiny_model_dir, data_dir, tmp_path):
+    """Validation rows that carry their context length (one question set at two lengths, measured with the
+    approximate counter) add the accuracy at each length to the metrics, and the report draws it."""
+    from longqa.data.synth import generate
+
+    by_length = tmp_path / "by-length"
+    generate(by_length, rows_per_task=4, context_lengths=(256, 512), max_hops=2, test_ratio=0.25, seed=5)
+    out = tmp_path / "run"
+    extra = {"data.val_files": f"{by_length}/merged/test.parquet", "trainer.max_steps": 1, "trainer.test_freq": 1,
+             "trainer.save_freq": 0}
+    assert main(["train", *overrides(tiny_model_dir, data_dir, out, **extra)]) == 0
+    rows = records(out)
+    assert [r["step"] for r in rows] == [0, 1]
+    for row in rows:
+        assert 0 <= row["val/accuracy@256"] <= 1 and 0 <= row["val/accuracy@512"] <= 1
+        assert row["val/accuracy"] == pytest.approx((row["val/accuracy@256"] + row["val/accuracy@512"]) / 2)
+    assert (out / "report" / "accuracy_by_length.png").is_file()
+    summary = (out / "report" / "summary.md").read_text()
+    assert "![accuracy_by_length](accuracy_by_length.png)" in summary and "| val/accuracy@512 |" in summary
 
 
 def test_compilations_during_a_step_are_counted_in_its_metrics(tiny_model_dir, data_dir, tmp_path, monkeypatch):

@@ -6,6 +6,8 @@ The trainer logs a flat dict per step. These keys are the ones the console line 
 ``reward/mean``                         mean reward of the step's responses
 ``accuracy``                            fraction of responses that were right (train)
 ``val/<name>``                          validation metrics, on the steps that ran validation
+``val/accuracy@<length>``               validation accuracy at one context length, when the validation rows
+                                        carry one (``longqa data synth --context-lengths``)
 ``response_length/mean``, ``/max``      response lengths in tokens
 ``perf/tokens_per_s``                   throughput of the step
 ``perf/recompiles``, ``/graph_captures`` graphs compiled / decode steps captured in the step (0 once warm)
@@ -26,13 +28,14 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsLogger", "SINKS", "read_metrics", "write_report"]
+__all__ = ["LENGTH_ACCURACY", "MetricsLogger", "SINKS", "read_metrics", "write_report"]
 
 SINKS = ("console", "jsonl", "tensorboard", "wandb")
 REWARD, ACCURACY, VAL_PREFIX = "reward/mean", "accuracy", "val/"
 LENGTH_MEAN, LENGTH_MAX = "response_length/mean", "response_length/max"
 TOKENS_PER_S, STEP_TIME = "perf/tokens_per_s", "time/step_s"
 METRICS_FILE, WANDB_ID_FILE, REPORT_DIR = "metrics.jsonl", "wandb_run_id", "report"
+LENGTH_ACCURACY, LENGTH_PLOT = "val/accuracy@", "accuracy_by_length.png"
 
 
 def _hms(seconds: float) -> str:
@@ -221,9 +224,14 @@ def _figure():
     return fig
 
 
+def _finite(value: Any) -> bool:
+    """A number that can be drawn and ranked (a NaN from a bad step would hide the best value)."""
+    return _is_number(value) and math.isfinite(value)
+
+
 def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
-    """Steps and finite values of ``key`` (a NaN from a bad step would hide the best value)."""
-    points = [(r["step"], r[key]) for r in records if _is_number(r.get(key)) and math.isfinite(r[key])]
+    """Steps and finite values of ``key``."""
+    points = [(r["step"], r[key]) for r in records if _finite(r.get(key))]
     return [s for s, _ in points], [v for _, v in points]
 
 
@@ -238,6 +246,49 @@ def _plot(path: Path, title: str, ylabel: str, records: list[dict], keys: list[s
     for key, (steps, values) in series.items():
         ax.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3, label=key)
     ax.set(title=title, xlabel="step", ylabel=ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.savefig(path, dpi=100)
+    return True
+
+
+def _length_of(key: str) -> int:
+    return int(key[len(LENGTH_ACCURACY):])
+
+
+def _length_keys(records: list[dict]) -> list[str]:
+    """The ``val/accuracy@<length>`` keys logged, shortest length first."""
+    keys = {k for r in records for k in r if k.startswith(LENGTH_ACCURACY) and k[len(LENGTH_ACCURACY):].isdigit()}
+    return sorted(keys, key=_length_of)
+
+
+def _length_curves(records: list[dict], keys: list[str]) -> dict[int, tuple[list[int], list[float]]]:
+    """Step -> (lengths, accuracies) at the first and the last validation that measured accuracy by length:
+    how much longer contexts cost at the start, and whether training narrowed the gap by the end."""
+    validations = [r for r in records if any(_finite(r.get(k)) for k in keys)]
+    curves = {}
+    for record in validations if len(validations) <= 2 else (validations[0], validations[-1]):
+        points = [(_length_of(k), record[k]) for k in keys if _finite(record.get(k))]
+        curves[record["step"]] = ([n for n, _ in points], [v for _, v in points])
+    return curves
+
+
+def _plot_by_length(path: Path, records: list[dict], keys: list[str]) -> bool:
+    """Accuracy against context length (log2 axis, a tick per length), one line per ``_length_curves``
+    step; no file when no validation measured it."""
+    curves = _length_curves(records, keys)
+    if not curves:
+        return False
+    fig = _figure()
+    ax = fig.add_subplot()
+    for step, (lengths, values) in curves.items():
+        ax.plot(lengths, values, marker="o", markersize=4, label=f"step {step}")
+    lengths = sorted({n for ns, _ in curves.values() for n in ns})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(lengths, [str(n) for n in lengths])
+    ax.minorticks_off()
+    ax.set(title="Validation accuracy by context length", xlabel="context tokens", ylabel="accuracy",
+           ylim=(0, 1.05))
     ax.grid(alpha=0.3)
     ax.legend()
     fig.savefig(path, dpi=100)
@@ -270,6 +321,7 @@ def write_report(run_dir: str | os.PathLike) -> Path:
     # Validation scores (accuracy, F1, overall and per data source) share the accuracy plot's 0-1 scale.
     val_keys = sorted({k for r in records for k in r
                        if k.startswith(VAL_PREFIX) and k.rsplit("/", 1)[-1] in ("accuracy", "f1")})
+    length_keys = _length_keys(records)  # their own plot: accuracy against length, not against step
 
     plots = {
         "reward.png": ("Reward", "mean reward", [REWARD]),
@@ -278,8 +330,10 @@ def write_report(run_dir: str | os.PathLike) -> Path:
     }
     written = [name for name, (title, ylabel, keys) in plots.items()
                if _plot(out / name, title, ylabel, records, keys)]
+    if _plot_by_length(out / LENGTH_PLOT, records, length_keys):
+        written.append(LENGTH_PLOT)
 
-    rows = [(REWARD, True), (ACCURACY, True), *[(k, True) for k in val_keys],
+    rows = [(REWARD, True), (ACCURACY, True), *[(k, True) for k in (*val_keys, *length_keys)],
             (LENGTH_MEAN, False), (LENGTH_MAX, False), (TOKENS_PER_S, True)]
     table = [row for key, better in rows if (row := _summary_row(records, key, better))]
     total_time = sum(r[STEP_TIME] for r in records if _is_number(r.get(STEP_TIME)))

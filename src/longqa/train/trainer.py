@@ -26,7 +26,7 @@ from longqa.evaluate import evaluate, stop_token_ids
 from longqa.lengths import draw_response_lengths
 from longqa.model.load import (compile_decoder_layers, compiled_graphs, load_model, load_model_tokenizer,
                                pick_device, resolve_model_path)
-from longqa.report import MetricsLogger, write_report
+from longqa.report import LENGTH_ACCURACY, MetricsLogger, write_report
 from longqa.rollout import HFRolloutEngine, SamplingParams
 from longqa.rollout.base import bump_weights_version
 from longqa.rollout.fast import FastRolloutEngine
@@ -310,6 +310,9 @@ class Trainer:
                "val/seconds": result["seconds"]}
         out.update({f"val/{source}/accuracy": r["accuracy"] for source, r in result.items()
                     if isinstance(r, dict) and source != "all"})
+        # A validation set of one set of questions at several lengths (synth --context-lengths) gives the
+        # accuracy at each: what longer contexts cost, and whether training closes the gap.
+        out.update({f"{LENGTH_ACCURACY}{g['target_tokens']}": g["accuracy"] for g in result.get("by_length", ())})
         return out
 
     # ------------------------------------------------------------------------------------------ the run
