@@ -33,14 +33,16 @@ from longqa.model.packing import PackedBatch
 PREFIX = "longqa:"
 BLOCK = 128  # flex_attention's block size: the packed row is padded to a multiple of it
 LENGTH_BUCKETS = 16  # packed rows of a token budget are padded to one of this many lengths
+BACKENDS = ("auto", "dense", "flex")
 
 
 def length_step(budget: int) -> int:
     """The flex backend pads each packed row to a multiple of this (at least ``BLOCK``): a sixteenth of
     the micro-batch token budget. Compiled kernels then see at most ``LENGTH_BUCKETS`` (+1 for a row
-    over the budget) static lengths, each compiled once in the first steps. With lengths left dynamic,
-    Inductor compiles slower kernels (the flex backward of a 16K-token Qwen3-1.7B row took 8.3 instead
-    of 6.3 ms on an H200) and recompiles on a new length; the padding costs a few percent of tokens."""
+    over the budget) static lengths, each compiled once before the first step
+    (``Actor.compile_length_buckets``). With lengths left dynamic, Inductor compiles slower kernels (the
+    flex backward of a 16K-token Qwen3-1.7B row took 8.3 instead of 6.3 ms on an H200) and recompiles on
+    a new length; the padding costs a few percent of tokens."""
     return BLOCK * max(1, -(-budget // (LENGTH_BUCKETS * BLOCK)))
 
 
@@ -50,7 +52,6 @@ def allow_length_buckets() -> None:
     import torch._dynamo.config as dynamo
 
     dynamo.recompile_limit = max(dynamo.recompile_limit, 4 * (LENGTH_BUCKETS + 1))
-BACKENDS = ("auto", "dense", "flex")
 
 
 def pack_mask(prompt_length: int, response_lengths: list[int], device=None, window: int | None = None) -> torch.Tensor:
