@@ -54,7 +54,9 @@ __all__ = [
     "load_checkpoint",
     "load_model_weights",
     "resolve_resume",
+    "rng_state",
     "save_checkpoint",
+    "set_rng_state",
 ]
 
 MARKER = "COMPLETE"
@@ -147,8 +149,12 @@ def _json_file(obj: Any) -> Callable[[IO[bytes]], Any]:
     return lambda f: f.write(text.encode())
 
 
-def _rng_state() -> dict:
-    """Every global random state that training draws from, as plain JSON."""
+def rng_state() -> dict:
+    """Every global random state that training draws from, as plain JSON.
+
+    Public because the trainer takes one at the start of each step: a step dropped before its update
+    (see ``preemption``) puts it back, so its checkpoint is the one the step before would have written.
+    """
     version, internal, gauss = random.getstate()
     numpy_state = np.random.get_state(legacy=False)
     return {
@@ -160,8 +166,8 @@ def _rng_state() -> dict:
     }
 
 
-def _set_rng_state(state: dict) -> None:
-    """Restore what :func:`_rng_state` captured (CUDA states only for the devices present)."""
+def set_rng_state(state: dict) -> None:
+    """Restore what :func:`rng_state` captured (CUDA states only for the devices present)."""
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     numpy_state = state["numpy"]
@@ -269,7 +275,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Mo
         files = {MODEL: _torch_file(model_state), OPTIMIZER: _torch_file(optimizer_state)}
     if scheduler is not None:
         files[SCHEDULER] = _torch_file(scheduler.state_dict())
-    files[RNG] = _json_file(_rng_state())
+    files[RNG] = _json_file(rng_state())
     try:
         files[TRAINER_STATE] = _json_file(trainer_state)
     except (TypeError, ValueError) as exc:
@@ -361,7 +367,7 @@ def load_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module, optimize
     _load_states(path, model, optimizer)
     if scheduler is not None:
         scheduler.load_state_dict(_load(path / SCHEDULER))
-    _set_rng_state(json.loads((path / RNG).read_text()))
+    set_rng_state(json.loads((path / RNG).read_text()))
     return json.loads((path / TRAINER_STATE).read_text())
 
 
