@@ -9,6 +9,11 @@ def test_defaults_follow_the_recipe():
     assert cfg.data.filter_overlong_prompts and cfg.algo.kl_coef == 0.0 and cfg.reward.mode == "hardened"
 
 
+def test_the_grace_period_after_sigterm():
+    assert load_config().trainer.preemption_grace_s == 30.0  # what Kubernetes, Slurm and torchrun give by default
+    assert load_config(None, ["trainer.preemption_grace_s=0"]).trainer.preemption_grace_s == 0.0  # never finish
+
+
 def test_yaml_then_overrides(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("data:\n  train_files: a.parquet\n  max_prompt_length: 2048\nrollout:\n  n: 4\n")
@@ -42,6 +47,8 @@ def test_show_round_trips(tmp_path):
     ("data.filter_overlong_prompts=maybe", "must be true or false"),
     ("reward.mode=substring", "config key 'reward.mode' must be one of 'hardened'"),
     ("rollout.top_k=0", "must be -1 or > 0"),
+    ("trainer.preemption_grace_s=-1", "config key 'trainer.preemption_grace_s' must be >= 0, got -1.0"),
+    ("trainer.preemption_grace_s=soon", "config key 'trainer.preemption_grace_s' must be a number"),
     ("no_equals_sign", "must look like key=value"),
 ])
 def test_bad_overrides_fail_with_one_clear_message(override, message):

@@ -203,6 +203,67 @@ def test_checkpoints_resume_on_another_number_of_ranks(run_inputs, tmp_path):
         assert_same_records(straight[-1], resumed[-1])
 
 
+
+def rank_pid(launcher: int, rank: int) -> int | None:
+    """The process id of torchrun's worker of ``rank``: a child of the launcher with RANK in its environment."""
+    import re
+    from pathlib import Path
+
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            parent = int(re.search(r"^PPid:\s+(\d+)", status.read_text(), re.M).group(1))
+            environment = (status.parent / "environ").read_bytes().split(b"\0")
+        except (OSError, AttributeError):  # gone meanwhile, or not ours to read
+            continue
+        if parent == launcher and f"RANK={rank}".encode() in environment:
+            return int(status.parent.name)
+    return None
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(run_inputs, tmp_path):
+    """Under torchrun only rank 1 gets SIGTERM; rank 0, which logs, stops after the same step through the
+    per-step agreement. Both write their shards of one checkpoint and exit 75, and one process resumes
+    from that checkpoint to the end of the uninterrupted run."""
+    import json
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from longqa.cli import main
+
+    straight, out = tmp_path / "straight", tmp_path / "two"
+    extra = {"trainer.max_steps": 4, "trainer.test_freq": 0}
+    assert main(["train", *run_args(run_inputs, straight, **extra)]) == 0
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+               "-m", "longqa.cli", "train", *run_args(run_inputs, out, **extra)]
+    src = str(Path(__file__).resolve().parent.parent / "src")
+    proc = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": src}, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    metrics, deadline = out / "metrics.jsonl", time.time() + 120
+    while proc.poll() is None and time.time() < deadline and not (metrics.exists() and metrics.read_text()):
+        time.sleep(0.02)  # step 1 logged
+    os.kill(rank_pid(proc.pid, 1), signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    stopped = re.search(r"^preempted at step (\d+): saved checkpoint (\S+);", output, re.M)
+    assert stopped and proc.returncode != 0 and "exitcode  : 75" in output, output[-3000:]
+    step, checkpoint = int(stopped.group(1)), Path(stopped.group(2))
+    assert 1 <= step < 4 and checkpoint == out / "checkpoints" / f"step_{step:08d}"
+    assert (checkpoint / "state").is_dir() and (checkpoint / "COMPLETE").is_file()
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == list(range(1, step + 1))
+
+    assert main(["train", *run_args(run_inputs, out, **extra)]) == 0  # one process takes it from there
+    one = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
+    resumed = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in resumed] == [r["step"] for r in one] == [1, 2, 3, 4]
+    for a, b in zip(one, resumed):
+        assert_same_records(a, b)
+
+
 CRASH_ONCE = '''
 import os
 from pathlib import Path
@@ -261,6 +322,50 @@ def test_ray_train_workers_restart_from_the_last_checkpoint(run_inputs, tmp_path
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     for a, b in zip(straight, records):
         assert_same_records(a, b, skip=("reward_reason/",))  # a plain float reward gives no reasons
+
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_ray_driver_stops_its_workers_with_a_checkpoint(run_inputs, tmp_path, ray_env, capsys):
+    """trainer.launcher=ray: the driver takes SIGTERM (its workers train in threads, where no handler can be
+    installed) and passes it on; both workers stop after the same step with its checkpoint, the driver says
+    so and returns 75, and one process resumes to the end of the uninterrupted run."""
+    import json
+    import os
+    import signal
+    import threading
+    import time
+
+    from longqa.cli import main
+
+    straight, out = tmp_path / "straight", tmp_path / "ray-run"
+    extra = {"trainer.max_steps": 4, "trainer.test_freq": 0}
+    assert main(["train", *run_args(run_inputs, straight, **extra)]) == 0
+    metrics = out / "metrics.jsonl"
+
+    def signal_after_step_1():
+        deadline = time.time() + 120
+        while time.time() < deadline and not (metrics.exists() and metrics.read_text()):
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler runs in the main thread, the driver's
+
+    threading.Thread(target=signal_after_step_1, daemon=True).start()
+    capsys.readouterr()
+    args = run_args(run_inputs, out, **extra, **{"trainer.launcher": "ray", "trainer.ray_workers": 2})
+    assert main(["train", *args]) == 75
+    said = capsys.readouterr().out.splitlines()
+    step = json.loads(metrics.read_text().splitlines()[-1])["step"]
+    checkpoint = out / "checkpoints" / f"step_{step:08d}"
+    assert 1 <= step < 4 and (checkpoint / "state").is_dir() and (checkpoint / "COMPLETE").is_file()
+    assert f"preempted at step {step}: saved checkpoint {checkpoint}; rerun the same command to resume" in said
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".stop-request")]
+
+    assert main(["train", *run_args(run_inputs, out, **extra)]) == 0
+    one = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
+    resumed = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(one, resumed):
+        assert_same_records(a, b)
 
 
 NODE_RECORDER = '''

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -157,13 +158,46 @@ def test_a_sharded_validation_puts_every_answer_back_in_its_place(tokenizer):
         assert result["all"]["n"] == 7 and result["all"]["em"] == 1.0
 
 
-@pytest.mark.slow
-def test_resume_after_kill_reproduces_the_uninterrupted_run(tiny_model_dir, data_dir, tmp_path):
-    straight = tmp_path / "straight"
-    assert main(["train", *overrides(tiny_model_dir, data_dir, straight, **{"trainer.max_steps": 5})]) == 0
+FIVE_STEPS = {"trainer.total_epochs": 2, "trainer.max_steps": 5}  # into the second epoch (4 steps each)
 
+
+@pytest.fixture(scope="module")
+def straight_run(tiny_model_dir, data_dir, tmp_path_factory) -> Path:
+    """Five uninterrupted steps, a checkpoint after each (the last two kept): what a resumed run must equal."""
+    straight = tmp_path_factory.mktemp("straight")
+    assert main(["train", *overrides(tiny_model_dir, data_dir, straight, **FIVE_STEPS)]) == 0
+    return straight
+
+
+def start_training(args: list[str]) -> subprocess.Popen:
+    """``longqa train`` in its own process, so that it can be signalled; its output read as text."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    return subprocess.Popen([sys.executable, "-m", "longqa.cli", "train", *args], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def wait_for(proc: subprocess.Popen, ready, timeout: float = 120) -> None:
+    """Until ``ready()`` or the process ends (or the timeout)."""
+    deadline = time.time() + timeout
+    while not ready() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+
+
+def logged_step(run: Path, step: int) -> bool:
+    path = run / "metrics.jsonl"
+    return path.exists() and any(json.loads(line)["step"] == step for line in path.read_text().splitlines()
+                                 if line.endswith("}"))
+
+
+def same_weights(a: Path, b: Path) -> bool:
+    first, second = (torch.load(p / "model.pt", weights_only=True) for p in (a, b))
+    return first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+
+
+@pytest.mark.slow
+def test_resume_after_kill_reproduces_the_uninterrupted_run(tiny_model_dir, data_dir, tmp_path, straight_run):
     killed = tmp_path / "killed"
-    args = overrides(tiny_model_dir, data_dir, killed, **{"trainer.max_steps": 5})
+    args = overrides(tiny_model_dir, data_dir, killed, **FIVE_STEPS)
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     proc = subprocess.Popen([sys.executable, "-m", "longqa.cli", "train", *args], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -175,7 +209,88 @@ def test_resume_after_kill_reproduces_the_uninterrupted_run(tiny_model_dir, data
     proc.wait()
     assert marker.exists()
     assert main(["train", *args]) == 0  # trainer.resume=auto
-    assert records(killed) == records(straight)
+    assert records(killed) == records(straight_run)
+
+
+PREEMPTED = re.compile(r"^preempted at step (\d+): saved checkpoint (\S+); rerun the same command to resume$", re.M)
+
+
+@pytest.mark.slow
+def test_sigterm_saves_the_finished_step_and_the_rerun_continues_exactly(tiny_model_dir, data_dir, tmp_path,
+                                                                        straight_run):
+    """SIGTERM once step 2 is logged: the run stops after the step it was in (or the one before, when its
+    update had not begun), saves it, says so and exits 75; the same command then ends where the
+    uninterrupted run did, metrics and weights alike. Checkpoints only at the end, so the stop's is its own."""
+    run = tmp_path / "run"
+    args = overrides(tiny_model_dir, data_dir, run, **FIVE_STEPS, **{"trainer.save_freq": 5})
+    proc = start_training(args)
+    wait_for(proc, lambda: logged_step(run, 2))
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 75, output[-2000:]
+    stopped = PREEMPTED.search(output)
+    assert stopped, output[-2000:]
+    step, checkpoint = int(stopped.group(1)), Path(stopped.group(2))
+    assert 2 <= step < 5 and checkpoint == run / "checkpoints" / f"step_{step:08d}"
+    assert sorted(p.name for p in checkpoint.parent.iterdir()) == [checkpoint.name]
+    assert (checkpoint / "COMPLETE").is_file() and [r["step"] for r in records(run)] == list(range(step + 1))
+    assert not (run / "report").exists()  # written by the run that finishes
+
+    assert main(["train", *args]) == 0
+    assert records(run) == records(straight_run)
+    assert same_weights(run / "checkpoints" / "step_00000005", straight_run / "checkpoints" / "step_00000005")
+
+
+SIGNAL_WHILE_SCORING = '''
+import os
+import random
+import signal
+from pathlib import Path
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw):
+    """Draws from the global random state (which a dropped step must give back) and, once, while step 3
+    is being scored, sends this process SIGTERM."""
+    metrics, marker = Path(RUN_DIR, "metrics.jsonl"), Path(MARKER)
+    if not marker.exists() and metrics.exists() and '"step": 2,' in metrics.read_text():
+        marker.write_text("sent")
+        os.kill(os.getpid(), signal.SIGTERM)
+    return float(random.random() < 0.5)
+'''
+
+
+def signalling_reward(folder: Path, run: Path, sent: bool) -> Path:
+    folder.mkdir()
+    path, marker = folder / "reward.py", folder / "sent"
+    if sent:
+        marker.write_text("never")
+    path.write_text(f"RUN_DIR = {str(run)!r}\nMARKER = {str(marker)!r}\n" + SIGNAL_WHILE_SCORING)
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("grace, stopped_at", [(0, 2), (600, 3)])
+def test_a_step_in_flight_is_finished_within_the_grace_period_or_dropped(tiny_model_dir, data_dir, tmp_path, capsys,
+                                                                         grace, stopped_at):
+    """The signal comes while step 3's samples are scored. With time to spare the step is finished and
+    saved; with none its samples are dropped and step 2 saved, the random state put back as step 3 found
+    it. Either way the rerun logs what an uninterrupted run with the same reward logs."""
+    extra = {"trainer.max_steps": 4, "trainer.save_freq": 4, "trainer.test_freq": 0,
+             "trainer.preemption_grace_s": grace}
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    quiet = signalling_reward(tmp_path / "quiet", straight, sent=True)
+    assert main(["train", *overrides(tiny_model_dir, data_dir, straight, **extra, **{"reward.path": quiet})]) == 0
+    loud = signalling_reward(tmp_path / "loud", run, sent=False)
+    args = overrides(tiny_model_dir, data_dir, run, **extra, **{"reward.path": loud})
+    handler = signal.getsignal(signal.SIGTERM)
+    capsys.readouterr()
+    assert main(["train", *args]) == 75
+    assert f"preempted at step {stopped_at}: saved checkpoint {run / 'checkpoints' / f'step_{stopped_at:08d}'}" in (
+        capsys.readouterr().out)
+    assert signal.getsignal(signal.SIGTERM) is handler  # the trainer's handler is gone with the run
+    assert main(["train", *args]) == 0
+    assert records(run) == records(straight)
+    assert same_weights(run / "checkpoints" / "step_00000004", straight / "checkpoints" / "step_00000004")
 
 
 def test_sampled_logprobs_equal_the_training_recompute(tiny_model_dir):

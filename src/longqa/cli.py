@@ -86,8 +86,10 @@ def cmd_data_prepare(args: argparse.Namespace) -> None:
             print(f"{name}: {prompts.stats.summary()}\n  cache: {prompts.stats.cache_path}")
 
 
-def cmd_train(args: argparse.Namespace) -> None:
+def cmd_train(args: argparse.Namespace) -> int:
+    """0 when the run finished; ``EXIT_PREEMPTED`` when SIGTERM/SIGINT stopped it with a checkpoint to resume."""
     from longqa.demo import DEMO_CONFIG, ensure_demo_data
+    from longqa.train.preemption import EXIT_PREEMPTED
     from longqa.train.trainer import train
 
     path, overrides = _split_config_args(args)
@@ -96,8 +98,11 @@ def cmd_train(args: argparse.Namespace) -> None:
     if path is None and (cfg.data.train_files, cfg.data.val_files) == (demo.train_files, demo.val_files):
         ensure_demo_data(cfg)  # the demo's own files: made on first use
     result = train(cfg)
+    if result["preempted"]:
+        return EXIT_PREEMPTED
     if result["report"]:  # rank 0 (or the only process)
         print(f"done: {result['steps']} steps; report: {result['report']}")
+    return 0
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
@@ -315,7 +320,9 @@ def _add_model_commands(groups: argparse._SubParsersAction) -> None:
     p = groups.add_parser("train", help="GRPO training (no arguments: the embedded default demo on the CPU)",
                           description="GRPO training from a YAML config plus key=value overrides. With no config it "
                           "runs the embedded default: the committed small model on synthetic data generated on "
-                          "first use (configs/demo.yaml), and prints where the report is.")
+                          "first use (configs/demo.yaml), and prints where the report is. On SIGTERM or SIGINT it "
+                          "saves the last finished step and exits with status 75: rerun the same command to "
+                          "resume.")
     _add_config_args(p)
     p.set_defaults(func=cmd_train)
 
@@ -511,13 +518,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = argv  # the command as typed, for records such as the model card
     try:
-        args.func(args)
+        code = args.func(args)
     except Exception as e:
         if not isinstance(e, _reported_errors()):
             raise
         print(f"longqa: error: {e}", file=sys.stderr)
         return 2
-    return 0
+    return code or 0  # a command returns a status only when it has one to tell
 
 
 if __name__ == "__main__":

@@ -168,6 +168,10 @@ class TrainerConfig:
     ray_workers: Optional[int] = opt(None, "launcher=ray: number of workers (default: the cluster's GPUs)", *positive)
     max_failures: int = opt(0, "launcher=ray: restarts from the last checkpoint after a worker dies",
                             *non_negative)
+    preemption_grace_s: float = opt(30.0, "seconds your cluster leaves between SIGTERM and SIGKILL: on SIGTERM or "
+                                    "SIGINT the step in flight is finished if that fits in them, else dropped; the "
+                                    "last finished step is saved and the run exits 75 (rerun to resume)",
+                                    *non_negative)
 
 
 @dataclass

@@ -6,6 +6,12 @@ worker runs ``longqa.train`` exactly as a torchrun rank would. When a worker die
 down and starts it again, up to ``trainer.max_failures`` times; the trainer resumes from the last
 checkpoint in ``trainer.output_dir`` (``trainer.resume=auto``), which must be on storage every node
 sees. Relative paths are made absolute first, since Ray workers run in their own folders.
+
+SIGTERM to the driver (the ``longqa train`` process) stops the workers after a step with a checkpoint,
+as it stops a torchrun run (``longqa.train.preemption``): the workers train in threads, where no signal
+handler can be installed, so the driver passes the request on through a file in the run folder, and
+rank 0 answers with the step it stopped at through another. (Ray Train answers Ctrl-C in the driver
+itself, by aborting the run.)
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import os
 from pathlib import Path
 
 from longqa.config import Config, ConfigError, load_config_dict, to_dict
+from longqa.train.preemption import forward_stop_requests, preempted_message
 
 
 def _absolute(cfg: Config) -> Config:
@@ -32,10 +39,10 @@ def _absolute(cfg: Config) -> Config:
     )
 
 
-def _worker_loop(tree: dict) -> None:
+def _worker_loop(loop_config: dict) -> None:
     from longqa.train.trainer import train
 
-    train(load_config_dict(tree))
+    train(load_config_dict(loop_config["config"]), stop_file=loop_config["stop_file"])
 
 
 def run_with_ray(cfg: Config) -> dict:
@@ -52,19 +59,25 @@ def run_with_ray(cfg: Config) -> dict:
     if workers < 1:
         raise ConfigError("the Ray cluster has no GPUs: set trainer.ray_workers to the number of CPU workers")
     local = _absolute(cfg)
-    Path(local.trainer.output_dir).mkdir(parents=True, exist_ok=True)
+    run_dir = Path(local.trainer.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    stop_file = run_dir / ".stop-request"  # one driver per run folder, as one process saves into it
     trainer = TorchTrainer(
-        _worker_loop, train_loop_config=to_dict(local),
+        _worker_loop, train_loop_config={"config": to_dict(local), "stop_file": str(stop_file)},
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu),
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
-        run_config=RunConfig(name="longqa", storage_path=str(Path(local.trainer.output_dir) / "ray"),
+        run_config=RunConfig(name="longqa", storage_path=str(run_dir / "ray"),
                              failure_config=FailureConfig(max_failures=cfg.trainer.max_failures)))
-    result = trainer.fit()
+    with forward_stop_requests(stop_file) as forwarded:
+        result = trainer.fit()
+        stopped = forwarded.stopped()
     if result.error is not None:
         raise result.error
+    if stopped is not None:
+        print(preempted_message(stopped["step"], stopped["checkpoint"]), flush=True)  # the driver's log is kept
+        return {"steps": stopped["step"], "report": None, "preempted": stopped}
     from longqa.report import read_metrics
 
-    run_dir = Path(local.trainer.output_dir)
     steps = max((r["step"] for r in read_metrics(run_dir / "metrics.jsonl")), default=0)
     report = run_dir / "report" / "summary.md"
-    return {"steps": steps, "report": str(report) if report.exists() else None}
+    return {"steps": steps, "report": str(report) if report.exists() else None, "preempted": None}

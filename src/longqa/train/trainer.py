@@ -3,12 +3,14 @@
 The loop talks to interfaces only (a rollout engine, a reward function, the actor), so faster engines
 and packed training slot in without touching it. Every source of randomness is either restored from
 the checkpoint or derived from (seed, step), so a run killed and resumed logs the same numbers as an
-uninterrupted one.
+uninterrupted one. SIGTERM or SIGINT stops the loop at a safe point with a checkpoint of the last
+finished step (``preemption``).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import random
 import time
 from collections import Counter
@@ -32,7 +34,8 @@ from longqa.rollout.base import bump_weights_version
 from longqa.rollout.fast import FastRolloutEngine
 from longqa.rollout.vllm_engine import VLLMRolloutEngine, import_vllm, logprobs_mode_for
 from longqa.train.actor import Actor, Samples
-from longqa.train.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from longqa.train.checkpoint import load_checkpoint, resolve_resume, rng_state, save_checkpoint, set_rng_state
+from longqa.train.preemption import StopRequest, preempted_message
 
 
 def reward_function(cfg: Config):
@@ -103,9 +106,14 @@ def check_vllm(cfg: Config, device: torch.device) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, stop_file: str | Path | None = None):
+        """``stop_file``: where the driver of Ray Train workers asks for a stop (see ``preemption``)."""
         self.cfg = cfg
         self.run_dir = Path(cfg.trainer.output_dir)
+        self.stop_request = StopRequest(stop_file)
+        self.stopping = False  # every rank agreed to stop after the step in flight (or before it)
+        self.saved: tuple[int, Path] | None = None  # the last checkpoint on disk of this timeline, by step
+        self.seconds = {"update": None, "validate": None, "save": None}  # this process's last ones, for the grace
         check_response_lengths(cfg)
         self.env = DistEnv.from_environment()
         self.owns_group = False
@@ -243,11 +251,14 @@ class Trainer:
             kept += good
         return (kept[:cfg.data.train_batch_size] or groups), stats
 
-    def train_step(self, step: int) -> dict:
+    def train_step(self, step: int) -> dict | None:
+        """The step's metrics; None when a stop request dropped it before its update (nothing changed)."""
         cfg, n = self.cfg, self.cfg.rollout.n
         start = time.perf_counter()
         compiled, captured = compiled_graphs(), getattr(self.engine, "graph_captures", 0)
         groups, stats = self._collect(step)
+        if self._drop_before_update(step):
+            return None
         results = [r for g in groups for r in g["results"]]
         samples = [s for g in groups for s in g["samples"]]
         rewards = torch.tensor([r.score for r in results], dtype=torch.float32)
@@ -259,6 +270,7 @@ class Trainer:
         update = self.actor.update(batch)
         self.engine.sync_weights()  # ... and gets it back with the new weights
         end = time.perf_counter()
+        self.seconds["update"] = end - t_update
         local = {"rewards": rewards.tolist(), "lengths": [len(s.token_ids) for s in samples],
                  "truncated": [s.finish_reason == "length" for s in samples],
                  "reasons": [r.reason for r in results if r.reason], "zero_var": zero_var,
@@ -318,39 +330,118 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ the run
 
     def run(self) -> dict:
+        """Train to the last step, or until SIGTERM/SIGINT asks for a stop: then the result's ``preempted``
+        names the step and checkpoint, and no report is written (the resumed run writes it)."""
+        with self.stop_request:
+            start_step, resumed = self._resume()
+            self.saved = (start_step, resumed) if resumed is not None else None
+            with self._logger(start_step, resumed) as logger:
+                if start_step == 0 and self.cfg.trainer.test_freq and self.val_set is not None:
+                    logger.log(0, self._validate_timed())
+                done = self._train(start_step, logger)
+            if self.stopping and done < self.total_steps:
+                return self._preempted(done)
+            if not self.env.is_main:
+                return {"steps": self.total_steps, "report": None, "preempted": None}
+            report = write_report(self.run_dir)
+            return {"steps": self.total_steps, "report": str(report), "preempted": None}
+
+    def _resume(self) -> tuple[int, Path | None]:
+        """The step to start from and the checkpoint it was restored from (None: a fresh start)."""
+        resume = resolve_resume(self.run_dir, self.cfg.trainer.resume)
+        if resume is None:
+            return 0, None
+        state = load_checkpoint(resume, model=self.model, optimizer=self.actor.optimizer,
+                                scheduler=self.actor.scheduler)
+        self.actor.bad_steps = state["bad_steps"]
+        bump_weights_version(self.model)  # new weights: an engine holding a copy must load them
+        self.engine.sync_weights()
+        print(f"resumed from {resume} at step {state['step']}", flush=True)
+        return state["step"], resume
+
+    def _logger(self, start_step: int, resumed: Path | None):
+        if not self.env.is_main:  # the other ranks compute the same (reduced) metrics; rank 0 writes them
+            return _Silent()
+        return MetricsLogger(self.run_dir, self.cfg.trainer.logger, self.total_steps, to_dict(self.cfg),
+                             resume_step=start_step if resumed is not None else None)
+
+    def _train(self, start_step: int, logger) -> int:
+        """The steps from ``start_step`` until the last or an agreed stop; returns the last finished step."""
+        done = start_step
+        for step in range(start_step, self.total_steps):
+            if self._stop_before_step():
+                break
+            random_state = rng_state()
+            metrics = self.train_step(step)
+            if metrics is None:  # dropped before its update: as if it had never begun
+                set_rng_state(random_state)
+                break
+            done = step + 1
+            if self._validates(done):
+                metrics.update(self._validate_timed())
+            logger.log(done, metrics)
+            if self.cfg.trainer.save_freq and (done % self.cfg.trainer.save_freq == 0 or done == self.total_steps):
+                self._save(done)
+            if self.stopping:
+                break
+        return done
+
+    def _validates(self, done: int) -> bool:
+        test_freq = self.cfg.trainer.test_freq
+        return bool(test_freq) and (done % test_freq == 0 or done == self.total_steps)
+
+    def _validate_timed(self) -> dict:
+        start = time.perf_counter()
+        metrics = self.validate()
+        self.seconds["validate"] = time.perf_counter() - start
+        return metrics
+
+    def _save(self, done: int) -> Path:
+        start = time.perf_counter()
         cfg = self.cfg
-        start_step = 0
-        resume = resolve_resume(self.run_dir, cfg.trainer.resume)
-        if resume is not None:
-            state = load_checkpoint(resume, model=self.model, optimizer=self.actor.optimizer,
-                                    scheduler=self.actor.scheduler)
-            start_step, self.actor.bad_steps = state["step"], state["bad_steps"]
-            bump_weights_version(self.model)  # new weights: an engine holding a copy must load them
-            self.engine.sync_weights()
-            print(f"resumed from {resume} at step {start_step}", flush=True)
+        path = save_checkpoint(self.run_dir, done, model=self.model, optimizer=self.actor.optimizer,
+                               scheduler=self.actor.scheduler, keep_last=cfg.trainer.keep_last,
+                               trainer_state={"step": done, "bad_steps": self.actor.bad_steps, "config": to_dict(cfg)})
+        self.seconds["save"] = time.perf_counter() - start
+        self.saved = (done, path)
+        return path
+
+    # ------------------------------------------------------------------------------------------ preemption
+
+    def _stop_before_step(self) -> bool:
+        """At a step's start: whether a stop was asked for on any rank (one collective under several ranks)."""
+        asked, _, _ = self.stop_request.poll(0.0, self.device)
+        self.stopping = asked
+        return asked
+
+    def _drop_before_update(self, step: int) -> bool:
+        """With the step's samples drawn and no weight moved: on a stop request, whether to drop the step
+        (it would not finish within the grace period) rather than finish it. One collective, as above."""
+        asked, waited, finish = self.stop_request.poll(self._seconds_to_finish(step + 1), self.device)
+        if not asked:
+            return False
+        self.stopping = True
+        return waited + finish > self.cfg.trainer.preemption_grace_s
+
+    def _seconds_to_finish(self, done: int) -> float:
+        """The update, validation and checkpoint still ahead of step ``done``, timed on their last run in
+        this process; infinite before any update ran (the first one may compile, and its time is unknown)."""
+        update, validate, save = self.seconds["update"], self.seconds["validate"], self.seconds["save"]
+        if update is None:
+            return math.inf
+        return update + ((validate or 0.0) if self._validates(done) else 0.0) + (save or 0.0)
+
+    def _preempted(self, done: int) -> dict:
+        """Checkpoint the last finished step unless it is on disk, and say how to go on."""
+        if self.saved is not None and self.saved[0] == done:
+            checkpoint = self.saved[1]
+        else:
+            checkpoint = self._save(done) if done > 0 else None
+        saved = str(checkpoint) if checkpoint is not None else None
         if self.env.is_main:
-            logger = MetricsLogger(self.run_dir, cfg.trainer.logger, self.total_steps, to_dict(cfg),
-                                   resume_step=start_step if resume is not None else None)
-        else:  # the other ranks compute the same (reduced) metrics; rank 0 writes them
-            logger = _Silent()
-        with logger:
-            if start_step == 0 and cfg.trainer.test_freq and self.val_set is not None:
-                logger.log(0, self.validate())
-            for step in range(start_step, self.total_steps):
-                metrics = self.train_step(step)
-                done = step + 1
-                if cfg.trainer.test_freq and (done % cfg.trainer.test_freq == 0 or done == self.total_steps):
-                    metrics.update(self.validate())
-                logger.log(done, metrics)
-                if cfg.trainer.save_freq and (done % cfg.trainer.save_freq == 0 or done == self.total_steps):
-                    save_checkpoint(self.run_dir, done, model=self.model, optimizer=self.actor.optimizer,
-                                    scheduler=self.actor.scheduler, keep_last=cfg.trainer.keep_last,
-                                    trainer_state={"step": done, "bad_steps": self.actor.bad_steps,
-                                                   "config": to_dict(cfg)})
-        if not self.env.is_main:
-            return {"steps": self.total_steps, "report": None}
-        report = write_report(self.run_dir)
-        return {"steps": self.total_steps, "report": str(report)}
+            print(preempted_message(done, saved), flush=True)
+            self.stop_request.answer(done, saved)
+        return {"steps": done, "report": None, "preempted": {"step": done, "checkpoint": saved}}
 
 
 class _Silent:
@@ -364,12 +455,17 @@ class _Silent:
         pass
 
 
-def train(cfg: Config) -> dict:
+def train(cfg: Config, stop_file: str | None = None) -> dict:
+    """Train in this process (one rank of several under torchrun or Ray) or on Ray Train workers.
+
+    ``preempted`` in the result is set when SIGTERM/SIGINT stopped the run early (``preemption``);
+    ``stop_file`` is where a Ray driver asks its workers for that stop.
+    """
     if cfg.trainer.launcher == "ray":
         from longqa.distributed.ray_launcher import run_with_ray
 
         return run_with_ray(cfg)
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, stop_file)
     result = trainer.run()
     if trainer.owns_group:
         leave_group()
