@@ -53,11 +53,13 @@ def prepare(shape: str, context_tokens: int, root: Path) -> tuple[Path, Path]:
 
 
 def main() -> None:
+    from longqa.lengths import LENGTH_KINDS
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="qwen3-1.7b")
     parser.add_argument("--context-tokens", type=int, default=4096)
     parser.add_argument("--response", type=int, default=512, help="most tokens of a response")
-    parser.add_argument("--lengths", choices=["lognormal", "max"], default="lognormal",
+    parser.add_argument("--lengths", choices=LENGTH_KINDS, default="lognormal",
                         help="responses' lengths: drawn (default), or all --response")
     parser.add_argument("--prompts", type=int, default=16, help="global prompts per step")
     parser.add_argument("-n", type=int, default=8)

@@ -388,9 +388,11 @@ def _add_bench_args(p: argparse.ArgumentParser, func) -> None:
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     """The fast engine's decode-step choices, and the responses' lengths, for the benches that sample."""
+    from longqa.lengths import LENGTH_KINDS
+
     p.add_argument("--decode-kernel", choices=["bmm", "triton"], help="fast engine decode attention")
     p.add_argument("--no-fused-decode", action="store_true", help="decode through the model's own modules")
-    p.add_argument("--lengths", choices=["lognormal", "max"], default="lognormal",
+    p.add_argument("--lengths", choices=LENGTH_KINDS, default="lognormal",
                    help="each response's length (a random-weight model never samples EOS): drawn from a log-normal "
                    "clipped to the maximum, mean about 40%% of it (default), or the maximum for all")
 
