@@ -1,19 +1,20 @@
 """Decode-time attention for the shared-prefix KV store as Triton flash-decoding (split-K) kernels.
 
-In a decode step every sample row has one query, so attention is a matrix-vector product bound by
-reading the KV store. The store keeps each group's prompt once (``prefix_k`` ``[groups, kv_heads,
-prompt_cap, d]``) and each sample's own tokens apart (``suffix_k`` ``[groups*n, kv_heads, response_cap,
-d]``). A row's attention is over the union of its group's prompt keys and its own keys; it is computed
-as *partial* attentions over splits of both key sets, each a normalised output with its log-sum-exp,
-merged exactly.
+In a decode step every sample row has one query (or a few, when the step verifies drafted tokens),
+so attention is a matrix-vector product bound by reading the KV store. The store keeps each group's
+prompt once (``prefix_k`` ``[groups, kv_heads, prompt_cap, d]``) and each sample's own tokens apart
+(``suffix_k`` ``[groups*n, kv_heads, response_cap, d]``). A row's attention is over the union of its
+group's prompt keys and its own keys; it is computed as *partial* attentions over splits of both key
+sets, each a normalised output with its log-sum-exp, merged exactly.
 
 Two launches per layer. In the first a program owns one (batch entry, kv head) and one split of the
-key axis, of either half: for the prompt half all n samples of a group times the r query heads of the
-kv head are rows of its one Q tile (so the prompt is read once per group, not once per sample); for the
-own half the r heads of one row. Splitting the key axis (flash-decoding) gives enough programs to fill
-the GPU when there are few groups and long prompts, and with both halves in one grid the short
-own-half programs fill in behind the long prompt-half ones instead of waiting for them to finish. The
-second launch merges each (row, head)'s splits.
+key axis, of either half: for the prompt half all n samples of a group, times the tokens each feeds,
+times the r query heads of the kv head, are rows of its one Q tile (so the prompt is read once per
+group, not once per sample or token); for the own half the r heads of one row's tokens, each token
+reading its row's keys up to its own. Splitting the key axis (flash-decoding) gives enough programs
+to fill the GPU when there are few groups and long prompts, and with both halves in one grid the
+short own-half programs fill in behind the long prompt-half ones instead of waiting for them to
+finish. The second launch merges each (token, head)'s splits.
 
 Nothing here reads tensor values on the host: grid and key ranges depend on shapes, views and
 split counts only, so the step can be captured in a CUDA graph (one graph per view). Triton is
@@ -85,28 +86,35 @@ def shared_prefix_attention(q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_
                             prompt_view: int, own_view: int, scaling: float, block_n: int = 64,
                             dtype: torch.dtype | None = None, waves: float = WAVES, num_warps: int = 4,
                             num_stages: int = 3, splits: tuple[int | None, int | None] = (None, None),
-                            partials: bool = False, window: int | None = None, softcap: float | None = None):
-    """One layer's decode attention over the store: ``q`` ``[rows, heads, d]`` (rows = groups*n,
-    group-major) against its group's prompt keys ``[0, prefix_len[g])`` and its own keys
-    ``[0, own_len[row])`` -> ``[rows, heads, d]`` in ``dtype`` (default ``q``'s).
+                            partials: bool = False, window: int | None = None, softcap: float | None = None,
+                            queries: int = 1):
+    """One layer's decode attention over the store: ``q`` ``[rows * queries, heads, d]`` (rows =
+    groups*n, group-major; ``queries`` consecutive tokens per row) against its group's prompt keys
+    ``[0, prefix_len[g])`` and its own keys -> ``[rows * queries, heads, d]`` in ``dtype`` (default
+    ``q``'s). A row's last token reads own keys ``[0, own_len[row])`` and its token i
+    ``[0, own_len[row] - queries + 1 + i)``: causal among the row's new tokens, whose keys are the last
+    ``queries`` of its own keys (a step verifying drafts feeds several).
 
     ``prefix_k``/``prefix_v`` ``[groups, kv_heads, >= prompt_view, d]`` and ``suffix_k``/``suffix_v``
     ``[rows, kv_heads, >= own_view, d]`` may have any strides with a contiguous last dimension (layer
     slices of the store, never copied); the views bound the key positions read (static numbers, so a
     CUDA graph per view). ``splits`` fixes each half's split count (default: ``split_plan``).
-    ``partials=True`` also returns every split's output ``[rows, heads, S, d]`` and log-sum-exp
-    ``[rows, heads, S]`` (base 2; -inf where a split has no key), prompt splits first. ``window``: a row
-    whose query sits at position ``p = prefix_len[g] + own_len[row] - 1`` reads keys at positions
-    ``> p - window`` only (prompt key i at position i, own key j at ``prefix_len[g] + j``); ``softcap``:
-    scores become ``softcap * tanh(score / softcap)``."""
+    ``partials=True`` also returns every split's output ``[rows * queries, heads, S, d]`` and log-sum-exp
+    ``[rows * queries, heads, S]`` (base 2; -inf where a split has no key), prompt splits first.
+    ``window``: a token at position ``p`` (token i of a row: ``prefix_len[g] + own_len[row] - queries +
+    i``) reads keys at positions ``> p - window`` only (prompt key i at position i, own key j at
+    ``prefix_len[g] + j``); ``softcap``: scores become ``softcap * tanh(score / softcap)``."""
     groups, kv_heads, _, d = prefix_k.shape
-    rows, heads = q.shape[0], q.shape[1]
+    heads = q.shape[1]
+    rows = suffix_k.shape[0]
     _check_store("prompt", prefix_k, prefix_v, prompt_view)
     _check_store("own", suffix_k, suffix_v, own_view)
-    if (q.shape[2] != d or suffix_k.shape[3] != d or rows != groups * n or suffix_k.shape[0] != rows
+    if queries < 1:
+        raise ValueError(f"queries must be >= 1, got {queries}")
+    if (q.shape[2] != d or suffix_k.shape[3] != d or rows != groups * n or q.shape[0] != rows * queries
             or heads % kv_heads or suffix_k.shape[1] != kv_heads):
         raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, prompt keys {tuple(prefix_k.shape)}, "
-                         f"own keys {tuple(suffix_k.shape)}, n={n}")
+                         f"own keys {tuple(suffix_k.shape)}, n={n}, queries={queries}")
     if d < 16 or d > 256 or d & (d - 1):
         raise ValueError(f"head_dim must be a power of two in [16, 256], got {d}")
     if block_n < 16 or block_n & (block_n - 1):
@@ -119,17 +127,19 @@ def shared_prefix_attention(q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_
     prompt_splits, prompt_chunk = split_plan(prompt_view, splits[0], block_n, groups * kv_heads, sms, waves)
     own_splits, own_chunk = split_plan(own_view, splits[1], block_n, rows * kv_heads, sms, waves)
     total = prompt_splits + own_splits
-    out = torch.empty(rows, heads, total, d, dtype=torch.float32, device=q.device)
-    lse = torch.empty(rows, heads, total, dtype=torch.float32, device=q.device)
-    result = torch.empty(rows, heads, d, dtype=dtype or q.dtype, device=q.device)
+    cells = rows * queries  # query rows of q
+    out = torch.empty(cells, heads, total, d, dtype=torch.float32, device=q.device)
+    lse = torch.empty(cells, heads, total, dtype=torch.float32, device=q.device)
+    result = torch.empty(cells, heads, d, dtype=dtype or q.dtype, device=q.device)
     prompt_programs = groups * kv_heads * prompt_splits
-    if rows * heads:
+    if cells * heads:
         partial_kernel[(prompt_programs + rows * kv_heads * own_splits,)](
             q, prefix_k, prefix_v, prefix_len.contiguous(), suffix_k, suffix_v, own_len.contiguous(), out, lse,
             q.stride(0), q.stride(1), *prefix_k.stride()[:3], *prefix_v.stride()[:3], *suffix_k.stride()[:3],
             *suffix_v.stride()[:3], scaling * math.log2(math.e), float(softcap or 0.0), int(window or 0), kv_heads,
-            n, r, heads, prompt_view, own_view, prompt_chunk, own_chunk, prompt_splits, own_splits, prompt_programs,
-            BLOCK_M=max(16, _next_power_of_2(n * r)), BLOCK_N=block_n, D=d, IEEE=q.dtype == torch.float32,
-            WINDOW=window is not None, SOFTCAP=softcap is not None, num_warps=num_warps, num_stages=num_stages)
-        merge_kernel[(rows * heads,)](out, lse, result, total, BLOCK_S=_next_power_of_2(max(total, 2)), D=d)
+            n, r, queries, heads, prompt_view, own_view, prompt_chunk, own_chunk, prompt_splits, own_splits,
+            prompt_programs, BLOCK_M=max(16, _next_power_of_2(n * queries * r)), BLOCK_N=block_n, D=d,
+            IEEE=q.dtype == torch.float32, WINDOW=window is not None, SOFTCAP=softcap is not None,
+            CAUSAL=queries > 1, num_warps=num_warps, num_stages=num_stages)
+        merge_kernel[(cells * heads,)](out, lse, result, total, BLOCK_S=_next_power_of_2(max(total, 2)), D=d)
     return (result, out, lse) if partials else result

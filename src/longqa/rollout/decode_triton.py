@@ -9,21 +9,23 @@ import triton.language as tl
 
 
 @triton.jit
-def attend_split(Q, K, V, OUT, LSE, rows, heads_m, valid_m, lo, hi, key_lo, slot, stride_qr, stride_qh, stride_kn,
-                 stride_vn, scale_log2, softcap, heads, total_splits,
+def attend_split(Q, K, V, OUT, LSE, rows, heads_m, valid_m, lo, hi, key_lo, key_hi, slot, stride_qr, stride_qh,
+                 stride_kn, stride_vn, scale_log2, softcap, heads, total_splits,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr,
-                 WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
-    """Attention of the tile's queries (cell m = row ``rows[m]``, head ``heads_m[m]``) over keys
-    ``[lo, hi)`` of ``K``/``V`` (already at the tile's batch entry and kv head), stored as split
+                 WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr):
+    """Attention of the tile's queries (cell m = query row ``rows[m]`` of Q, head ``heads_m[m]``) over
+    keys ``[lo, hi)`` of ``K``/``V`` (already at the tile's batch entry and kv head), stored as split
     ``slot`` of each cell: the normalised output and its base-2 log-sum-exp. With ``WINDOW`` cell m
-    also skips keys below ``key_lo[m]``; with ``SOFTCAP`` scores are soft-capped at ``softcap``."""
+    also skips keys below ``key_lo[m]``, with ``CAUSAL`` keys from ``key_hi[m]`` on; with ``SOFTCAP``
+    scores are soft-capped at ``softcap``."""
     offs_d = tl.arange(0, D)
     q = tl.load(Q + rows[:, None] * stride_qr + heads_m[:, None] * stride_qh + offs_d[None, :],
                 mask=valid_m[:, None], other=0.0)
     if WINDOW:  # no block below every cell's window
         lo = tl.maximum(lo, tl.min(tl.where(valid_m, key_lo, hi), 0))
-    # Online softmax in base 2 (scores pre-multiplied by log2(e)). Without a window every block inside
-    # [lo, hi) has a valid key for every cell, so the running max is finite after the first block.
+    # Online softmax in base 2 (scores pre-multiplied by log2(e)). Without a window or a causal bound
+    # every block inside [lo, hi) has a valid key for every cell, so the running max is finite after
+    # the first block.
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -32,6 +34,8 @@ def attend_split(Q, K, V, OUT, LSE, rows, heads_m, valid_m, lo, hi, key_lo, slot
         valid = (offs_n < hi)[None, :]
         if WINDOW:
             valid = valid & (offs_n[None, :] >= key_lo[:, None])
+        if CAUSAL:
+            valid = valid & (offs_n[None, :] < key_hi[:, None])
         k = tl.load(K + offs_n[:, None] * stride_kn + offs_d[None, :], mask=(offs_n < hi)[:, None], other=0.0)
         v = tl.load(V + offs_n[:, None] * stride_vn + offs_d[None, :], mask=(offs_n < hi)[:, None], other=0.0)
         if IEEE:  # float32 stores: exact products (tl.dot would otherwise use tf32 on a GPU)
@@ -44,7 +48,7 @@ def attend_split(Q, K, V, OUT, LSE, rows, heads_m, valid_m, lo, hi, key_lo, slot
             s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * 1.4426950408889634
         s = tl.where(valid, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        if WINDOW:  # a cell may have no key in this block yet: keep its sums at zero, not NaN
+        if WINDOW or CAUSAL:  # a cell may have no key in this block yet: keep its sums at zero, not NaN
             m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -69,36 +73,40 @@ def partial_kernel(
         Q, PK, PV, PLEN, SK, SV, OLEN, OUT, LSE,
         stride_qr, stride_qh, stride_pkb, stride_pkh, stride_pkn, stride_pvb, stride_pvh, stride_pvn,
         stride_skb, stride_skh, stride_skn, stride_svb, stride_svh, stride_svn,
-        scale_log2, softcap, window, kv_heads, n, r, heads, prompt_view, own_view, prompt_chunk, own_chunk,
+        scale_log2, softcap, window, kv_heads, n, r, queries, heads, prompt_view, own_view, prompt_chunk, own_chunk,
         prompt_splits, own_splits, prompt_programs,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr,
-        WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
-    """Programs ``[0, prompt_programs)`` take the prompt half, the rest the own half. A row's query sits at
-    position ``PLEN[group] + OLEN[row] - 1``; with a window it reads keys at positions ``> that - window``."""
+        WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr):
+    """Programs ``[0, prompt_programs)`` take the prompt half, the rest the own half. Row ``b`` feeds
+    ``queries`` tokens, Q rows ``b * queries + i``; token i sits at position ``PLEN[group] + OLEN[b] -
+    queries + i``, reads own keys below ``OLEN[b] - queries + 1 + i`` and, with a window, keys at
+    positions ``> its position - window`` only."""
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     total_splits = prompt_splits + own_splits
-    if pid < prompt_programs:  # prompt half: query m = j*r + t is sample row b*n + j, head h*r + t
+    if pid < prompt_programs:  # prompt half: cell m = (j*queries + i)*r + t is token i of row b*n + j, head h*r + t
         split, b, h, lo, hi = locate(pid, prompt_splits, prompt_chunk, kv_heads, PLEN, prompt_view)
-        rows = b * n + offs_m // r
-        valid_m = offs_m < n * r
+        q_rows = b * n * queries + offs_m // r
+        valid_m = offs_m < n * queries * r
         key_lo = tl.zeros([BLOCK_M], tl.int32)
         if WINDOW:
-            own = tl.load(OLEN + rows, mask=valid_m, other=1).to(tl.int32)
-            key_lo = tl.load(PLEN + b).to(tl.int32) + own - window
+            own = tl.load(OLEN + q_rows // queries, mask=valid_m, other=1).to(tl.int32)
+            key_lo = tl.load(PLEN + b).to(tl.int32) + own - queries + (offs_m // r) % queries + 1 - window
         attend_split(Q, PK + b * stride_pkb + h * stride_pkh, PV + b * stride_pvb + h * stride_pvh, OUT, LSE,
-                     rows, h * r + offs_m % r, valid_m, lo, hi, key_lo, split, stride_qr, stride_qh,
-                     stride_pkn, stride_pvn, scale_log2, softcap, heads, total_splits, BLOCK_M, BLOCK_N, D, IEEE,
-                     WINDOW, SOFTCAP)
-    else:  # own half: query t is head h*r + t of row b
+                     q_rows, h * r + offs_m % r, valid_m, lo, hi, key_lo, tl.zeros([BLOCK_M], tl.int32) + hi, split,
+                     stride_qr, stride_qh, stride_pkn, stride_pvn, scale_log2, softcap, heads, total_splits, BLOCK_M,
+                     BLOCK_N, D, IEEE, WINDOW, SOFTCAP, False)
+    else:  # own half: cell m = i*r + t is token i of row b, head h*r + t
         split, b, h, lo, hi = locate(pid - prompt_programs, own_splits, own_chunk, kv_heads, OLEN, own_view)
+        token = offs_m // r
+        key_hi = tl.load(OLEN + b).to(tl.int32) - queries + 1 + token  # token i reads own keys [0, key_hi)
         key_lo = tl.zeros([BLOCK_M], tl.int32)
         if WINDOW:  # own key j sits at position PLEN + j
-            key_lo += tl.load(OLEN + b).to(tl.int32) - window
+            key_lo += key_hi - window
         attend_split(Q, SK + b * stride_skb + h * stride_skh, SV + b * stride_svb + h * stride_svh, OUT, LSE,
-                     b + offs_m * 0, h * r + offs_m % r, offs_m < r, lo, hi, key_lo, prompt_splits + split, stride_qr,
-                     stride_qh, stride_skn, stride_svn, scale_log2, softcap, heads, total_splits, BLOCK_M, BLOCK_N,
-                     D, IEEE, WINDOW, SOFTCAP)
+                     b * queries + token, h * r + offs_m % r, offs_m < queries * r, lo, hi, key_lo, key_hi,
+                     prompt_splits + split, stride_qr, stride_qh, stride_skn, stride_svn, scale_log2, softcap, heads,
+                     total_splits, BLOCK_M, BLOCK_N, D, IEEE, WINDOW, SOFTCAP, CAUSAL)
 
 
 @triton.jit

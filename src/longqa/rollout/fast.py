@@ -53,6 +53,9 @@ from longqa.rollout.decode_step import DecodeStep, unsupported_reason
 from longqa.rollout.base import (RolloutEngine, Sample, SamplingParams, StaleWeightsError, prompt_seeds,
                                  weights_version)
 from longqa.rollout.hf import eval_mode, filter_logits
+from longqa.rollout.prompt_lookup import propose, row_text
+from longqa.rollout.speculative import METHODS as SPECULATIVE_METHODS
+from longqa.rollout.speculative import Speculation, verify
 
 MASK32 = 0xFFFFFFFF
 VOCAB_CHUNKS = 64
@@ -132,38 +135,57 @@ def sample_rows(logits: torch.Tensor, params: SamplingParams, keys: torch.Tensor
 class SharedPrefixKV:
     """KV storage of ``groups`` slots: each slot's prompt once, ``[layers, groups, kv_heads, prompt_cap,
     head_dim]``, and each of its ``n`` samples' generated tokens, ``[layers, groups * n, kv_heads,
-    response_cap, head_dim]``; plus the attention that reads them (``attend``)."""
+    response_cap + queries - 1, head_dim]``; plus the attention that reads them (``attend``).
+
+    A decode step feeds ``queries`` tokens per sample: 1, or with speculative decoding the last token and
+    ``queries - 1`` drafts, whose keys and values go past the last real token (hence the extra room in the
+    own stores). A rejected draft's are never read (each token reads own keys up to its own index only)
+    and the next step overwrites them. Each slot's prompt token ids are kept too, for drafting."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, groups: int, n: int, prompt_cap: int,
-                 response_cap: int, dtype, device, kernel: str = "bmm"):
+                 response_cap: int, dtype, device, kernel: str = "bmm", queries: int = 1):
         self.groups, self.n, self.prompt_cap, self.response_cap = groups, n, prompt_cap, response_cap
-        self.kernel = kernel
+        self.kernel, self.queries = kernel, queries
+        self.own_cap = response_cap + queries - 1
         self.prefix_k = torch.zeros(layers, groups, kv_heads, prompt_cap, head_dim, dtype=dtype, device=device)
         self.prefix_v = torch.zeros_like(self.prefix_k)
-        self.suffix_k = torch.zeros(layers, groups * n, kv_heads, response_cap, head_dim, dtype=dtype, device=device)
+        self.suffix_k = torch.zeros(layers, groups * n, kv_heads, self.own_cap, head_dim, dtype=dtype, device=device)
         self.suffix_v = torch.zeros_like(self.suffix_k)
+        self.prompt_ids = torch.zeros(groups, prompt_cap, dtype=torch.long, device=device)
         rows = groups * n
         self.rows = torch.arange(rows, device=device)
         self.prefix_len = torch.ones(groups, dtype=torch.long, device=device)  # >= 1: an empty slot stays finite
-        self.write_at = torch.zeros(rows, dtype=torch.long, device=device)  # suffix index of the token fed now
-        self.own_len = torch.ones(rows, dtype=torch.long, device=device)  # write_at + 1; 0 once a row finished
+        self.write_at = torch.zeros(rows, dtype=torch.long, device=device)  # suffix index of the (first) token fed now
+        self.own_len = torch.ones(rows, dtype=torch.long, device=device)  # write_at + queries; 0 once a row finished
+        # Where the step's rows * queries new keys go: row query_rows[i], own index query_at[i] (write_at + j
+        # for the row's j-th token). With one query per row these are ``rows`` and ``write_at`` themselves.
+        self.query_rows = self.rows.repeat_interleave(queries) if queries > 1 else self.rows
+        self.query_at = torch.zeros(rows * queries, dtype=torch.long, device=device) if queries > 1 else self.write_at
+        self.query_offset = torch.arange(queries, device=device)
         # The prompt length the Triton decode attention reads: 0 once all the group's samples finished,
         # so a slot whose group is done costs no KV reads while the others go on (its outputs are ignored).
         self.prompt_read = torch.ones(groups, dtype=torch.long, device=device)
         self.mode = "decode"
         self.prefill_slot = self.prefill_start = 0
         self.prompt_view = prompt_cap  # how much of the stores a decode step reads (length buckets)
-        self.response_view = response_cap
+        self.response_view = self.own_cap
+
+    def set_write_at(self, write_at: torch.Tensor) -> None:
+        """Place this step's new tokens: row i's j-th at own index ``write_at[i] + j`` (in place: graphs)."""
+        self.write_at.copy_(write_at)
+        if self.queries > 1:
+            self.query_at.copy_((write_at[:, None] + self.query_offset).view(-1))
 
     @staticmethod
-    def bytes_per_group(layers, kv_heads, head_dim, n, prompt_cap, response_cap, dtype) -> int:
+    def bytes_per_group(layers, kv_heads, head_dim, n, prompt_cap, response_cap, dtype, queries: int = 1) -> int:
         size = torch.empty(0, dtype=dtype).element_size()
-        return 2 * layers * kv_heads * head_dim * size * (prompt_cap + n * response_cap)
+        return 2 * layers * kv_heads * head_dim * size * (prompt_cap + n * (response_cap + queries - 1))
 
     def own_slot(self, layer: int):
-        """Where a decode step's new keys and values go: ``(k_store, v_store, rows, at)`` with row ``i``'s
-        token at ``k_store[rows[i], :, at[i]]`` (the fused decode step writes them itself)."""
-        return self.suffix_k[layer], self.suffix_v[layer], self.rows, self.write_at
+        """Where a decode step's new keys and values go: ``(k_store, v_store, rows, at)`` with new token
+        ``i``'s (row-major, ``queries`` per row) at ``k_store[rows[i], :, at[i]]`` (the fused decode step
+        writes them itself)."""
+        return self.suffix_k[layer], self.suffix_v[layer], self.query_rows, self.query_at
 
     def attend(self, layer: int, q, k, v, scaling, spec: AttentionSpec = AttentionSpec()):
         """Attention of this step's queries under the layer's ``spec`` (sliding window, soft-capping);
@@ -189,18 +211,22 @@ class SharedPrefixKV:
         return out.transpose(1, 2)
 
     def _decode(self, layer, q, k, v, scaling, spec: AttentionSpec):
-        """One new token per sample row: the shared prompt read once per group, merged exactly with
-        each row's own tokens."""
+        """``queries`` new tokens per sample row, ``q`` ``[rows * queries, heads, 1, d]`` (the fused step)
+        or ``[rows, heads, queries, d]`` (the model's modules, with ``k``/``v`` to store): the shared
+        prompt read once per group, merged exactly with each row's own tokens -> ``[rows, queries, heads, d]``."""
+        rows, m = self.rows.shape[0], self.queries
         if k is not None:
-            self.suffix_k[layer, self.rows, :, self.write_at] = k[:, :, 0]
-            self.suffix_v[layer, self.rows, :, self.write_at] = v[:, :, 0]
+            kv_heads, d = k.shape[1], k.shape[3]
+            self.suffix_k[layer, self.query_rows, :, self.query_at] = k.transpose(1, 2).reshape(rows * m, kv_heads, d)
+            self.suffix_v[layer, self.query_rows, :, self.query_at] = v.transpose(1, 2).reshape(rows * m, kv_heads, d)
+        heads, d = q.shape[1], q.shape[3]
+        q = q.transpose(1, 2).reshape(rows, m, heads, d)
         if self.kernel == "triton":
-            rows, heads, _, d = q.shape
-            out = shared_prefix_attention(q[:, :, 0], self.prefix_k[layer], self.prefix_v[layer], self.prompt_read,
-                                          self.suffix_k[layer], self.suffix_v[layer], self.own_len, self.n,
-                                          self.prompt_view, self.response_view, scaling, window=spec.window,
-                                          softcap=spec.softcap)
-            return out.view(rows, 1, heads, d)
+            out = shared_prefix_attention(q.reshape(rows * m, heads, d), self.prefix_k[layer], self.prefix_v[layer],
+                                          self.prompt_read, self.suffix_k[layer], self.suffix_v[layer], self.own_len,
+                                          self.n, self.prompt_view, self.response_view, scaling, window=spec.window,
+                                          softcap=spec.softcap, queries=m)
+            return out.view(rows, m, heads, d)
         math_fn = _compiled_decode_attention() if q.is_cuda else decode_attention
         return math_fn(q, self.prefix_k[layer], self.prefix_v[layer], self.suffix_k[layer], self.suffix_v[layer],
                        self.prefix_len, self.write_at, self.n, self.prompt_view, self.response_view, scaling,
@@ -230,35 +256,39 @@ def _softmax_part(q, keys, values, outside, scaling, softcap):
 
 def decode_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, write_at, n: int, prompt_view: int,
                      response_view: int, scaling, window: int | None = None, softcap: float | None = None):
-    """``q`` ``[rows, heads, 1, d]`` (rows = groups x n, group-major) -> ``[rows, 1, heads, d]``. With a
-    ``window`` a row at position ``p`` reads keys at positions ``> p - window`` only."""
-    rows, heads, _, d = q.shape
+    """``q`` ``[rows, m, heads, d]``: m new tokens per row (rows = groups x n, group-major), the i-th
+    written at own index ``write_at + i`` -> ``[rows, m, heads, d]``. Token i reads its group's prompt
+    and its row's own keys up to index ``write_at + i`` (causal among the m new tokens; m > 1 when a
+    step verifies drafts). With a ``window`` a token at position ``p`` reads keys at positions
+    ``> p - window`` only."""
+    rows, m, heads, d = q.shape
     groups, kv_heads = prefix_k.shape[0], prefix_k.shape[1]
     r = heads // kv_heads
     P, S = prompt_view, response_view
-    # Prompt part: the n samples' queries of a group (x r heads sharing a KV head) as one batch row.
-    q_group = q[:, :, 0].reshape(groups, n, kv_heads, r, d).transpose(1, 2).reshape(groups * kv_heads, n * r, d)
+    at = write_at[:, None] + torch.arange(m, device=q.device)  # [rows, m]: each new token's own index
+    # Prompt part: the n samples' m tokens of a group (x r heads sharing a KV head) as one batch row.
+    q_group = q.reshape(groups, n, m, kv_heads, r, d).permute(0, 3, 1, 2, 4, 5).reshape(groups * kv_heads, n * m * r, d)
     outside = torch.arange(P, device=q.device)[None, :] >= prefix_len[:, None]  # [groups, P]
-    later = torch.arange(S, device=q.device)[None, :] > write_at[:, None]  # [rows, S]
+    later = torch.arange(S, device=q.device)[None, None, :] > at[:, :, None]  # [rows, m, S]
     if window is None:  # one mask row for all the group's queries
         outside = outside[:, None, None, :].expand(groups, kv_heads, 1, P).reshape(groups * kv_heads, 1, P)
-    else:  # a row per sample: the fed token sits at position prefix_len + write_at
-        reach = (prefix_len.repeat_interleave(n) + write_at - window + 1).view(groups, 1, n, 1, 1)
-        outside = outside[:, None, None, None, :] | (torch.arange(P, device=q.device) < reach)
-        outside = outside.expand(groups, kv_heads, n, r, P).reshape(groups * kv_heads, n * r, P)
-        later = later | (torch.arange(S, device=q.device)[None, :] < write_at[:, None] - window + 1)
+    else:  # a row per token: token i of a row sits at position prefix_len + write_at + i
+        reach = (prefix_len.repeat_interleave(n)[:, None] + at - window + 1).view(groups, 1, n, m, 1, 1)
+        outside = outside[:, None, None, None, None, :] | (torch.arange(P, device=q.device) < reach)
+        outside = outside.expand(groups, kv_heads, n, m, r, P).reshape(groups * kv_heads, n * m * r, P)
+        later = later | (torch.arange(S, device=q.device)[None, None, :] < at[:, :, None] - window + 1)
     out_p, lse_p = _softmax_part(q_group, _batched(prefix_k, P), _batched(prefix_v, P), outside, scaling, softcap)
-    out_p = out_p.view(groups, kv_heads, n, r, d).transpose(1, 2).reshape(rows, kv_heads, r, d)
-    lse_p = lse_p.view(groups, kv_heads, n, r).transpose(1, 2).reshape(rows, kv_heads, r)
-    # Own part: each row against its generated tokens up to and including the one fed now.
-    later = later[:, None, None, :].expand(rows, kv_heads, 1, S).reshape(rows * kv_heads, 1, S)
-    out_o, lse_o = _softmax_part(q[:, :, 0].reshape(rows * kv_heads, r, d), _batched(suffix_k, S),
-                                 _batched(suffix_v, S), later, scaling, softcap)
-    out_o, lse_o = out_o.view(rows, kv_heads, r, d), lse_o.view(rows, kv_heads, r)
-    top = torch.maximum(lse_p, lse_o)  # finite: the own part always holds the fed token
+    out_p = out_p.view(groups, kv_heads, n, m, r, d).permute(0, 2, 3, 1, 4, 5).reshape(rows, m, kv_heads, r, d)
+    lse_p = lse_p.view(groups, kv_heads, n, m, r).permute(0, 2, 3, 1, 4).reshape(rows, m, kv_heads, r)
+    # Own part: each row's tokens against its generated tokens up to and including their own.
+    later = later[:, None, :, None, :].expand(rows, kv_heads, m, r if m > 1 else 1, S).reshape(rows * kv_heads, -1, S)
+    q_own = q.reshape(rows, m, kv_heads, r, d).transpose(1, 2).reshape(rows * kv_heads, m * r, d)
+    out_o, lse_o = _softmax_part(q_own, _batched(suffix_k, S), _batched(suffix_v, S), later, scaling, softcap)
+    out_o, lse_o = out_o.view(rows, kv_heads, m, r, d).transpose(1, 2), lse_o.view(rows, kv_heads, m, r).transpose(1, 2)
+    top = torch.maximum(lse_p, lse_o)  # finite: the own part always holds the token itself
     w_p, w_o = (lse_p - top).exp()[..., None], (lse_o - top).exp()[..., None]
     out = (out_p * w_p + out_o * w_o) / (w_p + w_o)
-    return out.to(q.dtype).reshape(rows, 1, heads, d)
+    return out.to(q.dtype).reshape(rows, m, heads, d)
 
 
 @functools.cache
@@ -282,11 +312,17 @@ class FastRolloutEngine(RolloutEngine):
     on a GPU only); ``None`` uses it wherever the model is supported, ``False`` runs the model's modules.
     ``decode_kernel`` computes decode attention with a Triton split-K kernel (``triton``, the default on a
     GPU where Triton is installed: ``decode_kernel.py``) or batched matmuls (``bmm``, any device).
+    ``speculative="prompt_lookup"`` drafts up to ``num_speculative_tokens`` tokens per sample and step from
+    the sample's own text (``prompt_lookup.py``, matching its last ``prompt_lookup_min`` to
+    ``prompt_lookup_max`` tokens) and verifies them in the step (``speculative.py``): the same samples,
+    in fewer steps where drafts are right.
     """
 
     def __init__(self, model, tokenizer=None, kv_cache_bytes: int | None = None, prefill_chunk: int = 8192,
                  sync_every: int = 16, cuda_graphs: bool = True, max_groups: int | None = None, dtype=None,
-                 own_copy: bool = False, fused_decode: bool | None = None, decode_kernel: str = "auto"):
+                 own_copy: bool = False, fused_decode: bool | None = None, decode_kernel: str = "auto",
+                 speculative: str | None = None, num_speculative_tokens: int = 4, prompt_lookup_min: int = 2,
+                 prompt_lookup_max: int = 8):
         self.source, self.tokenizer = model, tokenizer
         self.model = model
         if own_copy or (dtype is not None and dtype != next(model.parameters()).dtype):
@@ -295,6 +331,11 @@ class FastRolloutEngine(RolloutEngine):
         self.version = weights_version(model)
         if decode_kernel not in ("auto", "bmm", "triton"):
             raise ValueError(f"decode_kernel must be 'auto', 'bmm' or 'triton', got {decode_kernel!r}")
+        if speculative not in (None, *SPECULATIVE_METHODS):
+            raise ValueError(f"speculative must be None or one of {SPECULATIVE_METHODS}, got {speculative!r}")
+        self.speculation = (Speculation(num_speculative_tokens, prompt_lookup_min, prompt_lookup_max)
+                            if speculative else None)
+        self.queries = self.speculation.queries if self.speculation else 1  # tokens a decode step feeds per row
         self.kv_cache_bytes, self.prefill_chunk, self.sync_every = kv_cache_bytes, prefill_chunk, sync_every
         self.max_groups = max_groups
         first = next(self.model.parameters())
@@ -357,7 +398,7 @@ class FastRolloutEngine(RolloutEngine):
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         per_group = SharedPrefixKV.bytes_per_group(self.layers, self.kv_heads, self.head_dim, params.n, prompt_cap,
-                                                   response_cap, self.dtype)
+                                                   response_cap, self.dtype, self.queries)
         budget = self._budget()
         groups = min(len(prompts), budget // per_group, self.max_groups or len(prompts))
         if groups < 1:
@@ -366,9 +407,9 @@ class FastRolloutEngine(RolloutEngine):
                 f"{per_group / 2**30:.2f} GiB of KV cache but the budget is {budget / 2**30:.2f} GiB: raise "
                 f"rollout.kv_cache_bytes, or lower data.max_prompt_length, data.max_response_length or rollout.n")
         self.kv = SharedPrefixKV(self.layers, self.kv_heads, self.head_dim, groups, params.n, prompt_cap, response_cap,
-                                 self.dtype, self.device, self.decode_kernel)
+                                 self.dtype, self.device, self.decode_kernel, self.queries)
         # Captured graphs read and write these very tensors: they live as long as the KV stores.
-        self.state = DecodeState(groups * params.n, response_cap, self.device)
+        self.state = DecodeState(groups * params.n, response_cap, self.device, self.queries)
         self.stop_ids = {}
         return self.kv
 
@@ -404,12 +445,17 @@ class FastRolloutEngine(RolloutEngine):
 
     def _run(self, prompts, params: SamplingParams, seeds: torch.Tensor, limits: list[list[int]]) -> list[list[Sample]]:
         """Stream the prompts' groups through the slots. The host follows each slot's age (decode steps
-        since admission) and the longest length its rows may reach, and looks at the device only between
-        runs of ``sync_every`` steps, or as soon as a slot must have finished, to retire and admit groups.
+        since admission, each of which adds at least one token to every live row) and the longest length
+        its rows may reach (each step adds at most ``queries``), and looks at the device only between
+        runs of ``sync_every`` steps, or as soon as a slot must have finished, to retire and admit groups
+        and to learn the lengths reached.
 
-        ``last_run`` records, from host values alone: ``decode_steps``; ``busy_slot_steps``, the sum over
-        decode steps of the slots holding a group that still needed them; ``live_row_steps``, the same
-        count for rows (a finished row still computes, ignored, until its group leaves)."""
+        ``last_run`` records ``decode_steps``; ``busy_slot_steps``, the sum over decode steps of the
+        slots holding a group that still needed them; ``live_row_steps``, the same count for rows (a
+        finished row still computes, ignored, until its group leaves). With speculation also
+        ``draft_row_steps``, the live row-steps that had a draft, and ``accepted_draft_tokens``, the
+        drafted tokens kept: ``draft_fraction`` and ``accepted_per_draft_step`` are their ratios, and a
+        live row-step made ``1 + accepted_draft_tokens / live_row_steps`` tokens on average."""
         kv = self._ensure_kv(prompts, params)
         n, dev, state = params.n, self.device, self.state
         state.reset()
@@ -420,8 +466,9 @@ class FastRolloutEngine(RolloutEngine):
         pending = deque(range(len(prompts)))
         slot_prompt: list[int | None] = [None] * kv.groups
         slot_prompt_len = [0] * kv.groups
-        slot_age = [0] * kv.groups  # decode steps since admission: bounds the slot's response length
+        slot_age = [0] * kv.groups  # decode steps since admission
         slot_done_at = [0] * kv.groups  # the age at which all the slot's rows have reached their limits
+        slot_reach = [1] * kv.groups  # the longest length the slot's rows may have reached
         results: list[list[Sample] | None] = [None] * len(prompts)
         self.last_run = {"decode_steps": 0, "busy_slot_steps": 0, "live_row_steps": 0, "slots": kv.groups, "n": n}
         while True:
@@ -432,12 +479,13 @@ class FastRolloutEngine(RolloutEngine):
                                 state, stops)
                     slot_prompt[g], slot_prompt_len[g], slot_age[g] = i, len(prompts[i]), 0
                     slot_done_at[g] = max(limits[i]) - 1  # the first token came with the prefill
-            active = state.active.view(kv.groups, n).any(1).tolist()
+            active, slot_reach = torch.stack([state.active.view(kv.groups, n).any(1).long(),
+                                              state.length.view(kv.groups, n).max(1).values]).tolist()
             freed = False
             for g in range(kv.groups):  # groups that finished (possibly at their first token)
                 if slot_prompt[g] is not None and not active[g]:
                     results[slot_prompt[g]] = self._collect(g, params, state)
-                    self._count_steps(results[slot_prompt[g]])
+                    self._count_steps(state.steps[g * n:(g + 1) * n].tolist())
                     slot_prompt[g], freed = None, True
             if freed and pending:
                 continue  # a freed slot takes the next prompt before the next decode step
@@ -446,22 +494,27 @@ class FastRolloutEngine(RolloutEngine):
             occupied = [g for g in range(kv.groups) if slot_prompt[g] is not None]
             longest_prompt = max(slot_prompt_len[g] for g in occupied)
             for _ in range(self.sync_every):
-                longest_response = max(slot_age[g] for g in occupied) + 1
+                # own keys a step reads: the fed tokens' (from the row's last one on) and all before them
+                longest_response = max(slot_reach[g] for g in occupied) + self.queries - 1
                 kv.prompt_view = _bucket(longest_prompt, 256, kv.prompt_cap)
-                kv.response_view = _bucket(longest_response, 64, kv.response_cap)
+                kv.response_view = _bucket(longest_response, 64, kv.own_cap)
                 self._decode_step(params, state, stops)
                 self.last_run["decode_steps"] += 1
                 slot_age = [age + 1 for age in slot_age]
+                slot_reach = [reach + self.queries for reach in slot_reach]
                 if any(slot_age[g] >= slot_done_at[g] for g in occupied):
                     break
             if params.stop_strings:
                 self._apply_stop_strings(params, state, slot_prompt)
+        if self.speculation:
+            run = self.last_run
+            run.update(state.speculation_counts())
+            run["draft_fraction"] = run["draft_row_steps"] / max(run["live_row_steps"], 1)
+            run["accepted_per_draft_step"] = run["accepted_draft_tokens"] / max(run["draft_row_steps"], 1)
         return results
 
-    def _count_steps(self, samples: list[Sample]) -> None:
-        """A row of final length L needed L - 1 decode steps (its first token came with the prefill);
-        its group needed as many as its longest row."""
-        steps = [len(s.token_ids) - 1 for s in samples]
+    def _count_steps(self, steps: list[int]) -> None:
+        """A group's rows' decode steps while live: its slot was needed for as many as its longest row's."""
         self.last_run["busy_slot_steps"] += max(steps)
         self.last_run["live_row_steps"] += sum(steps)
 
@@ -484,6 +537,7 @@ class FastRolloutEngine(RolloutEngine):
         logits = self._logits(hidden[-1:]).expand(n, -1)
         rows = slice(g * n, (g + 1) * n)
         kv.prefix_len[g] = len(prompt)
+        kv.prompt_ids[g, :len(prompt)] = ids
         state.keys[rows] = keys
         tokens, logp = sample_rows(logits, params, keys, torch.zeros(n, dtype=torch.long, device=self.device),
                                    self.vocab_terms)
@@ -492,7 +546,7 @@ class FastRolloutEngine(RolloutEngine):
     def _decode_step(self, params, state: "DecodeState", stops) -> None:
         if not self.cuda_graphs:
             return self._step(params, state, stops)
-        key = (self.kv.prompt_view, self.kv.response_view, params)
+        key = (self.kv.prompt_view, self.kv.response_view, params, self.queries)
         graph = self.graphs.get(key)
         if graph is None:
             graph = self.graphs[key] = self._capture(params, state, stops)
@@ -516,22 +570,36 @@ class FastRolloutEngine(RolloutEngine):
         return graph
 
     def _step(self, params, state: "DecodeState", stops) -> None:
-        """One token for every row (finished rows compute and are ignored): fixed shapes, no host sync."""
-        kv, n = self.kv, params.n
-        index = state.length  # index of the token sampled now; the fed token sits at index - 1
-        kv.write_at.copy_((index - 1).clamp(0, kv.response_cap - 1))
-        kv.own_len.copy_(torch.where(state.active, kv.write_at + 1, 0))
+        """One step for every row (finished rows compute and are ignored): fixed shapes, no host sync. It
+        feeds each row's last token, and with speculation its drafts after it (``queries`` tokens a row),
+        and samples at every fed position."""
+        kv, n, m = self.kv, params.n, self.queries
+        index = state.length  # index of the token sampled after the last one; that one sits at index - 1
+        kv.set_write_at((index - 1).clamp(0, kv.response_cap - 1))
+        kv.own_len.copy_(torch.where(state.active, kv.write_at + m, 0))
         kv.prompt_read.copy_(torch.where(state.active.view(-1, n).any(1), kv.prefix_len, 0))
         positions = kv.prefix_len.repeat_interleave(n) + index - 1
+        feed = state.last[:, None]
+        if self.speculation:
+            spec = self.speculation
+            text, length = row_text(kv.prompt_ids[:, :kv.prompt_view], kv.prefix_len,
+                                    state.tokens[:, :kv.response_view], index, n)
+            drafts, draft_len = propose(text, length, spec.tokens, spec.min_match, spec.max_match)
+            feed = torch.cat([feed, drafts], 1)
+            positions = positions[:, None] + kv.query_offset
         if self.decode_step is not None:
-            hidden = self.decode_step.decode(state.last, positions, kv)
+            hidden = self.decode_step.decode(feed.view(-1), positions.reshape(-1), kv)
         else:
-            hidden = self.model.base_model(input_ids=state.last[:, None], position_ids=positions[:, None],
+            hidden = self.model.base_model(input_ids=feed, position_ids=positions.view(-1, m),
                                            attention_mask=NO_MASK.to(self.device), use_cache=False,
-                                           longqa_kv=kv).last_hidden_state[:, 0]
+                                           longqa_kv=kv).last_hidden_state.flatten(0, 1)
         logits = self._logits(hidden)
-        tokens, logp = self.sample(logits, params, state.keys, index, self.vocab_terms)
-        state.advance(tokens, logp, stops)
+        if not self.speculation:
+            tokens, logp = self.sample(logits, params, state.keys, index, self.vocab_terms)
+            return state.advance(tokens, logp, stops)
+        at = (index[:, None] + kv.query_offset).view(-1)  # the index each fed position samples
+        tokens, logp = self.sample(logits, params, state.keys.repeat_interleave(m), at, self.vocab_terms)
+        state.advance_verified(tokens.view(-1, m), logp.view(-1, m), drafts, draft_len, stops)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The model's logits from final hidden states: its LM head and logit transforms, in float32."""
@@ -585,10 +653,11 @@ def _check_stop_at(stop_at, prompts: int, params: SamplingParams) -> list[list[i
 class DecodeState:
     """Per-row device tensors of one ``generate`` call, updated in place (so CUDA graphs can replay)."""
 
-    def __init__(self, rows: int, max_new: int, device):
+    def __init__(self, rows: int, max_new: int, device, queries: int = 1):
         self.rows = rows
-        self.tokens = torch.zeros(rows, max_new, dtype=torch.long, device=device)
-        self.logp = torch.zeros(rows, max_new, dtype=torch.float32, device=device)
+        # Room past max_new for the picks a verifying step makes and does not keep (written, then ignored).
+        self.tokens = torch.zeros(rows, max_new + queries, dtype=torch.long, device=device)
+        self.logp = torch.zeros(rows, max_new + queries, dtype=torch.float32, device=device)
         self.length = torch.zeros(rows, dtype=torch.long, device=device)
         self.last = torch.zeros(rows, dtype=torch.long, device=device)
         self.active = torch.zeros(rows, dtype=torch.bool, device=device)
@@ -597,11 +666,15 @@ class DecodeState:
         # Each row's length limit (stop_at, or max_new_tokens), set at admission: a device tensor, so a
         # captured decode step reads the limits of whichever groups hold the slots when it is replayed.
         self.limit = torch.full((rows,), max_new, dtype=torch.long, device=device)
+        self.steps = torch.zeros(rows, dtype=torch.long, device=device)  # decode steps each row was live
+        # Over the whole call: live row-steps that had a draft, and drafted tokens kept.
+        self.draft_steps = torch.zeros((), dtype=torch.long, device=device)
+        self.accepted = torch.zeros((), dtype=torch.long, device=device)
         self.row_ids = torch.arange(rows, device=device)
         self.checked = [0] * rows  # host: tokens already searched for stop strings
 
     def reset(self) -> None:
-        for flag in (self.length, self.active, self.stopped):
+        for flag in (self.length, self.active, self.stopped, self.draft_steps, self.accepted):
             flag.zero_()
         self.checked = [0] * self.rows
 
@@ -609,6 +682,7 @@ class DecodeState:
         self.tokens[rows, 0], self.logp[rows, 0] = tokens, logp
         self.length[rows], self.last[rows] = 1, tokens
         self.limit[rows] = limits
+        self.steps[rows] = 0
         stopped = torch.isin(tokens, stops)
         self.stopped[rows] = stopped
         self.active[rows] = ~stopped & (limits > 1)
@@ -624,13 +698,41 @@ class DecodeState:
         stopped = live & torch.isin(tokens, stops)
         self.stopped.copy_(self.stopped | stopped)
         self.length.add_(live.long())
+        self.steps.add_(live.long())
         self.active.copy_(live & ~stopped & (self.length < self.limit))
+
+    def advance_verified(self, tokens, logp, drafts, draft_len, stops) -> None:
+        """``advance`` for a verifying step: ``tokens``/``logp`` ``[rows, k + 1]`` the picks at the fed
+        positions, of which each live row keeps what ``speculative.verify`` allows."""
+        live = self.active
+        keep, stopped = verify(tokens, drafts, draft_len, stops, self.limit - self.length)
+        keep = torch.where(live, keep, 0)
+        at = self.length[:, None] + torch.arange(tokens.shape[1], device=tokens.device)  # < max_new + queries
+        kept = torch.arange(tokens.shape[1], device=tokens.device) < keep[:, None]
+        rows = self.row_ids[:, None]
+        self.tokens[rows, at] = torch.where(kept, tokens, self.tokens[rows, at])
+        self.logp[rows, at] = torch.where(kept, logp, self.logp[rows, at])
+        self.last.copy_(torch.where(live, tokens.gather(1, (keep - 1).clamp(min=0)[:, None]).squeeze(1), self.last))
+        stopped = live & stopped
+        self.stopped.copy_(self.stopped | stopped)
+        self.length.add_(keep)
+        self.steps.add_(live.long())
+        self.draft_steps.add_((live & (draft_len > 0)).sum())
+        self.accepted.add_((keep - 1).clamp(min=0).sum())
+        self.active.copy_(live & ~stopped & (self.length < self.limit))
+
+    def speculation_counts(self) -> dict:
+        """The call's draft statistics (see ``FastRolloutEngine._run``), read from the device once."""
+        draft_steps, accepted = torch.stack([self.draft_steps, self.accepted]).tolist()
+        return {"draft_row_steps": draft_steps, "accepted_draft_tokens": accepted}
 
     def cut(self, row: int, length: int) -> None:
         self.length[row], self.active[row], self.stopped[row] = length, False, True
 
     def snapshot(self) -> dict:
-        return {name: getattr(self, name).clone() for name in ("tokens", "logp", "length", "last", "active", "stopped")}
+        return {name: getattr(self, name).clone()
+                for name in ("tokens", "logp", "length", "last", "active", "stopped", "steps", "draft_steps",
+                             "accepted")}
 
     def restore(self, snapshot: dict) -> None:
         for name, value in snapshot.items():
