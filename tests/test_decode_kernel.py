@@ -1,4 +1,5 @@
-"""The Triton decode attention (``rollout/decode_kernel.py``) against a naive per-row reference.
+"""The Triton decode attention (``rollout/decode_kernel.py``), and the batched-matmul one it replaces off
+the GPU, against a naive per-row reference.
 
 Without a GPU the kernel runs in Triton's interpreter (``TRITON_INTERPRET=1``, set by conftest.py
 before anything imports Triton), so the shapes are tiny. On a GPU the same tests run the compiled
@@ -97,25 +98,28 @@ def test_prompt_half_per_split(n, r):
 
 
 def check_full(groups, n, kv_heads, r, d, prefix_len, own_len, prompt_view, own_view, dtype=torch.float32, tol=1e-5,
-               block_n=16, splits=(None, None), window=None, softcap=None):
-    """Both halves merged == naive attention over [group's prompt keys ; own keys] for every row (with a
-    window: only the last ``window`` of them, the row's query being the last)."""
+               block_n=16, splits=(None, None), window=None, softcap=None, queries=1):
+    """Both halves merged == naive attention over [group's prompt keys ; own keys] for every token (with a
+    window: only the last ``window`` of them, the token's own key being the last). A row feeds ``queries``
+    tokens, its last ``queries`` own keys: token i reads own keys up to ``own_len - queries + i``."""
     rows, heads, scaling = groups * n, kv_heads * r, d ** -0.5
     pk, pv = store(groups, kv_heads, prompt_view, d, prefix_len, dtype)
     sk, sv = store(rows, kv_heads, own_view, d, own_len, dtype)
-    q = torch.randn(rows, heads, d, device=DEVICE).to(dtype)
+    q = torch.randn(rows * queries, heads, d, device=DEVICE).to(dtype)
     prefix_t, own_t = torch.tensor(prefix_len, device=DEVICE), torch.tensor(own_len, device=DEVICE)
     got = shared_prefix_attention(q, pk, pv, prefix_t, sk, sv, own_t, n, prompt_view, own_view, scaling, block_n,
-                                  splits=splits, window=window, softcap=softcap)
-    assert got.shape == (rows, heads, d) and got.dtype == dtype
+                                  splits=splits, window=window, softcap=softcap, queries=queries)
+    assert got.shape == (rows * queries, heads, d) and got.dtype == dtype
     for row in range(rows):
         g = row // n
-        keys = torch.cat([pk[g, :, :prefix_len[g]], sk[row, :, :own_len[row]]], 1)
-        values = torch.cat([pv[g, :, :prefix_len[g]], sv[row, :, :own_len[row]]], 1)
-        if window is not None:
-            keys, values = keys[:, -window:], values[:, -window:]
-        ref, _ = naive(q[row], keys, values, scaling, softcap)
-        torch.testing.assert_close(got[row].cpu().double(), ref, atol=tol, rtol=tol)
+        for i in range(queries):
+            own = max(0, own_len[row] - queries + 1 + i)
+            keys = torch.cat([pk[g, :, :prefix_len[g]], sk[row, :, :own]], 1)
+            values = torch.cat([pv[g, :, :prefix_len[g]], sv[row, :, :own]], 1)
+            if window is not None:
+                keys, values = keys[:, -window:], values[:, -window:]
+            ref, _ = naive(q[row * queries + i], keys, values, scaling, softcap)
+            torch.testing.assert_close(got[row * queries + i].cpu().double(), ref, atol=tol, rtol=tol)
 
 
 @needs_triton
@@ -140,6 +144,48 @@ def test_sliding_window_and_soft_capping(window, softcap, splits):
     groups, n = 2, 3
     prefix_len, own_len = [40, 9], [1, 6, 13, 2, 1, 12]
     check_full(groups, n, 2, 2, 16, prefix_len, own_len, 40, 13, splits=splits, window=window, softcap=softcap)
+
+
+@needs_triton
+@pytest.mark.parametrize("queries, window, softcap", [(2, None, None), (4, None, 0.5), (3, 6, None)])
+def test_several_tokens_per_row(queries, window, softcap):
+    """A step verifying drafts: each row feeds ``queries`` tokens, causal among themselves; rows whose
+    tokens' own keys start inside a split, a finished row (no own key; without a window, where its
+    tokens' positions are defined), a window ending among the new tokens; on a GPU the compiled kernel
+    against the same float64 reference."""
+    torch.manual_seed(queries)
+    groups, n = 2, 3
+    prefix_len, own_len = [40, 9], [queries, 13, 0 if window is None else queries, 7, queries + 1, 16]
+    check_full(groups, n, 2, 2, 16, prefix_len, own_len, 40, 16, splits=(2, 3), window=window, softcap=softcap,
+               queries=queries)
+
+
+@pytest.mark.parametrize("queries, window, softcap", [(1, None, None), (3, None, None), (4, 5, 0.5)])
+def test_the_matmul_attention_with_several_tokens_per_row(queries, window, softcap):
+    """The batched-matmul decode attention (the path without Triton) against the same reference: token i
+    of a row reads its group's prompt and its own keys up to index ``write_at + i``; garbage (finite, as
+    in the engine's stores) past them is never read."""
+    from longqa.rollout.fast import decode_attention
+
+    torch.manual_seed(queries)
+    groups, n, kv_heads, r, d = 2, 3, 2, 2, 16
+    prefix_len, write_at = [11, 4], [0, 5, 2, 7, 1, 3]
+    prompt_view, own_view, rows, scaling = 12, max(write_at) + queries + 2, groups * n, 0.3
+    pk, pv = (x.nan_to_num(50.0) for x in store(groups, kv_heads, prompt_view, d, prefix_len))
+    sk, sv = (x.nan_to_num(-50.0) for x in store(rows, kv_heads, own_view, d, [w + queries for w in write_at]))
+    q = torch.randn(rows, queries, kv_heads * r, d, device=DEVICE)
+    got = decode_attention(q, pk, pv, sk, sv, torch.tensor(prefix_len, device=DEVICE),
+                           torch.tensor(write_at, device=DEVICE), n, prompt_view, own_view, scaling, window, softcap)
+    assert got.shape == q.shape
+    for row in range(rows):
+        g = row // n
+        for i in range(queries):
+            keys = torch.cat([pk[g, :, :prefix_len[g]], sk[row, :, :write_at[row] + i + 1]], 1)
+            values = torch.cat([pv[g, :, :prefix_len[g]], sv[row, :, :write_at[row] + i + 1]], 1)
+            if window is not None:
+                keys, values = keys[:, -window:], values[:, -window:]
+            ref, _ = naive(q[row, i], keys, values, scaling, softcap)
+            torch.testing.assert_close(got[row, i].cpu().double(), ref, atol=1e-5, rtol=1e-5)
 
 
 @needs_triton
@@ -185,6 +231,10 @@ def test_bad_inputs_are_clear_errors():
         call(lengths[:2], sk, sk[:, :, :4], lengths, 2, 32, 4, 1.0)
     with pytest.raises(ValueError, match="shapes do not fit"):
         call(lengths[:2], sk, sk, lengths, 3, 32, 8, 1.0)  # 4 rows are not 2 groups of 3
+    with pytest.raises(ValueError, match="shapes do not fit"):
+        call(lengths[:2], sk, sk, lengths, 2, 32, 8, 1.0, queries=2)  # 4 query rows are not 4 rows x 2 tokens
+    with pytest.raises(ValueError, match="queries must be >= 1"):
+        call(lengths[:2], sk, sk, lengths, 2, 32, 8, 1.0, queries=0)
     with pytest.raises(ValueError, match="contiguous last dimension"):
         call(lengths[:2], sk.transpose(2, 3), sk.transpose(2, 3), lengths, 2, 16, 8, 1.0)
 

@@ -307,7 +307,18 @@ def _fast_timings(config, prompt: int, out, engine, seconds: float, prefill: flo
             "floor_ms_per_step": round(1e3 * floor / steps, 3), "fraction_of_floor": round(floor / decode, 3),
             "floor_ms_per_step_unshared": round(1e3 * unshared / steps, 3), "decode_steps": run["decode_steps"],
             "slot_occupancy": round(run["busy_slot_steps"] / slot_steps, 3) if slot_steps else None,
-            "row_occupancy": round(run["live_row_steps"] / (slot_steps * run["n"]), 3) if slot_steps else None}
+            "row_occupancy": round(run["live_row_steps"] / (slot_steps * run["n"]), 3) if slot_steps else None,
+            **speculation_stats(run)}
+
+
+def speculation_stats(run: dict) -> dict:
+    """A speculating engine's ``last_run`` as figures: the fraction of live row-steps with a draft, drafted
+    tokens kept per such step, and tokens a live row-step made on average (1 without speculation)."""
+    if "draft_fraction" not in run:
+        return {}
+    return {"draft_fraction": round(run["draft_fraction"], 3),
+            "accepted_per_draft_step": round(run["accepted_per_draft_step"], 3),
+            "tokens_per_row_step": round(1 + run["accepted_draft_tokens"] / max(run["live_row_steps"], 1), 3)}
 
 
 def bench_grpo_step(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int = 1024, n: int = 8,

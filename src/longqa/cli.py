@@ -201,7 +201,9 @@ def cmd_bench_rollout(args: argparse.Namespace) -> None:
 def _engine_options(args: argparse.Namespace) -> dict:
     """The fast engine's decode-step choices a bench was asked for (the defaults are left out)."""
     return {**({"decode_kernel": args.decode_kernel} if args.decode_kernel else {}),
-            **({"fused_decode": False} if args.no_fused_decode else {})}
+            **({"fused_decode": False} if args.no_fused_decode else {}),
+            **({"speculative": args.speculative, "num_speculative_tokens": args.num_speculative_tokens}
+               if args.speculative else {})}
 
 
 def cmd_bench_step(args: argparse.Namespace) -> None:
@@ -389,9 +391,16 @@ def _add_bench_args(p: argparse.ArgumentParser, func) -> None:
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     """The fast engine's decode-step choices, and the responses' lengths, for the benches that sample."""
     from longqa.lengths import LENGTH_KINDS
+    from longqa.rollout.speculative import METHODS as SPECULATIVE_METHODS
 
     p.add_argument("--decode-kernel", choices=["bmm", "triton"], help="fast engine decode attention")
     p.add_argument("--no-fused-decode", action="store_true", help="decode through the model's own modules")
+    p.add_argument("--speculative", choices=SPECULATIVE_METHODS,
+                   help="fast engine speculative decoding (drafts from each sample's own text, verified in the "
+                   "step; random prompts and weights give no right drafts, so a step then measures the cost of "
+                   "verifying k+1 tokens per sample)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
+                   help="with --speculative: most drafted tokens per sample and step (default 4)")
     p.add_argument("--lengths", choices=LENGTH_KINDS, default="lognormal",
                    help="each response's length (a random-weight model never samples EOS): drawn from a log-normal "
                    "clipped to the maximum, mean about 40%% of it (default), or the maximum for all")

@@ -88,6 +88,16 @@ class RolloutConfig:
     enforce_eager: bool = opt(False, "vllm engine: run eagerly (no torch.compile, no CUDA graphs): faster startup, "
                               "slower sampling")
     cuda_graphs: bool = opt(True, "fast engine: replay the decode step as CUDA graphs on a GPU")
+    speculative: Literal["off", "prompt_lookup"] = opt(
+        "off", "fast engine: prompt_lookup drafts each sample's next tokens from its own text (the continuation "
+        "of its latest tokens' earlier occurrence in the prompt or response) and verifies them in one decode "
+        "step; the samples and log-probs are those without it, in fewer steps where drafts are right")
+    num_speculative_tokens: int = opt(4, "speculative: most drafted tokens per sample and decode step (k; each "
+                                      "step then computes k + 1 tokens per sample)", *positive)
+    prompt_lookup_min: int = opt(2, "speculative=prompt_lookup: fewest latest tokens that must match to draft",
+                                 *positive)
+    prompt_lookup_max: int = opt(8, "speculative=prompt_lookup: most latest tokens matched (the longest match "
+                                 "up to this wins)", *positive)
     n: int = opt(8, "responses sampled per prompt (the GRPO group size)", *positive)
     temperature: float = opt(1.0, "sampling temperature; 0 means greedy", *non_negative)
     top_p: float = opt(1.0, "nucleus sampling mass", lambda v: 0 < v <= 1, "in (0, 1]")

@@ -88,6 +88,17 @@ def check_response_lengths(cfg: Config) -> None:
                           f"rollout.engine={r.engine}): only the fast engine ends a sample at a drawn length")
 
 
+def check_speculative(cfg: Config) -> None:
+    """Speculative decoding is the fast engine's, and its match lengths must leave a range."""
+    r = cfg.rollout
+    if r.speculative != "off" and r.engine != "fast":
+        raise ConfigError(f"rollout.speculative={r.speculative} needs rollout.engine=fast (got "
+                          f"rollout.engine={r.engine})")
+    if r.prompt_lookup_min > r.prompt_lookup_max:
+        raise ConfigError(f"rollout.prompt_lookup_min={r.prompt_lookup_min} must not exceed "
+                          f"rollout.prompt_lookup_max={r.prompt_lookup_max}")
+
+
 def check_vllm(cfg: Config, device: torch.device) -> None:
     """What ``rollout.engine=vllm`` needs, checked before any weight loads."""
     r = cfg.rollout
@@ -115,6 +126,7 @@ class Trainer:
         self.saved: tuple[int, Path] | None = None  # the last checkpoint on disk of this timeline, by step
         self.seconds = {"update": None, "validate": None, "save": None}  # this process's last ones, for the grace
         check_response_lengths(cfg)
+        check_speculative(cfg)
         self.env = DistEnv.from_environment()
         self.owns_group = False
         if self.env.distributed:
@@ -146,7 +158,11 @@ class Trainer:
         logprobs_mode = logprobs_mode_for(r.temperature, r.top_k, r.top_p)
         if r.engine == "fast":
             self.engine = FastRolloutEngine(self.model, self.tokenizer, kv_cache_bytes=r.kv_cache_bytes,
-                                            cuda_graphs=r.cuda_graphs, own_copy=self.env.distributed)
+                                            cuda_graphs=r.cuda_graphs, own_copy=self.env.distributed,
+                                            speculative=None if r.speculative == "off" else r.speculative,
+                                            num_speculative_tokens=r.num_speculative_tokens,
+                                            prompt_lookup_min=r.prompt_lookup_min,
+                                            prompt_lookup_max=r.prompt_lookup_max)
         elif r.engine == "vllm":
             self.engine = VLLMRolloutEngine(
                 self.model, resolve_model_path(m.path), tokenizer_path=m.tokenizer_path, dtype=m.dtype,
