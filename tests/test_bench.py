@@ -66,6 +66,19 @@ def test_bench_rollout_compares_generate_and_the_fast_engine(tmp_path, lengths):
             assert r["slot_occupancy"] == r["row_occupancy"] == 1.0 and r["decode_steps"] == 39
 
 
+def test_bench_rollout_with_speculation(tmp_path):
+    """--speculative prompt_lookup: the engine drafts and verifies, and the rows say how often and how well
+    (random prompts and weights: drafts are rare and wrong, so each step costs k + 1 tokens per row)."""
+    out = tmp_path / "rollout.json"
+    main(["bench", "rollout", "--shape", "qwen3-tiny", "--prompt", "24", "--new-tokens", "20", "-n", "2",
+          "--groups", "2", "--device", "cpu", "--hf-new-tokens", "0", "--speculative", "prompt_lookup",
+          "--num-speculative-tokens", "3", "--json", str(out)])
+    [row] = json.loads(out.read_text())
+    assert (row["speculative"], row["num_speculative_tokens"]) == ("prompt_lookup", 3)
+    assert 0 <= row["draft_fraction"] <= 1 and row["accepted_per_draft_step"] >= 0
+    assert row["tokens_per_row_step"] >= 1 and row["decode_steps"] > 0
+
+
 def test_the_decode_floor_of_the_qwen3_1_7b_shape():
     """RESULTS' floors (ms per step), from the bytes counted by hand: 1,720,451,072 bf16 weights
     (28 x (q,o 2048x2048 + k,v 2048x1024 + 3 x 2048x6144) + the 151,936 x 2048 head), 114,688 bytes of KV

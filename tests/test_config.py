@@ -47,6 +47,8 @@ def test_show_round_trips(tmp_path):
     ("data.filter_overlong_prompts=maybe", "must be true or false"),
     ("reward.mode=substring", "config key 'reward.mode' must be one of 'hardened'"),
     ("rollout.top_k=0", "must be -1 or > 0"),
+    ("rollout.speculative=ngram", "config key 'rollout.speculative' must be one of 'off', 'prompt_lookup'"),
+    ("rollout.num_speculative_tokens=0", "config key 'rollout.num_speculative_tokens' must be > 0, got 0"),
     ("trainer.preemption_grace_s=-1", "config key 'trainer.preemption_grace_s' must be >= 0, got -1.0"),
     ("trainer.preemption_grace_s=soon", "config key 'trainer.preemption_grace_s' must be a number"),
     ("no_equals_sign", "must look like key=value"),

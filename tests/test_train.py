@@ -413,11 +413,35 @@ def test_learning_rate_schedule():
     ({"reward.path": "/nope/reward.py"}, "reward.path / reward.name"),
     ({"rollout.engine": "hf", "rollout.response_lengths": "lognormal"},
      "rollout.response_lengths=lognormal needs rollout.engine=fast (got rollout.engine=hf)"),
+    ({"rollout.engine": "hf", "rollout.speculative": "prompt_lookup"},
+     "rollout.speculative=prompt_lookup needs rollout.engine=fast (got rollout.engine=hf)"),
+    ({"rollout.prompt_lookup_min": 5, "rollout.prompt_lookup_max": 4},
+     "rollout.prompt_lookup_min=5 must not exceed rollout.prompt_lookup_max=4"),
 ])
 def test_bad_input_gets_one_clear_message(tiny_model_dir, data_dir, tmp_path, capsys, extra, message):
     assert main(["train", *overrides(tiny_model_dir, data_dir, tmp_path / "run", **extra)]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("longqa: error: ") and message in err
+
+
+def test_rollout_speculative_reaches_the_engine_and_samples_the_same(tiny_model_dir, data_dir, tmp_path):
+    """rollout.speculative=prompt_lookup and its keys build a speculating fast engine, whose step samples
+    are the plain engine's."""
+    from longqa.rollout.speculative import Speculation
+    from longqa.train.trainer import Trainer
+
+    extra = {"data.max_response_length": 16, "rollout.n": 4}
+    speculative = {"rollout.speculative": "prompt_lookup", "rollout.num_speculative_tokens": 3,
+                   "rollout.prompt_lookup_min": 1, "rollout.prompt_lookup_max": 5}
+    plain = Trainer(load_config(None, overrides(tiny_model_dir, data_dir, tmp_path / "plain", **extra)))
+    drafting = Trainer(load_config(None, overrides(tiny_model_dir, data_dir, tmp_path / "spec", **extra,
+                                                   **speculative)))
+    assert plain.engine.speculation is None and drafting.engine.speculation == Speculation(3, 1, 5)
+    indices = plain.step_prompts(1)
+    groups = [trainer._sample_groups(indices, 1, 1, {}) for trainer in (plain, drafting)]
+    assert [[s.token_ids for s in g["samples"]] for g in groups[1]] == \
+           [[s.token_ids for s in g["samples"]] for g in groups[0]]
+    assert drafting.engine.last_run["draft_row_steps"] > 0
 
 
 def test_a_raising_custom_reward_is_counted_not_fatal(tiny_model_dir, data_dir, tmp_path):
