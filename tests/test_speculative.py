@@ -247,7 +247,7 @@ def test_the_embedded_model_on_its_demo_prompts(demo_prompts, temperature):
                             stop_token_ids=tuple(stop_token_ids(tokenizer)))
     plain = FastRolloutEngine(model, tokenizer, max_groups=4).generate(ids, params, seeds=range(len(ids)))
     engine = FastRolloutEngine(model, tokenizer, max_groups=4, speculative="prompt_lookup", num_speculative_tokens=4)
-    assert_same_samples(plain, engine.generate(ids, params, seeds=range(len(ids))))
+    assert_same_samples(plain, engine.generate(ids, params, seeds=range(len(ids))), atol=1e-4)
     assert engine.last_run["accepted_draft_tokens"] > 0
 
 

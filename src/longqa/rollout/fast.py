@@ -31,6 +31,11 @@ responses; ``last_run`` says how full the last call kept the slots.
 
 Sampling draws its noise from a counter-based hash of (request seed, token index, vocabulary id),
 so a request's samples depend on its seed alone: not on the batch, the slot or the device order.
+
+That also makes speculative decoding exact (``speculative=``, off by default): each step feeds every
+row its last token and up to k tokens drafted from its own text (``prompt_lookup.py``), attends with
+k + 1 queries per row in both halves, and keeps the sampled tokens up to the first that differs from
+its draft (``speculative.py``), so every sample is token for token the one it would have been.
 """
 
 from __future__ import annotations

@@ -18,9 +18,8 @@ beside the attention's reading of the same prompt's keys and values in every lay
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-NO_TOKEN = -1  # past the end of a row's text (and before its start, in the shifted copies)
+NO_TOKEN = -1  # past the end of a row's text
 NEVER = -2  # a last-tokens entry before the start of a short text: equal to nothing
 
 
@@ -54,12 +53,12 @@ def propose(text: torch.Tensor, length: torch.Tensor, k: int, min_match: int,
     tail = text.gather(1, (length[:, None] - last).clamp(min=0))
     tail = torch.where(length[:, None] - last >= 0, tail, NEVER)  # [rows, max_match]
     run = torch.ones(rows, T, dtype=torch.bool, device=text.device)
-    matched = torch.zeros(rows, T, dtype=torch.long, device=text.device)
-    for j in range(1, max_match + 1):  # the j-th token before each candidate against the j-th from the end
-        before = F.pad(text, (j, 0), value=NO_TOKEN)[:, :T]
-        run = run & (before == tail[:, j - 1:j])
+    matched = torch.zeros(rows, T, dtype=torch.int32, device=text.device)
+    for j in range(1, min(max_match, T - 1) + 1):  # the j-th token before each candidate against the j-th from the end
+        run[:, j - 1] = False  # candidate j - 1 has no j-th token before it
+        run[:, j:] &= text[:, :T - j] == tail[:, j - 1:j]
         matched += run
-    matched = torch.where((position < length[:, None]) & (matched >= min_match), matched, 0)
+    matched = torch.where((position < length[:, None]) & (matched >= min_match), matched, 0).long()
     best = (matched * (T + 1) - position).argmax(1)  # the longest match, the earliest of equal ones
     found = matched.gather(1, best[:, None]).squeeze(1) > 0
     draft_len = torch.where(found, (length - best).clamp(max=k), 0)
