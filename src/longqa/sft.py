@@ -23,10 +23,11 @@ import numpy as np
 import torch
 
 from longqa.batching import budget_batches, collate_right
+from longqa.config import ConfigError
 from longqa.data.io import iter_rows
 from longqa.data.prompts import PromptOptions, PromptSet, prepare_prompts
 from longqa.evaluate import evaluate, format_table
-from longqa.model.load import load_model, pick_device, qwen3_config
+from longqa.model.load import load_model, pick_device, qwen3_config, set_max_positions
 from longqa.model.tokenizer import train_tokenizer
 from longqa.sft_options import SFTOptions
 
@@ -84,6 +85,15 @@ def _examples(prompts: PromptSet, tokenizer, options: SFTOptions) -> tuple[list[
     return ids, np.asarray(starts)
 
 
+def check_positions(longest: int, limit: int) -> None:
+    """Refuse examples longer than the model's position limit before training on them: a RoPE model would
+    train on the extra positions without complaint, and a model whose declared limit is too short would
+    then be refused, or cut, by the tools that trust the limit (vLLM, for one)."""
+    if longest > limit:
+        raise ConfigError(f"the longest training example has {longest} tokens, more than the model's "
+                          f"{limit} positions: raise --max-positions or lower --max-prompt-length")
+
+
 def _batches(lengths: np.ndarray, batch_tokens: int, rng: random.Random) -> list[list[int]]:
     """Length-sorted buckets cut to a padded-token budget, in random order: little padding, no bias."""
     order = np.argsort(lengths + np.asarray([rng.random() for _ in range(len(lengths))]), kind="stable")
@@ -126,12 +136,17 @@ def run_sft(options: SFTOptions, command: str = "") -> dict:
 
     if options.init:
         model, tokenizer = load_model(options.init, device=device)
+        if options.max_positions is not None:
+            set_max_positions(model, options.max_positions)
     else:
         from transformers import AutoModelForCausalLM
 
         tokenizer = _tokenizer_for(options)
+        positions = options.max_positions
+        if positions is None:
+            positions = max(4096, 2 * options.max_prompt_length)
         config = qwen3_config(len(tokenizer), options.hidden_size, options.num_layers, options.num_heads,
-                              options.num_kv_heads, max_positions=max(4096, 2 * options.max_prompt_length),
+                              options.num_kv_heads, max_positions=positions,
                               eos_token_id=tokenizer.convert_tokens_to_ids(END_OF_TURN),
                               pad_token_id=tokenizer.pad_token_id)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device)
@@ -139,6 +154,7 @@ def run_sft(options: SFTOptions, command: str = "") -> dict:
     train = prepare_prompts(options.train_files, tokenizer, prompt_options)
     examples, starts = _examples(train, tokenizer, options)
     lengths = np.asarray([len(e) for e in examples])
+    check_positions(int(lengths.max()), model.config.max_position_embeddings)
     held_out = None
     if options.eval_files:
         held_out = prepare_prompts(options.eval_files, tokenizer, prompt_options)
