@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# GRPO past the supervised ceiling at long contexts: one command, one GPU, about 9 minutes on an H200.
+# GRPO past the supervised ceiling at long contexts: one command on one GPU, sized for 8-9 minutes on an H200.
 #   data       `longqa data synth` with the embedded model's tokenizer: supervised-training questions at
 #              512-4,096-token contexts, and GRPO questions at 512, 1,024, 2,048 and 4,096 tokens whose
 #              held-out split (405 questions, the same at every length) is the evaluation set
 #   sft        `longqa sft` from the embedded model's weights: always reasoning, on contexts up to 4,096
-#              tokens, its position limit raised to 4,608; MINUTES_SFT minutes (default 3). Meanwhile
+#              tokens, its position limit raised to 4,608; MINUTES_SFT minutes (default 2.5). Meanwhile
 #              `longqa eval` scores the embedded model on the held-out questions (eval_embedded)
 #   eval_sft   `longqa eval` of the supervised model: accuracy per context length and per hop count
 #   grpo       `longqa train configs/gpu-long.yaml` from the supervised model
@@ -20,7 +20,7 @@
 # each training): the CPU check that the stages fit together (tests/test_long_context_rl.py).
 set -euo pipefail
 out=${1:?usage: bash benchmarks/long_context_rl_gpu.sh OUT_DIR [MINUTES_SFT]}
-minutes=${2:-3}
+minutes=${2:-2.5}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH=$repo/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true \
     HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -36,11 +36,15 @@ if [ "${LONGQA_SMOKE:-0}" = 1 ]; then
                 trainer.test_freq=2 trainer.save_freq=2 algo.max_sampling_rounds=1
                 data.max_response_length=$response_limit)
 else
-    # 3 x 600 GRPO questions, 22.5% held out: 135 per task, 405 per length; 3 x 3,000 supervised-training
-    # questions, about 70M tokens, what the supervised stage reads in about 3 minutes.
-    lengths=(512 1024 2048 4096); sft_rows=3000; rl_rows=600; rl_test=0.225; eval_batch=256
+    # 3 x 600 GRPO questions, 22.5% held out: 135 per task, 405 per length; 3 x 2,000 supervised-training
+    # questions at 4 lengths, 46M tokens: one to three passes in the supervised stage's minutes.
+    lengths=(512 1024 2048 4096); sft_rows=2000; rl_rows=600; rl_test=0.225; eval_batch=256
     sft_scale=(--warmup-steps 50)
     grpo_scale=()
+fi
+if [ -n "$(ls -A "$out" 2>/dev/null)" ]; then  # a training run there would resume, not start over
+    echo "$out is not empty: give a new OUT_DIR" >&2
+    exit 2
 fi
 mkdir -p "$out/logs"
 : > "$out/timings.tsv"

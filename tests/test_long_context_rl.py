@@ -53,6 +53,20 @@ def test_the_summary_compares_the_three_models_per_length_and_counts_overlapping
         summary_module.summarize(tmp_path)
 
 
+def test_the_script_and_its_config_agree_on_the_limits():
+    """The script evaluates with the config's prompt and response limits and gives the supervised model
+    room for both."""
+    import re
+
+    from longqa.config import load_config
+
+    cfg = load_config(ROOT / "configs" / "gpu-long.yaml")
+    positions, prompt, response = map(int, re.search(r"^positions=(\d+) prompt_limit=(\d+) response_limit=(\d+)",
+                                                     SCRIPT.read_text(), re.M).groups())
+    assert (prompt, response) == (cfg.data.max_prompt_length, cfg.data.max_response_length)
+    assert prompt + response <= positions
+
+
 @pytest.mark.slow
 def test_the_script_runs_every_stage_at_a_tiny_scale(tmp_path):
     from longqa.data.io import read_rows

@@ -89,6 +89,8 @@ def test_sft_from_a_model_raises_its_position_limit_or_refuses_examples_past_it(
     assert main(["sft", *common, "--init", str(first), "--output-dir", str(tmp_path / "longer"),
                  "--max-positions", "2000"]) == 0
     assert json.loads((tmp_path / "longer/config.json").read_text())["max_position_embeddings"] == 2000
+    card = (tmp_path / "longer/README.md").read_text()
+    assert f"continued from `{first}`" in card and "2,000 positions" in card
     assert main(["sft", *common, "--init", str(first), "--output-dir", str(tmp_path / "short"),
                  "--max-positions", "64"]) == 2
     assert "raise --max-positions" in capsys.readouterr().err and not (tmp_path / "short/config.json").exists()

@@ -213,7 +213,8 @@ def run_sft(options: SFTOptions, command: str = "") -> dict:
     model.float()
     summary = {"steps": step, "epochs_started": epoch, "train_minutes": round((time.perf_counter() - train_start) / 60, 2),
                "params": params, "shape": {k: getattr(model.config, k) for k in (
-                   "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size")},
+                   "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
+                   "max_position_embeddings")},
                "examples": len(examples), "tokens_seen": tokens_seen, "device": str(device),
                "options": asdict(options), "commit": _git_commit(), "command": command, "evals": log}
     if held_out is not None:
@@ -229,15 +230,15 @@ def run_sft(options: SFTOptions, command: str = "") -> dict:
 def write_model_card(out: Path, summary: dict) -> None:
     """How the model was made, so anyone can rebuild it and knows what to expect of it."""
     o, shape = summary["options"], summary["shape"]
+    origin = f"continued from `{o['init']}`" if o.get("init") else "trained from scratch"
     lines = [
         f"# {out.name}", "",
-        "A small Qwen3-architecture model trained from scratch by `longqa sft` on synthetic long-context "
+        f"A small Qwen3-architecture model {origin} by `longqa sft` on synthetic long-context "
         "multi-hop QA (`longqa data synth`): it reads the passages, writes the supporting facts inside "
-        "`<think>` and the answer inside `\\boxed{}`. It is longqa's embedded default, the starting point "
-        "of the CPU GRPO demo; it knows nothing beyond that synthetic world.", "",
+        "`<think>` and the answer inside `\\boxed{}`; it knows nothing beyond that synthetic world.", "",
         f"- parameters: {summary['params']:,} (hidden {shape['hidden_size']}, {shape['num_hidden_layers']} layers, "
         f"{shape['num_attention_heads']} heads, {shape['num_key_value_heads']} KV heads, vocabulary "
-        f"{shape['vocab_size']}), stored in bfloat16",
+        f"{shape['vocab_size']}, {shape['max_position_embeddings']:,} positions), stored in bfloat16",
         f"- training: {summary['steps']} steps, {summary['tokens_seen']:,} tokens, {summary['train_minutes']} min on "
         f"{summary['device']}, lr {o['lr']} (cosine to {o['min_lr_ratio']}x), {o['batch_tokens']} tokens per batch, "
         f"seed {o['seed']}", f"- longqa commit: {summary['commit']}", "", "## Command", "", "```bash",
