@@ -15,12 +15,15 @@
 # Each stage's output goes to the console and OUT_DIR/logs/<stage>.log; its wall time is printed and kept
 # in OUT_DIR/timings.tsv. Nothing is downloaded.
 #
-# Usage:  bash benchmarks/long_context_rl_gpu.sh OUT_DIR [MINUTES_SFT]
+# Usage:  bash benchmarks/long_context_rl_gpu.sh OUT_DIR [MINUTES_SFT [KEY=VALUE...]]
+# KEY=VALUE pairs override configs/gpu-long.yaml for the GRPO stage (actor.lr=1e-4 trainer.max_steps=40 ...).
 # With LONGQA_SMOKE=1 every stage runs at a tiny scale (two context lengths, a few questions, two steps of
 # each training): the CPU check that the stages fit together (tests/test_long_context_rl.py).
 set -euo pipefail
-out=${1:?usage: bash benchmarks/long_context_rl_gpu.sh OUT_DIR [MINUTES_SFT]}
+out=${1:?usage: bash benchmarks/long_context_rl_gpu.sh OUT_DIR [MINUTES_SFT [KEY=VALUE...]]}
 minutes=${2:-2.5}
+shift $(($# < 2 ? $# : 2))
+grpo_overrides=("$@")
 repo=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH=$repo/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true \
     HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -78,7 +81,7 @@ supervised() {
 grpo() {
     longqa train "$repo/configs/gpu-long.yaml" model.path="$out/sft" trainer.output_dir="$out/grpo" \
         data.train_files="$out/data/rl/merged/train.parquet" data.val_files="$out/data/rl/merged/test.parquet" \
-        data.cache_dir="$out/cache" "${grpo_scale[@]}"
+        data.cache_dir="$out/cache" "${grpo_scale[@]}" "${grpo_overrides[@]}"
 }
 
 export_and_evaluate() {

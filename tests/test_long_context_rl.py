@@ -16,7 +16,8 @@ SCRIPT = ROOT / "benchmarks" / "long_context_rl_gpu.sh"
 
 
 def _summary_module():
-    spec = importlib.util.spec_from_file_location("long_context_summary", ROOT / "benchmarks" / "long_context_summary.py")
+    path = ROOT / "benchmarks" / "long_context_summary.py"
+    spec = importlib.util.spec_from_file_location("long_context_summary", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -73,8 +74,8 @@ def test_the_script_runs_every_stage_at_a_tiny_scale(tmp_path):
     from longqa.report import read_metrics
 
     out = tmp_path / "run"
-    done = subprocess.run(["bash", str(SCRIPT), str(out)], env={**os.environ, "LONGQA_SMOKE": "1"},
-                          capture_output=True, text=True, timeout=1800)
+    done = subprocess.run(["bash", str(SCRIPT), str(out), "1", "actor.lr=2e-5"],
+                          env={**os.environ, "LONGQA_SMOKE": "1"}, capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
 
     held_out = {length: read_rows(out / f"data/rl/ctx{length}/merged/test.parquet") for length in (256, 512)}
@@ -85,6 +86,7 @@ def test_the_script_runs_every_stage_at_a_tiny_scale(tmp_path):
     records = read_metrics(out / "grpo/metrics.jsonl")
     validations = [r for r in records if "val/accuracy" in r]
     assert [r["step"] for r in records] == [0, 1, 2] and [r["step"] for r in validations] == [0, 2]
+    assert records[-1]["lr"] == pytest.approx(2e-5)  # the override given after MINUTES_SFT
     assert {"val/accuracy@256", "val/accuracy@512"} <= set(validations[-1])
     assert (out / "report/accuracy_by_length.png").is_file() and (out / "accuracy_by_length.png").is_file()
 
