@@ -51,3 +51,46 @@ def test_a_seeded_share_of_targets_answers_without_thinking():
     assert 200 < direct < 280 and all(r.endswith("<|im_end|>") for r in mixed)
     assert mixed == _responses(meta, "reference_response", no_think_fraction=0.6, seed=1)
     assert _responses(meta, "reference_response")[0] == reference + "<|im_end|>"
+
+
+def test_a_raised_position_limit_gives_what_a_model_built_with_it_gives():
+    """Past the old limit, the raised model's logits equal those of the same weights built with the new limit."""
+    import pytest
+    from transformers import AutoModelForCausalLM
+
+    from longqa.model.load import ModelError, qwen3_config, set_max_positions
+
+    torch.manual_seed(0)
+    short = AutoModelForCausalLM.from_config(qwen3_config(50, 32, 2, 4, 2, max_positions=16)).eval()
+    long = AutoModelForCausalLM.from_config(qwen3_config(50, 32, 2, 4, 2, max_positions=40)).eval()
+    long.load_state_dict(short.state_dict())
+    ids = torch.randint(0, 50, (2, 40))
+    set_max_positions(short, 40)
+    assert short.config.max_position_embeddings == 40
+    assert torch.allclose(short(input_ids=ids).logits, long(input_ids=ids).logits, atol=1e-6)
+
+    scaled = AutoModelForCausalLM.from_config(qwen3_config(50, 32, 2, 4, 2, max_positions=16))
+    scaled.config.rope_parameters = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    with pytest.raises(ModelError, match="RoPE type 'linear'"):
+        set_max_positions(scaled, 40)
+    assert scaled.config.max_position_embeddings == 16
+
+
+def test_sft_from_a_model_raises_its_position_limit_or_refuses_examples_past_it(tmp_path, capsys):
+    from longqa.data.synth import generate
+
+    generate(tmp_path / "data", rows_per_task=2, context_tokens=256, max_hops=2, test_ratio=0.5, seed=5)
+    common = ["--train-files", str(tmp_path / "data/merged/train.parquet"), "--max-steps", "1",
+              "--batch-tokens", "8192", "--warmup-steps", "1", "--device", "cpu"]
+    first = tmp_path / "first"
+    assert main(["sft", *common, "--output-dir", str(first), "--vocab-size", "400", "--hidden-size", "32",
+                 "--num-layers", "2", "--num-heads", "4", "--num-kv-heads", "2", "--max-positions", "1000"]) == 0
+    assert json.loads((first / "config.json").read_text())["max_position_embeddings"] == 1000
+    assert main(["sft", *common, "--init", str(first), "--output-dir", str(tmp_path / "longer"),
+                 "--max-positions", "2000"]) == 0
+    assert json.loads((tmp_path / "longer/config.json").read_text())["max_position_embeddings"] == 2000
+    card = (tmp_path / "longer/README.md").read_text()
+    assert f"continued from `{first}`" in card and "2,000 positions" in card
+    assert main(["sft", *common, "--init", str(first), "--output-dir", str(tmp_path / "short"),
+                 "--max-positions", "64"]) == 2
+    assert "raise --max-positions" in capsys.readouterr().err and not (tmp_path / "short/config.json").exists()

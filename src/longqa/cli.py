@@ -246,9 +246,11 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
 
 def _add_dataclass_args(p: argparse.ArgumentParser, cls: type) -> None:
-    """One --flag per field of an options dataclass, typed by its default."""
+    """One --flag per field of an options dataclass, typed by its annotation (``int | None``: an int or unset)."""
     import dataclasses
+    import typing
 
+    hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
@@ -256,7 +258,7 @@ def _add_dataclass_args(p: argparse.ArgumentParser, cls: type) -> None:
         elif f.default_factory is not dataclasses.MISSING:
             p.add_argument(flag, dest=f.name, nargs="+", default=f.default_factory())
         else:
-            kind = type(f.default) if f.default is not None else str
+            kind = next(t for t in (*typing.get_args(hints[f.name]), hints[f.name]) if t is not type(None))
             p.add_argument(flag, dest=f.name, type=kind, default=f.default, help=f"default {f.default}")
 
 
