@@ -413,7 +413,8 @@ def _add_bench_commands(groups: argparse._SubParsersAction) -> None:
     p.add_argument("--response", type=int, default=1024, help="tokens of each response (default 1024)")
     p.add_argument("--layouts", nargs="+", choices=["naive", "packed"], default=["naive", "packed"])
     p.add_argument("--repeat", type=int, default=3, help="timed repetitions after one warm-up (default 3)")
-    p.add_argument("--backend", choices=["auto", "dense", "flex"], default="auto", help="packed attention backend")
+    p.add_argument("--backend", choices=["auto", "dense", "flex", "split"], default="auto",
+                   help="packed attention backend")
     p.add_argument("--budget", type=int, help="micro-batch token budget (default: one packed group)")
     p.add_argument("--no-gradient-checkpointing", action="store_true")
     p.add_argument("--checkpoint-fraction", type=float, default=1.0,
