@@ -24,9 +24,9 @@ def _groups(result: dict, grouping: str, key: str) -> dict[int, dict]:
 
 
 def _compare(results: dict[str, dict], grouping: str, key: str) -> list[dict]:
-    """One row per value of ``key`` that every model was scored on: each model's accuracy, and GRPO's gain
-    over the supervised model. A value some model lacks, or scored on a different number of questions,
-    means the runs did not ask the same questions: refused."""
+    """One row per value of ``key``: each model's accuracy, and GRPO's gain over the supervised model. A
+    value some model lacks, or was scored on with a different number of questions, means the evaluations
+    did not ask the same questions: refused."""
     by_model = {name: _groups(r, grouping, key) for name, r in results.items()}
     values = sorted(set.union(*(set(groups) for groups in by_model.values())))
     rows = []
