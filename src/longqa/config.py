@@ -136,8 +136,8 @@ class ActorConfig:
                               "layout, one row per sample)")
     attention_backend: Literal["auto", "dense", "flex", "split"] = opt(
         "auto", "shared-prompt attention: dense (SDPA per pack, the reference), flex (flex_attention block "
-        "mask, any model), split (prompt and own halves as cuDNN attentions: plain causal models in bf16/fp16, "
-        "fastest when prompt lengths repeat), auto (flex on CUDA, dense otherwise)")
+        "mask, any model), split (prompt and own halves as cuDNN attentions: plain causal models in bf16/fp16; "
+        "each new shape costs a cuDNN plan), auto (flex on CUDA, dense otherwise)")
     compile_layers: bool = opt(True, "on a GPU with the fast engine: torch.compile each decoder layer for "
                                "training (norms, rotary and activations fuse; the engine never calls the layers)")
     grad_clip: float = opt(1.0, "max gradient norm", *positive)
