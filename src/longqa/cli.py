@@ -49,6 +49,12 @@ def cmd_config_show(args: argparse.Namespace) -> None:
 
 
 def cmd_config_keys(args: argparse.Namespace) -> None:
+    if args.verl:
+        from longqa.verl_keys import verl_key_table
+
+        for key, becomes in verl_key_table():
+            print(f"{key:56s} {becomes}")
+        return
     for key, text, default in key_help():
         print(f"{key:32s} {text} [default: {default!r}]")
 
@@ -482,6 +488,8 @@ def _add_config_commands(groups: argparse._SubParsersAction) -> None:
     _add_config_args(p)
     p.set_defaults(func=cmd_config_show)
     p = config_cmds.add_parser("keys", help="list every key with its help and default")
+    p.add_argument("--verl", action="store_true",
+                   help="list instead the verl launch keys longqa takes and the longqa setting each becomes")
     p.set_defaults(func=cmd_config_keys)
 
 
