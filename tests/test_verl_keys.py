@@ -8,7 +8,8 @@ import yaml
 
 from longqa.cli import main
 from longqa.config import ConfigError, all_keys, load_config
-from longqa.verl_keys import FIXED, GROUPS, RENAMED, verl_key_table
+from longqa.verl_keys import FIXED, GROUPS, RENAMED, is_verl_line, verl_key_table
+from tiny_models import save_tiny_qwen3
 
 # The reference recipe's verl launch (Qwen3-32B on LoongRL, 4 nodes of 8 GPUs), values filled in: the keys
 # longqa has ...
@@ -97,6 +98,8 @@ def test_a_mixed_line_takes_both_vocabularies():
                              "actor_rollout_ref.actor.clip_ratio_low=0.2", "trainer.total_training_steps=5"])
     assert (cfg.data.train_files, cfg.rollout.n, cfg.rollout.engine, cfg.actor.lr) == (["a.parquet"], 4, "hf", 2e-6)
     assert (cfg.algo.clip_ratio, cfg.algo.clip_ratio_high, cfg.trainer.max_steps) == (0.2, 0.28, 5)
+    assert is_verl_line(["rollout.n=8", "+actor_rollout_ref.rollout.n=8"])
+    assert not is_verl_line(["rollout.n=8", "data.train_files=a.parquet", "trainer.save_freq=-1"])  # shared names
 
 
 @pytest.mark.parametrize("line", [
@@ -199,3 +202,20 @@ def test_config_keys_lists_the_verl_keys(capsys):
     out = capsys.readouterr().out
     assert "actor_rollout_ref.rollout.n" in out and "trainer.n_gpus_per_node" in out
     assert len(out.splitlines()) == len(verl_key_table())
+
+
+@pytest.mark.slow
+def test_a_verl_launch_line_trains(tmp_path, tokenizer, data_dir, capsys):
+    """``longqa train`` with verl's keys alone, console logging only as verl lines often have: it trains the
+    steps asked for, and a run that logs no metrics file simply writes no report."""
+    out = tmp_path / "run"
+    line = [f"actor_rollout_ref.model.path={save_tiny_qwen3(tmp_path / 'model', tokenizer)}",
+            f"data.train_files={data_dir}/merged/train.parquet", "data.max_prompt_length=4096",
+            "data.max_response_length=4", "data.train_batch_size=2", f"data.cache_dir={tmp_path}/cache",
+            "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+            "actor_rollout_ref.actor.optim.lr=1e-3", "trainer.total_training_steps=1", "trainer.test_freq=-1",
+            "trainer.save_freq=-1", f"trainer.default_local_dir={out}", "trainer.logger=['console']",
+            "trainer.device=cpu"]
+    assert main(["train", *line]) == 0
+    assert "step 1/1" in capsys.readouterr().out
+    assert not (out / "checkpoints").exists() and not (out / "report").exists()

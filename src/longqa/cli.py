@@ -97,9 +97,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     from longqa.demo import DEMO_CONFIG, ensure_demo_data
     from longqa.train.preemption import EXIT_PREEMPTED
     from longqa.train.trainer import train
+    from longqa.verl_keys import is_verl_line
 
     path, overrides = _split_config_args(args)
-    cfg = load_config(path or DEMO_CONFIG, overrides)
+    # Overrides alone adjust the demo; a verl launch line is a whole run of its own, on longqa's defaults.
+    cfg = load_config(path or (None if is_verl_line(overrides) else DEMO_CONFIG), overrides)
     demo = load_config(DEMO_CONFIG).data
     if path is None and (cfg.data.train_files, cfg.data.val_files) == (demo.train_files, demo.val_files):
         ensure_demo_data(cfg)  # the demo's own files: made on first use

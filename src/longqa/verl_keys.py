@@ -231,6 +231,15 @@ def verl_key_table() -> list[tuple[str, str]]:
     return rows
 
 
+def is_verl_line(overrides: Sequence[str]) -> bool:
+    """Whether any override is in verl's vocabulary (not in longqa's): such a line describes a whole run."""
+    def verl(text: str) -> bool:
+        key = split_override(text)[0].lstrip("+")
+        return not is_key(key) and (key in RENAMED or key in FIXED or key in _GROUP_OF
+                                    or key.split(".")[0] in VERL_SECTIONS)
+    return any(verl(text) for text in overrides)
+
+
 def _not_taken(key: str) -> str:
     """Why ``key`` is refused. Outside verl's sections and the three both share, it is longqa's unknown-key
     message; else a hint only for a near spelling of a sibling key, as verl's names are long and alike."""
