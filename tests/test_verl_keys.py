@@ -109,6 +109,7 @@ def test_a_mixed_line_takes_both_vocabularies():
     ["trainer.launcher=local", "trainer.n_gpus_per_node=8"],
     ["algo.kl_coef=0.1", "actor_rollout_ref.actor.use_kl_loss=False"],
     ["actor.grad_clip=1.0", "actor_rollout_ref.actor.optim.clip_grad=0.5"],
+    ["trainer.nnodes=2", "trainer.nnodes=4"],
 ])
 def test_one_setting_given_two_values_under_two_names_is_an_error(line):
     with pytest.raises(ConfigError) as e:

@@ -220,6 +220,7 @@ GROUPS: tuple[Group, ...] = (
           "trainer.resume: auto, none (disable) or the resume_from_path of resume_path"),
 )
 _GROUP_OF = {key: group for group in GROUPS for key in group.keys}
+_TAKEN = {*RENAMED, *FIXED, *_GROUP_OF}
 
 
 def verl_key_table() -> list[tuple[str, str]]:
@@ -235,8 +236,7 @@ def is_verl_line(overrides: Sequence[str]) -> bool:
     """Whether any override is in verl's vocabulary (not in longqa's): such a line describes a whole run."""
     def verl(text: str) -> bool:
         key = split_override(text)[0].lstrip("+")
-        return not is_key(key) and (key in RENAMED or key in FIXED or key in _GROUP_OF
-                                    or key.split(".")[0] in VERL_SECTIONS)
+        return not is_key(key) and (key in _TAKEN or key.split(".")[0] in VERL_SECTIONS)
     return any(verl(text) for text in overrides)
 
 
@@ -247,7 +247,7 @@ def _not_taken(key: str) -> str:
     if section not in VERL_SECTIONS and section not in SHARED_SECTIONS:
         return str(unknown_key(key))
     parent, _, leaf = key.rpartition(".")
-    siblings = [k.rpartition(".")[2] for k in (*all_keys(), *RENAMED, *FIXED, *_GROUP_OF) if k.rpartition(".")[0] == parent]
+    siblings = [k.rpartition(".")[2] for k in (*all_keys(), *_TAKEN) if k.rpartition(".")[0] == parent]
     close = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.88)
     hint = f"; did you mean '{parent}.{close[0]}'?" if close else ""
     return f"'{key}': neither a longqa setting nor a verl setting longqa has{hint}"
@@ -299,7 +299,10 @@ def _translate(overrides: Sequence[str]) -> tuple[list[_Setting], list[str]]:
             if value not in FIXED[key].values:
                 problems.append(f"{given_as}: {FIXED[key].behaviour}")
         elif key in _GROUP_OF:
-            grouped.setdefault(_GROUP_OF[key], {})[key] = (given_as, value)
+            given = grouped.setdefault(_GROUP_OF[key], {})
+            if key in given and given[key][1] != value:
+                problems.append(f"{key} is given different values: {given[key][0]}, {given_as}")
+            given[key] = (given_as, value)
         else:
             problems.append(_not_taken(key))
     for group, given in grouped.items():
