@@ -103,7 +103,7 @@ def _rollout_batch(dataset, tokenizer, builder) -> tuple[DataProto, list[tuple[i
         for text in _responses(item["reward_model"]["ground_truth"][0]):
             ids = tokenizer.encode(text, add_special_tokens=False)
             assert tokenizer.decode(ids) == text  # the text scored is the text written
-            items.append(dataset[i])
+            items.append(dataset[i])  # a row of its own per response, as verl's repeat makes them
             cases.append((i, text))
             prompts.append(builder.build_initial_tokens(list(item["raw_prompt"])))
             responses.append(ids + [tokenizer.eos_token_id])
@@ -119,13 +119,14 @@ def _rollout_batch(dataset, tokenizer, builder) -> tuple[DataProto, list[tuple[i
     return data, cases
 
 
-@pytest.mark.parametrize("mode", [None, "pure_exact_match"])
-def test_verl_s_reward_managers_score_through_our_reward_as_we_do(mode, files, tokenizer, tokenizer_dir, tmp_path):
+@pytest.mark.parametrize("kind, mode", [("synth", None), ("loongrl", None), ("loongrl", "pure_exact_match")])
+def test_verl_s_reward_managers_score_through_our_reward_as_we_do(kind, mode, files, tokenizer, tokenizer_dir,
+                                                                  tmp_path):
     kwargs = [f"reward.custom_reward_function.reward_kwargs.mode={mode}"] if mode else []
-    cfg = verl_config(tokenizer_dir, files["loongrl"], tmp_path, "data.max_prompt_length=4096", *kwargs)
+    cfg = verl_config(tokenizer_dir, files[kind], tmp_path, "data.max_prompt_length=4096", *kwargs)
     dataset = RLHFDataset(data_files=cfg.data.train_files, tokenizer=tokenizer, config=cfg.data)
     data, cases = _rollout_batch(dataset, tokenizer, create_continuous_token_builder(tokenizer, hf_model_type="qwen3"))
-    rows = read_rows(files["loongrl"])  # the reference reads the file with longqa's reader, not verl's
+    rows = read_rows(files[kind])  # the reference reads the file with longqa's reader, not verl's
     assert len(dataset) == len(rows)
     extra = {"mode": mode} if mode else {}
     expected = [longqa.reward.compute_score(rows[i]["data_source"], text, rows[i]["reward_model"]["ground_truth"],
@@ -141,8 +142,8 @@ def test_verl_s_reward_managers_score_through_our_reward_as_we_do(mode, files, t
     # The batch reward manager, fed by the same hook: each score on the response's last token (its EOS).
     batch_manager = get_reward_manager_cls("naive")(tokenizer=tokenizer, num_examine=0,
                                                     compute_score=get_custom_reward_fn(cfg))
+    last = data.batch["attention_mask"][:, data.batch["prompts"].shape[1]:].sum(dim=1) - 1
     for tensor in (rm_scores, batch_manager(data)):
-        last = data.batch["attention_mask"][:, data.batch["prompts"].shape[1]:].sum(dim=1) - 1
         assert tensor.sum(dim=1).tolist() == expected
         assert tensor[torch.arange(len(last)), last].tolist() == expected
     assert 0.0 in expected and 1.0 in expected  # the responses tell right from wrong
