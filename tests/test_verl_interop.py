@@ -6,30 +6,39 @@ verl is installed without its dependencies (its metadata pins an older transform
 plus the few its dataset and reward code import (the ``test`` extra). Importing it takes tens of seconds.
 """
 
+import importlib.util
+import types
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("verl", reason="verl is installed by .ci/run (pip install --no-deps verl)")
-pytestmark = pytest.mark.slow
+import longqa.reward
+from longqa.cli import main
+from longqa.data.io import read_rows, write_rows
+from longqa.data.loongrl import SUBSET_PAIRS
+from longqa.data.prompts import PromptOptions, prepare_prompts
 
-from omegaconf import OmegaConf  # noqa: E402
-from verl import DataProto  # noqa: E402
-from verl.experimental.reward_loop.reward_loop import RewardLoopWorker  # noqa: E402
-from verl.trainer.ppo.reward import get_custom_reward_fn  # noqa: E402
-from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn  # noqa: E402
-from verl.utils.tokenizer.continuous_token_wiring import create_continuous_token_builder  # noqa: E402
-from verl.workers.reward_manager import get_reward_manager_cls  # noqa: E402
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("verl") is None,
+                                                   reason="verl is installed by .ci/run (pip install --no-deps verl)")]
 
-import longqa.reward  # noqa: E402
-from longqa.cli import main  # noqa: E402
-from longqa.data.io import read_rows, write_rows  # noqa: E402
-from longqa.data.loongrl import SUBSET_PAIRS  # noqa: E402
-from longqa.data.prompts import PromptOptions, prepare_prompts  # noqa: E402
 
-VERL_CONFIG = Path(__import__("verl").__file__).parent / "trainer" / "config" / "_generated_ppo_trainer.yaml"
+@pytest.fixture(scope="module")
+def verl():
+    """verl's parts, imported when these tests run rather than when the suite is collected: the import is slow
+    and sets up logging and Ray variables the other tests need not share."""
+    from omegaconf import OmegaConf
+    from verl import DataProto
+    from verl.experimental.reward_loop.reward_loop import RewardLoopWorker
+    from verl.trainer.ppo.reward import get_custom_reward_fn
+    from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
+    from verl.utils.tokenizer.continuous_token_wiring import create_continuous_token_builder
+    from verl.workers.reward_manager import get_reward_manager_cls
+
+    return types.SimpleNamespace(**{f.__name__: f for f in (
+        OmegaConf, DataProto, RewardLoopWorker, get_custom_reward_fn, RLHFDataset, collate_fn,
+        create_continuous_token_builder, get_reward_manager_cls)})
 
 
 def _responses(truth: str) -> list[str]:
@@ -63,13 +72,14 @@ def files(tmp_path_factory):
                      "extra_info": {"index": i, "split": "train"}} for i in range(3)],
                    source / subset / "train-00000-of-00001.parquet")
     assert main(["data", "loongrl", "--output-dir", str(root / "loongrl"), "--source", str(source)]) == 0
-    return {"synth": root / "synth" / "merged" / "train.parquet", "loongrl": root / "loongrl" / "merged" / "train.parquet"}
+    return {kind: root / kind / "merged" / "train.parquet" for kind in ("synth", "loongrl")}
 
 
-def verl_config(tokenizer_dir: Path, train_file: Path, tmp_path: Path, *overrides: str):
+def verl_config(verl, tokenizer_dir: Path, train_file: Path, tmp_path: Path, *overrides: str):
     """verl's own trainer config (every default as verl ships it) with a launch line's overrides."""
+    shipped = Path(importlib.util.find_spec("verl").origin).parent / "trainer/config/_generated_ppo_trainer.yaml"
     reward_file = Path(longqa.reward.__file__)
-    return OmegaConf.merge(OmegaConf.load(VERL_CONFIG), OmegaConf.from_dotlist([
+    return verl.OmegaConf.merge(verl.OmegaConf.load(shipped), verl.OmegaConf.from_dotlist([
         f"data.train_files=[{train_file}]", f"data.cache_dir={tmp_path / 'verl-cache'}",
         "data.filter_overlong_prompts=True", f"actor_rollout_ref.model.path={tokenizer_dir}",
         f"reward.custom_reward_function.path={reward_file}", "reward.custom_reward_function.name=compute_score",
@@ -77,15 +87,15 @@ def verl_config(tokenizer_dir: Path, train_file: Path, tmp_path: Path, *override
 
 
 @pytest.mark.parametrize("kind", ["synth", "loongrl"])
-def test_verl_reads_our_files_and_builds_our_prompt_tokens(kind, files, tokenizer, tokenizer_dir, tmp_path):
+def test_verl_reads_our_files_and_builds_our_prompt_tokens(verl, kind, files, tokenizer, tokenizer_dir, tmp_path):
     path = files[kind]
     lengths = prepare_prompts([path], tokenizer, PromptOptions(10**9)).lengths
     limit = int(np.median(lengths))  # some prompts over the limit, so both filters are exercised
     ours = prepare_prompts([path], tokenizer, PromptOptions(limit))
     assert 0 < len(ours) < len(lengths)
-    cfg = verl_config(tokenizer_dir, path, tmp_path, f"data.max_prompt_length={limit}")
-    dataset = RLHFDataset(data_files=cfg.data.train_files, tokenizer=tokenizer, config=cfg.data)
-    builder = create_continuous_token_builder(tokenizer, hf_model_type="qwen3")  # the rollout's prompt builder
+    cfg = verl_config(verl, tokenizer_dir, path, tmp_path, f"data.max_prompt_length={limit}")
+    dataset = verl.RLHFDataset(data_files=cfg.data.train_files, tokenizer=tokenizer, config=cfg.data)
+    builder = verl.create_continuous_token_builder(tokenizer, hf_model_type="qwen3")  # the rollout's prompt builder
     assert len(dataset) == len(ours)
     for i in range(len(dataset)):
         item = dataset[i]
@@ -94,7 +104,7 @@ def test_verl_reads_our_files_and_builds_our_prompt_tokens(kind, files, tokenize
         assert list(item["reward_model"]["ground_truth"]) == list(ours.meta[i]["ground_truth"])
 
 
-def _rollout_batch(dataset, tokenizer, builder) -> tuple[DataProto, list[tuple[int, str]]]:
+def _rollout_batch(verl, dataset, tokenizer, builder):
     """What verl's rollout hands its reward: left-padded prompts, right-padded responses ending in EOS, and each
     row's columns repeated per response; with each (row, response text) for the reference scores."""
     items, cases, prompts, responses = [], [], [], []
@@ -113,19 +123,20 @@ def _rollout_batch(dataset, tokenizer, builder) -> tuple[DataProto, list[tuple[i
     response = torch.tensor([r + [pad] * (width_r - len(r)) for r in responses])
     mask = torch.tensor([[0] * (width_p - len(p)) + [1] * len(p) + [1] * len(r) + [0] * (width_r - len(r))
                          for p, r in zip(prompts, responses)])
-    columns = {k: v for k, v in collate_fn(items).items() if isinstance(v, np.ndarray)}
-    data = DataProto.from_dict(tensors={"prompts": prompt, "responses": response, "attention_mask": mask,
+    columns = {k: v for k, v in verl.collate_fn(items).items() if isinstance(v, np.ndarray)}
+    data = verl.DataProto.from_dict(tensors={"prompts": prompt, "responses": response, "attention_mask": mask,
                                         "input_ids": torch.cat([prompt, response], dim=1)}, non_tensors=columns)
     return data, cases
 
 
 @pytest.mark.parametrize("kind, mode", [("synth", None), ("loongrl", None), ("loongrl", "pure_exact_match")])
-def test_verl_s_reward_managers_score_through_our_reward_as_we_do(kind, mode, files, tokenizer, tokenizer_dir,
+def test_verl_s_reward_managers_score_through_our_reward_as_we_do(verl, kind, mode, files, tokenizer, tokenizer_dir,
                                                                   tmp_path):
     kwargs = [f"reward.custom_reward_function.reward_kwargs.mode={mode}"] if mode else []
-    cfg = verl_config(tokenizer_dir, files[kind], tmp_path, "data.max_prompt_length=4096", *kwargs)
-    dataset = RLHFDataset(data_files=cfg.data.train_files, tokenizer=tokenizer, config=cfg.data)
-    data, cases = _rollout_batch(dataset, tokenizer, create_continuous_token_builder(tokenizer, hf_model_type="qwen3"))
+    cfg = verl_config(verl, tokenizer_dir, files[kind], tmp_path, "data.max_prompt_length=4096", *kwargs)
+    dataset = verl.RLHFDataset(data_files=cfg.data.train_files, tokenizer=tokenizer, config=cfg.data)
+    builder = verl.create_continuous_token_builder(tokenizer, hf_model_type="qwen3")
+    data, cases = _rollout_batch(verl, dataset, tokenizer, builder)
     rows = read_rows(files[kind])  # the reference reads the file with longqa's reader, not verl's
     assert len(dataset) == len(rows)
     extra = {"mode": mode} if mode else {}
@@ -133,15 +144,15 @@ def test_verl_s_reward_managers_score_through_our_reward_as_we_do(kind, mode, fi
                                             rows[i]["extra_info"], **extra) for i, text in cases]
 
     # The reward loop (verl's trainer path): the custom function loaded by path, the naive manager per response.
-    worker = RewardLoopWorker(cfg)
+    worker = verl.RewardLoopWorker(cfg)
     assert worker.reward_manager.__class__.__name__ == "NaiveRewardManager"
     outputs = worker.loop.run_until_complete(worker.compute_score_batch(data))
     scores = [out["reward_score"] for out in outputs]
     assert scores == expected
     rm_scores = worker.reward_manager.assemble_rm_scores(data, scores)
     # The batch reward manager, fed by the same hook: each score on the response's last token (its EOS).
-    batch_manager = get_reward_manager_cls("naive")(tokenizer=tokenizer, num_examine=0,
-                                                    compute_score=get_custom_reward_fn(cfg))
+    batch_manager = verl.get_reward_manager_cls("naive")(tokenizer=tokenizer, num_examine=0,
+                                                         compute_score=verl.get_custom_reward_fn(cfg))
     last = data.batch["attention_mask"][:, data.batch["prompts"].shape[1]:].sum(dim=1) - 1
     for tensor in (rm_scores, batch_manager(data)):
         assert tensor.sum(dim=1).tolist() == expected

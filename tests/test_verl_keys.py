@@ -41,7 +41,8 @@ RECIPE_TAKEN = [
 ]
 # ... the same run in longqa's own keys (written by hand: the independent reference) ...
 RECIPE_IN_LONGQA_KEYS = [
-    "algo.adv_estimator=grpo", "algo.norm_adv_by_std=true", "algo.kl_coef=0", "data.train_files=/data/merged/train.parquet",
+    "algo.adv_estimator=grpo", "algo.norm_adv_by_std=true", "algo.kl_coef=0",
+    "data.train_files=/data/merged/train.parquet",
     "data.val_files=/data/merged/test.parquet", "data.train_batch_size=256", "data.max_prompt_length=16384",
     "data.max_response_length=4096", "data.filter_overlong_prompts=true", "data.truncation=left", "trainer.seed=42",
     "reward.path=/recipe/reward.py", "reward.name=compute_score", "model.path=Qwen/Qwen3-32B",
@@ -57,13 +58,15 @@ RECIPE_IN_LONGQA_KEYS = [
 # ... and the keys longqa has no setting for, or a value it cannot run.
 RECIPE_REFUSED = [
     "data.filter_overlong_prompts_workers=8", "actor_rollout_ref.actor.data_loader_seed=42",
-    "actor_rollout_ref.model.use_liger=True", "+actor_rollout_ref.model.override_config.attn_implementation=flash_attention_3",
+    "actor_rollout_ref.model.use_liger=True",
+    "+actor_rollout_ref.model.override_config.attn_implementation=flash_attention_3",
     "actor_rollout_ref.actor.use_torch_compile=True", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
     "actor_rollout_ref.actor.fsdp_config.forward_prefetch=True", "actor_rollout_ref.rollout.calculate_log_probs=False",
     "actor_rollout_ref.rollout.max_num_seqs=256", "actor_rollout_ref.rollout.max_num_batched_tokens=40960",
     "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=4096",
     "actor_rollout_ref.ref.fsdp_config.param_offload=True", "actor_rollout_ref.nccl_timeout=1800",
-    "trainer.use_legacy_worker_impl=disable", "trainer.balance_batch=False", "trainer.project_name=arctic_rl_long_context",
+    "trainer.use_legacy_worker_impl=disable", "trainer.balance_batch=False",
+    "trainer.project_name=arctic_rl_long_context",
     "trainer.experiment_name=longcontext_grpo", "trainer.val_before_train=False",
 ]
 
@@ -158,7 +161,8 @@ def test_values_verl_spells_differently(line, key, value):
     (["trainer.resume_mode=resume_path"], "needs trainer.resume_from_path"),
     (["trainer.nnodes=0"], "integers > 0"),
     (["actor_rollout_ref.actor.use_kl_loss=maybe"], "use_kl_loss must be true or false"),
-    (["actor_rollout_ref.rollout.n=0"], "config key 'rollout.n' must be > 0, got 0 (given as actor_rollout_ref.rollout.n=0)"),
+    (["actor_rollout_ref.rollout.n=0"],
+     "config key 'rollout.n' must be > 0, got 0 (given as actor_rollout_ref.rollout.n=0)"),
     (["actor_rollout_ref.actor.optim.lrr=1"], "'actor_rollout_ref.actor.optim.lrr': neither a longqa setting nor"),
     (["trainer.max_step=3"], "did you mean 'trainer.max_steps'?"),
 ])

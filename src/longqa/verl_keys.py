@@ -128,8 +128,8 @@ _FSDP = "longqa shards the actor with FSDP2"
 FIXED: dict[str, Fixed] = {
     ACTOR + "strategy": Fixed(("fsdp", "fsdp2"), _FSDP),
     ACTOR + "fsdp_config.strategy": Fixed(("fsdp", "fsdp2"), _FSDP),
-    ACTOR + "use_dynamic_bsz": Fixed((True,), "longqa fills each micro-batch up to a token budget "
-                                     "(actor_rollout_ref.actor.ppo_max_token_len_per_gpu, actor.max_tokens_per_micro_batch)"),
+    ACTOR + "use_dynamic_bsz": Fixed((True,), "longqa fills each micro-batch up to a token budget (actor_rollout_ref."
+                                     "actor.ppo_max_token_len_per_gpu, actor.max_tokens_per_micro_batch)"),
     ACTOR + "optim.lr_warmup_steps": Fixed((-1, None), "longqa warms up over a fraction of the steps "
                                            "(actor_rollout_ref.actor.optim.lr_warmup_steps_ratio, actor.warmup_ratio)"),
     MODEL + "use_remove_padding": Fixed((True,), "longqa packs sequences without padding"),
