@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GRPO past the supervised ceiling at long contexts: one command on one GPU, sized for 8-9 minutes on an H200.
+# GRPO past the supervised ceiling at long contexts: one command on one GPU (data 17 s, sft 2.5-3 min and
+# evaluations about 30 s each on an H200; GRPO not yet timed: benchmarks/RESULTS.md, "Long contexts").
 #   data       `longqa data synth` with the embedded model's tokenizer: supervised-training questions at
 #              512-4,096-token contexts, and GRPO questions at 512, 1,024, 2,048 and 4,096 tokens whose
 #              held-out split (405 questions, the same at every length) is the evaluation set

@@ -49,6 +49,12 @@ def cmd_config_show(args: argparse.Namespace) -> None:
 
 
 def cmd_config_keys(args: argparse.Namespace) -> None:
+    if args.verl:
+        from longqa.verl_keys import verl_key_table
+
+        for key, becomes in verl_key_table():
+            print(f"{key:56s} {becomes}")
+        return
     for key, text, default in key_help():
         print(f"{key:32s} {text} [default: {default!r}]")
 
@@ -91,9 +97,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     from longqa.demo import DEMO_CONFIG, ensure_demo_data
     from longqa.train.preemption import EXIT_PREEMPTED
     from longqa.train.trainer import train
+    from longqa.verl_keys import is_verl_line
 
     path, overrides = _split_config_args(args)
-    cfg = load_config(path or DEMO_CONFIG, overrides)
+    # Overrides alone adjust the demo; a verl launch line is a whole run of its own, on longqa's defaults.
+    cfg = load_config(path or (None if is_verl_line(overrides) else DEMO_CONFIG), overrides)
     demo = load_config(DEMO_CONFIG).data
     if path is None and (cfg.data.train_files, cfg.data.val_files) == (demo.train_files, demo.val_files):
         ensure_demo_data(cfg)  # the demo's own files: made on first use
@@ -485,6 +493,8 @@ def _add_config_commands(groups: argparse._SubParsersAction) -> None:
     _add_config_args(p)
     p.set_defaults(func=cmd_config_show)
     p = config_cmds.add_parser("keys", help="list every key with its help and default")
+    p.add_argument("--verl", action="store_true",
+                   help="list instead the verl launch keys longqa takes and the longqa setting each becomes")
     p.set_defaults(func=cmd_config_keys)
 
 

@@ -9,8 +9,16 @@ flex_attention's 7.8 ms, 1.4x, and 1.4x again at Qwen3-8B's 16,384 + 8 x 2,048.
 - prefix half: the pack's tokens over its prompt, causal aligned at the top left (the query sequence is
   the longer), so a prompt token sees the prompt up to itself and a response token all of it. Queries
   and keys are slices of the packed row, nothing is copied.
-- own half: the pack's responses over themselves, causal, as one batch padded to a common length (the
-  padding comes after each response's tokens, so causality keeps it out of their view).
+- own half: each response over itself, causal, as one batch padded to a common length (the padding
+  comes after each sequence's tokens, so causality keeps it out of their view).
+
+The prefix half's keys stop at a multiple of ``PROMPT_STEP``; the prompt's last tokens, its tail, join
+the own half, which then holds the tail alone and the tail followed by each response (a response's
+view of the tail is causal too, as the tail comes first). With query slices rounded up to the row's
+padding step and own sequences to ``RESPONSE_STEP``, every shape is a multiple of a step, so a run meets
+a bounded set of them however its prompt and response lengths vary: cuDNN builds an execution plan per
+problem shape (hundreds of milliseconds) and caches it. The rows a rounded-up query slice reads past
+its pack, and the tail's rows in the response sequences, are computed and dropped, with a zero gradient.
 
 The softmax over the union of the two key sets is each half's softmax weighted by ``exp(lse_half -
 lse)``, ``lse`` the log-sum-exp of both. For the backward pass each half's kernel is handed the merged
@@ -18,11 +26,8 @@ output and merged ``lse``: the probabilities it recomputes, ``exp(score - lse)``
 ``rowsum(dO * O)`` are then those of the whole softmax, so the two halves' gradients add up to the exact
 gradient (the rule ring attention uses for key blocks held elsewhere).
 
-cuDNN builds an execution plan per problem shape (tens of milliseconds) and caches it, so query lengths
-are rounded up to the row's padding step and response batches to ``RESPONSE_STEP``: a run meets a few
-shapes per prompt length, not one per micro-batch. The rows a rounded-up slice reads past its pack are
-computed and dropped, with a zero gradient. On CUDA the kernels are cuDNN's (bfloat16/float16);
-elsewhere a float32 reference with the same contract, which the tests hold to the dense masked backend.
+On CUDA the kernels are cuDNN's (bfloat16/float16); elsewhere a float32 reference with the same
+contract, which the tests hold to the dense masked backend.
 """
 
 from __future__ import annotations
@@ -33,22 +38,30 @@ import torch
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 MAX_HEAD_DIM = 128
-RESPONSE_STEP = 128  # the own half's padded response length is a multiple of this
+PROMPT_STEP = 512  # the prefix half's prompt keys are a multiple of this; the rest joins the own half
+RESPONSE_STEP = 128  # the own half's padded sequence length is a multiple of this
 
 
 @dataclass
 class PackRows:
-    """One pack's place in the row, and the own half's gather: response row ``rows[i]`` sits at
-    ``slots[i]`` of the flattened ``[responses, response_length]`` batch."""
+    """One pack's place in the row and its two halves.
+
+    The prefix half reads the first ``main`` prompt tokens (a multiple of ``PROMPT_STEP``) as keys; the
+    prompt's last tokens, its tail, go to the own half, whose sequences are the tail alone and the tail
+    followed by each response. Own-half inputs are gathered from row ``in_rows[i]`` into slot
+    ``in_slots[i]`` of the flattened ``[sequences, width]`` batch (tail rows once per sequence); its outputs
+    for the pack's rows from ``main`` on are slots ``out_slots``, in row order."""
 
     start: int
     prompt: int
+    main: int  # prompt tokens the prefix half reads as keys
     length: int  # prompt + responses
     padded: int  # the prefix half's query length, rounded up
-    responses: int
-    response_length: int  # the own half's padded length (0: no response tokens)
-    rows: torch.Tensor  # long [response tokens]
-    slots: torch.Tensor  # long [response tokens]
+    sequences: int  # own-half sequences (0: none)
+    width: int  # their padded length
+    in_rows: torch.Tensor  # long
+    in_slots: torch.Tensor  # long
+    out_slots: torch.Tensor  # long [length - main]
 
 
 @dataclass
@@ -60,23 +73,34 @@ def _round_up(n: int, step: int) -> int:
     return -(-n // step) * step
 
 
-def split_layout(segments: list[tuple[int, int, list[int]]], step: int, device) -> SplitLayout:
+def split_layout(segments: list[tuple[int, int, list[int]]], step: int, device,
+                 prompt_step: int | None = None) -> SplitLayout:
     """The layout of a packed row whose packs are ``segments`` (``PackedBatch.segments``); prefix query
-    lengths are rounded up to ``step`` (the row's padding step). The row's end padding is no pack: it is
-    never read, so it is not attended."""
+    lengths are rounded up to ``step`` (the row's padding step), prompt keys down to ``prompt_step``
+    (default ``PROMPT_STEP``). The row's end padding is no pack: it is never read, so it is not attended."""
+    prompt_step = prompt_step or PROMPT_STEP
     packs = []
     for start, prompt, lengths in segments:
-        kept = [n for n in lengths if n]
-        width = _round_up(max(kept, default=0), RESPONSE_STEP)
-        rows, first = [], start + prompt
+        main = prompt - prompt % prompt_step
+        tail = list(range(start + main, start + prompt))
+        responses, first = [], start + prompt
         for n in lengths:
-            rows.extend(range(first, first + n))
+            if n:
+                responses.append(list(range(first, first + n)))
             first += n
-        slots = [r * width + i for r, n in enumerate(kept) for i in range(n)]
+        sequences = ([tail] if tail else []) + [tail + rows for rows in responses]
+        width = _round_up(max(map(len, sequences), default=0), RESPONSE_STEP)
+        in_rows = [row for seq in sequences for row in seq]
+        in_slots = [j * width + i for j, seq in enumerate(sequences) for i in range(len(seq))]
+        out_slots = list(range(len(tail))) + [j * width + len(tail) + i
+                                              for j, rows in enumerate(responses, start=1 if tail else 0)
+                                              for i in range(len(rows))]
         length = prompt + sum(lengths)
-        packs.append(PackRows(start, prompt, length, _round_up(length, max(step, 1)), len(kept), width,
-                              torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True),
-                              torch.tensor(slots, dtype=torch.long).to(device, non_blocking=True)))
+
+        def as_tensor(values):
+            return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+        packs.append(PackRows(start, prompt, main, length, _round_up(length, max(step, 1)), len(sequences), width,
+                              as_tensor(in_rows), as_tensor(in_slots), as_tensor(out_slots)))
     return SplitLayout(packs)
 
 
@@ -173,20 +197,26 @@ def _slice(t, start: int, length: int, keep: int | None = None):
     return out
 
 
-def _batch(t, pack: PackRows):
-    """The pack's responses of ``t`` ``[T, ...]`` as ``[responses, response_length, ...]``, zero-padded."""
-    out = t.new_zeros((pack.responses * pack.response_length, *t.shape[1:]))
-    out[pack.slots] = t[pack.rows]
-    return out.view(pack.responses, pack.response_length, *t.shape[1:])
+def _gather(t, pack: PackRows, rows, slots):
+    """Rows ``rows`` of ``t`` ``[T, ...]`` at ``slots`` of the own half's ``[sequences, width, ...]`` batch,
+    zeros elsewhere."""
+    out = t.new_zeros((pack.sequences * pack.width, *t.shape[1:]))
+    out[slots] = t[rows]
+    return out.view(pack.sequences, pack.width, *t.shape[1:])
 
 
 def _prefix(q, k, v, pack: PackRows):
-    return (_heads_first(_slice(q, pack.start, pack.padded)), _heads_first(k[pack.start:pack.start + pack.prompt]),
-            _heads_first(v[pack.start:pack.start + pack.prompt]))
+    return (_heads_first(_slice(q, pack.start, pack.padded)), _heads_first(k[pack.start:pack.start + pack.main]),
+            _heads_first(v[pack.start:pack.start + pack.main]))
 
 
 def _own(q, k, v, pack: PackRows):
-    return tuple(_batch(t, pack).transpose(1, 2) for t in (q, k, v))
+    return tuple(_gather(t, pack, pack.in_rows, pack.in_slots).transpose(1, 2) for t in (q, k, v))
+
+
+def _flat_lse(m):
+    """``[b, heads, L, 1]`` -> ``[b * L, heads, 1]``."""
+    return m.transpose(1, 2).reshape(-1, m.shape[1], 1)
 
 
 class _SharedPromptAttention(torch.autograd.Function):
@@ -194,46 +224,57 @@ class _SharedPromptAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, layout: SplitLayout, scale: float):
         out = torch.zeros_like(q)
         lse = q.new_zeros((*q.shape[:2], 1), dtype=torch.promote_types(q.dtype, torch.float32))
-        states, tails = [], []
+        saved = []  # per pack: the kernels' states, and the lse of the query rows whose output is dropped
         for pack in layout.packs:
-            s, P, L = pack.start, pack.prompt, pack.length
-            o, m, prefix_state = attend(*_prefix(q, k, v, pack), scale)
-            o, m = _rows_first(o), m[0].transpose(0, 1)  # [padded, heads, d], [padded, heads, 1]
-            tails.append(m[L:])  # rows read past the pack: their own lse, for a zero-gradient backward
-            own_state = ()
-            if pack.responses:
-                own_o, own_m, own_state = attend(*_own(q, k, v, pack), scale)
-                own_o, own_m = _rows_first(own_o)[pack.slots], own_m.transpose(1, 2).reshape(-1, q.shape[1], 1)[pack.slots]
-                first = m[P:L]
-                total = torch.logaddexp(first, own_m)
-                mixed = o[P:L].to(total.dtype) * torch.exp(first - total) + own_o.to(total.dtype) * torch.exp(own_m - total)
-                o, m = torch.cat([o[:P], mixed.to(o.dtype)]), torch.cat([m[:P], total])
-            out[s:s + L], lse[s:s + L] = o[:L], m[:L]
-            states.append((prefix_state, own_state))
+            s, main, L = pack.start, pack.main, pack.length
+            prefix_state = own_state = own_lse = beyond = None
+            if main:
+                o, m, prefix_state = attend(*_prefix(q, k, v, pack), scale)
+                o, m = _rows_first(o), _flat_lse(m)  # [padded, heads, d], [padded, heads, 1]
+                beyond = m[L:]
+            if pack.sequences:
+                own_o, own_lse, own_state = attend(*_own(q, k, v, pack), scale)
+                own_lse = _flat_lse(own_lse)
+                rest_o, rest_m = _rows_first(own_o)[pack.out_slots], own_lse[pack.out_slots]
+                if main:
+                    first = m[main:L]
+                    total = torch.logaddexp(first, rest_m)
+                    mixed = (o[main:L].to(total.dtype) * torch.exp(first - total) +
+                             rest_o.to(total.dtype) * torch.exp(rest_m - total))
+                    rest_o, rest_m = mixed.to(o.dtype), total
+                out[s + main:s + L], lse[s + main:s + L] = rest_o, rest_m
+            if main:
+                out[s:s + main], lse[s:s + main] = o[:main], m[:main]
+            saved.append((prefix_state, own_state, own_lse, beyond))
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.layout, ctx.states, ctx.tails, ctx.scale = layout, states, tails, scale
+        ctx.layout, ctx.saved, ctx.scale = layout, saved, scale
         return out
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, out, lse = ctx.saved_tensors
         scale = ctx.scale
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for pack, (prefix_state, own_state), tail in zip(ctx.layout.packs, ctx.states, ctx.tails):
-            s, P, L = pack.start, pack.prompt, pack.length
-            g = _heads_first(_slice(grad, s, pack.padded, keep=L))
-            o = _heads_first(_slice(out, s, pack.padded, keep=L))
-            m = torch.cat([lse[s:s + L], tail]).transpose(0, 1)[None].contiguous()
-            dq_p, dk_p, dv_p = attend_backward(g, *_prefix(q, k, v, pack), o, m, prefix_state, scale)
-            dq[s:s + L] = _rows_first(dq_p)[:L]
-            dk[s:s + P], dv[s:s + P] = _rows_first(dk_p), _rows_first(dv_p)
-            if pack.responses:
-                g, o = (_batch(t, pack).transpose(1, 2) for t in (grad, out))
-                m = _batch(lse, pack).transpose(1, 2).contiguous()
-                dq_r, dk_r, dv_r = attend_backward(g, *_own(q, k, v, pack), o, m, own_state, scale)
-                dq.index_add_(0, pack.rows, _rows_first(dq_r)[pack.slots])
-                dk[pack.rows], dv[pack.rows] = _rows_first(dk_r)[pack.slots], _rows_first(dv_r)[pack.slots]
-        return dq, dk, dv, None, None
+        dq = torch.zeros(q.shape, dtype=torch.float32 if q.dtype in HALF_DTYPES else q.dtype, device=q.device)
+        dk, dv = torch.zeros_like(dq[:, :k.shape[1]]), torch.zeros_like(dq[:, :k.shape[1]])
+        for pack, (prefix_state, own_state, own_lse, beyond) in zip(ctx.layout.packs, ctx.saved):
+            s, main, L = pack.start, pack.main, pack.length
+            if main:
+                g = _heads_first(_slice(grad, s, pack.padded, keep=L))
+                o = _heads_first(_slice(out, s, pack.padded, keep=L))
+                m = torch.cat([lse[s:s + L], beyond]).transpose(0, 1)[None].contiguous()
+                dq_p, dk_p, dv_p = attend_backward(g, *_prefix(q, k, v, pack), o, m, prefix_state, scale)
+                dq[s:s + L] += _rows_first(dq_p)[:L]
+                dk[s:s + main] += _rows_first(dk_p)
+                dv[s:s + main] += _rows_first(dv_p)
+            if pack.sequences:
+                rows = torch.arange(s + main, s + L, device=q.device)
+                g, o = (_gather(t, pack, rows, pack.out_slots).transpose(1, 2) for t in (grad, out))
+                m = own_lse.index_copy(0, pack.out_slots, lse[s + main:s + L])  # merged where the output is kept
+                m = m.view(pack.sequences, pack.width, -1, 1).transpose(1, 2).contiguous()
+                grads = attend_backward(g, *_own(q, k, v, pack), o, m, own_state, scale)
+                for total, part in zip((dq, dk, dv), grads):
+                    total.index_add_(0, pack.in_rows, _rows_first(part)[pack.in_slots].to(total.dtype))
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 @torch.compiler.disable
