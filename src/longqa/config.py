@@ -144,9 +144,10 @@ class ActorConfig:
                             "step on the CPU (ZeRO-3 + CPU optimizer offload)")
     shared_prompt: bool = opt(True, "pack each prompt once with its n responses (false: the naive padded "
                               "layout, one row per sample)")
-    attention_backend: Literal["auto", "dense", "flex"] = opt(
+    attention_backend: Literal["auto", "dense", "flex", "split"] = opt(
         "auto", "shared-prompt attention: dense (SDPA per pack, the reference), flex (flex_attention block "
-        "mask), auto (flex on CUDA, dense otherwise)")
+        "mask, any model), split (prompt and own halves as cuDNN attentions: plain causal models in bf16/fp16; "
+        "each new shape costs a cuDNN plan), auto (flex on CUDA, dense otherwise)")
     compile_layers: bool = opt(True, "on a GPU with the fast engine: torch.compile each decoder layer for "
                                "training (norms, rotary and activations fuse; the engine never calls the layers)")
     grad_clip: float = opt(1.0, "max gradient norm", *positive)
@@ -207,7 +208,7 @@ def all_keys() -> list[str]:
     return [f"{section}.{f.name}" for section, cls in _sections().items() for f in dataclasses.fields(cls)]
 
 
-def _unknown(key: str) -> ConfigError:
+def unknown_key(key: str) -> ConfigError:
     close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.6)
     hint = f"; did you mean '{close[0]}'?" if close else f"; see `longqa config show` for the {len(all_keys())} keys"
     return ConfigError(f"unknown config key '{key}'{hint}")
@@ -275,20 +276,28 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
     raise TypeError(f"unsupported config type {tp!r}")  # a programming error in this file
 
 
+def is_key(key: str) -> bool:
+    section, _, name = key.partition(".")
+    cls = _sections().get(section)
+    return cls is not None and name in {f.name for f in dataclasses.fields(cls)}
+
+
+def checked(key: str, value: Any) -> Any:
+    """``value`` as ``key`` declares it (type, then rule); a ConfigError naming the key when it cannot be."""
+    if not is_key(key):
+        raise unknown_key(key)
+    section, _, name = key.partition(".")
+    cls = _sections()[section]
+    value = _coerce(key, _hints(cls)[name], value)
+    meta = next(f.metadata for f in dataclasses.fields(cls) if f.name == name)
+    if meta.get("check") is not None and value is not None and not meta["check"](value):
+        raise ConfigError(f"config key '{key}' must be {meta['rule']}, got {value!r}")
+    return value
+
+
 def _set(cfg: Config, key: str, value: Any) -> None:
     section, _, name = key.partition(".")
-    sections = _sections()
-    if section not in sections or not name:
-        raise _unknown(key)
-    fields = {f.name: f for f in dataclasses.fields(sections[section])}
-    if name not in fields:
-        raise _unknown(key)
-    tp = _hints(sections[section])[name]
-    value = _coerce(key, tp, value)
-    check, rule = fields[name].metadata.get("check"), fields[name].metadata.get("rule")
-    if check is not None and value is not None and not check(value):
-        raise ConfigError(f"config key '{key}' must be {rule}, got {value!r}")
-    setattr(getattr(cfg, section), name, value)
+    setattr(getattr(cfg, section), name, checked(key, value))
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -300,30 +309,41 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
         if "." not in key and isinstance(v, dict):
             flat.update(_flatten(v, key + "."))
         elif "." not in key:
-            raise _unknown(key)
+            raise unknown_key(key)
         else:
             flat[key] = v
     return flat
 
 
-def parse_override(text: str) -> tuple[str, Any]:
-    """``key=value``; the value is read as YAML (numbers, booleans, lists), except for string keys."""
+def split_override(text: str) -> tuple[str, str]:
+    """``key=value`` as the key and the value's text."""
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"override {text!r} must look like key=value, e.g. rollout.n=8")
-    key = key.strip()
+    return key.strip(), raw
+
+
+def parse_value(key: str, raw: str) -> Any:
+    """An override's text read as YAML (numbers, booleans, lists), except for keys declared as strings."""
     section, _, name = key.partition(".")
     cls = _sections().get(section)
     if cls is not None and _hints(cls).get(name) in (str, Optional[str]) and raw not in ("null", "~"):
-        return key, raw  # keep "001" or "1e5" a string where a string is declared
+        return raw  # keep "001" or "1e5" a string where a string is declared
     try:
-        return key, yaml.safe_load(raw) if raw.strip() else ""
+        return yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
-        return key, raw
+        return raw
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``key=value``; the value is read as YAML (numbers, booleans, lists), except for string keys."""
+    key, raw = split_override(text)
+    return key, parse_value(key, raw)
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Defaults, then the YAML file, then the overrides; each value checked as it is applied."""
+    """Defaults, then the YAML file, then the overrides (longqa's keys or verl's launch-line keys, see
+    ``longqa.verl_keys``); each value checked as it is applied, every bad override named in one error."""
     cfg = Config()
     if path is not None:
         path = Path(path)
@@ -335,8 +355,10 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
             raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
         for key, value in _flatten(tree).items():
             _set(cfg, key, value)
-    for text in overrides:
-        _set(cfg, *parse_override(text))
+    from longqa.verl_keys import resolve_overrides  # builds on this module: imported here, not at the top
+
+    for key, value in resolve_overrides(overrides):
+        _set(cfg, key, value)
     return cfg
 
 

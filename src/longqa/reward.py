@@ -50,8 +50,8 @@ failure kinds: ``bad_solution``, ``bad_ground_truth``, ``unclosed_think``, ``no_
 ``error:not_a_number`` and ``error:not_finite``.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations`` here: verl loads this file by path as a module it never registers
+# in sys.modules, and dataclasses cannot resolve string annotations of such a module.
 import hashlib
 import importlib.util
 import math

@@ -23,10 +23,11 @@ import numpy as np
 import torch
 
 from longqa.batching import budget_batches, collate_right
+from longqa.config import ConfigError
 from longqa.data.io import iter_rows
 from longqa.data.prompts import PromptOptions, PromptSet, prepare_prompts
 from longqa.evaluate import evaluate, format_table
-from longqa.model.load import load_model, pick_device, qwen3_config
+from longqa.model.load import load_model, pick_device, qwen3_config, set_max_positions
 from longqa.model.tokenizer import train_tokenizer
 from longqa.sft_options import SFTOptions
 
@@ -84,6 +85,15 @@ def _examples(prompts: PromptSet, tokenizer, options: SFTOptions) -> tuple[list[
     return ids, np.asarray(starts)
 
 
+def check_positions(longest: int, limit: int) -> None:
+    """Refuse examples longer than the model's position limit before training on them: a RoPE model would
+    train on the extra positions without complaint, and a model whose declared limit is too short would
+    then be refused, or cut, by the tools that trust the limit (vLLM, for one)."""
+    if longest > limit:
+        raise ConfigError(f"the longest training example has {longest} tokens, more than the model's "
+                          f"{limit} positions: raise --max-positions or lower --max-prompt-length")
+
+
 def _batches(lengths: np.ndarray, batch_tokens: int, rng: random.Random) -> list[list[int]]:
     """Length-sorted buckets cut to a padded-token budget, in random order: little padding, no bias."""
     order = np.argsort(lengths + np.asarray([rng.random() for _ in range(len(lengths))]), kind="stable")
@@ -126,12 +136,17 @@ def run_sft(options: SFTOptions, command: str = "") -> dict:
 
     if options.init:
         model, tokenizer = load_model(options.init, device=device)
+        if options.max_positions is not None:
+            set_max_positions(model, options.max_positions)
     else:
         from transformers import AutoModelForCausalLM
 
         tokenizer = _tokenizer_for(options)
+        positions = options.max_positions
+        if positions is None:
+            positions = max(4096, 2 * options.max_prompt_length)
         config = qwen3_config(len(tokenizer), options.hidden_size, options.num_layers, options.num_heads,
-                              options.num_kv_heads, max_positions=max(4096, 2 * options.max_prompt_length),
+                              options.num_kv_heads, max_positions=positions,
                               eos_token_id=tokenizer.convert_tokens_to_ids(END_OF_TURN),
                               pad_token_id=tokenizer.pad_token_id)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device)
@@ -139,6 +154,7 @@ def run_sft(options: SFTOptions, command: str = "") -> dict:
     train = prepare_prompts(options.train_files, tokenizer, prompt_options)
     examples, starts = _examples(train, tokenizer, options)
     lengths = np.asarray([len(e) for e in examples])
+    check_positions(int(lengths.max()), model.config.max_position_embeddings)
     held_out = None
     if options.eval_files:
         held_out = prepare_prompts(options.eval_files, tokenizer, prompt_options)
@@ -197,7 +213,8 @@ def run_sft(options: SFTOptions, command: str = "") -> dict:
     model.float()
     summary = {"steps": step, "epochs_started": epoch, "train_minutes": round((time.perf_counter() - train_start) / 60, 2),
                "params": params, "shape": {k: getattr(model.config, k) for k in (
-                   "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size")},
+                   "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
+                   "max_position_embeddings")},
                "examples": len(examples), "tokens_seen": tokens_seen, "device": str(device),
                "options": asdict(options), "commit": _git_commit(), "command": command, "evals": log}
     if held_out is not None:
@@ -213,15 +230,15 @@ def run_sft(options: SFTOptions, command: str = "") -> dict:
 def write_model_card(out: Path, summary: dict) -> None:
     """How the model was made, so anyone can rebuild it and knows what to expect of it."""
     o, shape = summary["options"], summary["shape"]
+    origin = f"continued from `{o['init']}`" if o.get("init") else "trained from scratch"
     lines = [
         f"# {out.name}", "",
-        "A small Qwen3-architecture model trained from scratch by `longqa sft` on synthetic long-context "
+        f"A small Qwen3-architecture model {origin} by `longqa sft` on synthetic long-context "
         "multi-hop QA (`longqa data synth`): it reads the passages, writes the supporting facts inside "
-        "`<think>` and the answer inside `\\boxed{}`. It is longqa's embedded default, the starting point "
-        "of the CPU GRPO demo; it knows nothing beyond that synthetic world.", "",
+        "`<think>` and the answer inside `\\boxed{}`; it knows nothing beyond that synthetic world.", "",
         f"- parameters: {summary['params']:,} (hidden {shape['hidden_size']}, {shape['num_hidden_layers']} layers, "
         f"{shape['num_attention_heads']} heads, {shape['num_key_value_heads']} KV heads, vocabulary "
-        f"{shape['vocab_size']}), stored in bfloat16",
+        f"{shape['vocab_size']}, {shape['max_position_embeddings']:,} positions), stored in bfloat16",
         f"- training: {summary['steps']} steps, {summary['tokens_seen']:,} tokens, {summary['train_minutes']} min on "
         f"{summary['device']}, lr {o['lr']} (cosine to {o['min_lr_ratio']}x), {o['batch_tokens']} tokens per batch, "
         f"seed {o['seed']}", f"- longqa commit: {summary['commit']}", "", "## Command", "", "```bash",

@@ -23,6 +23,9 @@ class SFTOptions:
     num_heads: int = 8
     num_kv_heads: int = 4
     max_prompt_length: int = 2048
+    # The model's position limit (max_position_embeddings): a new model's default is max(4096, twice
+    # max_prompt_length); with --init, a RoPE model's limit can be raised to train it on longer examples.
+    max_positions: int | None = None
     lr: float = 1e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 200

@@ -14,8 +14,13 @@ Backends, chosen per call:
   and the CPU path. Each pack is attended separately, so memory is per pack, not per micro-batch.
 - ``flex``: one ``flex_attention`` call over the whole packed row with a block mask built once per
   micro-batch from the layout (blocks of other responses and other packs are skipped, the prompt
-  block rows are read once by all responses). The GPU default.
-Neither copies the prompt's keys and values per response nor synchronises with the host per layer.
+  block rows are read once by all responses). Any model longqa accepts, sliding windows and
+  soft-capping included.
+- ``split``: the prompt half and the own half as two ordinary causal attentions merged by their
+  log-sum-exp (``model/split_attention.py``), on CUDA cuDNN's kernels: 2.5-9% faster than flex per
+  group once cuDNN has planned its shapes (each new shape costs it 0.2-0.8 s on an H200; shapes are
+  rounded to a bounded set). Opt-in, for models with plain causal attention in bfloat16 or float16.
+None copies the prompt's keys and values per response or synchronises with the host per layer.
 """
 
 from __future__ import annotations
@@ -29,15 +34,18 @@ import torch.nn.functional as F
 from longqa.model.attention_spec import (AttentionSpec, ModelSpec, UnsupportedModelError, close, inspect_model,
                                          read_call)
 from longqa.model.packing import PackedBatch
+from longqa.model.split_attention import shared_prompt_attention, split_layout
+from longqa.model.split_attention import unsupported_reason as split_unsupported
 
 PREFIX = "longqa:"
 BLOCK = 128  # flex_attention's block size: the packed row is padded to a multiple of it
 LENGTH_BUCKETS = 16  # packed rows of a token budget are padded to one of this many lengths
-BACKENDS = ("auto", "dense", "flex")
+BACKENDS = ("auto", "dense", "flex", "split")
+PADDED_BACKENDS = ("flex", "split")  # rows padded to length buckets for the compiled layers
 
 
 def length_step(budget: int) -> int:
-    """The flex backend pads each packed row to a multiple of this (at least ``BLOCK``): a sixteenth of
+    """The flex and split backends pad each packed row to a multiple of this (at least ``BLOCK``): a sixteenth of
     the micro-batch token budget. Compiled kernels then see at most ``LENGTH_BUCKETS`` (+1 for a row
     over the budget) static lengths, each compiled once before the first step
     (``Actor.compile_length_buckets``). With lengths left dynamic, Inductor compiles slower kernels (the
@@ -169,7 +177,9 @@ def _flex_kernel(compiled: bool):
 def prepare(pack: PackedBatch, spec: ModelSpec) -> None:
     """Build what the pack's backend needs once per micro-batch (shared by every layer and by the
     checkpointing recompute), before the forward pass so it is never traced into a compiled layer:
-    one block mask per sliding window the model's layers use."""
+    one block mask per sliding window the model's layers use, or the split backend's layout."""
+    if pack.backend == "split" and pack.split_layout is None:
+        pack.split_layout = split_layout(pack.segments, pack.pad_to, pack.input_ids.device)
     if pack.backend == "flex":
         for window in spec.windows - pack.block_masks.keys():
             pack.block_masks[window] = block_mask(pack, window)
@@ -197,11 +207,26 @@ def _flex(query, key, value, pack: PackedBatch, scaling, spec: AttentionSpec):
                   enable_gqa=key.shape[1] != query.shape[1])
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
+def _split(query, key, value, pack: PackedBatch, scaling, spec: AttentionSpec):
+    if spec.window is not None or spec.softcap:
+        raise UnsupportedModelError("the split attention backend computes plain causal attention: this layer has "
+                                    "a sliding window or soft-capping (use actor.attention_backend=flex)")
+    return shared_prompt_attention(query, key, value, pack.split_layout,
+                                   scaling if scaling is not None else query.shape[-1] ** -0.5)
+
+
+def resolve_backend(backend: str, device: torch.device, spec: ModelSpec, dtype: torch.dtype) -> str:
+    """The backend to run: ``auto`` is flex on CUDA and dense elsewhere; a split backend that cannot run
+    the model is refused with the reason."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
     if backend == "auto":
         return "flex" if device.type == "cuda" else "dense"
+    if backend == "split":
+        problem = split_unsupported(device, dtype, spec.head_dim, spec.windows,
+                                    any(layer.softcap for layer in spec.layers.values()))
+        if problem:
+            raise UnsupportedModelError(f"actor.attention_backend=split cannot run this model: {problem}")
     return backend
 
 
@@ -233,7 +258,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         return longqa_kv.attend(module.layer_idx, query, key, value, scaling, spec).contiguous(), None
     if dropout:
         raise ValueError("shared-prompt attention does not implement attention dropout")
-    run = _flex if longqa_pack.backend == "flex" else _dense
+    run = {"flex": _flex, "split": _split}.get(longqa_pack.backend, _dense)
     out = run(query, key, value, longqa_pack, scaling, spec)
     return out.transpose(1, 2).contiguous(), None
 

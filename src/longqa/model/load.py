@@ -101,6 +101,26 @@ def checkpoint_layers(model, fraction: float = 1.0) -> int:
     return count
 
 
+def set_max_positions(model, positions: int) -> None:
+    """Declare that the model takes sequences of up to ``positions`` tokens.
+
+    Plain rotary embeddings compute each position's rotation from its index, so for them the limit is a
+    declaration rather than a table: raising it changes no output, and training on longer sequences
+    teaches the model to use the new positions. Scaled RoPE variants (linear, dynamic, YaRN, ...) derive
+    their frequencies from the old limit, and learned position embeddings are a table of that size, so
+    both are refused rather than silently changed."""
+    config = model.config
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    if kind != "default":
+        raise ModelError(f"cannot change the position limit of a {config.model_type} model with "
+                         f"{'RoPE type ' + repr(kind) if kind else 'no plain rotary embedding'}: only plain RoPE "
+                         f"models take positions past the limit they were built with")
+    if positions < 1:
+        raise ModelError(f"the position limit must be at least 1, got {positions}")
+    config.max_position_embeddings = positions
+
+
 def _gguf_tokenizer(folder: str, gguf_file: str):
     from transformers import AutoTokenizer
 

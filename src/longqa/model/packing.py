@@ -89,6 +89,8 @@ class PackedBatch:
     targets: torch.Tensor  # [K] long
     backend: str = "dense"  # which attention backend runs it (model/attention.py)
     block_masks: dict = field(default_factory=dict)  # the flex backend's BlockMask per sliding window (None: none)
+    split_layout: object = None  # the split backend's SplitLayout (model/split_attention.py)
+    pad_to: int = 1  # the row was padded to a multiple of this (the split backend buckets its kernels' shapes by it)
     length: int = field(init=False)
 
     def __post_init__(self):
@@ -150,4 +152,4 @@ def build_packed_batch(packs: list[Pack], response_ids: Sequence[Sequence[int]],
                        response_lengths=lengths, segments=segments,
                        pack_id=torch.as_tensor(pack_id, dtype=torch.int32),
                        segment_id=torch.as_tensor(segment_id, dtype=torch.int32),
-                       predict_at=as_long(predict_at), targets=as_long(targets))
+                       predict_at=as_long(predict_at), targets=as_long(targets), pad_to=pad_to)

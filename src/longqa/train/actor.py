@@ -22,7 +22,7 @@ from longqa.batching import budget_batches, collate_right
 from longqa.config import Config
 from longqa.distributed.env import all_reduce, world_size
 from longqa.distributed.fsdp import shard_model
-from longqa.model.attention import length_step, resolve_backend, use_longqa_attention
+from longqa.model.attention import PADDED_BACKENDS, length_step, resolve_backend, use_longqa_attention
 from longqa.model.logprobs import packed_logprobs, token_logprobs
 from longqa.model.packing import build_packed_batch, plan_packs
 from longqa.rollout.base import bump_weights_version
@@ -112,10 +112,12 @@ class Actor:
     def __init__(self, model, cfg: Config, total_steps: int, device: torch.device, pad_token_id: int = 0):
         self.model, self.cfg, self.device, self.pad = model, cfg, device, pad_token_id
         a = cfg.actor
-        self.backend = resolve_backend(a.attention_backend, device) if a.shared_prompt else None
         temperature = cfg.rollout.temperature or 1.0
+        self.backend = None
         if a.shared_prompt:
-            use_longqa_attention(model)
+            # Sharded on a GPU, the layers compute in bfloat16 whatever the parameters' dtype (shard_model).
+            compute = torch.bfloat16 if world_size() > 1 and device.type == "cuda" else next(model.parameters()).dtype
+            self.backend = resolve_backend(a.attention_backend, device, use_longqa_attention(model), compute)
         # A frozen copy of the starting weights, only when a KL penalty asks for one (the recipe has none).
         self.reference = None
         if cfg.algo.kl_coef > 0:
@@ -144,7 +146,7 @@ class Actor:
                 out.append(MicroBatch(index, tuple(t.to(self.device) for t in tensors)))
             return out
         # Rows padded to a few lengths per budget, so compiled kernels keep static shapes (length_step).
-        pad_to = length_step(self.cfg.actor.max_tokens_per_micro_batch) if self.backend == "flex" else 1
+        pad_to = length_step(self.cfg.actor.max_tokens_per_micro_batch) if self.backend in PADDED_BACKENDS else 1
         out = []
         for packs in self._plan(samples, indices):
             pack = build_packed_batch(packs, samples.response_ids, pad_to=pad_to)
@@ -153,11 +155,11 @@ class Actor:
         return out
 
     def compile_length_buckets(self) -> int:
-        """Run the update's passes once at every packed length the flex backend pads rows to (multiples of
+        """Run the update's passes once at every packed length the flex and split backends pad rows to (multiples of
         ``length_step`` up to the token budget), so that compiled decoder layers build each length's graphs
         here, before the first step, rather than in whichever step first meets that length (8 s at
         Qwen3-1.7B). Gradients are dropped afterwards; returns how many lengths."""
-        if self.backend != "flex":
+        if self.backend not in PADDED_BACKENDS:
             return 0
         budget = self.cfg.actor.max_tokens_per_micro_batch
         step = length_step(budget)

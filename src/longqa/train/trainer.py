@@ -357,7 +357,7 @@ class Trainer:
                 done = self._train(start_step, logger)
             if self.stopping and done < self.total_steps:
                 return self._preempted(done)
-            if not self.env.is_main:
+            if not self.env.is_main or "jsonl" not in self.cfg.trainer.logger:  # the report is drawn from the jsonl
                 return {"steps": self.total_steps, "report": None, "preempted": None}
             report = write_report(self.run_dir)
             return {"steps": self.total_steps, "report": str(report), "preempted": None}

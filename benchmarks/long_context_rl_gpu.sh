@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# GRPO past the supervised ceiling at long contexts: one command on one GPU (data 17 s, sft 2.5-3 min and
+# evaluations about 30 s each on an H200; GRPO not yet timed: benchmarks/RESULTS.md, "Long contexts").
+#   data       `longqa data synth` with the embedded model's tokenizer: supervised-training questions at
+#              512-4,096-token contexts, and GRPO questions at 512, 1,024, 2,048 and 4,096 tokens whose
+#              held-out split (405 questions, the same at every length) is the evaluation set
+#   sft        `longqa sft` from the embedded model's weights: always reasoning, on contexts up to 4,096
+#              tokens, its position limit raised to 4,608; MINUTES_SFT minutes (default 2.5). Meanwhile
+#              `longqa eval` scores the embedded model on the held-out questions (eval_embedded)
+#   eval_sft   `longqa eval` of the supervised model: accuracy per context length and per hop count
+#   grpo       `longqa train configs/gpu-long.yaml` from the supervised model
+#   eval_grpo  `longqa export` of its last checkpoint, then `longqa eval` of it on the same questions
+#   summary    OUT_DIR/summary.{md,json} and accuracy_by_length.png (benchmarks/long_context_summary.py);
+#              the training run's own report (reward, accuracy, lengths, accuracy by length at its first
+#              and last validation) is copied to OUT_DIR/report/
+# Each stage's output goes to the console and OUT_DIR/logs/<stage>.log; its wall time is printed and kept
+# in OUT_DIR/timings.tsv. Nothing is downloaded.
+#
+# Usage:  bash benchmarks/long_context_rl_gpu.sh OUT_DIR [MINUTES_SFT [KEY=VALUE...]]
+# KEY=VALUE pairs override configs/gpu-long.yaml for the GRPO stage (actor.lr=1e-4 trainer.max_steps=40 ...).
+# With LONGQA_SMOKE=1 every stage runs at a tiny scale (two context lengths, a few questions, two steps of
+# each training): the CPU check that the stages fit together (tests/test_long_context_rl.py).
+set -euo pipefail
+out=${1:?usage: bash benchmarks/long_context_rl_gpu.sh OUT_DIR [MINUTES_SFT [KEY=VALUE...]]}
+minutes=${2:-2.5}
+shift $(($# < 2 ? $# : 2))
+grpo_overrides=("$@")
+repo=$(cd "$(dirname "$0")/.." && pwd)
+export PYTHONPATH=$repo/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true \
+    HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+longqa() { python -m longqa.cli "$@"; }
+
+positions=4608 prompt_limit=4352 response_limit=128  # as in configs/gpu-long.yaml
+if [ "${LONGQA_SMOKE:-0}" = 1 ]; then
+    # One thread: matrices this small gain nothing from more, and on a busy CPU threads wait on each other.
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+    lengths=(256 512); sft_rows=2; rl_rows=4; rl_test=0.25; eval_batch=16 response_limit=48
+    sft_scale=(--max-steps 1 --batch-tokens 4096 --warmup-steps 1)
+    grpo_scale=(data.train_batch_size=2 rollout.n=2 actor.ppo_mini_batch_size=1 trainer.max_steps=2
+                trainer.test_freq=2 trainer.save_freq=2 algo.max_sampling_rounds=1
+                data.max_response_length=$response_limit)
+else
+    # 3 x 600 GRPO questions, 22.5% held out: 135 per task, 405 per length; 3 x 2,000 supervised-training
+    # questions at 4 lengths, 46M tokens: one to three passes in the supervised stage's minutes.
+    lengths=(512 1024 2048 4096); sft_rows=2000; rl_rows=600; rl_test=0.225; eval_batch=256
+    sft_scale=(--warmup-steps 50)
+    grpo_scale=()
+fi
+if [ -n "$(ls -A "$out" 2>/dev/null)" ]; then  # a training run there would resume, not start over
+    echo "$out is not empty: give a new OUT_DIR" >&2
+    exit 2
+fi
+mkdir -p "$out/logs"
+: > "$out/timings.tsv"
+now() { date +%s.%N; }
+
+timed() {  # STAGE COMMAND...: run it, its output to the console and logs/STAGE.log; keep its start and end
+    local stage=$1 start; shift
+    start=$(now)
+    "$@" 2>&1 | tee "$out/logs/$stage.log"
+    printf '%s\t%s\t%s\n' "$stage" "$start" "$(now)" >> "$out/timings.tsv"
+    echo "== $stage: $(awk -F'\t' -v s="$stage" '$1 == s { printf "%.0f", $3 - $2 }' "$out/timings.tsv") s"
+}
+
+evaluate() {  # MODEL OUTPUT_JSON: greedy answers to the held-out questions, scored per length and hop count
+    longqa eval --model "$1" --data "$out/data/rl/merged/test.parquet" --max-prompt-length $prompt_limit \
+        --max-new-tokens $response_limit --batch-size $eval_batch --output "$2" --samples "${2%.json}.jsonl"
+}
+
+make_data() {
+    local common=(--max-hops 3 --tokenizer "$embedded" --workers "$(nproc)" --context-lengths "${lengths[@]}")
+    longqa data synth --output-dir "$out/data/rl" --rows-per-task $rl_rows --test-ratio $rl_test --seed 1 "${common[@]}"
+    longqa data synth --output-dir "$out/data/sft" --rows-per-task $sft_rows --test-ratio 0.01 --seed 2 "${common[@]}"
+}
+
+supervised() {
+    longqa sft --init "$embedded" --train-files "$out/data/sft/merged/train.parquet" --output-dir "$out/sft" \
+        --max-positions $positions --max-prompt-length $prompt_limit --lr 5e-4 --max-minutes "$minutes" \
+        --no-think-fraction 0 "${sft_scale[@]}"
+}
+
+grpo() {
+    longqa train "$repo/configs/gpu-long.yaml" model.path="$out/sft" trainer.output_dir="$out/grpo" \
+        data.train_files="$out/data/rl/merged/train.parquet" data.val_files="$out/data/rl/merged/test.parquet" \
+        data.cache_dir="$out/cache" "${grpo_scale[@]}" "${grpo_overrides[@]}"
+}
+
+export_and_evaluate() {
+    local last
+    last=$(ls -d "$out"/grpo/checkpoints/step_* | sort | tail -n 1)
+    longqa export "$last" "$out/grpo_hf"
+    evaluate "$out/grpo_hf" "$out/eval_grpo.json"
+}
+
+summarize() {
+    python "$repo/benchmarks/long_context_summary.py" "$out"
+    rm -rf "$out/report" && cp -r "$out/grpo/report" "$out/report"
+}
+
+embedded=$(python -c "from longqa.model.load import EMBEDDED_MODEL; print(EMBEDDED_MODEL)")
+timed data make_data
+timed eval_embedded evaluate "$embedded" "$out/eval_embedded.json" > /dev/null &
+background=$!
+timed sft supervised
+wait $background
+timed eval_sft evaluate "$out/sft" "$out/eval_sft.json"
+timed grpo grpo
+timed eval_grpo export_and_evaluate
+timed summary summarize

@@ -1,0 +1,336 @@
+"""verl's launch-line keys on longqa's command line.
+
+A verl launch (``python -m verl.trainer.main_ppo data.train_files=... actor_rollout_ref.actor.optim.lr=1e-6
+trainer.n_gpus_per_node=8 ...``) can be handed to ``longqa train`` as it is, so users coming from verl keep
+their launch scripts. Each verl key is one of:
+
+- renamed: it is a longqa setting under another name (``actor_rollout_ref.rollout.n`` is ``rollout.n``);
+  the few values verl spells differently are converted (``rollout.name=vllm`` is ``rollout.engine=vllm``);
+- fixed: longqa has one behaviour there, and the key is accepted at that value only
+  (``actor_rollout_ref.model.use_remove_padding=True``: longqa never pads);
+- grouped: read together with the keys it only makes sense with, with verl's defaults for those not given
+  (``use_kl_loss`` and ``kl_loss_coef`` make ``algo.kl_coef``; ``trainer.n_gpus_per_node`` times
+  ``trainer.nnodes`` Ray workers, as verl runs through Ray).
+
+Nothing is dropped quietly: every override that longqa cannot take, verl's or its own, is named in one
+ConfigError, so a launch script is fixed in one pass rather than one key per run; and a setting given twice
+under different names (a verl key and its longqa key, or two verl keys) must have one value. Only the keys
+given are translated: the settings a line leaves out keep longqa's defaults, not verl's (verl's dual-clip
+bound of 3, its AdamW betas (0.9, 0.999) and weight decay 0.01 do not come along). Key names are those of
+verl's ``trainer/config/ppo_trainer.yaml``; hydra's ``+``/``++`` prefixes are accepted.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from longqa.config import ConfigError, all_keys, checked, is_key, parse_value, split_override, unknown_key
+
+ACTOR, ROLLOUT, MODEL = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.", "actor_rollout_ref.model."
+# Top-level sections only verl has: a key under one of them is verl's, whatever its name.
+VERL_SECTIONS = ("actor_rollout_ref", "algorithm", "critic", "reward_model", "custom_reward_function",
+                 "ray_kwargs", "ray_init", "global_profiler", "transfer_queue", "sandbox_fusion")
+SHARED_SECTIONS = ("data", "trainer", "reward")  # verl's and longqa's alike
+
+
+class Unsupported(Exception):
+    """A verl value or combination with no longqa counterpart; the text says what longqa does instead."""
+
+
+def _spelled(values: dict, instead: str) -> Callable[[Any], Any]:
+    """A converter for a key whose values longqa spells differently (or lacks: ``instead`` says what it has)."""
+    def convert(value: Any) -> Any:
+        try:
+            return values[value]
+        except (KeyError, TypeError):
+            raise Unsupported(instead) from None
+    return convert
+
+
+@dataclass(frozen=True)
+class Renamed:
+    key: str
+    convert: Callable[[Any], Any] | None = None  # None: the value is read as the longqa key reads it
+
+
+@dataclass(frozen=True)
+class Fixed:
+    values: tuple
+    behaviour: str  # what longqa does, said when another value is asked for
+
+
+@dataclass(frozen=True)
+class Group:
+    keys: tuple[str, ...]
+    resolve: Callable[[dict[str, Any]], list[tuple[str, Any]]]  # the given keys' values -> longqa settings
+    becomes: str
+
+
+RENAMED: dict[str, Renamed] = {
+    MODEL + "path": Renamed("model.path"),
+    MODEL + "tokenizer_path": Renamed("model.tokenizer_path"),
+    MODEL + "enable_gradient_checkpointing": Renamed("model.gradient_checkpointing"),
+    MODEL + "override_config.attn_implementation": Renamed("model.attn_implementation"),
+    ACTOR + "optim.lr": Renamed("actor.lr"),
+    ACTOR + "optim.betas": Renamed("actor.betas"),
+    ACTOR + "optim.weight_decay": Renamed("actor.weight_decay"),
+    ACTOR + "optim.lr_warmup_steps_ratio": Renamed("actor.warmup_ratio"),
+    ACTOR + "optim.lr_scheduler_type": Renamed("actor.lr_schedule"),
+    ACTOR + "optim.min_lr_ratio": Renamed("actor.min_lr_ratio"),
+    ACTOR + "optim.clip_grad": Renamed("actor.grad_clip"),
+    ACTOR + "grad_clip": Renamed("actor.grad_clip"),
+    ACTOR + "ppo_mini_batch_size": Renamed("actor.ppo_mini_batch_size"),
+    ACTOR + "ppo_epochs": Renamed("actor.ppo_epochs"),
+    # Both are token budgets of one forward/backward; longqa's counts a prompt once for its group (packed).
+    ACTOR + "ppo_max_token_len_per_gpu": Renamed("actor.max_tokens_per_micro_batch"),
+    ACTOR + "clip_ratio": Renamed("algo.clip_ratio"),
+    ACTOR + "clip_ratio_low": Renamed("algo.clip_ratio"),
+    ACTOR + "clip_ratio_high": Renamed("algo.clip_ratio_high"),
+    ACTOR + "clip_ratio_c": Renamed("algo.dual_clip_c"),
+    ACTOR + "loss_agg_mode": Renamed("algo.loss_agg_mode"),
+    ACTOR + "entropy_coeff": Renamed("algo.entropy_coeff"),
+    ACTOR + "kl_loss_type": Renamed("algo.kl_type", _spelled(
+        {"low_var_kl": "low_var_kl", "k3": "low_var_kl", "kl": "kl", "k1": "kl", "abs": "abs", "mse": "mse",
+         "k2": "mse"}, "longqa's KL estimators are low_var_kl (k3), kl (k1), abs and mse (k2)")),
+    ROLLOUT + "name": Renamed("rollout.engine", _spelled(
+        {"vllm": "vllm", "hf": "hf"}, "longqa samples with rollout.engine=fast (its own engine), hf or vllm")),
+    ROLLOUT + "n": Renamed("rollout.n"),
+    ROLLOUT + "temperature": Renamed("rollout.temperature"),
+    ROLLOUT + "top_p": Renamed("rollout.top_p"),
+    ROLLOUT + "top_k": Renamed("rollout.top_k", lambda k: -1 if k == 0 else k),  # vLLM reads 0 and -1 as off
+    ROLLOUT + "tensor_model_parallel_size": Renamed("rollout.tensor_model_parallel_size"),
+    ROLLOUT + "gpu_memory_utilization": Renamed("rollout.gpu_memory_utilization"),
+    ROLLOUT + "free_cache_engine": Renamed("rollout.free_cache_engine"),
+    ROLLOUT + "enforce_eager": Renamed("rollout.enforce_eager"),
+    ROLLOUT + "prompt_length": Renamed("data.max_prompt_length"),
+    ROLLOUT + "response_length": Renamed("data.max_response_length"),
+    "algorithm.adv_estimator": Renamed("algo.adv_estimator", _spelled(
+        {"grpo": "grpo", "grpo_vectorized": "grpo", "rloo": "rloo", "rloo_vectorized": "rloo"},
+        "longqa's estimators are grpo (algorithm.norm_adv_by_std_in_grpo=False: Dr. GRPO's advantages) and rloo")),
+    "algorithm.norm_adv_by_std_in_grpo": Renamed("algo.norm_adv_by_std"),
+    "data.seed": Renamed("trainer.seed"),
+    "custom_reward_function.path": Renamed("reward.path"),
+    "custom_reward_function.name": Renamed("reward.name"),
+    "reward.custom_reward_function.path": Renamed("reward.path"),
+    "reward.custom_reward_function.name": Renamed("reward.name"),
+    "trainer.total_training_steps": Renamed("trainer.max_steps"),
+    "trainer.default_local_dir": Renamed("trainer.output_dir"),
+    "trainer.max_actor_ckpt_to_keep": Renamed("trainer.keep_last"),
+}
+
+_GREEDY_VALIDATION = "longqa validates with one greedy answer per question"
+_NO_REWARD_MODEL = "longqa scores with a rule-based reward function (reward.mode, reward.path), not a reward model"
+_ONE_RESPONSE_AT_A_TIME = "longqa scores each response on its own, as verl's naive reward manager does"
+_FSDP = "longqa shards the actor with FSDP2"
+FIXED: dict[str, Fixed] = {
+    ACTOR + "strategy": Fixed(("fsdp", "fsdp2"), _FSDP),
+    ACTOR + "fsdp_config.strategy": Fixed(("fsdp", "fsdp2"), _FSDP),
+    ACTOR + "use_dynamic_bsz": Fixed((True,), "longqa fills each micro-batch up to a token budget (actor_rollout_ref."
+                                     "actor.ppo_max_token_len_per_gpu, actor.max_tokens_per_micro_batch)"),
+    ACTOR + "optim.lr_warmup_steps": Fixed((-1, None), "longqa warms up over a fraction of the steps "
+                                           "(actor_rollout_ref.actor.optim.lr_warmup_steps_ratio, actor.warmup_ratio)"),
+    MODEL + "use_remove_padding": Fixed((True,), "longqa packs sequences without padding"),
+    ROLLOUT + "do_sample": Fixed((True,), "longqa always samples (rollout.temperature=0 is greedy)"),
+    ROLLOUT + "val_kwargs.temperature": Fixed((0,), _GREEDY_VALIDATION),
+    ROLLOUT + "val_kwargs.do_sample": Fixed((False,), _GREEDY_VALIDATION),
+    ROLLOUT + "val_kwargs.n": Fixed((1,), _GREEDY_VALIDATION),
+    ROLLOUT + "val_kwargs.top_p": Fixed((1,), _GREEDY_VALIDATION),
+    ROLLOUT + "val_kwargs.top_k": Fixed((-1, 0), _GREEDY_VALIDATION),
+    "actor_rollout_ref.hybrid_engine": Fixed((True,), "longqa's actor and rollout engine share the GPUs"),
+    "data.prompt_key": Fixed(("prompt",), "longqa reads the prompt from the 'prompt' column of verl's schema"),
+    "data.reward_fn_key": Fixed(("data_source",), "longqa hands the reward the 'data_source' column"),
+    "reward_model.enable": Fixed((False,), _NO_REWARD_MODEL),
+    "reward.reward_model.enable": Fixed((False,), _NO_REWARD_MODEL),
+    "reward_model.reward_manager": Fixed(("naive",), _ONE_RESPONSE_AT_A_TIME),
+    "reward.reward_manager.name": Fixed(("naive",), _ONE_RESPONSE_AT_A_TIME),
+    "trainer.critic_warmup": Fixed((0,), "longqa trains no critic"),
+    "trainer.val_before_train": Fixed((True,), "longqa validates before the first step whenever trainer.test_freq > 0"),
+}
+
+# longqa keys verl shares, where verl has a value longqa spells differently: -1 is verl's "never".
+SHARED_VALUES: dict[str, dict[Any, Any]] = {"trainer.save_freq": {-1: 0}, "trainer.test_freq": {-1: 0}}
+
+
+def _flag(given: dict[str, Any], key: str, default: bool) -> bool:
+    value = given.get(key, default)
+    if not isinstance(value, bool):
+        raise Unsupported(f"{key} must be true or false")
+    return value
+
+
+def _kl_loss(given: dict[str, Any]) -> list[tuple[str, Any]]:
+    """verl adds ``kl_loss_coef`` times the KL to the loss only with ``use_kl_loss``; longqa whenever its
+    ``algo.kl_coef`` is above 0 (and only then loads the reference model)."""
+    use = _flag(given, ACTOR + "use_kl_loss", False)
+    return [("algo.kl_coef", given.get(ACTOR + "kl_loss_coef", 0.001) if use else 0.0)]
+
+
+def _kl_in_reward(given: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The controller and estimator keys shape only the in-reward penalty, which verl (and longqa) skip
+    unless it is on: with it off they are read by no one, in verl as here."""
+    if _flag(given, "algorithm.use_kl_in_reward", False):
+        raise Unsupported("longqa has no KL penalty in the reward; its KL term is in the loss "
+                          "(actor_rollout_ref.actor.use_kl_loss, algo.kl_coef)")
+    return []
+
+
+def _offload(given: dict[str, Any]) -> list[tuple[str, Any]]:
+    params = _flag(given, ACTOR + "fsdp_config.param_offload", False)
+    optimizer = _flag(given, ACTOR + "fsdp_config.optimizer_offload", False)
+    if params != optimizer:
+        raise Unsupported("longqa offloads the weight shards, their gradients and the optimizer step together "
+                          "(actor.cpu_offload): set both to the same value")
+    return [("actor.cpu_offload", params)]
+
+
+def _workers(given: dict[str, Any]) -> list[tuple[str, Any]]:
+    """verl starts its workers through Ray, n_gpus_per_node on each of nnodes nodes: longqa's Ray launcher."""
+    per_node, nodes = given.get("trainer.n_gpus_per_node", 8), given.get("trainer.nnodes", 1)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (per_node, nodes)):
+        raise Unsupported("trainer.n_gpus_per_node and trainer.nnodes must be integers > 0")
+    return [("trainer.launcher", "ray"), ("trainer.ray_workers", per_node * nodes)]
+
+
+def _resume(given: dict[str, Any]) -> list[tuple[str, Any]]:
+    mode = given.get("trainer.resume_mode", "auto")
+    if mode == "resume_path":
+        if not given.get("trainer.resume_from_path"):
+            raise Unsupported("trainer.resume_mode=resume_path needs trainer.resume_from_path")
+        return [("trainer.resume", str(given["trainer.resume_from_path"]))]
+    modes = {"auto": "auto", "disable": "none"}
+    if mode not in modes:
+        raise Unsupported("verl's resume modes are auto, disable and resume_path")
+    return [("trainer.resume", modes[mode])]  # without resume_path verl ignores resume_from_path too
+
+
+GROUPS: tuple[Group, ...] = (
+    Group((ACTOR + "use_kl_loss", ACTOR + "kl_loss_coef"), _kl_loss,
+          "algo.kl_coef: kl_loss_coef (verl's default 0.001) with use_kl_loss=True, else 0"),
+    Group(("algorithm.use_kl_in_reward", "algorithm.kl_penalty", "algorithm.kl_ctrl.type", "algorithm.kl_ctrl.kl_coef",
+           "algorithm.kl_ctrl.horizon", "algorithm.kl_ctrl.target_kl"), _kl_in_reward,
+          "use_kl_in_reward=False only; the kl_ctrl and kl_penalty keys are then read by neither"),
+    Group((ACTOR + "fsdp_config.param_offload", ACTOR + "fsdp_config.optimizer_offload"), _offload,
+          "actor.cpu_offload: both true or both false"),
+    Group(("trainer.n_gpus_per_node", "trainer.nnodes"), _workers,
+          "trainer.launcher=ray with n_gpus_per_node x nnodes trainer.ray_workers"),
+    Group(("trainer.resume_mode", "trainer.resume_from_path"), _resume,
+          "trainer.resume: auto, none (disable) or the resume_from_path of resume_path"),
+)
+_GROUP_OF = {key: group for group in GROUPS for key in group.keys}
+_TAKEN = {*RENAMED, *FIXED, *_GROUP_OF}
+
+
+def verl_key_table() -> list[tuple[str, str]]:
+    """(verl key, what longqa makes of it) for every verl key longqa takes, for ``longqa config keys --verl``."""
+    rows = [(key, rename.key + (" (values converted)" if rename.convert else "")) for key, rename in RENAMED.items()]
+    rows += [(key, f"only {' or '.join(map(repr, fixed.values))}: {fixed.behaviour}") for key, fixed in FIXED.items()]
+    rows += [(key, group.becomes) for group in GROUPS for key in group.keys]
+    rows += [(key, f"{key} (verl's -1 is 0, never)") for key in SHARED_VALUES]
+    return rows
+
+
+def is_verl_line(overrides: Sequence[str]) -> bool:
+    """Whether any override is in verl's vocabulary (not in longqa's): such a line describes a whole run."""
+    def verl(text: str) -> bool:
+        key = split_override(text)[0].lstrip("+")
+        return not is_key(key) and (key in _TAKEN or key.split(".")[0] in VERL_SECTIONS)
+    return any(verl(text) for text in overrides)
+
+
+def _not_taken(key: str) -> str:
+    """Why ``key`` is refused. Outside verl's sections and the three both share, it is longqa's unknown-key
+    message; else a hint only for a near spelling of a sibling key, as verl's names are long and alike."""
+    section = key.split(".")[0]
+    if section not in VERL_SECTIONS and section not in SHARED_SECTIONS:
+        return str(unknown_key(key))
+    parent, _, leaf = key.rpartition(".")
+    siblings = [k.rpartition(".")[2] for k in (*all_keys(), *_TAKEN) if k.rpartition(".")[0] == parent]
+    close = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.88)
+    hint = f"; did you mean '{parent}.{close[0]}'?" if close else ""
+    return f"'{key}': neither a longqa setting nor a verl setting longqa has{hint}"
+
+
+@dataclass
+class _Setting:
+    key: str  # longqa's
+    value: Any
+    given_as: str  # the override(s) as typed, for messages
+    from_verl: bool
+
+
+def _conflicts(settings: list[_Setting]) -> list[str]:
+    """One problem per longqa key given different values under different names (a verl key among them)."""
+    by_key: dict[str, list[_Setting]] = {}
+    for setting in settings:
+        by_key.setdefault(setting.key, []).append(setting)
+    problems = []
+    for key, same in by_key.items():
+        if any(s.from_verl for s in same) and any(s.value != same[0].value for s in same):
+            problems.append(f"{key} is given different values: {', '.join(s.given_as for s in same)}")
+    return problems
+
+
+def _translate(overrides: Sequence[str]) -> tuple[list[_Setting], list[str]]:
+    """Every override as longqa settings (values not yet checked), and the overrides longqa cannot take."""
+    settings, problems, grouped = [], [], {}
+    for text in overrides:
+        key, raw = split_override(text)
+        given_as = f"{key}={raw}"
+        key = key.lstrip("+")  # hydra's "add" markers
+        if is_key(key):
+            value = parse_value(key, raw)
+            if key in SHARED_VALUES:
+                value = SHARED_VALUES[key].get(value, value)
+            settings.append(_Setting(key, value, given_as, False))
+            continue
+        value = parse_value(key, raw)  # YAML, as hydra reads it
+        if key in RENAMED:
+            rename = RENAMED[key]
+            try:
+                value = rename.convert(value) if rename.convert else parse_value(rename.key, raw)
+            except Unsupported as e:
+                problems.append(f"{given_as}: {e}")
+                continue
+            settings.append(_Setting(rename.key, value, given_as, True))
+        elif key in FIXED:
+            if value not in FIXED[key].values:
+                problems.append(f"{given_as}: {FIXED[key].behaviour}")
+        elif key in _GROUP_OF:
+            given = grouped.setdefault(_GROUP_OF[key], {})
+            if key in given and given[key][1] != value:
+                problems.append(f"{key} is given different values: {given[key][0]}, {given_as}")
+            given[key] = (given_as, value)
+        else:
+            problems.append(_not_taken(key))
+    for group, given in grouped.items():
+        given_as = " ".join(text for text, _ in given.values())
+        try:
+            settings += [_Setting(key, value, given_as, True)
+                         for key, value in group.resolve({k: v for k, (_, v) in given.items()})]
+        except Unsupported as e:
+            problems.append(f"{given_as}: {e}")
+    return settings, problems
+
+
+def resolve_overrides(overrides: Sequence[str]) -> list[tuple[str, Any]]:
+    """``key=value`` overrides, longqa's or verl's, as (longqa key, checked value) in the order given.
+
+    Raises one ConfigError naming every override that cannot be used: unknown keys, verl keys or values
+    longqa has no counterpart for, bad values, and one setting given different values under two names.
+    """
+    settings, problems = _translate(overrides)
+    for setting in settings:
+        try:
+            setting.value = checked(setting.key, setting.value)
+        except ConfigError as e:
+            problems.append(f"{e} (given as {setting.given_as})" if setting.from_verl else str(e))
+    problems += _conflicts(settings)
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigError(f"{len(problems)} overrides cannot be used (verl keys are taken where longqa has the "
+                          f"setting: `longqa config keys --verl`):\n  - " + "\n  - ".join(problems))
+    return [(setting.key, setting.value) for setting in settings]

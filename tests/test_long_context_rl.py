@@ -1,0 +1,101 @@
+"""``benchmarks/long_context_rl_gpu.sh``: its summary of three evaluations, and the whole script at a tiny
+scale on the CPU (``LONGQA_SMOKE=1``), every stage feeding the next."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "long_context_rl_gpu.sh"
+
+
+def _summary_module():
+    path = ROOT / "benchmarks" / "long_context_summary.py"
+    spec = importlib.util.spec_from_file_location("long_context_summary", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _eval_result(by_length: dict[int, tuple[int, float]], by_hops: dict[int, tuple[int, float]]) -> dict:
+    """What ``longqa eval --output`` writes, reduced to what the summary reads."""
+    n = sum(count for count, _ in by_length.values())
+    correct = sum(count * accuracy for count, accuracy in by_length.values())
+    return {"all": {"n": n, "accuracy": correct / n},
+            "by_length": [{"target_tokens": k, "n": c, "accuracy": a} for k, (c, a) in by_length.items()],
+            "by_hops": [{"hops": k, "n": c, "accuracy": a} for k, (c, a) in by_hops.items()]}
+
+
+def test_the_summary_compares_the_three_models_per_length_and_counts_overlapping_stages_once(tmp_path):
+    summary_module = _summary_module()
+    for name, (short, long) in {"embedded": (0.5, 0.0), "sft": (0.75, 0.25), "grpo": (0.75, 0.5)}.items():
+        result = _eval_result({512: (4, short), 4096: (4, long)}, {2: (6, 0.5), 3: (2, 0.5)})
+        (tmp_path / f"eval_{name}.json").write_text(json.dumps(result))
+    (tmp_path / "timings.tsv").write_text("data\t100\t110\nside\t110\t150\nsft\t110\t200\ngrpo\t200\t230\n")
+    summary = summary_module.summarize(tmp_path)
+    assert summary["by_length"] == [
+        {"target_tokens": 512, "n": 4, "embedded": 0.5, "sft": 0.75, "grpo": 0.75, "gain": 0.0},
+        {"target_tokens": 4096, "n": 4, "embedded": 0.0, "sft": 0.25, "grpo": 0.5, "gain": 0.25}]
+    assert summary["all"] == {"n": 8, "embedded": 0.25, "sft": 0.5, "grpo": 0.625, "gain": 0.125}
+    assert [row["hops"] for row in summary["by_hops"]] == [2, 3]
+    assert summary["timings_s"] == {"data": 10, "side": 40, "sft": 90, "grpo": 30} and summary["wall_s"] == 130
+    table = summary_module.markdown(summary)
+    assert "| 4096 | 4 | 0.000 | 0.250 | 0.500 | +25.0 points |" in table and "| all | 8 |" in table
+
+    mismatched = _eval_result({512: (4, 0.75), 4096: (3, 0.5)}, {2: (7, 0.5)})
+    (tmp_path / "eval_grpo.json").write_text(json.dumps(mismatched))
+    with pytest.raises(ValueError, match="target_tokens=4096: the evaluations answered different questions"):
+        summary_module.summarize(tmp_path)
+
+
+def test_the_script_and_its_config_agree_on_the_limits():
+    """The script evaluates with the config's prompt and response limits and gives the supervised model
+    room for both."""
+    import re
+
+    from longqa.config import load_config
+
+    cfg = load_config(ROOT / "configs" / "gpu-long.yaml")
+    positions, prompt, response = map(int, re.search(r"^positions=(\d+) prompt_limit=(\d+) response_limit=(\d+)",
+                                                     SCRIPT.read_text(), re.M).groups())
+    assert (prompt, response) == (cfg.data.max_prompt_length, cfg.data.max_response_length)
+    assert prompt + response <= positions
+
+
+@pytest.mark.slow
+def test_the_script_runs_every_stage_at_a_tiny_scale(tmp_path):
+    from longqa.data.io import read_rows
+    from longqa.report import read_metrics
+
+    out = tmp_path / "run"
+    done = subprocess.run(["bash", str(SCRIPT), str(out), "1", "actor.lr=2e-5"],
+                          env={**os.environ, "LONGQA_SMOKE": "1"}, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+
+    held_out = {length: read_rows(out / f"data/rl/ctx{length}/merged/test.parquet") for length in (256, 512)}
+    assert [r["extra_info"]["question_id"] for r in held_out[256]] == [
+        r["extra_info"]["question_id"] for r in held_out[512]]  # the same questions at each length
+    assert json.loads((out / "sft/config.json").read_text())["max_position_embeddings"] == 4608
+
+    records = read_metrics(out / "grpo/metrics.jsonl")
+    validations = [r for r in records if "val/accuracy" in r]
+    assert [r["step"] for r in records] == [0, 1, 2] and [r["step"] for r in validations] == [0, 2]
+    assert records[-1]["lr"] == pytest.approx(2e-5)  # the override given after MINUTES_SFT
+    assert {"val/accuracy@256", "val/accuracy@512"} <= set(validations[-1])
+    assert (out / "report/accuracy_by_length.png").is_file() and (out / "accuracy_by_length.png").is_file()
+
+    summary = json.loads((out / "summary.json").read_text())
+    for name in ("embedded", "sft", "grpo"):  # the summary holds what each evaluation measured
+        by_length = json.loads((out / f"eval_{name}.json").read_text())["by_length"]
+        assert [(g["target_tokens"], g["n"], g["accuracy"]) for g in by_length] == [
+            (row["target_tokens"], row["n"], row[name]) for row in summary["by_length"]]
+    assert [row["n"] for row in summary["by_length"]] == [len(held_out[256]), len(held_out[512])]
+    assert set(summary["timings_s"]) == {"data", "eval_embedded", "sft", "eval_sft", "grpo", "eval_grpo"}
+    assert "GRPO - supervised" in (out / "summary.md").read_text()
+    assert "== summary:" in done.stdout
