@@ -98,7 +98,7 @@ def test_prompt_half_per_split(n, r):
 
 
 def check_full(groups, n, kv_heads, r, d, prefix_len, own_len, prompt_view, own_view, dtype=torch.float32, tol=1e-5,
-               block_n=16, splits=(None, None), window=None, softcap=None, queries=1):
+               block_n=16, splits=(None, None), window=None, softcap=None, queries=1, max_block_m=128):
     """Both halves merged == naive attention over [group's prompt keys ; own keys] for every token (with a
     window: only the last ``window`` of them, the token's own key being the last). A row feeds ``queries``
     tokens, its last ``queries`` own keys: token i reads own keys up to ``own_len - queries + i``."""
@@ -108,7 +108,8 @@ def check_full(groups, n, kv_heads, r, d, prefix_len, own_len, prompt_view, own_
     q = torch.randn(rows * queries, heads, d, device=DEVICE).to(dtype)
     prefix_t, own_t = torch.tensor(prefix_len, device=DEVICE), torch.tensor(own_len, device=DEVICE)
     got = shared_prefix_attention(q, pk, pv, prefix_t, sk, sv, own_t, n, prompt_view, own_view, scaling, block_n,
-                                  splits=splits, window=window, softcap=softcap, queries=queries)
+                                  splits=splits, window=window, softcap=softcap, queries=queries,
+                                  max_block_m=max_block_m)
     assert got.shape == (rows * queries, heads, d) and got.dtype == dtype
     for row in range(rows):
         g = row // n
@@ -147,17 +148,18 @@ def test_sliding_window_and_soft_capping(window, softcap, splits):
 
 
 @needs_triton
-@pytest.mark.parametrize("queries, window, softcap", [(2, None, None), (4, None, 0.5), (3, 6, None)])
-def test_several_tokens_per_row(queries, window, softcap):
+@pytest.mark.parametrize("queries, window, softcap, max_block_m", [(2, None, None, 128), (4, None, 0.5, 16),
+                                                                   (3, 6, None, 16)])
+def test_several_tokens_per_row(queries, window, softcap, max_block_m):
     """A step verifying drafts: each row feeds ``queries`` tokens, causal among themselves; rows whose
     tokens' own keys start inside a split, a finished row (no own key; without a window, where its
-    tokens' positions are defined), a window ending among the new tokens; on a GPU the compiled kernel
-    against the same float64 reference."""
+    tokens' positions are defined), a window ending among the new tokens, a group's cells in one tile
+    or in two (``max_block_m``); on a GPU the compiled kernel against the same float64 reference."""
     torch.manual_seed(queries)
     groups, n = 2, 3
     prefix_len, own_len = [40, 9], [queries, 13, 0 if window is None else queries, 7, queries + 1, 16]
     check_full(groups, n, 2, 2, 16, prefix_len, own_len, 40, 16, splits=(2, 3), window=window, softcap=softcap,
-               queries=queries)
+               queries=queries, max_block_m=max_block_m)
 
 
 @pytest.mark.parametrize("queries, window, softcap", [(1, None, None), (3, None, None), (4, 5, 0.5)])

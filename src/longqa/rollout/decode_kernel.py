@@ -29,6 +29,7 @@ import math
 import torch
 
 SM_FALLBACK = 132  # H100/H200; used when the device is not a CUDA device (the interpreter)
+MAX_BLOCK_M = 128  # the most query cells of one prompt-half tile; a group with more takes several tiles
 WAVES = 2  # the default split count aims at this many programs per SM (measured: benchmarks/decode_attention_sweep.py)
 
 
@@ -87,7 +88,7 @@ def shared_prefix_attention(q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_
                             dtype: torch.dtype | None = None, waves: float = WAVES, num_warps: int = 4,
                             num_stages: int = 3, splits: tuple[int | None, int | None] = (None, None),
                             partials: bool = False, window: int | None = None, softcap: float | None = None,
-                            queries: int = 1):
+                            queries: int = 1, max_block_m: int = MAX_BLOCK_M):
     """One layer's decode attention over the store: ``q`` ``[rows * queries, heads, d]`` (rows =
     groups*n, group-major; ``queries`` consecutive tokens per row) against its group's prompt keys
     ``[0, prefix_len[g])`` and its own keys -> ``[rows * queries, heads, d]`` in ``dtype`` (default
@@ -103,7 +104,9 @@ def shared_prefix_attention(q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_
     ``[rows * queries, heads, S]`` (base 2; -inf where a split has no key), prompt splits first.
     ``window``: a token at position ``p`` (token i of a row: ``prefix_len[g] + own_len[row] - queries +
     i``) reads keys at positions ``> p - window`` only (prompt key i at position i, own key j at
-    ``prefix_len[g] + j``); ``softcap``: scores become ``softcap * tanh(score / softcap)``."""
+    ``prefix_len[g] + j``); ``softcap``: scores become ``softcap * tanh(score / softcap)``. A group's
+    prompt-half cells (n x queries x r) go in tiles of at most ``max_block_m`` (more when one row's
+    queries x r need it): each tile reads the group's prompt once."""
     groups, kv_heads, _, d = prefix_k.shape
     heads = q.shape[1]
     rows = suffix_k.shape[0]
@@ -123,22 +126,25 @@ def shared_prefix_attention(q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_
         q = q.contiguous()
     partial_kernel, merge_kernel = _kernel()
     r = heads // kv_heads
+    block_m = max(16, _next_power_of_2(max(min(n * queries * r, max_block_m), queries * r)))
+    m_blocks = -(-n * queries * r // block_m)
     sms = _sm_count(q.device)
-    prompt_splits, prompt_chunk = split_plan(prompt_view, splits[0], block_n, groups * kv_heads, sms, waves)
+    prompt_splits, prompt_chunk = split_plan(prompt_view, splits[0], block_n, groups * kv_heads * m_blocks, sms,
+                                             waves)
     own_splits, own_chunk = split_plan(own_view, splits[1], block_n, rows * kv_heads, sms, waves)
     total = prompt_splits + own_splits
     cells = rows * queries  # query rows of q
     out = torch.empty(cells, heads, total, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(cells, heads, total, dtype=torch.float32, device=q.device)
     result = torch.empty(cells, heads, d, dtype=dtype or q.dtype, device=q.device)
-    prompt_programs = groups * kv_heads * prompt_splits
+    prompt_programs = groups * kv_heads * prompt_splits * m_blocks
     if cells * heads:
         partial_kernel[(prompt_programs + rows * kv_heads * own_splits,)](
             q, prefix_k, prefix_v, prefix_len.contiguous(), suffix_k, suffix_v, own_len.contiguous(), out, lse,
             q.stride(0), q.stride(1), *prefix_k.stride()[:3], *prefix_v.stride()[:3], *suffix_k.stride()[:3],
             *suffix_v.stride()[:3], scaling * math.log2(math.e), float(softcap or 0.0), int(window or 0), kv_heads,
             n, r, queries, heads, prompt_view, own_view, prompt_chunk, own_chunk, prompt_splits, own_splits,
-            prompt_programs, BLOCK_M=max(16, _next_power_of_2(n * queries * r)), BLOCK_N=block_n, D=d,
+            prompt_programs, m_blocks, BLOCK_M=block_m, BLOCK_N=block_n, D=d,
             IEEE=q.dtype == torch.float32, WINDOW=window is not None, SOFTCAP=softcap is not None,
             CAUSAL=queries > 1, num_warps=num_warps, num_stages=num_stages)
         merge_kernel[(cells * heads,)](out, lse, result, total, BLOCK_S=_next_power_of_2(max(total, 2)), D=d)

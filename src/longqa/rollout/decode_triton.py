@@ -74,26 +74,27 @@ def partial_kernel(
         stride_qr, stride_qh, stride_pkb, stride_pkh, stride_pkn, stride_pvb, stride_pvh, stride_pvn,
         stride_skb, stride_skh, stride_skn, stride_svb, stride_svh, stride_svn,
         scale_log2, softcap, window, kv_heads, n, r, queries, heads, prompt_view, own_view, prompt_chunk, own_chunk,
-        prompt_splits, own_splits, prompt_programs,
+        prompt_splits, own_splits, prompt_programs, m_blocks,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr,
         WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr):
-    """Programs ``[0, prompt_programs)`` take the prompt half, the rest the own half. Row ``b`` feeds
-    ``queries`` tokens, Q rows ``b * queries + i``; token i sits at position ``PLEN[group] + OLEN[b] -
-    queries + i``, reads own keys below ``OLEN[b] - queries + 1 + i`` and, with a window, keys at
-    positions ``> its position - window`` only."""
+    """Programs ``[0, prompt_programs)`` take the prompt half (a group's cells in ``m_blocks`` tiles), the
+    rest the own half. Row ``b`` feeds ``queries`` tokens, Q rows ``b * queries + i``; token i sits at
+    position ``PLEN[group] + OLEN[b] - queries + i``, reads own keys below ``OLEN[b] - queries + 1 + i``
+    and, with a window, keys at positions ``> its position - window`` only."""
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     total_splits = prompt_splits + own_splits
-    if pid < prompt_programs:  # prompt half: cell m = (j*queries + i)*r + t is token i of row b*n + j, head h*r + t
-        split, b, h, lo, hi = locate(pid, prompt_splits, prompt_chunk, kv_heads, PLEN, prompt_view)
-        q_rows = b * n * queries + offs_m // r
-        valid_m = offs_m < n * queries * r
+    if pid < prompt_programs:  # prompt half: cell c = (j*queries + i)*r + t is token i of row b*n + j, head h*r + t
+        split, b, h, lo, hi = locate(pid // m_blocks, prompt_splits, prompt_chunk, kv_heads, PLEN, prompt_view)
+        cell = pid % m_blocks * BLOCK_M + offs_m
+        q_rows = b * n * queries + cell // r
+        valid_m = cell < n * queries * r
         key_lo = tl.zeros([BLOCK_M], tl.int32)
         if WINDOW:
             own = tl.load(OLEN + q_rows // queries, mask=valid_m, other=1).to(tl.int32)
-            key_lo = tl.load(PLEN + b).to(tl.int32) + own - queries + (offs_m // r) % queries + 1 - window
+            key_lo = tl.load(PLEN + b).to(tl.int32) + own - queries + (cell // r) % queries + 1 - window
         attend_split(Q, PK + b * stride_pkb + h * stride_pkh, PV + b * stride_pvb + h * stride_pvh, OUT, LSE,
-                     q_rows, h * r + offs_m % r, valid_m, lo, hi, key_lo, tl.zeros([BLOCK_M], tl.int32) + hi, split,
+                     q_rows, h * r + cell % r, valid_m, lo, hi, key_lo, tl.zeros([BLOCK_M], tl.int32) + hi, split,
                      stride_qr, stride_qh, stride_pkn, stride_pvn, scale_log2, softcap, heads, total_splits, BLOCK_M,
                      BLOCK_N, D, IEEE, WINDOW, SOFTCAP, False)
     else:  # own half: cell m = i*r + t is token i of row b, head h*r + t
