@@ -140,15 +140,16 @@ def test_stop_strings_cut_the_same_tokens(tokenizer):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(qwen3_config(len(tokenizer), 32, 2, 4, 2)).eval()
     ids = [tokenizer.encode(t) for t in ("Passage 1: Veldora", "Question: In which city")]
-    reasons = []
+    reasons, accepted = [], 0
     for stops in (("a",), ("e",), ("Quillex",)):
         params = SamplingParams(n=2, temperature=0, max_new_tokens=15, stop_strings=stops)
         plain = FastRolloutEngine(model, tokenizer, sync_every=4).generate(ids, params)
-        spec = FastRolloutEngine(model, tokenizer, sync_every=4, speculative="prompt_lookup",
-                                 num_speculative_tokens=3, prompt_lookup_min=1).generate(ids, params)
-        assert_same_samples(plain, spec)
+        engine = FastRolloutEngine(model, tokenizer, sync_every=4, speculative="prompt_lookup",
+                                   num_speculative_tokens=3, prompt_lookup_min=1)
+        assert_same_samples(plain, engine.generate(ids, params))
         reasons += [s.finish_reason for g in plain for s in g]
-    assert "stop" in reasons and "length" in reasons
+        accepted += engine.last_run["accepted_draft_tokens"]
+    assert "stop" in reasons and "length" in reasons and accepted > 0
 
 
 def oracle(samples: list[list[int]], wrong_at: int | None):
