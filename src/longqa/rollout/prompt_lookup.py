@@ -1,4 +1,4 @@
-"""Prompt-lookup drafts: what followed the last place a sample's latest tokens already occur in its text.
+"""Prompt-lookup drafts: what followed an earlier occurrence of a sample's latest tokens in its own text.
 
 Answers to long-context questions copy from their context (the reasoning restates supporting facts
 word for word, the answer repeats a name from the passages), and from themselves. So the sample's own
