@@ -21,7 +21,7 @@ mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 timeout 300 python -m pytest -q tests/test_speculative.py tests/test_decode_kernel.py -k "cuda or several" 2>&1 | tail -2
 python benchmarks/speculative_rollout.py ${MODEL:+--model "$MODEL"} --context-tokens "${CONTEXT:-768}" \
-    --rows-per-task 128 --longest --prompts 256 -n 8 --max-new-tokens 256 --k 2 4 8 --device cuda \
+    --rows-per-task 344 --longest --prompts 256 -n 8 --max-new-tokens 256 --k 2 4 8 --device cuda \
     --work-dir "$out/data" --json "$out/real_samples.json" 2>&1 | grep '^{'
 longqa() { python -m longqa.cli "$@" 2>&1 | grep '^{'; }
 common=(--shape qwen3-1.7b --prompt 8192 --new-tokens 1024 -n 8 --groups 16 --lengths max --hf-new-tokens 0)

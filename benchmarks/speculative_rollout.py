@@ -26,8 +26,8 @@ import torch
 
 
 def load_prompts(args, tokenizer) -> list[list[int]]:
-    """The first (or with ``--longest`` the longest) ``args.prompts`` prompts of the data, templated and
-    tokenized as `longqa train` does."""
+    """``args.prompts`` prompts of the data spread evenly over it (merged files are ordered by task), or
+    with ``--longest`` the longest, templated and tokenized as `longqa train` does."""
     from longqa.data.prompts import PromptOptions, prepare_prompts
     from longqa.data.synth import generate
 
@@ -36,8 +36,10 @@ def load_prompts(args, tokenizer) -> list[list[int]]:
         generate(data.parent.parent, rows_per_task=args.rows_per_task, context_tokens=args.context_tokens,
                  max_hops=3, test_ratio=0.25, seed=args.seed)
     prompts = prepare_prompts([data], tokenizer, PromptOptions(args.max_prompt_length))
-    order = sorted(range(len(prompts)), key=lambda i: -len(prompts.ids(i))) if args.longest else range(len(prompts))
-    order = order[:args.prompts]
+    if args.longest:
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts.ids(i)))[:args.prompts]
+    else:
+        order = range(0, len(prompts), max(1, len(prompts) // args.prompts))[:args.prompts]
     return [prompts.ids(i).tolist() for i in order]
 
 
@@ -75,7 +77,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--seed", type=int, default=2026)
     p.add_argument("--max-prompt-length", type=int, default=4096)
     p.add_argument("--prompts", type=int, default=64, help="how many prompts (default 64)")
-    p.add_argument("--longest", action="store_true", help="the longest prompts of the data, not the first")
+    p.add_argument("--longest", action="store_true", help="the longest prompts of the data (default: spread evenly)")
     p.add_argument("-n", type=int, default=8, help="samples per prompt (default 8)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=1.0)
