@@ -27,7 +27,7 @@ def gradients(m):
     """Loss and every parameter's gradient for one fixed packed group through the actor's own path."""
     cfg = load_config(None, ["actor.shared_prompt=true", "rollout.n=3", "data.train_batch_size=1",
                              "actor.ppo_mini_batch_size=1", "actor.attention_backend=dense"])
-    actor = Actor(m, cfg, 1, torch.device("cpu"))
+    actor = Actor(m, cfg, 1, next(m.parameters()).device)
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(1, 101, (40,), generator=g).tolist()
     responses = [torch.randint(1, 101, (r,), generator=g).tolist() for r in (7, 19, 12)]

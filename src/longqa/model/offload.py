@@ -4,10 +4,14 @@ its backward, instead of on the GPU.
 Recomputing a layer (gradient checkpointing) frees its activations for the price of a second forward
 pass, a third more of the layer's training FLOPs. Copying them to pinned host memory frees the same
 memory for the price of host-device transfers, which run on their own CUDA streams beside the compute:
-the first layers' copies out overlap the rest of the forward pass, and their copies back start a few
-layers ahead in the backward pass. A Qwen3-8B layer of a 32K-token pack saves about 4 GB: about 80 ms
-each way at the ~50 GB/s of a PCIe 5 link, against about 40 ms of forward and 80 ms of backward
-compute per layer, so the first layers' copies hide behind the rest of the model.
+the first layers' copies out overlap the rest of the forward pass, and their copies back start early in
+the backward pass. A Qwen3-8B layer of a 32K-token pack saves about 4 GB: about 80 ms each way at the
+~50 GB/s of a PCIe 5 link, against about 40 ms of forward and 80 ms of backward compute per layer.
+
+With k layers offloaded, layer j comes back when the backward pass reaches layer j + k, so each copy
+has k layers of backward compute to arrive in. The device then holds at most k + 1 layers' activations
+during the backward pass (the k - i brought back early and the i + 1 kept ones not yet freed), no more
+than the forward pass's L - k as long as k is under half of the L layers.
 
 Only activations travel: tensors below ``MIN_BYTES`` stay, and so do weights (a saved parameter is a
 reference to memory that stays anyway). Each tensor comes back with its shape and strides, since
@@ -22,7 +26,6 @@ import torch
 from torch import nn
 
 MIN_BYTES = 1 << 20  # smaller tensors are not worth a transfer
-LOOKAHEAD = 2  # the backward pass of layer i starts bringing back layers i-1 and i-2
 
 
 class _Saved:
@@ -51,8 +54,9 @@ class ActivationOffload:
     training forward (transformers calls it where gradient checkpointing's function would go);
     ``late_loads`` counts tensors the backward pass needed before their copy back had been started."""
 
-    def __init__(self, offloaded: int, lookahead: int = LOOKAHEAD, min_bytes: int = MIN_BYTES):
-        self.offloaded, self.lookahead, self.min_bytes = offloaded, lookahead, min_bytes
+    def __init__(self, offloaded: int, lookahead: int | None = None, min_bytes: int = MIN_BYTES):
+        self.offloaded, self.min_bytes = offloaded, min_bytes
+        self.lookahead = offloaded if lookahead is None else lookahead  # layers between a copy back and its use
         self.pending: dict[int, list[_Saved]] = {}  # per layer, activations not yet brought back
         self.bytes_offloaded = 0
         self.late_loads = 0
@@ -137,7 +141,7 @@ def _restride(t: torch.Tensor, saved: _Saved) -> torch.Tensor:
     return torch.empty_strided(saved.size, saved.stride, dtype=t.dtype, device=t.device).copy_(t)
 
 
-def offload_layers(model, fraction: float, lookahead: int = LOOKAHEAD,
+def offload_layers(model, fraction: float, lookahead: int | None = None,
                    min_bytes: int = MIN_BYTES) -> ActivationOffload | None:
     """Keep the activations of the first ``fraction`` of the decoder layers in host memory during
     training; returns the offload (None when no layer is offloaded). Layers recomputed by
@@ -149,7 +153,7 @@ def offload_layers(model, fraction: float, lookahead: int = LOOKAHEAD,
     if not count:
         return None
     offload = ActivationOffload(count, lookahead, min_bytes)
-    for i, layer in enumerate(layers[:count + lookahead]):
+    for i, layer in enumerate(layers[:count + offload.lookahead]):
         if not isinstance(layer, GradientCheckpointingLayer):
             raise TypeError(f"{type(layer).__name__} is not a transformers GradientCheckpointingLayer: its "
                             f"activations cannot be offloaded")
