@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# GRPO past the supervised ceiling at long contexts: one command on one GPU (data 17 s, sft 2.5-3 min and
-# evaluations about 30 s each on an H200; GRPO not yet timed: benchmarks/RESULTS.md, "Long contexts").
+# GRPO past the supervised ceiling at long contexts: one command on one GPU, about 9 minutes on an H200 (data
+# 30 s, sft 2.5-3 min, GRPO about 4.5 min for 30 steps, evaluations 30-40 s each: benchmarks/RESULTS.md,
+# "Long contexts").
 #   data       `longqa data synth` with the embedded model's tokenizer: supervised-training questions at
 #              512-4,096-token contexts, and GRPO questions at 512, 1,024, 2,048 and 4,096 tokens whose
 #              held-out split (405 questions, the same at every length) is the evaluation set

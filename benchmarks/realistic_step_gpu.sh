@@ -2,13 +2,13 @@
 # GRPO steps with realistic response lengths, and the packed update's MFU (benchmarks/RESULTS.md, "Realistic
 # steps"). Needs one CUDA GPU with about 140 GB (an H200; pick it with CUDA_VISIBLE_DEVICES).
 #
-# Usage, from the repository root:  bash benchmarks/realistic_step_gpu.sh step|train|train-8b-naive [OUTPUT_DIR]
+# Usage, from the repository root:  bash benchmarks/realistic_step_gpu.sh step|train [OUTPUT_DIR]
 #   step:  20 steps of Qwen3-1.7B, 16 prompts x 8 samples, 8,192-token prompts, responses drawn from the
 #          clipped log-normal (mean about 40% of 1,024 tokens); recompilations and graph captures per step.
-#   train: forward+backward of one group, naive padded layout (every layer recomputed, else it does not
-#          fit) against the packed layout (layers recomputed as the shape needs) with each packed attention
-#          backend (flex, split), Qwen3-1.7B 8,192 + 1,024 x 8 and Qwen3-8B 16,384 + 2,048 x 8 (its naive
-#          layout, about two minutes more: train-8b-naive), decoder layers compiled as in training.
+#   train: forward+backward of one group in the packed layout (the split attention backend) and the naive
+#          padded layout (every layer recomputed, else it does not fit), decoder layers compiled as in
+#          training: Qwen3-8B 16,384 + 2,048 x 8 (its first quarter of the layers offloaded to host memory,
+#          the least that fits) and Qwen3-1.7B 8,192 + 1,024 x 8 (nothing recomputed or offloaded).
 set -uo pipefail
 what=${1:?step or train}; out=${2:-${OUT:-/tmp/longqa-realistic}}
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -20,18 +20,10 @@ if [ "$what" = step ]; then
         --lengths lognormal --json "$out/step_1.7b_lognormal.json"
     exit
 fi
-if [ "$what" = train-8b-naive ]; then
-    longqa bench train --shape qwen3-8b --prompt 16384 --response 2048 -n 8 --layouts naive --compile \
-        --repeat 1 --json "$out/train_8b_naive.json"
-    exit
-fi
-longqa bench train --shape qwen3-1.7b --prompt 8192 --response 1024 -n 8 --layouts naive --compile \
-    --repeat 2 --json "$out/train_1.7b_naive.json"
-for backend in flex split; do
-    longqa bench train --shape qwen3-1.7b --prompt 8192 --response 1024 -n 8 --layouts packed --compile \
-        --backend $backend --checkpoint-fraction 0 --json "$out/train_1.7b_packed_$backend.json"
-done
-for backend in flex split; do
-    longqa bench train --shape qwen3-8b --prompt 16384 --response 2048 -n 8 --layouts packed --compile \
-        --backend $backend --checkpoint-fraction 0.25 --repeat 2 --json "$out/train_8b_packed_$backend.json"
-done
+E8=(--shape qwen3-8b --prompt 16384 --response 2048 -n 8 --compile)
+E17=(--shape qwen3-1.7b --prompt 8192 --response 1024 -n 8 --compile)
+longqa bench train "${E8[@]}" --layouts packed --backend split --checkpoint-fraction 0 --activation-offload 0.25 \
+    --repeat 2 --json "$out/train_8b_packed.json"
+longqa bench train "${E17[@]}" --layouts packed --backend split --checkpoint-fraction 0 --json "$out/train_1.7b_packed.json"
+longqa bench train "${E17[@]}" --layouts naive --repeat 2 --json "$out/train_1.7b_naive.json"
+longqa bench train "${E8[@]}" --layouts naive --repeat 1 --json "$out/train_8b_naive.json"
