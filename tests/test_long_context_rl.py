@@ -99,3 +99,14 @@ def test_the_script_runs_every_stage_at_a_tiny_scale(tmp_path):
     assert set(summary["timings_s"]) == {"data", "eval_embedded", "sft", "eval_sft", "grpo", "eval_grpo"}
     assert "GRPO - supervised" in (out / "summary.md").read_text()
     assert "== summary:" in done.stdout
+
+    again = tmp_path / "again"  # GRPO alone, another setting, from the same data and supervised model
+    done = subprocess.run(["bash", str(SCRIPT), str(again), "1", "actor.lr=3e-5"],
+                          env={**os.environ, "LONGQA_SMOKE": "1", "LONGQA_FROM": str(out)},
+                          capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "== sft:" not in done.stdout and (again / "sft").resolve() == (out / "sft").resolve()
+    assert read_metrics(again / "grpo/metrics.jsonl")[-1]["lr"] == pytest.approx(3e-5)
+    again_summary = json.loads((again / "summary.json").read_text())
+    assert [row["sft"] for row in again_summary["by_length"]] == [row["sft"] for row in summary["by_length"]]
+    assert set(again_summary["timings_s"]) == {"grpo", "eval_grpo"}
