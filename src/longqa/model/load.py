@@ -92,13 +92,13 @@ def checkpoint_layers(model, fraction: float = 1.0, first: int = 0) -> int:
     compute; recomputing only as many as memory needs keeps most of it (a Qwen3-8B group of 32K tokens on
     one H200: 37.5% MFU with all 36 layers recomputed, 44.5% with 9; benchmarks/RESULTS.md)."""
     layers = model.base_model.layers
-    count = min(round(fraction * len(layers)), len(layers) - first)
-    if count > 0:
+    count = round(fraction * len(layers))
+    if count:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
         for i, layer in enumerate(layers):
             layer.gradient_checkpointing = first <= i < first + count
-    return max(count, 0)
+    return count
 
 
 def arrange_layer_memory(model, checkpoint_fraction: float = 0.0, offload_fraction: float = 0.0):
