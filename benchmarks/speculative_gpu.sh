@@ -19,7 +19,7 @@ out=${1:-/tmp/longqa-speculative}
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-python benchmarks/speculative_rollout.py ${MODEL:+--model "$MODEL"} --context-tokens "${CONTEXT:-768}" \
+python benchmarks/speculative_rollout.py ${MODEL:+--model "$MODEL"} --context-tokens "${CONTEXT:-768}" --max-prompt-length $(( ${CONTEXT:-768} + 512 )) \
     --rows-per-task 344 --longest --prompts 256 -n 8 --max-new-tokens 256 --k 2 4 8 --device cuda \
     --work-dir "$out/data" --json "$out/real_samples.json" 2>&1 | grep '^{'
 longqa() { python -m longqa.cli "$@" 2>&1 | grep '^{'; }
