@@ -225,7 +225,7 @@ def cmd_cluster(args: argparse.Namespace) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
-    from longqa.distributed.planner import GIB, ModelSizes, check_config, model_sizes, plan_config
+    from longqa.distributed.planner import GIB, ModelSizes, check_config, describe_training, model_sizes, plan_config
 
     cfg = load_config(args.config, args.overrides)
     if args.shape:
@@ -239,8 +239,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
         if sizes is None:
             raise ConfigError("longqa plan cannot size a GGUF model: pass --shape")
     plan = plan_config(cfg, sizes, args.gpus, int(args.gpu_memory_gib * GIB))
-    print(f"{sizes.params / 1e9:.2f}B parameters on {args.gpus} GPU(s) of {args.gpu_memory_gib:g} GiB"
-          f"{' with CPU offload' if cfg.actor.cpu_offload else ''}:\n{plan.table()}")
+    print(f"{sizes.params / 1e9:.2f}B parameters on {args.gpus} GPU(s) of {args.gpu_memory_gib:g} GiB, "
+          f"{describe_training(cfg)}:\n{plan.table()}")
     check_config(cfg, plan)
     print("fits")
 
