@@ -174,8 +174,11 @@ def wrap(scorer: torch.nn.Module, cfg: Config, device: torch.device):
     """``(engine, optimizer)``: ``scorer`` inside a ZeRO-3 engine over the default process group, and the
     optimizer the engine steps (the one a learning-rate schedule is attached to).
 
-    The scorer reads the LM head's weight without calling the head module, so that weight is registered
-    with the scorer: ZeRO-3 gathers it around the scorer's forward and backward like a module's own."""
+    Each decoder layer is gathered whole around its forward and backward (a ZeRO-3 "leaf", as FSDP2 shards
+    per layer): no hooks run inside a layer, so compiling its forward traces none of DeepSpeed's (with
+    hooks on every projection, Dynamo recompiled each hook per layer). The scorer reads the LM head's
+    weight without calling the head module, so that weight is registered with the scorer: ZeRO-3 gathers
+    it around the scorer's forward and backward like a module's own."""
     import torch.distributed as dist
 
     deepspeed = import_deepspeed()
@@ -185,6 +188,8 @@ def wrap(scorer: torch.nn.Module, cfg: Config, device: torch.device):
     dtype = next(scorer.parameters()).dtype
     config = engine_config(cfg, device, dtype)
     optimizer = make_optimizer(scorer.parameters(), cfg, optimizer_offloaded(config))
+    for layer in scorer.model.base_model.layers:
+        deepspeed.utils.set_z3_leaf_module(layer, True)
     engine, _, _, _ = deepspeed.initialize(model=scorer, optimizer=optimizer, config=config)
     head = scorer.model.get_output_embeddings()
     deepspeed.zero.register_external_parameter(scorer, head.weight)

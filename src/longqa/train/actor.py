@@ -130,7 +130,9 @@ class Actor:
             self.engine, self.optimizer = deepspeed.wrap(self.scorer, cfg, device)
             self.scorer = self.engine
         else:
-            if world_size() > 1:  # parameters become shards: the optimizer must be built on them, after
+            # Parameters become shards (the optimizer must be built on them, after): over several ranks, or in a
+            # process group of one to offload them to the CPU (`longqa train` makes no group for one process).
+            if world_size() > 1 or (a.cpu_offload and torch.distributed.is_initialized()):
                 for scorer in (self.scorer, self.reference):
                     if scorer is not None:
                         shard_model(scorer, scorer.model.base_model.layers, device, a.cpu_offload)

@@ -163,7 +163,7 @@ class Trainer:
         self.actor = Actor(self.model, cfg, self.total_steps, self.device, pad)
         if (cfg.actor.compile_layers and self.device.type == "cuda" and isinstance(self.engine, FastRolloutEngine)
                 and self.engine.decode_step is not None):
-            compile_decoder_layers(self.model)
+            compile_decoder_layers(self.model, with_hooks=cfg.actor.strategy != "deepspeed")
             start = time.perf_counter()
             if (count := self.actor.compile_length_buckets()) and self.env.is_main:
                 print(f"compiled the update for {count} packed lengths in {time.perf_counter() - start:.0f} s",
