@@ -163,7 +163,7 @@ class Trainer:
         self.actor = Actor(self.model, cfg, self.total_steps, self.device, pad)
         if (cfg.actor.compile_layers and self.device.type == "cuda" and isinstance(self.engine, FastRolloutEngine)
                 and self.engine.decode_step is not None):
-            compile_decoder_layers(self.model, with_hooks=cfg.actor.strategy != "deepspeed")
+            compile_decoder_layers(self.model, with_hooks=not deepspeed)  # DeepSpeed's hooks cannot be traced
             start = time.perf_counter()
             if (count := self.actor.compile_length_buckets()) and self.env.is_main:
                 print(f"compiled the update for {count} packed lengths in {time.perf_counter() - start:.0f} s",
@@ -403,8 +403,8 @@ class Trainer:
         start = time.perf_counter()
         cfg = self.cfg
         path = save_checkpoint(self.run_dir, done, model=self.model, optimizer=self.actor.optimizer,
-                               scheduler=self.actor.scheduler, engine=self.actor.engine,
-                               keep_last=cfg.trainer.keep_last, trainer_state={"step": done, "bad_steps": self.actor.bad_steps, "config": to_dict(cfg)})
+                               scheduler=self.actor.scheduler, engine=self.actor.engine, keep_last=cfg.trainer.keep_last,
+                               trainer_state={"step": done, "bad_steps": self.actor.bad_steps, "config": to_dict(cfg)})
         self.seconds["save"] = time.perf_counter() - start
         self.saved = (done, path)
         return path
