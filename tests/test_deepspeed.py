@@ -161,21 +161,26 @@ def test_a_two_rank_checkpoint_exports_the_trained_weights(two_rank_steps, name)
 # ------------------------------------------------------------------------------------------ whole runs
 
 
+# The recipe's setting: ZeRO-3 with the optimizer offloaded and stepped by DeepSpeed's CPU Adam.
+DEEPSPEED_RUN = {"trainer.max_steps": 3, "trainer.save_freq": 1, "actor.strategy": "deepspeed",
+                 "actor.cpu_offload": "true"}
+
+
 @pytest.fixture(scope="module")
 def straight_runs(run_inputs, tmp_path_factory):
     """Three uninterrupted steps: one process, and 2 ranks under DeepSpeed (checkpointing every step)."""
     root = tmp_path_factory.mktemp("deepspeed-runs")
     one = launch(run_inputs, root / "one", 1, **{"trainer.max_steps": 3})
-    two = launch(run_inputs, root / "two", 2, **{"trainer.max_steps": 3, "trainer.save_freq": 1,
-                                                  "actor.strategy": "deepspeed"})
+    two = launch(run_inputs, root / "two", 2, **DEEPSPEED_RUN)
     return one, two, root / "two"
 
 
 @needs_deepspeed
 @pytest.mark.slow
 def test_two_ranks_under_deepspeed_log_the_single_process_run(straight_runs):
-    """`longqa train actor.strategy=deepspeed` under torchrun: the same samples, rewards, validation and update
-    statistics as one process on the same global batch (2 mini-batches a step, several micro-batches each)."""
+    """`longqa train actor.strategy=deepspeed actor.cpu_offload=true` under torchrun: the same samples, rewards,
+    validation and update statistics as one process on the same global batch (2 mini-batches a step, several
+    micro-batches each), with DeepSpeed's CPU Adam in place of torch's AdamW."""
     one, two, _ = straight_runs
     assert [r["step"] for r in one] == [r["step"] for r in two] == [0, 1, 2, 3]
     for a, b in zip(one, two):
@@ -186,12 +191,12 @@ def test_two_ranks_under_deepspeed_log_the_single_process_run(straight_runs):
 @pytest.mark.slow
 def test_kill_and_resume_under_deepspeed_reproduces_the_uninterrupted_run(run_inputs, straight_runs, tmp_path):
     """2 ranks killed (SIGKILL, launcher and workers) once step 2's checkpoint is complete; rerun, they resume
-    from DeepSpeed's partitions and log what the uninterrupted 2-rank run logged."""
+    from DeepSpeed's partitions (weights, and CPU Adam's offloaded state) and log what the uninterrupted 2-rank
+    run logged; both runs' last checkpoints export the same HF weights."""
     _, straight, straight_dir = straight_runs
     out = tmp_path / "killed"
-    extra = {"trainer.max_steps": 3, "trainer.save_freq": 1, "actor.strategy": "deepspeed"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-               "-m", "longqa.cli", "train", *run_args(run_inputs, out, **extra)]
+               "-m", "longqa.cli", "train", *run_args(run_inputs, out, **DEEPSPEED_RUN)]
     proc = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     marker = out / "checkpoints" / "step_00000002" / "COMPLETE"
@@ -202,12 +207,12 @@ def test_kill_and_resume_under_deepspeed_reproduces_the_uninterrupted_run(run_in
     proc.wait()
     assert marker.exists()
     assert (marker.parent / "deepspeed").is_dir()
-    resumed = launch(run_inputs, out, 2, **extra)  # trainer.resume=auto
+    resumed = launch(run_inputs, out, 2, **DEEPSPEED_RUN)  # trainer.resume=auto
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]
     for a, b in zip(straight, resumed):
         assert_same_records(a, b)
 
-    from longqa.cli import main  # and both runs' last checkpoints export the same weights
+    from longqa.cli import main
 
     exported = []
     for run in (out, straight_dir):
