@@ -6,8 +6,9 @@ Qwen3 shape in a process group of one.
 One backend per process, so that the host memory it reports is that backend's alone: the peak resident
 set of the process and what it holds after the steps. Each step accumulates the gradient of one packed
 group (a prompt and ``n`` responses) and then applies it: ``optimizer_step_s`` times the apply alone
-(gradient norm, clipping, the AdamW update, and the new weights back on the GPU), after a first step
-that allocates the optimizer's state. It prints one JSON line.
+(gradient norm, clipping, the AdamW update; under ZeRO-3 also the new bf16 weights' copy to the GPU, which
+FSDP2 makes at the next forward instead), after a first step that allocates the optimizer's state. It
+prints one JSON line.
 
     python benchmarks/optimizer_step.py --backend deepspeed --shape qwen3-8b [--layers 18] [--device cuda]
 """
@@ -24,22 +25,6 @@ import torch
 
 GIB = 2**30
 HOST_BYTES_PER_PARAM = 18  # fp32 weights, gradients and two AdamW moments on the host (+ ZeRO-3's bf16 copy)
-
-
-def random_qwen3(shape: str, layers: int | None, device: torch.device):
-    """A float32 random-weight Qwen3 of ``shape`` (``layers`` decoder layers if given), as `longqa train` loads
-    it: the backends compute in bf16 on a GPU and keep fp32 master weights."""
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    from longqa.model.shapes import SHAPES
-
-    sizes = {**SHAPES[shape], **({"num_hidden_layers": layers} if layers else {})}
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(Qwen3Config(**sizes), attn_implementation="sdpa",
-                                                 dtype=torch.float32)
-    model.config.use_cache = False
-    return model.train()
 
 
 def check_host_memory(params: int) -> None:
@@ -72,19 +57,22 @@ def run(backend: str, shape: str, layers: int | None, prompt: int, response: int
         device: str) -> dict:
     from transformers import Qwen3Config
 
+    from longqa.bench import random_model
     from longqa.config import load_config
     from longqa.distributed.env import DistEnv
     from longqa.distributed.planner import ModelSizes
-    from longqa.model.load import checkpoint_layers, pick_device
+    from longqa.model.load import pick_device
     from longqa.model.shapes import SHAPES
     from longqa.train.actor import Actor
 
     dev = pick_device(device)
-    sizes = ModelSizes.from_config(Qwen3Config(**{**SHAPES[shape], **({"num_hidden_layers": layers} if layers else {})}))
+    shape_config = {**SHAPES[shape], **({"num_hidden_layers": layers} if layers else {})}
+    sizes = ModelSizes.from_config(Qwen3Config(**shape_config))
     check_host_memory(sizes.params)
     DistEnv().init(dev, alone=True)  # FSDP2's offload and ZeRO-3 both shard in a process group, here of one
-    model = random_qwen3(shape, layers, dev)
-    checkpoint_layers(model)  # the long-context setting; activations are not what is measured
+    # float32, as `longqa train` loads it: both backends compute in bf16 on a GPU beside fp32 master weights.
+    # Every layer recomputed, as in long-context training; activations are not what is measured.
+    model = random_model(shape, dev, torch.float32, gradient_checkpointing=1.0, layers=layers)
     cfg = load_config(None, [f"actor.strategy={backend}", "actor.cpu_offload=true", f"rollout.n={n}",
                              "data.train_batch_size=1", "actor.ppo_mini_batch_size=1", "actor.lr=1e-6",
                              f"data.max_response_length={response}", "actor.attention_backend=dense",

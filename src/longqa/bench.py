@@ -27,14 +27,15 @@ H200_BF16_PEAK = 989e12  # dense bf16 TFLOP/s, datasheet
 
 
 def random_model(shape: str, device, dtype=torch.bfloat16, gradient_checkpointing: float = 1.0,
-                 compile_layers: bool = False, min_vocab: int = 0):
-    """A random-weight Qwen3 of ``shape``; ``gradient_checkpointing`` is the fraction of decoder layers
-    recomputed in the backward pass (True: all, False or 0: none)."""
+                 compile_layers: bool = False, min_vocab: int = 0, layers: int | None = None):
+    """A random-weight Qwen3 of ``shape`` (``layers`` decoder layers if given); ``gradient_checkpointing`` is
+    the fraction of decoder layers recomputed in the backward pass (True: all, False or 0: none)."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; expected one of {sorted(SHAPES)}")
-    sizes = {**SHAPES[shape], "vocab_size": max(SHAPES[shape]["vocab_size"], min_vocab)}
+    sizes = {**SHAPES[shape], "vocab_size": max(SHAPES[shape]["vocab_size"], min_vocab),
+             **({"num_hidden_layers": layers} if layers else {})}
     config = Qwen3Config(**sizes, max_position_embeddings=65536, rope_theta=1000000.0)
     torch.manual_seed(0)
     with torch.device(device):
