@@ -27,13 +27,14 @@ needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is No
                                      reason="DeepSpeed is not installed: pip install 'longqa[deepspeed]'")
 LR = 1e-6  # test_distributed.config's: the recipe's
 
-# (name, strategy, actor.cpu_offload, model dtype, compiled layers): FSDP2; ZeRO-3 stepping torch's AdamW;
-# ZeRO-3 stepping DeepSpeed's CPU Adam on the offloaded optimizer; ZeRO-3 in bf16 (the GPU setting) with fp32
-# master weights; ZeRO-3 with its decoder layers compiled, as the trainer does on a GPU.
-VARIANTS = (("fsdp2", "fsdp2", False, torch.float32, False), ("deepspeed", "deepspeed", False, torch.float32, False),
-            ("deepspeed-offload", "deepspeed", True, torch.float32, False),
-            ("deepspeed-bf16", "deepspeed", False, torch.bfloat16, False),
-            ("deepspeed-compiled", "deepspeed", False, torch.float32, True))
+# (name, strategy, actor.cpu_offload, model dtype, compiled layers): FSDP2; ZeRO-3 stepping torch's AdamW; ZeRO-3 in
+# bf16 (the GPU setting) with fp32 master weights; ZeRO-3 with its decoder layers compiled, as the trainer does on a
+# GPU. None of these compiles a DeepSpeed op; the recipe's setting, ZeRO-3 stepping DeepSpeed's CPU Adam on the
+# offloaded optimizer (compiled on first use), has a test of its own.
+VARIANTS = {"fsdp2": ("fsdp2", False, torch.float32, False), "deepspeed": ("deepspeed", False, torch.float32, False),
+            "deepspeed-bf16": ("deepspeed", False, torch.bfloat16, False),
+            "deepspeed-compiled": ("deepspeed", False, torch.float32, True),
+            "deepspeed-offload": ("deepspeed", True, torch.float32, False)}
 
 
 def whole_grad(param: torch.Tensor) -> torch.Tensor:
@@ -45,19 +46,31 @@ def whole_grad(param: torch.Tensor) -> torch.Tensor:
     return param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
 
 
-def one_step(actor: Actor, samples) -> dict:
-    """Stats, whole gradients and whole weights after one update (old log-probs shifted to exercise clipping)."""
+def whole_weights(actor: Actor) -> dict:
     from longqa.distributed.gather import full_tensor
 
+    return {name: full_tensor(p).float() for name, p in actor.model.named_parameters()}
+
+
+def one_step(actor: Actor, samples) -> dict:
+    """Stats, whole gradients and whole weights after one update (old log-probs shifted to exercise clipping)."""
     old = [o - 0.05 * (i % 3) for i, o in enumerate(actor.logprobs(samples))]
     stats = actor.accumulate_gradients(samples, list(range(len(samples))), old)
     grads = {name: whole_grad(p).float().clone() for name, p in actor.model.named_parameters()}
     stats.update(actor.apply_gradients())
-    weights = {name: full_tensor(p).float() for name, p in actor.model.named_parameters()}
-    return {"stats": stats, "grads": grads, "weights": weights}
+    return {"stats": stats, "grads": grads, "weights": whole_weights(actor)}
 
 
-def _step_worker(rank, world, port, out, checkpoints):
+def make_actor(name: str) -> Actor:
+    strategy, offload, dtype, _ = VARIANTS[name]
+    cfg = config("true", "token-mean", 40, offload)  # several micro-batches, a different number per rank
+    cfg.actor.strategy = strategy
+    return Actor(tiny_lm().to(dtype), cfg, 1, torch.device("cpu"))
+
+
+def _step_worker(rank, world, port, out, checkpoints, names):
+    """One update of each named variant; an engine's checkpoint after it; and, under DeepSpeed, the update after
+    that twice: by the engine that took the first, and by a fresh engine resumed from the checkpoint."""
     import torch.distributed as dist
 
     from longqa.model.load import compile_decoder_layers, compiled_graphs
@@ -66,18 +79,24 @@ def _step_worker(rank, world, port, out, checkpoints):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         results = {}
-        for name, strategy, offload, dtype, compiled in VARIANTS:
-            cfg = config("true", "token-mean", 40, offload)  # several micro-batches, a different number per rank
-            cfg.actor.strategy = strategy
-            actor = Actor(tiny_lm().to(dtype), cfg, 1, torch.device("cpu"))
+        samples = rank_share(global_samples(), rank, world)
+        for name in names:
+            actor = make_actor(name)
             start = compiled_graphs()
-            if compiled:
+            if VARIANTS[name][3]:
                 compile_decoder_layers(actor.model, backend="eager", with_hooks=False)
-            results[name] = one_step(actor, rank_share(global_samples(), rank, world))
+            results[name] = one_step(actor, samples)
             results[name]["graphs"] = compiled_graphs() - start
-            if actor.engine is not None:
-                save_checkpoint(f"{checkpoints}/{name}", 1, model=actor.model, optimizer=actor.optimizer,
-                                scheduler=actor.scheduler, engine=actor.engine, keep_last=1, trainer_state={"step": 1})
+            if actor.engine is not None:  # (a compiled engine would be resumed into an eager one: left out)
+                state = {"model": actor.model, "optimizer": actor.optimizer, "scheduler": actor.scheduler,
+                         "engine": actor.engine}
+                saved = save_checkpoint(f"{checkpoints}/{name}", 1, **state, keep_last=1, trainer_state={"step": 1})
+                if VARIANTS[name][3]:
+                    continue
+                resumed = make_actor(name)
+                load_checkpoint(saved, model=resumed.model, optimizer=resumed.optimizer,
+                                scheduler=resumed.scheduler, engine=resumed.engine)
+                results[name]["second"] = [one_step(a, samples)["weights"] for a in (actor, resumed)]
         if rank == 0:
             torch.save(results, out)
         dist.barrier()
@@ -86,26 +105,30 @@ def _step_worker(rank, world, port, out, checkpoints):
 
 
 @pytest.fixture(scope="module")
-def two_rank_steps(tmp_path_factory):
-    """One update of each variant on 2 ranks, and the single-process update (model, its gradients, stats)."""
-    root = tmp_path_factory.mktemp("deepspeed-step")
-    model = tiny_lm()
-    actor = Actor(model, config("true", "token-mean", 40), 1, torch.device("cpu"))
-    reference = one_step(actor, global_samples())
-    mp.spawn(_step_worker, args=(2, free_port(), str(root / "rank0.pt"), str(root / "runs")), nprocs=2)
-    return reference, torch.load(root / "rank0.pt"), root / "runs"
+def reference_step():
+    """The single-process update: its stats, gradients and weights."""
+    return one_step(Actor(tiny_lm(), config("true", "token-mean", 40), 1, torch.device("cpu")), global_samples())
 
 
-@needs_deepspeed
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["fsdp2", "deepspeed", "deepspeed-offload", "deepspeed-compiled"])
-def test_one_step_equals_the_single_process_step(two_rank_steps, name):
-    """Gradients to 1e-5 of each tensor's largest entry; weights after the step (AdamW or DeepSpeed's CPU Adam,
-    clipped: the norm is above actor.grad_clip) to float32 rounding, 1e-8 at these weights of ~0.05. Adam's
-    first step moves each weight by about lr * g / |g|, so where the gradient itself is float noise (below the
-    gradient tolerance) its direction is noise too, and those weights agree to 2 lr."""
-    reference, results, _ = two_rank_steps
-    got = results[name]
+def two_rank_run(root, names: list[str]) -> tuple[dict, object]:
+    """The named variants' updates on 2 ranks (rank 0's results) and the folder of their checkpoints."""
+    mp.spawn(_step_worker, args=(2, free_port(), str(root / "rank0.pt"), str(root / "runs"), names), nprocs=2)
+    return torch.load(root / "rank0.pt"), root / "runs"
+
+
+@pytest.fixture(scope="module")
+def two_rank_steps(reference_step, tmp_path_factory):
+    """One update of each variant that compiles nothing, on 2 ranks, and the single-process update."""
+    results, runs = two_rank_run(tmp_path_factory.mktemp("deepspeed-step"),
+                                 ["fsdp2", "deepspeed", "deepspeed-bf16", "deepspeed-compiled"])
+    return reference_step, results, runs
+
+
+def assert_the_single_process_step(reference: dict, got: dict) -> None:
+    """Gradients to 1e-5 of each tensor's largest entry; weights after the step (clipped: the norm is above
+    actor.grad_clip) to float32 rounding, 1e-8 at these weights of ~0.05. Adam's first step moves each weight by
+    about lr * g / |g|, so where the gradient itself is float noise (below the gradient tolerance) its direction
+    is noise too, and those weights agree to 2 lr."""
     assert reference["stats"]["grad_norm"] > 1.0  # clipping takes part
     for key in ("pg_loss", "grad_norm", "clip_fraction", "entropy", "lr"):
         assert got["stats"][key] == pytest.approx(reference["stats"][key], rel=1e-6, abs=1e-9), key
@@ -116,6 +139,36 @@ def test_one_step_equals_the_single_process_step(two_rank_steps, name):
         defined = grad.abs() > 1e-5 * scale
         assert gap[defined].max().item() <= 1e-8, param
         assert gap.max().item() <= 2 * LR, param
+
+
+def assert_resumed_exactly(got: dict) -> None:
+    """The update after a checkpoint, taken by the engine that wrote it and by one resumed from it: the same."""
+    kept, resumed = got["second"]
+    assert all(torch.equal(kept[param], resumed[param]) for param in kept)
+    assert any(not torch.equal(kept[param], got["weights"][param]) for param in kept)  # the update moved them
+
+
+@needs_deepspeed
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["fsdp2", "deepspeed", "deepspeed-compiled"])
+def test_one_step_equals_the_single_process_step(two_rank_steps, name):
+    """FSDP2, and ZeRO-3 with torch's AdamW (eager and compiled), take the single-process update; ZeRO-3 resumes
+    it exactly from its checkpoint."""
+    reference, results, _ = two_rank_steps
+    assert_the_single_process_step(reference, results[name])
+    if name == "deepspeed":
+        assert_resumed_exactly(results[name])
+
+
+@needs_deepspeed
+@pytest.mark.slow
+def test_cpu_adam_on_the_offloaded_optimizer_takes_the_single_process_step(reference_step, tmp_path):
+    """The recipe's setting, `actor.strategy=deepspeed actor.cpu_offload=true`: ZeRO-3 on 2 ranks with the
+    optimizer offloaded and stepped by DeepSpeed's CPU Adam (compiled here on first use) takes torch's AdamW
+    step of one process, and resumes exactly from its checkpoint (CPU Adam's state included)."""
+    results, _ = two_rank_run(tmp_path, ["deepspeed-offload"])
+    assert_the_single_process_step(reference_step, results["deepspeed-offload"])
+    assert_resumed_exactly(results["deepspeed-offload"])
 
 
 @needs_deepspeed
@@ -161,9 +214,9 @@ def test_a_two_rank_checkpoint_exports_the_trained_weights(two_rank_steps, name)
 # ------------------------------------------------------------------------------------------ whole runs
 
 
-# The recipe's setting: ZeRO-3 with the optimizer offloaded and stepped by DeepSpeed's CPU Adam.
-DEEPSPEED_RUN = {"trainer.max_steps": 3, "trainer.save_freq": 1, "actor.strategy": "deepspeed",
-                 "actor.cpu_offload": "true"}
+# ZeRO-3 stepping torch's AdamW, which compiles nothing (DeepSpeed's CPU Adam, the recipe's optimizer, takes the
+# same update: test_cpu_adam_on_the_offloaded_optimizer_takes_the_single_process_step).
+DEEPSPEED_RUN = {"trainer.max_steps": 3, "trainer.save_freq": 1, "actor.strategy": "deepspeed"}
 
 
 @pytest.fixture(scope="module")
@@ -178,9 +231,8 @@ def straight_runs(run_inputs, tmp_path_factory):
 @needs_deepspeed
 @pytest.mark.slow
 def test_two_ranks_under_deepspeed_log_the_single_process_run(straight_runs):
-    """`longqa train actor.strategy=deepspeed actor.cpu_offload=true` under torchrun: the same samples, rewards,
-    validation and update statistics as one process on the same global batch (2 mini-batches a step, several
-    micro-batches each), with DeepSpeed's CPU Adam in place of torch's AdamW."""
+    """`longqa train actor.strategy=deepspeed` under torchrun: the same samples, rewards, validation and update
+    statistics as one process on the same global batch (2 mini-batches a step, several micro-batches each)."""
     one, two, _ = straight_runs
     assert [r["step"] for r in one] == [r["step"] for r in two] == [0, 1, 2, 3]
     for a, b in zip(one, two):
@@ -191,7 +243,7 @@ def test_two_ranks_under_deepspeed_log_the_single_process_run(straight_runs):
 @pytest.mark.slow
 def test_kill_and_resume_under_deepspeed_reproduces_the_uninterrupted_run(run_inputs, straight_runs, tmp_path):
     """2 ranks killed (SIGKILL, launcher and workers) once step 2's checkpoint is complete; rerun, they resume
-    from DeepSpeed's partitions (weights, and CPU Adam's offloaded state) and log what the uninterrupted 2-rank
+    from DeepSpeed's partitions (weights and optimizer state) and log what the uninterrupted 2-rank
     run logged; both runs' last checkpoints export the same HF weights."""
     _, straight, straight_dir = straight_runs
     out = tmp_path / "killed"

@@ -170,6 +170,19 @@ def check_deepspeed(cfg: Config, device: torch.device) -> None:
 # --------------------------------------------------------------------------------------------- the engine
 
 
+def skip_inference_comm_op() -> None:
+    """On its CPU accelerator DeepSpeed compiles a shared-memory all-reduce (a C++ op, about a minute on
+    2 cores) whenever its communication backend starts, for its inference kernels only: training's
+    collectives go through the process group (gloo) either way. The op is marked unavailable instead, so
+    ZeRO-3 on the CPU compiles nothing unless the optimizer is offloaded (then CPU Adam)."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False
+
+
 def wrap(scorer: torch.nn.Module, cfg: Config, device: torch.device):
     """``(engine, optimizer)``: ``scorer`` inside a ZeRO-3 engine over the default process group, and the
     optimizer the engine steps (the one a learning-rate schedule is attached to).
@@ -190,6 +203,7 @@ def wrap(scorer: torch.nn.Module, cfg: Config, device: torch.device):
     optimizer = make_optimizer(scorer.parameters(), cfg, optimizer_offloaded(config))
     for layer in scorer.model.base_model.layers:
         deepspeed.utils.set_z3_leaf_module(layer, True)
+    skip_inference_comm_op()
     engine, _, _, _ = deepspeed.initialize(model=scorer, optimizer=optimizer, config=config)
     head = scorer.model.get_output_embeddings()
     deepspeed.zero.register_external_parameter(scorer, head.weight)
