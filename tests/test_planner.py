@@ -108,3 +108,19 @@ def test_a_deepspeed_plan_reads_the_offloads_of_its_config_file(tmp_path, capsys
     # on 1 GPU the bf16 weight partition alone does not fit beside the rest: the advice is to offload it too
     assert main([*base, "actor.cpu_offload=true", "--shape", "qwen3-32b", "--gpus", "1"]) == 2
     assert "offload the parameters too (zero_optimization.offload_param.device: cpu" in capsys.readouterr().err
+
+
+def test_offloaded_layers_keep_no_activations_on_the_gpu():
+    """A layer offloaded holds nothing on the GPU, a recomputed one its input; the rest all of theirs."""
+    def activations(checkpointing, offload):
+        return plan_memory(sizes("qwen3-8b"), world_size=1, gpu_bytes=H200, gradient_checkpointing=checkpointing,
+                           activation_offload=offload, cpu_offload=True,
+                           **{**RECIPE, "micro_batch_tokens": 32768}).activations
+
+    none, quarter_recomputed, quarter_offloaded = activations(0, 0), activations(0.25, 0), activations(0, 0.25)
+    layer = (none - quarter_offloaded) / 9  # 9 of 36 layers
+    # recomputed: each keeps its bf16 input, and one has all its activations while it is recomputed
+    assert quarter_recomputed - quarter_offloaded == 9 * 2 * 4096 * 32768 + layer
+    assert activations(0.25, 0.25) == quarter_recomputed - 9 * layer
+    with pytest.raises(PlanError, match="model.activation_offload"):
+        plan("qwen3-8b", 1, offload=True, checkpointing=0.25, micro_batch_tokens=65536)

@@ -27,9 +27,11 @@ H200_BF16_PEAK = 989e12  # dense bf16 TFLOP/s, datasheet
 
 
 def random_model(shape: str, device, dtype=torch.bfloat16, gradient_checkpointing: float = 1.0,
-                 compile_layers: bool = False, min_vocab: int = 0, layers: int | None = None):
+                 compile_layers: bool = False, min_vocab: int = 0, activation_offload: float = 0.0,
+                 layers: int | None = None):
     """A random-weight Qwen3 of ``shape`` (``layers`` decoder layers if given); ``gradient_checkpointing`` is
-    the fraction of decoder layers recomputed in the backward pass (True: all, False or 0: none)."""
+    the fraction of decoder layers recomputed in the backward pass (True: all, False or 0: none),
+    ``activation_offload`` the fraction (the first layers) whose activations wait in host memory."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     if shape not in SHAPES:
@@ -40,9 +42,9 @@ def random_model(shape: str, device, dtype=torch.bfloat16, gradient_checkpointin
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
-    from longqa.model.load import checkpoint_layers, compile_decoder_layers
+    from longqa.model.load import arrange_layer_memory, compile_decoder_layers
 
-    checkpoint_layers(model, float(gradient_checkpointing))
+    model.activation_offload = arrange_layer_memory(model, float(gradient_checkpointing), activation_offload)
     model.config.use_cache = False
     if compile_layers:
         compile_decoder_layers(model)
@@ -89,16 +91,20 @@ def _time(fn, device, repeat: int) -> float:
 def bench_train(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int = 1024, n: int = 8,
                 layouts: tuple[str, ...] = ("naive", "packed"), repeat: int = 3, device: str = "auto",
                 gradient_checkpointing: float = 1.0, budget: int | None = None, backend: str = "auto",
-                compile_layers: bool = False, peak_flops: float = H200_BF16_PEAK) -> list[dict]:
+                compile_layers: bool = False, peak_flops: float = H200_BF16_PEAK,
+                activation_offload: float = 0.0) -> list[dict]:
     """Seconds per group (forward + backward of n samples of one prompt) for each layout;
-    ``gradient_checkpointing`` is the fraction of decoder layers recomputed."""
+    ``gradient_checkpointing`` is the fraction of decoder layers recomputed, ``activation_offload`` the
+    fraction whose activations wait in host memory."""
     from longqa.config import load_config
     from longqa.model.load import pick_device
     from longqa.train.actor import Actor, Samples
 
     dev = pick_device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    model = random_model(shape, dev, dtype, gradient_checkpointing, compile_layers)
+    model = random_model(shape, dev, dtype, gradient_checkpointing, compile_layers,
+                         activation_offload=activation_offload)
+    offload = model.activation_offload
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     prompt_ids = torch.randint(0, vocab, (prompt,), generator=g).tolist()
@@ -121,15 +127,18 @@ def bench_train(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int = 1
         if dev.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
+        late_before = offload.late_loads if offload else 0
         seconds = _time(step, dev, repeat)
         count = group_flops(model.config, prompt, [response] * n, shared)
         row = {"layout": layout, "shape": shape, "prompt": prompt, "response": response, "n": n,
                "backend": actor.backend or "sdpa (padded rows)", "gradient_checkpointing": gradient_checkpointing,
-               "compiled_layers": compile_layers,
+               "activation_offload": activation_offload, "compiled_layers": compile_layers,
                "seconds_per_group": round(seconds, 4), "tokens_computed": count.tokens,
                "tokens_per_s": round(count.tokens / seconds), "model_tflops": round(count.flops / 1e12, 1),
                "mfu": round(count.flops / seconds / peak_flops, 4) if dev.type == "cuda" else None,
                "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev.type == "cuda" else None}
+        if offload:  # copies back the backward pass had to wait for from the start (all timed groups)
+            row["offload_late_loads"] = offload.late_loads - late_before
         results.append(row)
         print(json.dumps(row), flush=True)
     if len(results) == 2:

@@ -195,7 +195,8 @@ def cmd_bench_train(args: argparse.Namespace) -> None:
 
     _save_results(args, bench_train(args.shape, args.prompt, args.response, args.n, tuple(args.layouts), args.repeat,
                                     args.device, 0.0 if args.no_gradient_checkpointing else args.checkpoint_fraction,
-                                    args.budget, args.backend, args.compile))
+                                    args.budget, args.backend, args.compile,
+                                    activation_offload=args.activation_offload))
 
 
 def cmd_bench_rollout(args: argparse.Namespace) -> None:
@@ -437,6 +438,9 @@ def _add_bench_commands(groups: argparse._SubParsersAction) -> None:
     p.add_argument("--no-gradient-checkpointing", action="store_true")
     p.add_argument("--checkpoint-fraction", type=float, default=1.0,
                    help="fraction of decoder layers recomputed in the backward pass (default 1: all)")
+    p.add_argument("--activation-offload", type=float, default=0.0,
+                   help="fraction of decoder layers (the first, before the recomputed ones) whose activations wait "
+                        "in host memory (default 0)")
     p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
 
     p = bench_cmds.add_parser("rollout", help="sampling speed: transformers generate vs the fast engine",

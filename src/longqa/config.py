@@ -52,6 +52,10 @@ class ModelConfig:
     checkpoint_fraction: float = opt(1.0, "with gradient_checkpointing: the fraction of decoder layers recomputed "
                                      "(the first ones); below 1 spends free memory to recompute less",
                                      lambda v: 0 < v <= 1, "in (0, 1]")
+    activation_offload: float = opt(0.0, "the fraction of decoder layers (the first ones, before any recomputed) "
+                                    "whose activations wait in pinned host memory between forward and backward "
+                                    "instead of on the GPU: memory freed like recomputing them, for copies that "
+                                    "overlap compute instead of a second forward pass (CUDA only)", *unit_closed)
 
 
 @dataclass

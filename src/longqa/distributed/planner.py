@@ -105,17 +105,20 @@ def training_state(params: int, world_size: int, strategy: str = "fsdp2", cpu_of
 
 def plan_memory(sizes: ModelSizes, *, world_size: int, gpu_bytes: int, micro_batch_tokens: int,
                 prompt_length: int, response_length: int, n: int, gradient_checkpointing: float = 1.0,
-                cpu_offload: bool = False, kv_cache_bytes: int | None = None, strategy: str = "fsdp2",
-                offload_params: bool = False) -> MemoryPlan:
+                cpu_offload: bool = False, kv_cache_bytes: int | None = None,
+                activation_offload: float = 0.0, strategy: str = "fsdp2", offload_params: bool = False) -> MemoryPlan:
     """Per-GPU bytes of a plan (see the module docstring for what is counted); ``gradient_checkpointing`` is
-    the fraction of decoder layers recomputed (True: all); ``offload_params``: ZeRO-3's parameter offload."""
+    the fraction of decoder layers recomputed (True: all), ``activation_offload`` the fraction whose
+    activations wait in host memory (none of theirs stays on the GPU); ``offload_params``: ZeRO-3's
+    parameter offload."""
     bf16 = 2
     state, host = training_state(sizes.params, world_size, strategy, cpu_offload, offload_params)
     unsharded = bf16 * (2 * sizes.layer_params + sizes.embedding_params)
     tokens = micro_batch_tokens
     per_token_layer = bf16 * (12 * sizes.hidden + 4 * sizes.intermediate)  # q,k,v,o, norms, residuals, MLP
     recomputed = round(float(gradient_checkpointing) * sizes.layers)  # these keep their input alone
-    activations = tokens * (bf16 * sizes.hidden * recomputed + per_token_layer * (sizes.layers - recomputed))
+    kept = sizes.layers - recomputed - round(activation_offload * sizes.layers)
+    activations = tokens * (bf16 * sizes.hidden * recomputed + per_token_layer * kept)
     if recomputed:
         activations += tokens * per_token_layer  # one recomputed layer's activations during its backward
     activations += 3 * 4 * min(tokens, LM_HEAD_CHUNK) * sizes.vocab  # float32 logits of one chunk, twice + grad
@@ -147,6 +150,7 @@ def check_plan(plan: MemoryPlan, cpu_offload: bool, gradient_checkpointing: floa
     elif gradient_checkpointing < 1:
         advice.append("raise model.checkpoint_fraction")
     if plan.activations > 0.2 * plan.gpu_bytes:
+        advice.append("keep the first layers' activations in host memory (model.activation_offload)")
         advice.append(f"lower actor.max_tokens_per_micro_batch (now {micro_batch_tokens})")
     if kv_cache_bytes and plan.rollout_kv > 0.2 * plan.gpu_bytes:
         advice.append("lower rollout.kv_cache_bytes")
@@ -163,8 +167,8 @@ def plan_config(cfg, sizes: ModelSizes, world_size: int, gpu_bytes: int) -> Memo
                        response_length=cfg.data.max_response_length, n=cfg.rollout.n,
                        micro_batch_tokens=cfg.actor.max_tokens_per_micro_batch,
                        gradient_checkpointing=recomputed_fraction(cfg), cpu_offload=cpu_offload,
-                       kv_cache_bytes=cfg.rollout.kv_cache_bytes, strategy=cfg.actor.strategy,
-                       offload_params=offload_params)
+                       kv_cache_bytes=cfg.rollout.kv_cache_bytes, activation_offload=cfg.model.activation_offload,
+                       strategy=cfg.actor.strategy, offload_params=offload_params)
 
 
 def offloads(cfg) -> tuple[bool, bool]:

@@ -66,7 +66,8 @@ def load_model_tokenizer(path: str | None = None, gguf_file: str | None = None):
 
 def load_model(path: str | None = None, *, gguf_file: str | None = None, dtype: str = "float32",
                attn_implementation: str = "sdpa", gradient_checkpointing: bool = False,
-               checkpoint_fraction: float = 1.0, device: str | torch.device = "cpu", tokenizer=None):
+               checkpoint_fraction: float = 1.0, activation_offload: float = 0.0,
+               device: str | torch.device = "cpu", tokenizer=None):
     """(model, tokenizer) ready for training: any transformers causal LM (Qwen3, Qwen2, Llama, ...)."""
     from transformers import AutoModelForCausalLM
 
@@ -81,24 +82,39 @@ def load_model(path: str | None = None, *, gguf_file: str | None = None, dtype: 
     except Exception as e:  # transformers raises many kinds; the user needs the path and the cause
         raise ModelError(f"cannot load a causal LM from {source}{' / ' + gguf_file if gguf_file else ''}: "
                          f"{type(e).__name__}: {e}") from None
-    if gradient_checkpointing:
-        checkpoint_layers(model, checkpoint_fraction)
+    arrange_layer_memory(model, checkpoint_fraction if gradient_checkpointing else 0.0, activation_offload)
     return model.to(device), tokenizer
 
 
-def checkpoint_layers(model, fraction: float = 1.0) -> int:
-    """Recompute the activations of the first ``fraction`` of the decoder layers in the backward pass
-    instead of keeping them; returns how many. Recomputing every layer costs a third more compute;
-    recomputing only as many as memory needs keeps most of it (a Qwen3-8B group of 32K tokens on one
-    H200: 37.5% MFU with all 36 layers recomputed, 44.5% with 9; benchmarks/RESULTS.md)."""
+def checkpoint_layers(model, fraction: float = 1.0, first: int = 0) -> int:
+    """Recompute the activations of ``fraction`` of the decoder layers, from layer ``first`` on, in the
+    backward pass instead of keeping them; returns how many. Recomputing every layer costs a third more
+    compute; recomputing only as many as memory needs keeps most of it (a Qwen3-8B group of 32K tokens on
+    one H200: 37.5% MFU with all 36 layers recomputed, 44.5% with 9; benchmarks/RESULTS.md)."""
     layers = model.base_model.layers
-    count = round(fraction * len(layers))
-    if count:
+    count = min(round(fraction * len(layers)), len(layers) - first)
+    if count > 0:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
         for i, layer in enumerate(layers):
-            layer.gradient_checkpointing = i < count
-    return count
+            layer.gradient_checkpointing = first <= i < first + count
+    return max(count, 0)
+
+
+def arrange_layer_memory(model, checkpoint_fraction: float = 0.0, offload_fraction: float = 0.0):
+    """Where each decoder layer keeps its activations between forward and backward: the first
+    ``offload_fraction`` of the layers in host memory (their copies overlap the rest of the model's
+    compute; model/offload.py), the next ``checkpoint_fraction`` nowhere (recomputed), the rest on the
+    device. Returns the activation offload, or None."""
+    from longqa.model.offload import offload_layers
+
+    layers = len(model.base_model.layers)
+    offloaded = round(offload_fraction * layers)
+    if offloaded + round(checkpoint_fraction * layers) > layers:
+        raise ModelError(f"{offloaded} offloaded and {round(checkpoint_fraction * layers)} recomputed layers are "
+                         f"more than the model's {layers}")
+    checkpoint_layers(model, checkpoint_fraction, first=offloaded)
+    return offload_layers(model, offload_fraction)
 
 
 def set_max_positions(model, positions: int) -> None:

@@ -100,6 +100,17 @@ def check_speculative(cfg: Config) -> None:
                           f"rollout.prompt_lookup_max={r.prompt_lookup_max}")
 
 
+def check_layer_memory(cfg: Config, device: torch.device) -> None:
+    """Offloaded and recomputed layers are disjoint, and offloading needs a device apart from the host."""
+    m = cfg.model
+    if m.activation_offload and device.type != "cuda":
+        raise ConfigError(f"model.activation_offload={m.activation_offload} moves activations from a GPU to host "
+                          f"memory; on {device.type} they are in host memory already: use 0")
+    if m.gradient_checkpointing and m.activation_offload + m.checkpoint_fraction > 1:
+        raise ConfigError(f"model.activation_offload={m.activation_offload} and model.checkpoint_fraction="
+                          f"{m.checkpoint_fraction} add up to more than all the layers")
+
+
 def check_vllm(cfg: Config, device: torch.device) -> None:
     """What ``rollout.engine=vllm`` needs, checked before any weight loads."""
     r = cfg.rollout
@@ -137,6 +148,7 @@ class Trainer:
             self.device = pick_device(cfg.trainer.device)
         check_vllm(cfg, self.device)
         check_deepspeed(cfg, self.device)
+        check_layer_memory(cfg, self.device)
         self.owns_group = self.env.init(self.device, alone=deepspeed)
         seed = cfg.trainer.seed
         random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
@@ -148,7 +160,8 @@ class Trainer:
             check_run(cfg, self.env.world_size, torch.cuda.get_device_properties(self.device).total_memory)
         self.model, _ = load_model(m.path, gguf_file=m.gguf_file, dtype=m.dtype, attn_implementation=m.attn_implementation,
                                    gradient_checkpointing=m.gradient_checkpointing,
-                                   checkpoint_fraction=m.checkpoint_fraction, device=self.device,
+                                   checkpoint_fraction=m.checkpoint_fraction,
+                                   activation_offload=m.activation_offload, device=self.device,
                                    tokenizer=self.tokenizer)
         self.steps_per_epoch = len(self.train_set) // cfg.data.train_batch_size
         total = cfg.trainer.total_epochs * self.steps_per_epoch
@@ -419,8 +432,8 @@ class Trainer:
         start = time.perf_counter()
         cfg = self.cfg
         path = save_checkpoint(self.run_dir, done, model=self.model, optimizer=self.actor.optimizer,
-                               scheduler=self.actor.scheduler, engine=self.actor.engine, keep_last=cfg.trainer.keep_last,
-                               trainer_state={"step": done, "bad_steps": self.actor.bad_steps, "config": to_dict(cfg)})
+                               scheduler=self.actor.scheduler, engine=self.actor.engine,
+                               keep_last=cfg.trainer.keep_last, trainer_state={"step": done, "bad_steps": self.actor.bad_steps, "config": to_dict(cfg)})
         self.seconds["save"] = time.perf_counter() - start
         self.saved = (done, path)
         return path
