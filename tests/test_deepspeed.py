@@ -27,10 +27,10 @@ needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is No
                                      reason="DeepSpeed is not installed: pip install 'longqa[deepspeed]'")
 LR = 1e-6  # test_distributed.config's: the recipe's
 
-# (name, strategy, actor.cpu_offload, model dtype, compiled layers): FSDP2; ZeRO-3 stepping torch's AdamW; ZeRO-3 in
+# name: (strategy, actor.cpu_offload, model dtype, compiled layers). FSDP2; ZeRO-3 stepping torch's AdamW; ZeRO-3 in
 # bf16 (the GPU setting) with fp32 master weights; ZeRO-3 with its decoder layers compiled, as the trainer does on a
-# GPU. None of these compiles a DeepSpeed op; the recipe's setting, ZeRO-3 stepping DeepSpeed's CPU Adam on the
-# offloaded optimizer (compiled on first use), has a test of its own.
+# GPU: none of these compiles a DeepSpeed op. And the recipe's setting, ZeRO-3 stepping DeepSpeed's CPU Adam on the
+# offloaded optimizer (compiled on first use), in a test of its own.
 VARIANTS = {"fsdp2": ("fsdp2", False, torch.float32, False), "deepspeed": ("deepspeed", False, torch.float32, False),
             "deepspeed-bf16": ("deepspeed", False, torch.bfloat16, False),
             "deepspeed-compiled": ("deepspeed", False, torch.float32, True),
@@ -68,14 +68,17 @@ def make_actor(name: str) -> Actor:
     return Actor(tiny_lm().to(dtype), cfg, 1, torch.device("cpu"))
 
 
-def _step_worker(rank, world, port, out, checkpoints, names):
+def _step_worker(rank, world, port, out, checkpoints, names, extensions):
     """One update of each named variant; an engine's checkpoint after it; and, under DeepSpeed, the update after
-    that twice: by the engine that took the first, and by a fresh engine resumed from the checkpoint."""
+    that twice: by the engine that took the first, and by a fresh engine resumed from the checkpoint. Compiled
+    ops, if any, are built in ``extensions`` (None: the shared cache)."""
     import torch.distributed as dist
 
     from longqa.model.load import compile_decoder_layers, compiled_graphs
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
+    if extensions:
+        os.environ["TORCH_EXTENSIONS_DIR"] = extensions
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         results = {}
@@ -110,17 +113,21 @@ def reference_step():
     return one_step(Actor(tiny_lm(), config("true", "token-mean", 40), 1, torch.device("cpu")), global_samples())
 
 
-def two_rank_run(root, names: list[str]) -> tuple[dict, object]:
+def two_rank_run(root, names: list[str], extensions=None) -> tuple[dict, object]:
     """The named variants' updates on 2 ranks (rank 0's results) and the folder of their checkpoints."""
-    mp.spawn(_step_worker, args=(2, free_port(), str(root / "rank0.pt"), str(root / "runs"), names), nprocs=2)
+    args = (2, free_port(), str(root / "rank0.pt"), str(root / "runs"), names, extensions and str(extensions))
+    mp.spawn(_step_worker, args=args, nprocs=2)
     return torch.load(root / "rank0.pt"), root / "runs"
 
 
 @pytest.fixture(scope="module")
 def two_rank_steps(reference_step, tmp_path_factory):
-    """One update of each variant that compiles nothing, on 2 ranks, and the single-process update."""
-    results, runs = two_rank_run(tmp_path_factory.mktemp("deepspeed-step"),
-                                 ["fsdp2", "deepspeed", "deepspeed-bf16", "deepspeed-compiled"])
+    """One update of each variant that needs no compiled op, on 2 ranks (building any op in a folder of its
+    own), and the single-process update."""
+    root = tmp_path_factory.mktemp("deepspeed-step")
+    (root / "extensions").mkdir()
+    results, runs = two_rank_run(root, ["fsdp2", "deepspeed", "deepspeed-bf16", "deepspeed-compiled"],
+                                 root / "extensions")
     return reference_step, results, runs
 
 
@@ -169,6 +176,15 @@ def test_cpu_adam_on_the_offloaded_optimizer_takes_the_single_process_step(refer
     results, _ = two_rank_run(tmp_path, ["deepspeed-offload"])
     assert_the_single_process_step(reference_step, results["deepspeed-offload"])
     assert_resumed_exactly(results["deepspeed-offload"])
+
+
+@needs_deepspeed
+@pytest.mark.slow
+def test_zero3_with_torch_s_adamw_compiles_no_op(two_rank_steps):
+    """Neither CPU Adam, nor the shared-memory all-reduce that DeepSpeed's CPU accelerator builds for inference:
+    ZeRO-3 on the CPU needs a C++ compiler only for an offloaded optimizer."""
+    _, _, runs = two_rank_steps
+    assert list((runs.parent / "extensions").iterdir()) == []
 
 
 @needs_deepspeed
