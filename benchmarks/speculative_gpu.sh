@@ -10,7 +10,7 @@
 #       one: its ms per step over the plain run's is that cost;
 #   and from both the projected speed-up at 1.7B (tokens a row-step makes in (a) over the cost in (b))
 #   and the projected fraction of the one-token floor beside the measured one.
-# Also runs the CUDA tests of the speculating engine and of the several-token decode attention first.
+# Then runs the CUDA tests of the speculating engine and of the several-token decode attention.
 #
 # Needs a CUDA GPU with about 80 GiB free (an H200; pick it with CUDA_VISIBLE_DEVICES).
 # Usage, from the repository root:  bash benchmarks/speculative_gpu.sh [OUTPUT_DIR]   (default /tmp/longqa-speculative)
@@ -19,7 +19,6 @@ out=${1:-/tmp/longqa-speculative}
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-timeout 300 python -m pytest -q tests/test_speculative.py tests/test_decode_kernel.py -k "cuda or several" 2>&1 | tail -2
 python benchmarks/speculative_rollout.py ${MODEL:+--model "$MODEL"} --context-tokens "${CONTEXT:-768}" \
     --rows-per-task 344 --longest --prompts 256 -n 8 --max-new-tokens 256 --k 2 4 8 --device cuda \
     --work-dir "$out/data" --json "$out/real_samples.json" 2>&1 | grep '^{'
@@ -48,4 +47,5 @@ for k in (2, 4, 8):
                       "fraction_of_floor_measured_1.7b": plain["fraction_of_floor"],
                       "fraction_of_floor_projected_1.7b": round(plain["fraction_of_floor"] * speedup, 3)}))
 EOF
+timeout 300 python -m pytest -q tests/test_speculative.py tests/test_decode_kernel.py -k "cuda or several" 2>&1 | tail -2
 echo "results in $out"
