@@ -90,12 +90,12 @@ def _step_worker(rank, world, port, out, checkpoints, names, extensions):
                 compile_decoder_layers(actor.model, backend="eager", with_hooks=False)
             results[name] = one_step(actor, samples)
             results[name]["graphs"] = compiled_graphs() - start
-            if actor.engine is not None:  # (a compiled engine would be resumed into an eager one: left out)
-                state = {"model": actor.model, "optimizer": actor.optimizer, "scheduler": actor.scheduler,
-                         "engine": actor.engine}
-                saved = save_checkpoint(f"{checkpoints}/{name}", 1, **state, keep_last=1, trainer_state={"step": 1})
-                if VARIANTS[name][3]:
-                    continue
+            if actor.engine is None:
+                continue
+            saved = save_checkpoint(f"{checkpoints}/{name}", 1, model=actor.model, optimizer=actor.optimizer,
+                                    scheduler=actor.scheduler, engine=actor.engine, keep_last=1,
+                                    trainer_state={"step": 1})
+            if not VARIANTS[name][3]:  # (the resumed engine is not compiled: compared with one that is not either)
                 resumed = make_actor(name)
                 load_checkpoint(saved, model=resumed.model, optimizer=resumed.optimizer,
                                 scheduler=resumed.scheduler, engine=resumed.engine)
