@@ -433,7 +433,8 @@ class Trainer:
         cfg = self.cfg
         path = save_checkpoint(self.run_dir, done, model=self.model, optimizer=self.actor.optimizer,
                                scheduler=self.actor.scheduler, engine=self.actor.engine,
-                               keep_last=cfg.trainer.keep_last, trainer_state={"step": done, "bad_steps": self.actor.bad_steps, "config": to_dict(cfg)})
+                               keep_last=cfg.trainer.keep_last,
+                               trainer_state={"step": done, "bad_steps": self.actor.bad_steps, "config": to_dict(cfg)})
         self.seconds["save"] = time.perf_counter() - start
         self.saved = (done, path)
         return path
