@@ -45,6 +45,31 @@ def test_bench_step_records_each_phase_of_each_step(tmp_path):
             assert all(r["new_tokens"] == 2 * 3 * 5 for r in rows)
 
 
+@pytest.mark.slow
+def test_bench_step_runs_each_training_backend_on_the_same_work(tmp_path):
+    """FSDP2's CPU offload and DeepSpeed ZeRO-3 in a process group of one, beside the unsharded default: the same
+    samples, so the same work; the sharded backends sample from a copy that each update refreshes (a stale copy
+    would refuse to sample). (ZeRO-3 steps torch's AdamW here, which compiles nothing; its CPU Adam takes the
+    same update: tests/test_deepspeed.py.)"""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("DeepSpeed is not installed: pip install 'longqa[deepspeed]'")
+    rows = {}
+    for name, extra in (("plain", []), ("fsdp2-offload", ["--cpu-offload"]),
+                        ("deepspeed", ["--strategy", "deepspeed"])):
+        out = tmp_path / f"{name}.json"
+        main(["bench", "step", "--shape", "qwen3-tiny", "--prompt", "24", "--response", "5", "-n", "3", "--prompts",
+              "2", "--steps", "2", "--device", "cpu", "--json", str(out), *extra])
+        rows[name] = json.loads(out.read_text())
+    assert [(r["strategy"], r["cpu_offload"]) for r in rows["deepspeed"]] == [("deepspeed", False)] * 2
+    assert [(r["strategy"], r["cpu_offload"]) for r in rows["fsdp2-offload"]] == [("fsdp2", True)] * 2
+    for key in ("new_tokens", "response_length_max", "response_length_mean"):
+        assert [r[key] for r in rows["plain"]] == [r[key] for r in rows["fsdp2-offload"]] == \
+            [r[key] for r in rows["deepspeed"]], key
+    assert all(r["update_s"] > 0 for group in rows.values() for r in group)
+
+
 @pytest.mark.parametrize("lengths", ["lognormal", "max"])
 def test_bench_rollout_compares_generate_and_the_fast_engine(tmp_path, lengths):
     out = tmp_path / "rollout.json"

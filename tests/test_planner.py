@@ -23,10 +23,10 @@ def test_sizes_match_the_released_parameter_counts():
     assert tied.embedding_params == 151936 * 2048 + 2048  # embedding + final norm
 
 
-def plan(shape, gpus, offload=False, checkpointing=True, **extra):
+def plan(shape, gpus, offload=False, checkpointing=True, strategy="fsdp2", offload_params=False, **extra):
     options = {**RECIPE, **extra}
     p = plan_memory(sizes(shape), world_size=gpus, gpu_bytes=H200, gradient_checkpointing=checkpointing,
-                    cpu_offload=offload, **options)
+                    cpu_offload=offload, strategy=strategy, offload_params=offload_params, **options)
     check_plan(p, offload, checkpointing, options["micro_batch_tokens"], options.get("kv_cache_bytes"))
     return p
 
@@ -81,6 +81,33 @@ def test_recomputing_part_of_the_layers_plans_activations_between_none_and_all()
     assert activations == sorted(activations) and len(set(activations)) == 4
     with pytest.raises(PlanError, match="raise model.checkpoint_fraction"):
         plan("qwen3-8b", 1, offload=True, checkpointing=0.25, micro_batch_tokens=65536)
+
+
+def test_deepspeed_keeps_its_bf16_weight_partition_on_the_gpu_and_steps_the_same_bytes_on_the_host():
+    """ZeRO-3 holds 18 bytes a parameter (bf16 weights beside FSDP2's 16); offloading the optimizer leaves the
+    bf16 partition on the GPU and puts the same 16 bytes per parameter on the host as FSDP2's offload."""
+    params = sizes("qwen3-8b").params
+    fsdp, zero3 = plan("qwen3-8b", 8), plan("qwen3-8b", 8, strategy="deepspeed")
+    assert (fsdp.training_state, zero3.training_state) == (16 * params // 8, 16 * params // 8 + 2 * params // 8)
+    assert fsdp.host_state == zero3.host_state == 0
+    fsdp, zero3 = plan("qwen3-8b", 8, offload=True), plan("qwen3-8b", 8, offload=True, strategy="deepspeed")
+    assert (fsdp.training_state, zero3.training_state) == (0, 2 * params // 8)
+    assert fsdp.host_state == zero3.host_state == 16 * params // 8
+    both = plan("qwen3-8b", 8, offload=True, strategy="deepspeed", offload_params=True)
+    assert (both.training_state, both.host_state) == (0, 18 * params // 8)
+
+
+def test_a_deepspeed_plan_reads_the_offloads_of_its_config_file(tmp_path, capsys):
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"zero_optimization": {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}')
+    base = ["plan", "configs/loongrl-qwen3-32b.yaml", "actor.strategy=deepspeed"]
+    assert main([*base, f"actor.deepspeed_config={ds}", "--shape", "qwen3-32b", "--gpus", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "optimizer and parameters offloaded (DeepSpeed's CPU Adam steps it on the host)" in out
+    assert "training state (weights, grads, AdamW)        0.0 GiB" in out
+    # on 1 GPU the bf16 weight partition alone does not fit beside the rest: the advice is to offload it too
+    assert main([*base, "actor.cpu_offload=true", "--shape", "qwen3-32b", "--gpus", "1"]) == 2
+    assert "offload the parameters too (zero_optimization.offload_param.device: cpu" in capsys.readouterr().err
 
 
 def test_offloaded_layers_keep_no_activations_on_the_gpu():

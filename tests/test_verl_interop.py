@@ -160,3 +160,29 @@ def test_verl_s_reward_managers_score_through_our_reward_as_we_do(verl, kind, mo
     assert 0.0 in expected and 1.0 in expected  # the responses tell right from wrong
     adversarial = [score for (_, text), score in zip(cases, expected) if "\\boxed{}" in text]
     assert set(adversarial) == ({1.0} if mode == "pure_exact_match" else {0.0})  # the mode reached our reward
+
+
+def test_verl_s_actor_strategies_map_to_longqa_s_or_are_named_in_the_error(tmp_path, tokenizer_dir, files, verl):
+    """Every training strategy verl's actor configs define (read from verl itself), and the default of its
+    shipped trainer config: FSDP (verl's fsdp or fsdp2) is longqa's fsdp2, and any other is refused naming the
+    strategy and what longqa has instead."""
+    import dataclasses
+
+    import verl.workers.config.actor as actor_configs
+
+    from longqa.config import ConfigError, load_config
+
+    strategies = {field.default for cls in vars(actor_configs).values()
+                  if isinstance(cls, type) and issubclass(cls, actor_configs.ActorConfig)
+                  for field in dataclasses.fields(cls) if field.name == "strategy" and isinstance(field.default, str)}
+    strategies.discard("???")  # the base class's "must be given"
+    shipped = verl_config(verl, tokenizer_dir, files["synth"], tmp_path).actor_rollout_ref.actor.strategy
+    assert {"fsdp", "megatron"} <= strategies and shipped == "fsdp"
+    for strategy in sorted(strategies | {"fsdp2"}):
+        line = [f"actor_rollout_ref.actor.strategy={strategy}"]
+        if strategy in ("fsdp", "fsdp2"):
+            assert load_config(None, line).actor.strategy == "fsdp2"
+            continue
+        with pytest.raises(ConfigError, match=f"actor_rollout_ref.actor.strategy={strategy}: longqa shards the "
+                                              r"actor with FSDP2 \(fsdp, fsdp2\) or DeepSpeed ZeRO-3 \(deepspeed\)"):
+            load_config(None, line)

@@ -46,7 +46,8 @@ RECIPE_IN_LONGQA_KEYS = [
     "data.val_files=/data/merged/test.parquet", "data.train_batch_size=256", "data.max_prompt_length=16384",
     "data.max_response_length=4096", "data.filter_overlong_prompts=true", "data.truncation=left", "trainer.seed=42",
     "reward.path=/recipe/reward.py", "reward.name=compute_score", "model.path=Qwen/Qwen3-32B",
-    "model.gradient_checkpointing=true", "actor.ppo_mini_batch_size=64", "actor.max_tokens_per_micro_batch=40960",
+    "model.gradient_checkpointing=true", "actor.strategy=fsdp2", "actor.ppo_mini_batch_size=64",
+    "actor.max_tokens_per_micro_batch=40960",
     "algo.clip_ratio=0.2", "algo.kl_type=low_var_kl", "algo.entropy_coeff=0", "actor.lr=1e-6",
     "actor.warmup_ratio=0.05", "actor.betas=[0.9, 0.95]", "actor.cpu_offload=true",
     "rollout.tensor_model_parallel_size=2", "rollout.engine=vllm", "rollout.gpu_memory_utilization=0.7",
@@ -113,6 +114,7 @@ def test_a_mixed_line_takes_both_vocabularies():
     ["algo.kl_coef=0.1", "actor_rollout_ref.actor.use_kl_loss=False"],
     ["actor.grad_clip=1.0", "actor_rollout_ref.actor.optim.clip_grad=0.5"],
     ["trainer.nnodes=2", "trainer.nnodes=4"],
+    ["actor.strategy=deepspeed", "actor_rollout_ref.actor.strategy=fsdp"],
 ])
 def test_one_setting_given_two_values_under_two_names_is_an_error(line):
     with pytest.raises(ConfigError) as e:
@@ -144,6 +146,9 @@ def test_the_same_value_under_two_names_and_longqa_repeats_are_fine():
     (["++reward.custom_reward_function.path=r.py"], "reward.path", "r.py"),
     (["trainer.default_local_dir=007"], "trainer.output_dir", "007"),  # read as the longqa key's type: a string
     (["actor_rollout_ref.actor.optim.betas=[0.9,0.999]"], "actor.betas", [0.9, 0.999]),
+    (["actor_rollout_ref.actor.strategy=fsdp"], "actor.strategy", "fsdp2"),  # verl's FSDP1: longqa's is FSDP2
+    (["actor_rollout_ref.actor.strategy=fsdp2"], "actor.strategy", "fsdp2"),
+    (["actor_rollout_ref.actor.strategy=deepspeed"], "actor.strategy", "deepspeed"),
 ])
 def test_values_verl_spells_differently(line, key, value):
     section, name = key.split(".")
@@ -152,6 +157,9 @@ def test_values_verl_spells_differently(line, key, value):
 
 @pytest.mark.parametrize("line, says", [
     (["actor_rollout_ref.rollout.name=sglang"], "rollout.engine=fast (its own engine), hf or vllm"),
+    (["actor_rollout_ref.actor.strategy=megatron"], "actor_rollout_ref.actor.strategy=megatron: longqa shards the "
+                                                    "actor with FSDP2 (fsdp, fsdp2) or DeepSpeed ZeRO-3 (deepspeed)"),
+    (["actor_rollout_ref.actor.fsdp_config.strategy=zero3"], "longqa's FSDP is FSDP2"),
     (["algorithm.adv_estimator=gae"], "estimators are grpo"),
     (["actor_rollout_ref.actor.kl_loss_type=full"], "KL estimators are"),
     (["actor_rollout_ref.actor.fsdp_config.optimizer_offload=True"], "set both to the same value"),

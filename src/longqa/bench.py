@@ -27,15 +27,17 @@ H200_BF16_PEAK = 989e12  # dense bf16 TFLOP/s, datasheet
 
 
 def random_model(shape: str, device, dtype=torch.bfloat16, gradient_checkpointing: float = 1.0,
-                 compile_layers: bool = False, min_vocab: int = 0, activation_offload: float = 0.0):
-    """A random-weight Qwen3 of ``shape``; ``gradient_checkpointing`` is the fraction of decoder layers
-    recomputed in the backward pass (True: all, False or 0: none), ``activation_offload`` the fraction
-    (the first layers) whose activations wait in host memory."""
+                 compile_layers: bool = False, min_vocab: int = 0, activation_offload: float = 0.0,
+                 layers: int | None = None):
+    """A random-weight Qwen3 of ``shape`` (``layers`` decoder layers if given); ``gradient_checkpointing`` is
+    the fraction of decoder layers recomputed in the backward pass (True: all, False or 0: none),
+    ``activation_offload`` the fraction (the first layers) whose activations wait in host memory."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; expected one of {sorted(SHAPES)}")
-    sizes = {**SHAPES[shape], "vocab_size": max(SHAPES[shape]["vocab_size"], min_vocab)}
+    sizes = {**SHAPES[shape], "vocab_size": max(SHAPES[shape]["vocab_size"], min_vocab),
+             **({"num_hidden_layers": layers} if layers else {})}
     config = Qwen3Config(**sizes, max_position_embeddings=65536, rope_theta=1000000.0)
     torch.manual_seed(0)
     with torch.device(device):
@@ -332,30 +334,40 @@ def speculation_stats(run: dict) -> dict:
 def bench_grpo_step(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int = 1024, n: int = 8,
                     prompts_per_step: int = 16, steps: int = 2, device: str = "auto",
                     engine_options: dict | None = None, gradient_checkpointing: bool = False,
-                    lengths: str = "lognormal") -> list[dict]:
+                    lengths: str = "lognormal", strategy: str = "fsdp2", cpu_offload: bool = False) -> list[dict]:
     """Seconds per phase of whole GRPO steps: fast-engine rollout of ``prompts_per_step`` x ``n``, each
     response ending at its drawn length (at most ``response``), group advantages, one packed
     shared-prompt update (on-policy: no old log-prob pass). A random-weight model cannot answer, so
     rewards are random coin flips (scoring text costs milliseconds anyway).
-    Gradient checkpointing is off by default, as in ``longqa train`` (``model.gradient_checkpointing``)."""
+    Gradient checkpointing is off by default, as in ``longqa train`` (``model.gradient_checkpointing``).
+
+    By default the bf16 model trains unsharded and the engine shares its weights. ``strategy="deepspeed"``
+    (ZeRO-3) or ``cpu_offload`` (FSDP2's offload, or ZeRO-3's with DeepSpeed's CPU Adam) shard it in a
+    process group of one, as ``actor.strategy`` and ``actor.cpu_offload`` do: fp32 master weights with bf16
+    compute on a GPU, sampled from the engine's bf16 copy, refreshed within the update's time."""
     from longqa import algo
     from longqa.config import load_config
-    from longqa.model.load import compiled_graphs, pick_device
+    from longqa.distributed.env import DistEnv, leave_group
+    from longqa.model.load import compile_decoder_layers, compiled_graphs, pick_device
     from longqa.rollout.base import SamplingParams
     from longqa.rollout.fast import FastRolloutEngine
     from longqa.train.actor import Actor, Samples
 
     dev = pick_device(device)
-    # As `longqa train` runs it: decoder layers compiled for training on a GPU (actor.compile_layers).
-    model = random_model(shape, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32, gradient_checkpointing,
-                         compile_layers=dev.type == "cuda")
+    sharded = strategy == "deepspeed" or cpu_offload
+    own_group = DistEnv().init(dev, alone=sharded)
+    bf16 = dev.type == "cuda"
+    model = random_model(shape, dev, torch.float32 if sharded or not bf16 else torch.bfloat16, gradient_checkpointing)
+    engine = FastRolloutEngine(model, own_copy=sharded, dtype=torch.bfloat16 if sharded and bf16 else None,
+                               **(engine_options or {}))  # a copy is made before the actor shards the model
     cfg = load_config(None, [f"rollout.n={n}", f"data.train_batch_size={prompts_per_step}",
                              f"actor.ppo_mini_batch_size={prompts_per_step}", f"data.max_response_length={response}",
-                             f"actor.max_tokens_per_micro_batch={prompt + n * response}", "actor.lr=1e-6"])
+                             f"actor.max_tokens_per_micro_batch={prompt + n * response}", "actor.lr=1e-6",
+                             f"actor.strategy={strategy}", f"actor.cpu_offload={str(cpu_offload).lower()}"])
     actor = Actor(model, cfg, steps, dev)
-    if dev.type == "cuda":
-        actor.compile_length_buckets()  # as `longqa train` does before its first step
-    engine = FastRolloutEngine(model, **(engine_options or {}))
+    if dev.type == "cuda":  # as `longqa train` runs it: decoder layers compiled for training, every length first
+        compile_decoder_layers(model, with_hooks=strategy != "deepspeed")
+        actor.compile_length_buckets()
     params = SamplingParams(n=n, temperature=1.0, max_new_tokens=response)
     g = torch.Generator().manual_seed(0)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -377,12 +389,14 @@ def bench_grpo_step(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int
                           advantages, n)
         t2 = time.perf_counter()
         actor.update(samples)
+        engine.sync_weights()
         sync()
         t3 = time.perf_counter()
         new_tokens = sum(len(s) for s in samples.response_ids)
         made = [[len(s.token_ids) for s in grp] for grp in groups]
         floor = step_floor_s(model.config, prompt, made, engine.kv.groups)
-        row = {"step": step, "shape": shape, "prompts": prompts_per_step, "n": n, "prompt": prompt,
+        row = {"step": step, "shape": shape, "strategy": strategy, "cpu_offload": cpu_offload,
+               "prompts": prompts_per_step, "n": n, "prompt": prompt,
                "response": response, "lengths": lengths, "gradient_checkpointing": gradient_checkpointing,
                "rollout_s": round(t1 - t0, 2), "reward_and_advantages_s": round(t2 - t1, 3),
                "update_s": round(t3 - t2, 2), "step_s": round(t3 - t0, 2), "new_tokens": new_tokens,
@@ -396,4 +410,6 @@ def bench_grpo_step(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int
                "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if dev.type == "cuda" else None}
         results.append(row)
         print(json.dumps(row), flush=True)
+    if own_group:
+        leave_group()
     return results

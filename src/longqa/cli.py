@@ -219,7 +219,8 @@ def cmd_bench_step(args: argparse.Namespace) -> None:
     from longqa.bench import bench_grpo_step
 
     _save_results(args, bench_grpo_step(args.shape, args.prompt, args.response, args.n, args.prompts, args.steps,
-                                        args.device, _engine_options(args), args.gradient_checkpointing, args.lengths))
+                                        args.device, _engine_options(args), args.gradient_checkpointing, args.lengths,
+                                        args.strategy, args.cpu_offload))
 
 
 def cmd_cluster(args: argparse.Namespace) -> None:
@@ -236,7 +237,7 @@ def cmd_cluster(args: argparse.Namespace) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
-    from longqa.distributed.planner import GIB, ModelSizes, check_config, model_sizes, plan_config
+    from longqa.distributed.planner import GIB, ModelSizes, check_config, describe_training, model_sizes, plan_config
 
     cfg = load_config(args.config, args.overrides)
     if args.shape:
@@ -250,8 +251,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
         if sizes is None:
             raise ConfigError("longqa plan cannot size a GGUF model: pass --shape")
     plan = plan_config(cfg, sizes, args.gpus, int(args.gpu_memory_gib * GIB))
-    print(f"{sizes.params / 1e9:.2f}B parameters on {args.gpus} GPU(s) of {args.gpu_memory_gib:g} GiB"
-          f"{' with CPU offload' if cfg.actor.cpu_offload else ''}:\n{plan.table()}")
+    print(f"{sizes.params / 1e9:.2f}B parameters on {args.gpus} GPU(s) of {args.gpu_memory_gib:g} GiB, "
+          f"{describe_training(cfg)}:\n{plan.table()}")
     check_config(cfg, plan)
     print("fits")
 
@@ -464,6 +465,12 @@ def _add_bench_commands(groups: argparse._SubParsersAction) -> None:
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="recompute activations in the backward pass (off, as in longqa train)")
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--strategy", choices=["fsdp2", "deepspeed"], default="fsdp2",
+                   help="as actor.strategy; deepspeed: ZeRO-3 in a process group of one (default fsdp2: unsharded "
+                   "unless --cpu-offload)")
+    p.add_argument("--cpu-offload", action="store_true",
+                   help="as actor.cpu_offload: the optimizer on the host (FSDP2 with torch's AdamW, or ZeRO-3 with "
+                   "DeepSpeed's CPU Adam)")
     _add_engine_args(p)
 
 

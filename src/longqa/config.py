@@ -144,8 +144,14 @@ class ActorConfig:
     ppo_epochs: int = opt(1, "passes over each step's samples", *positive)
     max_tokens_per_micro_batch: int = opt(16384, "token budget of one forward/backward (packed tokens when "
                                           "shared_prompt)", *positive)
-    cpu_offload: bool = opt(False, "with several ranks: keep the weight shards, their gradients and the AdamW "
-                            "step on the CPU (ZeRO-3 + CPU optimizer offload)")
+    strategy: Literal["fsdp2", "deepspeed"] = opt(
+        "fsdp2", "how the model is sharded over the ranks: fsdp2 (PyTorch's FSDP2) or deepspeed (DeepSpeed ZeRO-3, "
+        "any number of ranks; pip install 'longqa[deepspeed]')")
+    cpu_offload: bool = opt(False, "fsdp2, with several ranks: keep the weight shards, their gradients and the AdamW "
+                            "step on the CPU; deepspeed: offload the optimizer and step it with DeepSpeed's CPU Adam "
+                            "(ZeRO-3 + CPU optimizer offload)")
+    deepspeed_config: Optional[str] = opt(None, "strategy=deepspeed: a DeepSpeed config file (JSON or YAML) merged "
+                                          "over the one longqa generates (e.g. zero_optimization.offload_param)")
     shared_prompt: bool = opt(True, "pack each prompt once with its n responses (false: the naive padded "
                               "layout, one row per sample)")
     attention_backend: Literal["auto", "dense", "flex", "split"] = opt(

@@ -82,6 +82,10 @@ RENAMED: dict[str, Renamed] = {
     ACTOR + "optim.min_lr_ratio": Renamed("actor.min_lr_ratio"),
     ACTOR + "optim.clip_grad": Renamed("actor.grad_clip"),
     ACTOR + "grad_clip": Renamed("actor.grad_clip"),
+    # verl's FSDP engine is FSDP1 or FSDP2; longqa's is FSDP2, beside DeepSpeed ZeRO-3 (the reference recipe's).
+    ACTOR + "strategy": Renamed("actor.strategy", _spelled(
+        {"fsdp": "fsdp2", "fsdp2": "fsdp2", "deepspeed": "deepspeed"},
+        "longqa shards the actor with FSDP2 (fsdp, fsdp2) or DeepSpeed ZeRO-3 (deepspeed)")),
     ACTOR + "ppo_mini_batch_size": Renamed("actor.ppo_mini_batch_size"),
     ACTOR + "ppo_epochs": Renamed("actor.ppo_epochs"),
     # Both are token budgets of one forward/backward; longqa's counts a prompt once for its group (packed).
@@ -124,10 +128,8 @@ RENAMED: dict[str, Renamed] = {
 _GREEDY_VALIDATION = "longqa validates with one greedy answer per question"
 _NO_REWARD_MODEL = "longqa scores with a rule-based reward function (reward.mode, reward.path), not a reward model"
 _ONE_RESPONSE_AT_A_TIME = "longqa scores each response on its own, as verl's naive reward manager does"
-_FSDP = "longqa shards the actor with FSDP2"
 FIXED: dict[str, Fixed] = {
-    ACTOR + "strategy": Fixed(("fsdp", "fsdp2"), _FSDP),
-    ACTOR + "fsdp_config.strategy": Fixed(("fsdp", "fsdp2"), _FSDP),
+    ACTOR + "fsdp_config.strategy": Fixed(("fsdp", "fsdp2"), "longqa's FSDP is FSDP2 (actor.strategy=fsdp2)"),
     ACTOR + "use_dynamic_bsz": Fixed((True,), "longqa fills each micro-batch up to a token budget (actor_rollout_ref."
                                      "actor.ppo_max_token_len_per_gpu, actor.max_tokens_per_micro_batch)"),
     ACTOR + "optim.lr_warmup_steps": Fixed((-1, None), "longqa warms up over a fraction of the steps "

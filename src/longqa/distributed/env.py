@@ -34,14 +34,18 @@ class DistEnv:
             return torch.device("cuda", self.local_rank)
         return torch.device("cpu")
 
-    def init(self, device: torch.device) -> bool:
-        """Join the process group (NCCL on GPUs, gloo on CPUs) once; nothing to do for a single process.
-        True when this call created the group (Ray Train makes its own): the caller then ``leave_group``s."""
-        if self.distributed and not dist.is_initialized():
+    def init(self, device: torch.device, alone: bool = False) -> bool:
+        """Join the process group (NCCL on GPUs, gloo on CPUs) once; nothing to do for a single process unless
+        ``alone`` asks for a group of one (DeepSpeed needs a group even then). True when this call created
+        the group (Ray Train makes its own): the caller then ``leave_group``s."""
+        if (self.distributed or alone) and not dist.is_initialized():
             if device.type == "cuda":
                 torch.cuda.set_device(device)
-            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=self.rank,
-                                    world_size=self.world_size)
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            if self.distributed:
+                dist.init_process_group(backend, rank=self.rank, world_size=self.world_size)
+            else:  # no launcher, no rendezvous: an in-process store
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
             return True
         return False
 

@@ -6,7 +6,10 @@ sharded over ``world_size`` ranks (FSDP2, ZeRO-3 style):
 
 - training state: fp32 master weights, fp32 gradients and AdamW's two fp32 moments, 16 bytes per
   parameter, divided by the ranks; on the CPU instead when offloaded (the recipe's ZeRO-3 + CPU
-  optimizer offload);
+  optimizer offload). DeepSpeed ZeRO-3 (``actor.strategy=deepspeed``) keeps a bf16 partition of the
+  weights beside them, 18 bytes in all, of which the 2 stay on the GPU when the optimizer is offloaded
+  (and leave it too when the parameters are); the offloaded 16 bytes are on the host either way, and
+  what differs is who steps them: torch's AdamW under FSDP2, DeepSpeed's CPU Adam under ZeRO-3;
 - the unsharded layers being computed: two decoder layers (this one and the prefetched next) and the
   embedding/LM head, in bf16;
 - activations of one micro-batch of ``max_tokens_per_micro_batch`` packed tokens: with gradient
@@ -73,6 +76,7 @@ class MemoryPlan:
     activations: int
     rollout_weights: int
     rollout_kv: int
+    host_state: int = 0  # per rank, in host memory: the offloaded training state (not part of the total)
     margin: int = MARGIN_BYTES
 
     @property
@@ -85,19 +89,30 @@ class MemoryPlan:
                 ("unsharded layers in flight", self.unsharded_layers), ("activations", self.activations),
                 ("rollout weights (bf16 copy)", self.rollout_weights), ("rollout KV cache", self.rollout_kv),
                 ("margin (context, NCCL, fragmentation)", self.margin), ("total", self.total),
-                ("GPU memory", self.gpu_bytes)]
+                ("GPU memory", self.gpu_bytes), ("host memory per rank: offloaded state", self.host_state)]
         return "\n".join(f"  {name:<40} {value / GIB:8.1f} GiB" for name, value in rows)
+
+
+def training_state(params: int, world_size: int, strategy: str = "fsdp2", cpu_offload: bool = False,
+                   offload_params: bool = False) -> tuple[int, int]:
+    """``(GPU, host)`` bytes per rank of the weights, gradients and AdamW moments (see the module docstring)."""
+    offloaded = 16 * params // world_size
+    weights = 2 * params // world_size if strategy == "deepspeed" else 0  # ZeRO-3's bf16 partition
+    if not cpu_offload:
+        return offloaded + weights, 0
+    return (0, offloaded + weights) if offload_params else (weights, offloaded)
 
 
 def plan_memory(sizes: ModelSizes, *, world_size: int, gpu_bytes: int, micro_batch_tokens: int,
                 prompt_length: int, response_length: int, n: int, gradient_checkpointing: float = 1.0,
                 cpu_offload: bool = False, kv_cache_bytes: int | None = None,
-                activation_offload: float = 0.0) -> MemoryPlan:
+                activation_offload: float = 0.0, strategy: str = "fsdp2", offload_params: bool = False) -> MemoryPlan:
     """Per-GPU bytes of a plan (see the module docstring for what is counted); ``gradient_checkpointing`` is
     the fraction of decoder layers recomputed (True: all), ``activation_offload`` the fraction whose
-    activations wait in host memory (none of theirs stays on the GPU)."""
+    activations wait in host memory (none of theirs stays on the GPU); ``offload_params``: ZeRO-3's
+    parameter offload."""
     bf16 = 2
-    state = 0 if cpu_offload else 16 * sizes.params // world_size
+    state, host = training_state(sizes.params, world_size, strategy, cpu_offload, offload_params)
     unsharded = bf16 * (2 * sizes.layer_params + sizes.embedding_params)
     tokens = micro_batch_tokens
     per_token_layer = bf16 * (12 * sizes.hidden + 4 * sizes.intermediate)  # q,k,v,o, norms, residuals, MLP
@@ -110,7 +125,10 @@ def plan_memory(sizes: ModelSizes, *, world_size: int, gpu_bytes: int, micro_bat
     one_group = 2 * bf16 * sizes.layers * sizes.kv_heads * sizes.head_dim * (prompt_length + n * response_length)
     kv = max(kv_cache_bytes or 0, one_group)
     return MemoryPlan(world_size=world_size, gpu_bytes=gpu_bytes, training_state=state, unsharded_layers=unsharded,
-                      activations=activations, rollout_weights=bf16 * sizes.params, rollout_kv=kv)
+                      activations=activations, rollout_weights=bf16 * sizes.params, rollout_kv=kv, host_state=host)
+
+
+PARAMETER_OFFLOAD = "zero_optimization.offload_param.device: cpu in actor.deepspeed_config"
 
 
 def check_plan(plan: MemoryPlan, cpu_offload: bool, gradient_checkpointing: float, micro_batch_tokens: int,
@@ -125,6 +143,8 @@ def check_plan(plan: MemoryPlan, cpu_offload: bool, gradient_checkpointing: floa
                       f"{plan.training_state / GIB:.1f} GiB per GPU)")
     elif not cpu_offload and plan.training_state:
         advice.append(f"offload the training state to the CPU ({offload_setting})")
+    elif plan.training_state:  # ZeRO-3's weight partition, still on the GPU beside an offloaded optimizer
+        advice.append(f"offload the parameters too ({PARAMETER_OFFLOAD})")
     if not gradient_checkpointing:
         advice.append("turn on model.gradient_checkpointing")
     elif gradient_checkpointing < 1:
@@ -142,11 +162,26 @@ def check_plan(plan: MemoryPlan, cpu_offload: bool, gradient_checkpointing: floa
 
 def plan_config(cfg, sizes: ModelSizes, world_size: int, gpu_bytes: int) -> MemoryPlan:
     """The plan of a longqa config on ``world_size`` GPUs of ``gpu_bytes``."""
+    cpu_offload, offload_params = offloads(cfg)
     return plan_memory(sizes, world_size=world_size, gpu_bytes=gpu_bytes, prompt_length=cfg.data.max_prompt_length,
                        response_length=cfg.data.max_response_length, n=cfg.rollout.n,
                        micro_batch_tokens=cfg.actor.max_tokens_per_micro_batch,
-                       gradient_checkpointing=recomputed_fraction(cfg), cpu_offload=cfg.actor.cpu_offload,
-                       kv_cache_bytes=cfg.rollout.kv_cache_bytes, activation_offload=cfg.model.activation_offload)
+                       gradient_checkpointing=recomputed_fraction(cfg), cpu_offload=cpu_offload,
+                       kv_cache_bytes=cfg.rollout.kv_cache_bytes, activation_offload=cfg.model.activation_offload,
+                       strategy=cfg.actor.strategy, offload_params=offload_params)
+
+
+def offloads(cfg) -> tuple[bool, bool]:
+    """Whether a config offloads the optimizer, and the parameters (DeepSpeed's config may ask for either)."""
+    if cfg.actor.strategy != "deepspeed":
+        return cfg.actor.cpu_offload, cfg.actor.cpu_offload
+    import torch
+
+    from longqa.distributed.deepspeed import engine_config, optimizer_offloaded
+
+    config = engine_config(cfg, torch.device("cuda"), torch.bfloat16)
+    params = (config["zero_optimization"].get("offload_param") or {}).get("device", "none") in ("cpu", "nvme")
+    return optimizer_offloaded(config), params
 
 
 def recomputed_fraction(cfg) -> float:
@@ -154,8 +189,17 @@ def recomputed_fraction(cfg) -> float:
     return cfg.model.checkpoint_fraction if cfg.model.gradient_checkpointing else 0.0
 
 
+def describe_training(cfg) -> str:
+    """The sharding and where the optimizer steps, in words, for the plan's heading."""
+    optimizer, params = offloads(cfg)
+    if cfg.actor.strategy == "deepspeed":
+        where = ("optimizer and parameters offloaded" if params else "optimizer offloaded") if optimizer else ""
+        return "DeepSpeed ZeRO-3" + (f", {where} (DeepSpeed's CPU Adam steps it on the host)" if where else "")
+    return "FSDP2" + (", CPU offload (torch's AdamW steps it on the host)" if optimizer else "")
+
+
 def check_config(cfg, plan: MemoryPlan) -> None:
-    check_plan(plan, cfg.actor.cpu_offload, recomputed_fraction(cfg), cfg.actor.max_tokens_per_micro_batch,
+    check_plan(plan, offloads(cfg)[0], recomputed_fraction(cfg), cfg.actor.max_tokens_per_micro_batch,
                cfg.rollout.kv_cache_bytes)
 
 

@@ -167,12 +167,13 @@ def qwen3_config(vocab_size: int, hidden_size: int = 256, num_layers: int = 4, n
                        eos_token_id=eos_token_id, pad_token_id=pad_token_id)
 
 
-def compile_decoder_layers(model, backend: str = "inductor") -> int:
+def compile_decoder_layers(model, backend: str = "inductor", with_hooks: bool = True) -> int:
     """``torch.compile`` each decoder layer in place (fuses norms, rotary and activations, which run as
     dozens of memory-bound kernels per layer in eager mode); returns how many were compiled.
 
     Shapes stay static: the packed rows come in a few padded lengths (``attention.length_step``), each
-    compiled once, rather than one dynamic graph whose kernels are slower."""
+    compiled once, rather than one dynamic graph whose kernels are slower. ``with_hooks``: the layer's
+    hooks are compiled too (FSDP2's are traceable); otherwise only its forward (DeepSpeed's hooks are not)."""
     from longqa.model.attention import allow_length_buckets
 
     layers = getattr(model.base_model, "layers", None)
@@ -180,7 +181,10 @@ def compile_decoder_layers(model, backend: str = "inductor") -> int:
         raise ModelError(f"{type(model).__name__} has no decoder layer list (base_model.layers) to compile")
     allow_length_buckets()
     for layer in layers:
-        layer.compile(dynamic=False, backend=backend)
+        if with_hooks:
+            layer.compile(dynamic=False, backend=backend)
+        else:
+            layer.forward = torch.compile(layer.forward, dynamic=False, backend=backend)
     return len(layers)
 
 

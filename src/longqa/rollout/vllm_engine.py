@@ -32,6 +32,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from longqa.distributed.gather import full_tensor
 from longqa.rollout.base import (RolloutEngine, Sample, SamplingParams, StaleWeightsError, prompt_seeds,
                                  weights_version)
 
@@ -82,21 +83,16 @@ def training_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
     ``lm_head.weight`` again when it is tied to the input embeddings (``named_parameters`` lists a tied
     tensor once, under the embedding's name).
 
-    Sharded (FSDP2) parameters are gathered one tensor at a time, in the same order on every rank."""
+    Sharded (FSDP2 or ZeRO-3) parameters are gathered one tensor at a time, in the same order on every rank."""
     sent = set()
     for name, param in model.named_parameters():
         sent.add(name)
-        yield name, _full(param)
+        yield name, full_tensor(param)
     head = model.get_output_embeddings()
     if head is not None:
         head_name = next(name for name, module in model.named_modules() if module is head) + ".weight"
         if head_name not in sent:
-            yield head_name, _full(head.weight)
-
-
-def _full(param: torch.Tensor) -> torch.Tensor:
-    tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
-    return tensor.detach()
+            yield head_name, full_tensor(head.weight)
 
 
 @contextlib.contextmanager

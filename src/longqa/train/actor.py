@@ -20,6 +20,7 @@ import torch
 from longqa import algo
 from longqa.batching import budget_batches, collate_right
 from longqa.config import Config
+from longqa.distributed import deepspeed
 from longqa.distributed.env import all_reduce, world_size
 from longqa.distributed.fsdp import shard_model
 from longqa.model.attention import PADDED_BACKENDS, length_step, resolve_backend, use_longqa_attention
@@ -107,7 +108,8 @@ class PolicyScorer(torch.nn.Module):
 
 class Actor:
     """Owns the policy's training: its scorer (sharded with FSDP2 when the process group has several
-    ranks), optimizer and schedule, the old-log-prob pass and the PPO-clip update."""
+    ranks, or inside a DeepSpeed ZeRO-3 engine under ``actor.strategy=deepspeed``), optimizer and
+    schedule, the old-log-prob pass and the PPO-clip update."""
 
     def __init__(self, model, cfg: Config, total_steps: int, device: torch.device, pad_token_id: int = 0):
         self.model, self.cfg, self.device, self.pad = model, cfg, device, pad_token_id
@@ -123,12 +125,19 @@ class Actor:
         if cfg.algo.kl_coef > 0:
             self.reference = PolicyScorer(copy.deepcopy(model).eval().requires_grad_(False), temperature)
         self.scorer = PolicyScorer(model, temperature)
-        if world_size() > 1:  # parameters become shards: the optimizer must be built on them, after
-            for scorer in (self.scorer, self.reference):
-                if scorer is not None:
-                    shard_model(scorer, scorer.model.base_model.layers, device, a.cpu_offload)
-        self.optimizer = torch.optim.AdamW(self.scorer.parameters(), lr=a.lr, betas=tuple(a.betas),
-                                           weight_decay=a.weight_decay)
+        self.engine = None  # the DeepSpeed engine under actor.strategy=deepspeed (then also the scorer)
+        if a.strategy == "deepspeed":  # ZeRO-3 partitions the weights, even in a group of one rank
+            self.engine, self.optimizer = deepspeed.wrap(self.scorer, cfg, device)
+            self.scorer = self.engine
+        else:
+            # Parameters become shards (the optimizer must be built on them, after): over several ranks, or in a
+            # process group of one to offload them to the CPU (`longqa train` makes no group for one process).
+            if world_size() > 1 or (a.cpu_offload and torch.distributed.is_initialized()):
+                for scorer in (self.scorer, self.reference):
+                    if scorer is not None:
+                        shard_model(scorer, scorer.model.base_model.layers, device, a.cpu_offload)
+            self.optimizer = torch.optim.AdamW(self.scorer.parameters(), lr=a.lr, betas=tuple(a.betas),
+                                               weight_decay=a.weight_decay)
         self.updates_per_step = a.ppo_epochs * math.ceil(cfg.data.train_batch_size / a.ppo_mini_batch_size)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(cfg, max(1, total_steps * self.updates_per_step)))
@@ -170,10 +179,10 @@ class Actor:
             # single target would compile the LM-head chunk for size 1 only: sizes 0 and 1 are specialised)
             samples = Samples([[self.pad] * (length - 2)], [[self.pad] * 2], torch.zeros(1), 1)
             logp, _, _ = self.forward(self.scorer, self.micro_batches(samples, [0])[0])
-            (logp.sum() * 0).backward()
+            self._backward(logp.sum() * 0, boundary=False)
             if off_policy:  # the old log-prob pass: evaluation mode, no gradient
                 self.logprobs(samples)
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         return len(lengths)
 
     def forward(self, scorer: PolicyScorer, micro: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -277,7 +286,7 @@ class Actor:
             loss, loss_stats = algo.total_loss(token_losses, response, cfg.algo.loss_agg_mode, entropy=entropy,
                                                entropy_coeff=cfg.algo.entropy_coeff, kl=kl,
                                                kl_coef=cfg.algo.kl_coef, **denominators)
-            (loss * weight).backward()
+            self._backward(loss * weight, boundary=k == rounds - 1)
             if weight == 0:
                 continue
             share = int(response.sum()) / max(1, denominators["num_tokens"])  # token-weighted averages
@@ -289,13 +298,31 @@ class Actor:
             stats = dict(zip(keys, all_reduce([stats[k] for k in keys], "sum", self.device)))
         return stats
 
-    def apply_gradients(self) -> dict:
-        """Clip and step, or skip (and count) an update whose gradient is not finite."""
-        cfg = self.cfg
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.scorer.parameters(), cfg.actor.grad_clip))
-        stats = {"grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0], "skipped_updates": 0.0}
-        if not math.isfinite(grad_norm):
+    def _backward(self, loss: torch.Tensor, boundary: bool) -> None:
+        """Add ``loss``'s gradient; ``boundary``: the last micro-batch of the mini-batch."""
+        if self.engine is None:
+            loss.backward()
+        else:
+            deepspeed.backward(self.engine, loss, boundary)
+
+    def _zero_grad(self) -> None:
+        if self.engine is None:
             self.optimizer.zero_grad(set_to_none=True)
+        else:
+            deepspeed.zero_grad(self.engine)
+
+    def apply_gradients(self) -> dict:
+        """Clip and step, or skip (and count) an update whose gradient is not finite. DeepSpeed takes the norm,
+        clips and steps in one call (the same clipping rule), skipping a non-finite step itself."""
+        cfg = self.cfg
+        lr = self.scheduler.get_last_lr()[0]
+        if self.engine is None:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.scorer.parameters(), cfg.actor.grad_clip))
+        else:
+            grad_norm = deepspeed.step(self.engine)
+        stats = {"grad_norm": grad_norm, "lr": lr, "skipped_updates": 0.0}
+        if not math.isfinite(grad_norm):
+            self._zero_grad()
             self.bad_steps += 1
             stats.update(grad_norm=0.0, skipped_updates=1.0)
             if self.bad_steps >= cfg.actor.max_bad_steps:
@@ -303,8 +330,9 @@ class Actor:
                                     f"stopping (lower actor.lr, check the data, or raise actor.max_bad_steps)")
             return stats
         self.bad_steps = 0
-        self.optimizer.step()
+        if self.engine is None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         bump_weights_version(self.model)
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
         return stats

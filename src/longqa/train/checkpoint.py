@@ -9,6 +9,9 @@ Layout of one checkpoint, ``<run_dir>/checkpoints/step_00000012/``:
     A ``torch.distributed.checkpoint`` folder of the same two state dicts, each rank writing its shards;
     it loads on any number of ranks, one included (the shards are redistributed on load). Every other
     file is written by rank 0 alone.
+``deepspeed/`` (``actor.strategy=deepspeed``, any number of ranks)
+    DeepSpeed's own checkpoint of the ZeRO-3 engine, each rank writing its partitions of the weights and
+    optimizer state; it resumes on the same number of ranks, and its weights export to an HF folder.
 ``scheduler.pt``
     The learning-rate scheduler's state dict, when the trainer has a scheduler.
 ``rng.json``
@@ -44,6 +47,8 @@ from typing import IO, Any
 
 import numpy as np
 import torch
+
+from longqa.distributed.deepspeed import TAG as DEEPSPEED
 
 __all__ = [
     "CheckpointError",
@@ -249,12 +254,13 @@ def _state_dicts(model, optimizer):
 
 def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, scheduler: Any = None, trainer_state: dict,
-                    keep_last: int) -> Path:
+                    keep_last: int, engine: Any = None) -> Path:
     """Write checkpoint ``step`` atomically, then keep only the ``keep_last`` newest; returns its folder.
 
     A write error (a full disk above all) removes the partial folder and raises :class:`CheckpointError`;
     the checkpoints already on disk are untouched, so training can stop and resume from the last one.
-    With several ranks every rank must call it (each writes its shards; rank 0 the rest).
+    With several ranks every rank must call it (each writes its shards; rank 0 the rest). ``engine``: a
+    DeepSpeed engine holding ``model`` and ``optimizer``, which writes them itself.
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
@@ -269,10 +275,11 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Mo
         folder.mkdir(parents=True, exist_ok=True)
         _remove_hidden(folder)  # space freed before writing, in case the last save died for lack of it
     barrier()
-    model_state, optimizer_state = _state_dicts(model, optimizer)
     files = {}
-    if not sharded:
-        files = {MODEL: _torch_file(model_state), OPTIMIZER: _torch_file(optimizer_state)}
+    if engine is None:
+        model_state, optimizer_state = _state_dicts(model, optimizer)
+        if not sharded:
+            files = {MODEL: _torch_file(model_state), OPTIMIZER: _torch_file(optimizer_state)}
     if scheduler is not None:
         files[SCHEDULER] = _torch_file(scheduler.state_dict())
     files[RNG] = _json_file(rng_state())
@@ -282,7 +289,12 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Mo
         raise TypeError(f"trainer_state must be JSON-able: {exc}") from exc
 
     try:
-        if sharded:
+        if engine is not None:
+            from longqa.distributed import deepspeed
+
+            deepspeed.save(engine, tmp)
+            barrier()
+        elif sharded:
             import torch.distributed.checkpoint as dcp
 
             dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp / SHARDED)
@@ -351,20 +363,48 @@ def _load_states(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
 
 
 def load_model_weights(path: str | os.PathLike, model: torch.nn.Module) -> None:
-    """Load only the model weights of checkpoint ``path`` into ``model`` (same architecture)."""
+    """Load only the model weights of checkpoint ``path`` into ``model`` (same architecture, not sharded
+    by DeepSpeed: a DeepSpeed checkpoint's partitions are put together here, in this process)."""
     path = Path(path)
     _check(path)
-    _load_states(path, model, None)
+    if (path / DEEPSPEED).is_dir():
+        from longqa.distributed import deepspeed
+
+        model.load_state_dict(deepspeed.fp32_state_dict(path))
+    else:
+        _load_states(path, model, None)
+
+
+def _check_strategy(path: Path, engine: Any) -> None:
+    """A DeepSpeed checkpoint resumes under DeepSpeed only, and the other layouts without it."""
+    written = (path / DEEPSPEED).is_dir()
+    if written != (engine is not None):
+        by, now = ("deepspeed", "fsdp2") if written else ("fsdp2", "deepspeed")
+        raise CheckpointError(f"checkpoint {path} was written under actor.strategy={by} and cannot resume under "
+                              f"actor.strategy={now}: resume with actor.strategy={by}, or export its weights "
+                              f"(longqa export) and start a new run from them")
 
 
 def load_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler: Any = None) -> dict:
-    """Restore model, optimizer, scheduler and random states in place; returns the trainer_state dict."""
+                    scheduler: Any = None, engine: Any = None) -> dict:
+    """Restore model, optimizer, scheduler and random states in place; returns the trainer_state dict.
+    ``engine``: the DeepSpeed engine holding ``model`` and ``optimizer``, which reads them itself."""
     path = Path(path)
     _check(path)
+    _check_strategy(path, engine)
     if scheduler is not None and not (path / SCHEDULER).is_file():
         raise CheckpointError(f"checkpoint {path} holds no scheduler state, but a scheduler was given")
-    _load_states(path, model, optimizer)
+    if engine is not None:
+        from longqa.distributed import deepspeed
+        from longqa.distributed.env import world_size
+
+        if (ranks := deepspeed.saved_ranks(path)) != world_size():
+            raise CheckpointError(f"checkpoint {path} holds DeepSpeed partitions of {ranks} ranks: resume it on "
+                                  f"{ranks} ranks (not {world_size()}), or export its weights (longqa export) and "
+                                  f"start a new run from them")
+        deepspeed.load(engine, path)
+    else:
+        _load_states(path, model, optimizer)
     if scheduler is not None:
         scheduler.load_state_dict(_load(path / SCHEDULER))
     set_rng_state(json.loads((path / RNG).read_text()))

@@ -22,6 +22,7 @@ import torch
 from longqa import algo, reward
 from longqa.config import Config, ConfigError, to_dict
 from longqa.data.prompts import PromptOptions, PromptSet, prepare_prompts
+from longqa.distributed.deepspeed import check_deepspeed
 from longqa.distributed.env import DistEnv, all_reduce, gather_objects, leave_group
 from longqa.distributed.planner import check_run
 from longqa.evaluate import evaluate, stop_token_ids
@@ -139,15 +140,16 @@ class Trainer:
         check_response_lengths(cfg)
         check_speculative(cfg)
         self.env = DistEnv.from_environment()
-        self.owns_group = False
+        deepspeed = cfg.actor.strategy == "deepspeed"
         if self.env.distributed:
             check_data_parallel(cfg, self.env.world_size)
             self.device = self.env.device(cfg.trainer.device)
-            self.owns_group = self.env.init(self.device)
         else:
             self.device = pick_device(cfg.trainer.device)
         check_vllm(cfg, self.device)
+        check_deepspeed(cfg, self.device)
         check_layer_memory(cfg, self.device)
+        self.owns_group = self.env.init(self.device, alone=deepspeed)
         seed = cfg.trainer.seed
         random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
         m = cfg.model
@@ -166,12 +168,13 @@ class Trainer:
         self.total_steps = min(total, cfg.trainer.max_steps or total)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         r = cfg.rollout
-        # Built before the actor shards the model: under data parallelism the fast engine keeps an unsharded
-        # copy, and vLLM loads the unsharded weights (later syncs gather them one tensor at a time).
+        # Built before the actor shards the model: under data parallelism (or ZeRO-3, which partitions even one
+        # rank's weights) the fast engine keeps an unsharded copy, and vLLM loads the unsharded weights (later
+        # syncs gather them one tensor at a time).
         logprobs_mode = logprobs_mode_for(r.temperature, r.top_k, r.top_p)
         if r.engine == "fast":
             self.engine = FastRolloutEngine(self.model, self.tokenizer, kv_cache_bytes=r.kv_cache_bytes,
-                                            cuda_graphs=r.cuda_graphs, own_copy=self.env.distributed,
+                                            cuda_graphs=r.cuda_graphs, own_copy=self.env.distributed or deepspeed,
                                             speculative=None if r.speculative == "off" else r.speculative,
                                             num_speculative_tokens=r.num_speculative_tokens,
                                             prompt_lookup_min=r.prompt_lookup_min,
@@ -189,7 +192,7 @@ class Trainer:
         self.actor = Actor(self.model, cfg, self.total_steps, self.device, pad)
         if (cfg.actor.compile_layers and self.device.type == "cuda" and isinstance(self.engine, FastRolloutEngine)
                 and self.engine.decode_step is not None):
-            compile_decoder_layers(self.model)
+            compile_decoder_layers(self.model, with_hooks=not deepspeed)  # DeepSpeed's hooks cannot be traced
             start = time.perf_counter()
             if (count := self.actor.compile_length_buckets()) and self.env.is_main:
                 print(f"compiled the update for {count} packed lengths in {time.perf_counter() - start:.0f} s",
@@ -381,7 +384,7 @@ class Trainer:
         if resume is None:
             return 0, None
         state = load_checkpoint(resume, model=self.model, optimizer=self.actor.optimizer,
-                                scheduler=self.actor.scheduler)
+                                scheduler=self.actor.scheduler, engine=self.actor.engine)
         self.actor.bad_steps = state["bad_steps"]
         bump_weights_version(self.model)  # new weights: an engine holding a copy must load them
         self.engine.sync_weights()
@@ -429,7 +432,8 @@ class Trainer:
         start = time.perf_counter()
         cfg = self.cfg
         path = save_checkpoint(self.run_dir, done, model=self.model, optimizer=self.actor.optimizer,
-                               scheduler=self.actor.scheduler, keep_last=cfg.trainer.keep_last,
+                               scheduler=self.actor.scheduler, engine=self.actor.engine,
+                               keep_last=cfg.trainer.keep_last,
                                trainer_state={"step": done, "bad_steps": self.actor.bad_steps, "config": to_dict(cfg)})
         self.seconds["save"] = time.perf_counter() - start
         self.saved = (done, path)

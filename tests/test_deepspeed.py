@@ -1,0 +1,371 @@
+"""actor.strategy=deepspeed: DeepSpeed ZeRO-3 over gloo on the CPU takes the single-process (and FSDP2) step,
+logs the single-process run's metrics, resumes exactly after a kill and exports its weights; its settings
+fail with one clear message."""
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from transformers import AutoModelForCausalLM
+
+from longqa.config import ConfigError, load_config
+from longqa.distributed import deepspeed as zero3
+from longqa.train.actor import Actor
+from longqa.train.checkpoint import CheckpointError, load_checkpoint, load_model_weights, save_checkpoint
+from test_distributed import (assert_same_records, config, free_port, global_samples, launch, rank_share,  # noqa: F401
+                              run_args, run_inputs)
+from tiny_models import tiny_lm
+
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                     reason="DeepSpeed is not installed: pip install 'longqa[deepspeed]'")
+LR = 1e-6  # test_distributed.config's: the recipe's
+
+# name: (strategy, actor.cpu_offload, model dtype, compiled layers). FSDP2; ZeRO-3 stepping torch's AdamW; ZeRO-3 in
+# bf16 (the GPU setting) with fp32 master weights; ZeRO-3 with its decoder layers compiled, as the trainer does on a
+# GPU: none of these compiles a DeepSpeed op. And the recipe's setting, ZeRO-3 stepping DeepSpeed's CPU Adam on the
+# offloaded optimizer (compiled on first use), in a test of its own.
+VARIANTS = {"fsdp2": ("fsdp2", False, torch.float32, False), "deepspeed": ("deepspeed", False, torch.float32, False),
+            "deepspeed-bf16": ("deepspeed", False, torch.bfloat16, False),
+            "deepspeed-compiled": ("deepspeed", False, torch.float32, True),
+            "deepspeed-offload": ("deepspeed", True, torch.float32, False)}
+
+
+def whole_grad(param: torch.Tensor) -> torch.Tensor:
+    """A parameter's whole gradient, whichever sharding holds it (a collective when sharded)."""
+    if hasattr(param, "ds_id"):
+        from deepspeed.utils import safe_get_full_grad
+
+        return safe_get_full_grad(param)
+    return param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
+
+
+def whole_weights(actor: Actor) -> dict:
+    from longqa.distributed.gather import full_tensor
+
+    return {name: full_tensor(p).float() for name, p in actor.model.named_parameters()}
+
+
+def one_step(actor: Actor, samples) -> dict:
+    """Stats, whole gradients and whole weights after one update (old log-probs shifted to exercise clipping)."""
+    old = [o - 0.05 * (i % 3) for i, o in enumerate(actor.logprobs(samples))]
+    stats = actor.accumulate_gradients(samples, list(range(len(samples))), old)
+    grads = {name: whole_grad(p).float().clone() for name, p in actor.model.named_parameters()}
+    stats.update(actor.apply_gradients())
+    return {"stats": stats, "grads": grads, "weights": whole_weights(actor)}
+
+
+def make_actor(name: str) -> Actor:
+    strategy, offload, dtype, _ = VARIANTS[name]
+    cfg = config("true", "token-mean", 40, offload)  # several micro-batches, a different number per rank
+    cfg.actor.strategy = strategy
+    return Actor(tiny_lm().to(dtype), cfg, 1, torch.device("cpu"))
+
+
+def _step_worker(rank, world, port, out, checkpoints, names, extensions):
+    """One update of each named variant; an engine's checkpoint after it; and, under DeepSpeed, the update after
+    that twice: by the engine that took the first, and by a fresh engine resumed from the checkpoint. Compiled
+    ops, if any, are built in ``extensions`` (None: the shared cache)."""
+    import torch.distributed as dist
+
+    from longqa.model.load import compile_decoder_layers, compiled_graphs
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
+    if extensions:
+        os.environ["TORCH_EXTENSIONS_DIR"] = extensions
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        results = {}
+        samples = rank_share(global_samples(), rank, world)
+        for name in names:
+            actor = make_actor(name)
+            start = compiled_graphs()
+            if VARIANTS[name][3]:
+                compile_decoder_layers(actor.model, backend="eager", with_hooks=False)
+            results[name] = one_step(actor, samples)
+            results[name]["graphs"] = compiled_graphs() - start
+            if actor.engine is None:
+                continue
+            saved = save_checkpoint(f"{checkpoints}/{name}", 1, model=actor.model, optimizer=actor.optimizer,
+                                    scheduler=actor.scheduler, engine=actor.engine, keep_last=1,
+                                    trainer_state={"step": 1})
+            if not VARIANTS[name][3]:  # (the resumed engine is not compiled: compared with one that is not either)
+                resumed = make_actor(name)
+                load_checkpoint(saved, model=resumed.model, optimizer=resumed.optimizer,
+                                scheduler=resumed.scheduler, engine=resumed.engine)
+                results[name]["second"] = [one_step(a, samples)["weights"] for a in (actor, resumed)]
+        if rank == 0:
+            torch.save(results, out)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def reference_step():
+    """The single-process update: its stats, gradients and weights."""
+    return one_step(Actor(tiny_lm(), config("true", "token-mean", 40), 1, torch.device("cpu")), global_samples())
+
+
+def two_rank_run(root, names: list[str], extensions=None) -> tuple[dict, object]:
+    """The named variants' updates on 2 ranks (rank 0's results) and the folder of their checkpoints."""
+    args = (2, free_port(), str(root / "rank0.pt"), str(root / "runs"), names, extensions and str(extensions))
+    mp.spawn(_step_worker, args=args, nprocs=2)
+    return torch.load(root / "rank0.pt"), root / "runs"
+
+
+@pytest.fixture(scope="module")
+def two_rank_steps(reference_step, tmp_path_factory):
+    """One update of each variant that needs no compiled op, on 2 ranks (building any op in a folder of its
+    own), and the single-process update."""
+    root = tmp_path_factory.mktemp("deepspeed-step")
+    (root / "extensions").mkdir()
+    results, runs = two_rank_run(root, ["fsdp2", "deepspeed", "deepspeed-bf16", "deepspeed-compiled"],
+                                 root / "extensions")
+    return reference_step, results, runs
+
+
+def assert_the_single_process_step(reference: dict, got: dict) -> None:
+    """Gradients to 1e-5 of each tensor's largest entry; weights after the step (clipped: the norm is above
+    actor.grad_clip) to float32 rounding, 1e-8 at these weights of ~0.05. Adam's first step moves each weight by
+    about lr * g / |g|, so where the gradient itself is float noise (below the gradient tolerance) its direction
+    is noise too, and those weights agree to 2 lr."""
+    assert reference["stats"]["grad_norm"] > 1.0  # clipping takes part
+    for key in ("pg_loss", "grad_norm", "clip_fraction", "entropy", "lr"):
+        assert got["stats"][key] == pytest.approx(reference["stats"][key], rel=1e-6, abs=1e-9), key
+    for param, grad in reference["grads"].items():
+        scale = grad.abs().max()
+        assert ((got["grads"][param] - grad).abs().max() / scale).item() <= 1e-5, param
+        gap = (got["weights"][param] - reference["weights"][param]).abs()
+        defined = grad.abs() > 1e-5 * scale
+        assert gap[defined].max().item() <= 1e-8, param
+        assert gap.max().item() <= 2 * LR, param
+
+
+def assert_resumed_exactly(got: dict) -> None:
+    """The update after a checkpoint, taken by the engine that wrote it and by one resumed from it: the same."""
+    kept, resumed = got["second"]
+    assert all(torch.equal(kept[param], resumed[param]) for param in kept)
+    assert any(not torch.equal(kept[param], got["weights"][param]) for param in kept)  # the update moved them
+
+
+@needs_deepspeed
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["fsdp2", "deepspeed", "deepspeed-compiled"])
+def test_one_step_equals_the_single_process_step(two_rank_steps, name):
+    """FSDP2, and ZeRO-3 with torch's AdamW (eager and compiled), take the single-process update; ZeRO-3 resumes
+    it exactly from its checkpoint."""
+    reference, results, _ = two_rank_steps
+    assert_the_single_process_step(reference, results[name])
+    if name == "deepspeed":
+        assert_resumed_exactly(results[name])
+
+
+@needs_deepspeed
+@pytest.mark.slow
+def test_cpu_adam_on_the_offloaded_optimizer_takes_the_single_process_step(reference_step, tmp_path):
+    """The recipe's setting, `actor.strategy=deepspeed actor.cpu_offload=true`: ZeRO-3 on 2 ranks with the
+    optimizer offloaded and stepped by DeepSpeed's CPU Adam (compiled here on first use) takes torch's AdamW
+    step of one process, and resumes exactly from its checkpoint (CPU Adam's state included)."""
+    results, _ = two_rank_run(tmp_path, ["deepspeed-offload"])
+    assert_the_single_process_step(reference_step, results["deepspeed-offload"])
+    assert_resumed_exactly(results["deepspeed-offload"])
+
+
+@needs_deepspeed
+@pytest.mark.slow
+def test_zero3_with_torch_s_adamw_compiles_no_op(two_rank_steps):
+    """Neither CPU Adam, nor the shared-memory all-reduce that DeepSpeed's CPU accelerator builds for inference:
+    ZeRO-3 on the CPU needs a C++ compiler only for an offloaded optimizer."""
+    _, _, runs = two_rank_steps
+    assert list((runs.parent / "extensions").iterdir()) == []
+
+
+@needs_deepspeed
+@pytest.mark.slow
+def test_compiled_layers_trace_no_deepspeed_hook(two_rank_steps):
+    """Each decoder layer is gathered whole by one hook outside its compiled forward: a training and an
+    evaluation graph per layer, as for a plain model (with a hook per projection inside the compiled
+    call, Dynamo recompiled each hook for every layer, dozens of graphs)."""
+    _, results, _ = two_rank_steps
+    assert results["deepspeed"]["graphs"] == 0
+    assert 0 < results["deepspeed-compiled"]["graphs"] <= 2 * tiny_lm().config.num_hidden_layers
+
+
+@needs_deepspeed
+@pytest.mark.slow
+def test_bf16_keeps_the_step_to_bf16_precision(two_rank_steps):
+    """The GPU setting on the CPU: a bf16 model, fp32 master weights, fp32 reduction and accumulation."""
+    reference, results, _ = two_rank_steps
+    got = results["deepspeed-bf16"]
+    assert got["stats"]["grad_norm"] == pytest.approx(reference["stats"]["grad_norm"], rel=1e-2)
+    for param, grad in reference["grads"].items():
+        assert ((got["grads"][param] - grad).abs().max() / grad.abs().max()).item() <= 3e-2, param
+
+
+@needs_deepspeed
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["deepspeed", "deepspeed-bf16"])
+def test_a_two_rank_checkpoint_exports_the_trained_weights(two_rank_steps, name):
+    """The ranks' partitions put together in one process (what `longqa export` writes) are the weights the
+    engine held after its step; in bf16, the fp32 master weights that the bf16 ones round."""
+    _, results, runs = two_rank_steps
+    checkpoint = runs / name / "checkpoints" / "step_00000001"
+    model = tiny_lm()
+    load_model_weights(checkpoint, model)
+    for param, value in model.named_parameters():
+        held = results[name]["weights"][param]
+        assert torch.equal(value.detach().to(torch.bfloat16).float() if name.endswith("bf16") else value.detach(), held)
+    with pytest.raises(CheckpointError, match="written under actor.strategy=deepspeed.*resume with actor.strategy="
+                                              "deepspeed"):
+        load_checkpoint(checkpoint, model=model, optimizer=torch.optim.AdamW(model.parameters()))
+
+
+# ------------------------------------------------------------------------------------------ whole runs
+
+
+# ZeRO-3 stepping torch's AdamW, which compiles nothing (DeepSpeed's CPU Adam, the recipe's optimizer, takes the
+# same update: test_cpu_adam_on_the_offloaded_optimizer_takes_the_single_process_step).
+DEEPSPEED_RUN = {"trainer.max_steps": 3, "trainer.save_freq": 1, "actor.strategy": "deepspeed"}
+
+
+@pytest.fixture(scope="module")
+def straight_runs(run_inputs, tmp_path_factory):
+    """Three uninterrupted steps: one process, and 2 ranks under DeepSpeed (checkpointing every step)."""
+    root = tmp_path_factory.mktemp("deepspeed-runs")
+    one = launch(run_inputs, root / "one", 1, **{"trainer.max_steps": 3})
+    two = launch(run_inputs, root / "two", 2, **DEEPSPEED_RUN)
+    return one, two, root / "two"
+
+
+@needs_deepspeed
+@pytest.mark.slow
+def test_two_ranks_under_deepspeed_log_the_single_process_run(straight_runs):
+    """`longqa train actor.strategy=deepspeed` under torchrun: the same samples, rewards, validation and update
+    statistics as one process on the same global batch (2 mini-batches a step, several micro-batches each)."""
+    one, two, _ = straight_runs
+    assert [r["step"] for r in one] == [r["step"] for r in two] == [0, 1, 2, 3]
+    for a, b in zip(one, two):
+        assert_same_records(a, b)
+
+
+@needs_deepspeed
+@pytest.mark.slow
+def test_kill_and_resume_under_deepspeed_reproduces_the_uninterrupted_run(run_inputs, straight_runs, tmp_path):
+    """2 ranks killed (SIGKILL, launcher and workers) once step 2's checkpoint is complete; rerun, they resume
+    from DeepSpeed's partitions (weights and optimizer state) and log what the uninterrupted 2-rank
+    run logged; both runs' last checkpoints export the same HF weights."""
+    _, straight, straight_dir = straight_runs
+    out = tmp_path / "killed"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+               "-m", "longqa.cli", "train", *run_args(run_inputs, out, **DEEPSPEED_RUN)]
+    proc = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    marker = out / "checkpoints" / "step_00000002" / "COMPLETE"
+    deadline = time.time() + 600
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert marker.exists()
+    assert (marker.parent / "deepspeed").is_dir()
+    resumed = launch(run_inputs, out, 2, **DEEPSPEED_RUN)  # trainer.resume=auto
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3]
+    for a, b in zip(straight, resumed):
+        assert_same_records(a, b)
+
+    from longqa.cli import main
+
+    exported = []
+    for run in (out, straight_dir):
+        assert main(["export", str(run / "checkpoints" / "step_00000003"), str(run / "hf")]) == 0
+        exported.append(AutoModelForCausalLM.from_pretrained(run / "hf").state_dict())
+    assert exported[0].keys() == exported[1].keys()
+    assert all(torch.equal(exported[0][k], exported[1][k]) for k in exported[0])
+
+
+# ------------------------------------------------------------------------------------------ clear errors
+
+
+def deepspeed_file(tmp_path, text: str, suffix: str = ".json"):
+    path = tmp_path / f"ds{suffix}"
+    path.write_text(text)
+    return str(path)
+
+
+def test_the_users_file_is_merged_over_the_generated_config(tmp_path):
+    cfg = load_config(None, ["actor.strategy=deepspeed", "actor.cpu_offload=true", "actor.grad_clip=0.5"])
+    generated = zero3.engine_config(cfg, torch.device("cpu"), torch.float32)
+    assert generated["gradient_clipping"] == 0.5 and generated["bf16"] == {"enabled": False}
+    assert zero3.optimizer_offloaded(generated)
+    assert zero3.engine_config(cfg, torch.device("cuda"), torch.float32)["bf16"] == {"enabled": True}
+    cfg.actor.deepspeed_config = deepspeed_file(tmp_path, (
+        "zero_optimization:\n  offload_param: {device: cpu}\n  stage3_max_live_parameters: 1000\n"
+        "train_micro_batch_size_per_gpu: auto\ngradient_clipping: auto\n"), ".yaml")
+    merged = zero3.engine_config(cfg, torch.device("cpu"), torch.float32)
+    assert merged["zero_optimization"] == {**generated["zero_optimization"], "offload_param": {"device": "cpu"},
+                                           "stage3_max_live_parameters": 1000}
+    assert merged["train_micro_batch_size_per_gpu"] == 1 and merged["gradient_clipping"] == 0.5  # "auto": ours
+    cfg.actor.deepspeed_config = deepspeed_file(tmp_path, '{"zero_optimization": {"offload_optimizer": '
+                                                          '{"device": "cpu"}}}')
+    cfg.actor.cpu_offload = False
+    assert zero3.optimizer_offloaded(zero3.engine_config(cfg, torch.device("cpu"), torch.float32))
+
+
+@pytest.mark.parametrize("text,message", [
+    ('{"optimizer": {"type": "AdamW", "params": {"lr": 1e-5}}, "gradient_clipping": 2.0}',
+     r"sets 'gradient_clipping' \(longqa sets it from actor.grad_clip\), 'optimizer' \(longqa sets it from "
+     r"actor.lr"),
+    ('{"zero_optimization": {"stage": 2}}', "sets zero_optimization.stage=2: actor.strategy=deepspeed runs ZeRO "
+                                           "stage 3"),
+    ('{"zero_optimization": ', "cannot be read"),
+    ("[1, 2]", "must hold a mapping"),
+])
+def test_a_users_file_that_cannot_work_is_refused(tmp_path, text, message):
+    cfg = load_config(None, ["actor.strategy=deepspeed", f"actor.deepspeed_config={deepspeed_file(tmp_path, text)}"])
+    with pytest.raises(ConfigError, match=message):
+        zero3.engine_config(cfg, torch.device("cpu"), torch.float32)
+
+
+def test_settings_that_cannot_work_are_refused_before_any_weight_loads(tmp_path, monkeypatch):
+    cfg = load_config(None, ["actor.strategy=deepspeed", f"actor.deepspeed_config={tmp_path / 'missing.json'}"])
+    with pytest.raises(ConfigError, match="missing.json: no such file"):
+        zero3.check_deepspeed(cfg, torch.device("cpu"))
+    with pytest.raises(ConfigError, match="needs rollout.engine=fast or vllm"):
+        zero3.check_deepspeed(load_config(None, ["actor.strategy=deepspeed", "rollout.engine=hf"]), torch.device("cpu"))
+    with pytest.raises(ConfigError, match="config key 'actor.strategy' must be one of"):
+        load_config(None, ["actor.strategy=zero3"])
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # as if not installed
+    with pytest.raises(ConfigError, match=r"needs DeepSpeed, which cannot be imported .*pip install "
+                                          r"'longqa\[deepspeed\]'"):
+        zero3.check_deepspeed(load_config(None, ["actor.strategy=deepspeed"]), torch.device("cpu"))
+
+
+@needs_deepspeed
+def test_cpu_adam_without_a_compiler_is_refused_with_what_to_do(monkeypatch):
+    import deepspeed.git_version_info as info
+
+    monkeypatch.setitem(info.installed_ops, "cpu_adam", False)  # not prebuilt: it would compile on first use
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    cfg = load_config(None, ["actor.strategy=deepspeed", "actor.cpu_offload=true"])
+    with pytest.raises(ConfigError, match=r"no C\+\+ compiler \(no-such-compiler is not on PATH\).*DS_BUILD_CPU_ADAM=1"
+                                          r".*actor.cpu_offload=false"):
+        zero3.check_deepspeed(cfg, torch.device("cpu"))
+    zero3.check_deepspeed(load_config(None, ["actor.strategy=deepspeed"]), torch.device("cpu"))  # no CPU Adam needed
+
+
+def test_checkpoints_of_the_other_strategy_are_refused(tmp_path):
+    """A checkpoint resumes under the strategy that wrote it; the message says how to go on."""
+    folder = tmp_path / "step_00000001"
+    folder.mkdir()
+    (folder / "COMPLETE").write_text(json.dumps({"step": 1, "files": {}}))
+    model = tiny_lm()
+    with pytest.raises(CheckpointError, match="written under actor.strategy=fsdp2 and cannot resume under "
+                                              "actor.strategy=deepspeed"):
+        load_checkpoint(folder, model=model, optimizer=None, engine=object())
