@@ -422,3 +422,51 @@ def test_ray_workers_spread_over_the_nodes_of_a_cluster(run_inputs, tmp_path, mo
         ray.shutdown()
         cluster.shutdown()
         shutil.rmtree(short, ignore_errors=True)
+
+
+def _gather_worker(rank, world, port, out):
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    from longqa.distributed.gather import full_parameters, full_tensor
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        actor = Actor(tiny_lm(), config("true", "token-mean", 40), 1, torch.device("cpu"))
+        model = actor.scorer.model
+        unshards = []
+        original = FSDPModule.unshard
+        FSDPModule.unshard = lambda self, *a, **k: (unshards.append(self), original(self, *a, **k))[1]
+        results = []
+        for when in ("before any forward", "after a step"):
+            if when == "after a step":
+                step(actor, rank_share(global_samples(), rank, world))
+            unshards.clear()
+            gathered = [(name, tensor.clone()) for name, tensor in full_parameters(model)]
+            one_by_one = [(name, full_tensor(p).clone()) for name, p in model.named_parameters()]
+            results.append({"gathered": gathered, "one_by_one": one_by_one, "unshards": len(unshards),
+                            "still_sharded": all(type(p).__name__ == "DTensor" for p in model.parameters())})
+        if rank == 0:
+            torch.save({"results": results, "layers": len(model.base_model.layers)}, out)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_the_engine_refresh_gathers_a_layer_at_a_time(tmp_path):
+    """Sharded weights come back whole, equal to gathering each tensor alone, with one gather per decoder
+    layer (FSDP2's flat all-gather of its shards) and every shard released after."""
+    out = tmp_path / "gathered.pt"
+    mp.spawn(_gather_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    saved = torch.load(out)
+    for result in saved["results"]:
+        assert sorted(name for name, _ in result["gathered"]) == sorted(name for name, _ in result["one_by_one"])
+        one_by_one = dict(result["one_by_one"])
+        for name, tensor in result["gathered"]:
+            assert torch.equal(tensor, one_by_one[name]), name
+        assert result["unshards"] == saved["layers"]
+        assert result["still_sharded"]

@@ -1,11 +1,15 @@
-"""Whole parameters out of sharded ones, one at a time, for the rollout engines' weight refresh.
+"""Whole parameters out of sharded ones, for the rollout engines' weight refresh.
 
 FSDP2 holds each parameter as a DTensor shard; DeepSpeed ZeRO-3 as an empty placeholder whose
-partition lives beside it. A refresh gathers one tensor at a time, in the same order on every rank
-(each gather is a collective), so no second full copy of the model ever exists at once.
+partition lives beside it. A refresh gathers one FSDP2 module's parameters at a time (a decoder
+layer's dozen tensors in the single flat all-gather FSDP2 uses in its forward pass, rather than one
+collective per tensor), other parameters one tensor at a time, in the same order on every rank (each
+gather is a collective), so no second full copy of the model ever exists at once.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import torch
 
@@ -20,3 +24,39 @@ def full_tensor(param: torch.Tensor) -> torch.Tensor:
         with deepspeed.zero.GatheredParameters([param]):
             return param.data.detach().clone()
     return param.detach()
+
+
+def full_parameters(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, whole tensor)`` for every parameter of ``model`` (collective: every rank iterates in the
+    same order, to the end). The tensors of an FSDP2 module stay valid until the next item is asked for:
+    the module is resharded then. Parameters tied to one tensor come once, as in ``named_parameters``.
+    Under FSDP2 mixed precision a module's gathered parameters are in its compute dtype (bf16), the
+    weights its own forward pass computes with."""
+    from torch.distributed.fsdp import FSDPModule
+
+    modules = dict(model.named_modules())
+    sharded = [prefix for prefix, module in modules.items() if isinstance(module, FSDPModule)]
+
+    def owner(name: str) -> str | None:  # the innermost FSDP2 module above a parameter
+        inside = [prefix for prefix in sharded if prefix == "" or name.startswith(prefix + ".")]
+        return max(inside, key=len) if inside else None
+
+    names = [name for name, _ in model.named_parameters()]
+    by_owner: dict[str | None, list[str]] = {}
+    for name in names:
+        by_owner.setdefault(owner(name), []).append(name)
+    for prefix in sharded:
+        own = by_owner.get(prefix, [])
+        if not own:
+            continue
+        module = modules[prefix]
+        module.unshard()  # its own parameters only (not nested FSDP2 modules'), as one all-gather
+        try:
+            params = dict(module.named_parameters(prefix=prefix))
+            for name in own:
+                yield name, params[name].detach()
+        finally:
+            module.reshard()
+    params = dict(model.named_parameters())
+    for name in by_owner.get(None, []):
+        yield name, full_tensor(params[name])

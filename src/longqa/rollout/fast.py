@@ -51,7 +51,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from longqa.distributed.gather import full_tensor
+from longqa.distributed.gather import full_parameters
 from longqa.model.attention import NO_MASK, masked_attention, use_longqa_attention
 from longqa.model.attention_spec import AttentionSpec, UnsupportedModelError
 from longqa.rollout.decode_kernel import shared_prefix_attention
@@ -375,12 +375,14 @@ class FastRolloutEngine(RolloutEngine):
     def sync_weights(self) -> None:
         """Load the training model's current weights into the engine's copy (in place); free when shared.
 
-        Sharded (FSDP2 or ZeRO-3) weights are gathered one tensor at a time, in the same order on every
-        rank, so no second full copy ever exists beside the engine's."""
+        Sharded (FSDP2 or ZeRO-3) weights are gathered a layer or a tensor at a time
+        (``gather.full_parameters``), in the same order on every rank, so no second full copy ever exists
+        beside the engine's."""
         if self.model is not self.source:
+            mine = dict(self.model.named_parameters())
             with torch.no_grad():
-                for mine, theirs in zip(self.model.parameters(), self.source.parameters()):
-                    mine.copy_(full_tensor(theirs))
+                for name, theirs in full_parameters(self.source):
+                    mine[name].copy_(theirs)
         self.version = weights_version(self.source)
 
     # --------------------------------------------------------------------------------------- memory

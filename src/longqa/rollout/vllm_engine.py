@@ -32,7 +32,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from longqa.distributed.gather import full_tensor
+from longqa.distributed.gather import full_parameters, full_tensor
 from longqa.rollout.base import (RolloutEngine, Sample, SamplingParams, StaleWeightsError, prompt_seeds,
                                  weights_version)
 
@@ -83,11 +83,12 @@ def training_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
     ``lm_head.weight`` again when it is tied to the input embeddings (``named_parameters`` lists a tied
     tensor once, under the embedding's name).
 
-    Sharded (FSDP2 or ZeRO-3) parameters are gathered one tensor at a time, in the same order on every rank."""
+    Sharded (FSDP2 or ZeRO-3) parameters are gathered a layer or a tensor at a time (``gather.full_parameters``),
+    in the same order on every rank."""
     sent = set()
-    for name, param in model.named_parameters():
+    for name, tensor in full_parameters(model):
         sent.add(name)
-        yield name, full_tensor(param)
+        yield name, tensor
     head = model.get_output_embeddings()
     if head is not None:
         head_name = next(name for name, module in model.named_modules() if module is head) + ".weight"
