@@ -40,6 +40,12 @@ def gradients(m):
     return total, {name: p.grad.clone() for name, p in m.named_parameters()}
 
 
+@pytest.fixture(scope="module")
+def reference():
+    """Loss and gradients of the same model keeping every activation on its device."""
+    return gradients(model())
+
+
 def offloaded(checkpoint_fraction=0.0, offload_fraction=0.5, compiled=False):
     m = model()
     offload = arrange_layer_memory(m, checkpoint_fraction, offload_fraction)
@@ -52,8 +58,8 @@ def offloaded(checkpoint_fraction=0.0, offload_fraction=0.5, compiled=False):
 
 @pytest.mark.parametrize("checkpoint_fraction,offload_fraction", [(0.0, 0.5), (0.0, 1.0), (0.5, 1 / 3)])
 def test_offloaded_layers_give_the_gradients_of_layers_that_keep_their_activations(checkpoint_fraction,
-                                                                                   offload_fraction):
-    reference_loss, reference = gradients(model())
+                                                                                   offload_fraction, reference):
+    reference_loss, reference = reference
     m, offload = offloaded(checkpoint_fraction, offload_fraction)
     count = round(offload_fraction * LAYERS)
     assert offload.offloaded == count
@@ -130,9 +136,9 @@ def test_weights_and_broadcast_views_stay_where_they_are():
 
 
 @pytest.mark.slow
-def test_compiled_offloaded_layers_give_the_eager_gradients():
+def test_compiled_offloaded_layers_give_the_eager_gradients(reference):
     """Compiled backward graphs assert the strides of what they saved: the copies must come back alike."""
-    _, reference = gradients(model())
+    _, reference = reference
     m, offload = offloaded(0.0, 0.5, compiled=True)
     _, got = gradients(m)
     for name, grad in reference.items():
