@@ -5,8 +5,9 @@ Recomputing a layer (gradient checkpointing) frees its activations for the price
 pass, a third more of the layer's training FLOPs. Copying them to pinned host memory frees the same
 memory for the price of host-device transfers, which run on their own CUDA streams beside the compute:
 the first layers' copies out overlap the rest of the forward pass, and their copies back start early in
-the backward pass. A Qwen3-8B layer of a 32K-token pack saves about 4 GB: about 80 ms each way at the
-~50 GB/s of a PCIe 5 link, against about 40 ms of forward and 80 ms of backward compute per layer.
+the backward pass. A Qwen3-8B layer of a 32K-token pack saves about 4 GB: about 75 ms each way at the
+55 GB/s an H200's host link measured (benchmarks/RESULTS.md), against about 40 ms of forward and 80 ms
+of backward compute per layer.
 
 With k layers offloaded, layer j comes back when the backward pass reaches layer j + k, so each copy
 has k layers of backward compute to arrive in. The device then holds at most k + 1 layers' activations
@@ -51,8 +52,9 @@ def _dense(t: torch.Tensor) -> bool:
 
 class ActivationOffload:
     """Keeps the activations of layers ``[0, offloaded)`` in host memory. ``run`` is each wrapped layer's
-    training forward (transformers calls it where gradient checkpointing's function would go);
-    ``late_loads`` counts tensors the backward pass needed before their copy back had been started."""
+    training forward (transformers calls it where gradient checkpointing's function would go).
+    ``bytes_offloaded`` counts the bytes copied out so far, ``late_loads`` the tensors the backward pass
+    needed before their copy back had been started."""
 
     def __init__(self, offloaded: int, lookahead: int | None = None, min_bytes: int = MIN_BYTES):
         self.offloaded, self.min_bytes = offloaded, min_bytes
