@@ -12,11 +12,11 @@ sharded over ``world_size`` ranks (FSDP2, ZeRO-3 style):
   bytes in all, of which the 2 stay on the GPU when the optimizer is offloaded (and leave it too when the
   parameters are). Offloaded (``actor.cpu_offload``), the rest is in host memory (``host_memory.py``);
   what differs is who steps it: torch's AdamW under FSDP2, DeepSpeed's CPU Adam under ZeRO-3;
-- the unsharded layers being computed: two decoder layers (this one and the prefetched next) and the
-  embedding/LM head, in bf16;
+- when sharded, the unsharded layers being computed: two decoder layers (this one and the prefetched
+  next) and the embedding/LM head, in bf16;
 - activations of one micro-batch of ``max_tokens_per_micro_batch`` packed tokens: with gradient
   checkpointing, one hidden state per layer plus one layer's recompute and an LM-head chunk;
-  without it, every layer's intermediates;
+  without it, every layer's intermediates (``saved_activation_widths``, checked against measured peaks);
 - the rollout engine: a full copy of the weights in ``model.dtype`` (gathered after each update) when
   the model is sharded (several ranks, ZeRO-3 or an offload), none when one process shares its model
   with the engine; and its KV cache, which stays allocated through the update: as many groups (the
@@ -141,15 +141,16 @@ def plan_memory(sizes: ModelSizes, *, world_size: int, gpu_bytes: int, micro_bat
                 prompt_length: int, response_length: int, n: int, gradient_checkpointing: float = 1.0,
                 cpu_offload: bool = False, kv_cache_bytes: int | None = None,
                 activation_offload: float = 0.0, strategy: str = "fsdp2", offload_params: bool = False,
-                param_bytes: int = 4, engine_copy: bool = True, groups_per_rank: int = 1) -> MemoryPlan:
+                param_bytes: int = 4, sharded: bool = True, groups_per_rank: int = 1) -> MemoryPlan:
     """Per-GPU bytes of a plan (see the module docstring for what is counted); ``gradient_checkpointing`` is
     the fraction of decoder layers recomputed (True: all), ``activation_offload`` the fraction whose
     activations wait in host memory (none of theirs stays on the GPU); ``offload_params``: ZeRO-3's
-    parameter offload; ``param_bytes``: one parameter in ``model.dtype``; ``engine_copy``: whether the
-    rollout engine keeps its own copy of the weights; ``groups_per_rank``: the prompts a rank samples a step."""
+    parameter offload; ``param_bytes``: one parameter in ``model.dtype``; ``sharded``: whether the model is
+    sharded (then layers are gathered to compute and the rollout engine keeps its own copy of the weights);
+    ``groups_per_rank``: the prompts a rank samples a step."""
     bf16 = 2
     state, host = training_state(sizes.params, world_size, strategy, cpu_offload, offload_params, param_bytes)
-    unsharded = bf16 * (2 * sizes.layer_params + sizes.embedding_params)
+    unsharded = bf16 * (2 * sizes.layer_params + sizes.embedding_params) if sharded else 0
     tokens = micro_batch_tokens
     per_token_layer = bf16 * sum(saved_activation_widths(sizes))
     recomputed = round(float(gradient_checkpointing) * sizes.layers)  # these keep their input alone
@@ -158,7 +159,7 @@ def plan_memory(sizes: ModelSizes, *, world_size: int, gpu_bytes: int, micro_bat
     if recomputed:
         activations += tokens * per_token_layer  # one recomputed layer's activations during its backward
     activations += 3 * 4 * min(tokens, LM_HEAD_CHUNK) * sizes.vocab  # float32 logits of one chunk, twice + grad
-    copy = param_bytes * sizes.params if engine_copy else 0
+    copy = param_bytes * sizes.params if sharded else 0
     # The KV cache is sized when the first rollout starts, before any gradient or AdamW moment exists: FSDP2
     # holds its weight shards alone then (a quarter of its state), ZeRO-3 its whole partitions.
     resident = state // 4 if strategy != "deepspeed" else state
@@ -220,13 +221,13 @@ def plan_config(cfg, sizes: ModelSizes, world_size: int, gpu_bytes: int) -> Memo
                        gradient_checkpointing=recomputed_fraction(cfg), cpu_offload=cpu_offload,
                        kv_cache_bytes=cfg.rollout.kv_cache_bytes, activation_offload=cfg.model.activation_offload,
                        strategy=cfg.actor.strategy, offload_params=offload_params,
-                       param_bytes=DTYPE_BYTES[cfg.model.dtype], engine_copy=engine_copy(cfg, world_size),
+                       param_bytes=DTYPE_BYTES[cfg.model.dtype], sharded=is_sharded(cfg, world_size),
                        groups_per_rank=max(1, cfg.data.train_batch_size // world_size))
 
 
-def engine_copy(cfg, world_size: int) -> bool:
-    """Whether the rollout engine keeps its own copy of the weights: whenever the model is sharded (several
-    ranks, ZeRO-3 even on one, or an offload), as ``longqa bench step`` builds it."""
+def is_sharded(cfg, world_size: int) -> bool:
+    """Whether the model is sharded: over several ranks, by ZeRO-3 even on one, or to offload it (in a process
+    group of one, as ``longqa bench step`` runs it). Then the rollout engine keeps its own copy."""
     return world_size > 1 or cfg.actor.strategy == "deepspeed" or cfg.actor.cpu_offload
 
 

@@ -12,8 +12,9 @@ Every rank does the same work on its own share of the step's groups, so a step t
   ``plan_packs`` makes, plus a third of the forward for each recomputed layer) at ``UPDATE_MFU``. A
   sharded micro-batch also moves its weights and gradients: FSDP2 all-gathers bf16 weights for the forward
   and again for the backward and reduce-scatters fp32 gradients (8 bytes a parameter over the GPUs'
-  link), and with ``actor.cpu_offload`` copies the shards in twice and the gradients out once over PCIe.
-  Those transfers overlap the compute, so a micro-batch takes the longest of the three;
+  link), and with ``actor.cpu_offload`` copies the shards in twice and the gradients out once over PCIe,
+  where offloaded activations (``model.activation_offload``) go out and come back too. Those transfers
+  overlap the compute, so a micro-batch takes the longest of compute, link and either PCIe direction;
 - optimizer steps: on the GPU at the measured AdamW time per parameter; offloaded, torch's AdamW on
   the host at a measured time per parameter and core, over the cores a rank has;
 - weight refresh: the rollout engine's own copy gathered over the link once per step (after the
@@ -30,7 +31,7 @@ import math
 from dataclasses import dataclass
 
 from longqa.bench import H200_BF16_PEAK, decode_floor_s, group_flops
-from longqa.distributed.planner import MemoryPlan, ModelSizes
+from longqa.distributed.planner import MemoryPlan, ModelSizes, saved_activation_widths
 
 # Fast engine, 16 groups x 8, Qwen3-1.7B, 8,192-token prompts, 1,024 new tokens: 79.5% (8cd9084), 80.5%
 # (design table) and 73.7% (4317a29) of the HBM floor.
@@ -96,7 +97,7 @@ def micro_batch_flops(config, prompt_length: int, response_lengths: list[int], g
 def plan_step_time(sizes: ModelSizes, plan: MemoryPlan, *, gpus_per_node: int, prompt_length: int,
                    response_length: int, n: int, batch_size: int, mini_batch_size: int, epochs: int,
                    micro_batch_tokens: int, recomputed: float, cpu_offload: bool, strategy: str = "fsdp2",
-                   param_bytes: int = 2) -> StepTime:
+                   param_bytes: int = 2, activation_offload: float = 0.0) -> StepTime:
     """One rank's seconds per phase of a GRPO step under ``plan`` (the module docstring says how)."""
     config, world, params = sizes.config, plan.world_size, sizes.params
     groups = max(1, batch_size // world)
@@ -107,20 +108,24 @@ def plan_step_time(sizes: ModelSizes, plan: MemoryPlan, *, gpus_per_node: int, p
     decode = floor / DECODE_FRACTION_OF_FLOOR
 
     link = NVLINK_BYTES_PER_S if world <= gpus_per_node else NETWORK_BYTES_PER_S
-    shard = param_bytes * params / world
+    shard = param_bytes * params / world if cpu_offload else 0.0
+    activations = (round(activation_offload * sizes.layers) * 2 * micro_batch_tokens
+                   * sum(saved_activation_widths(sizes)))
     minis = [min(mini_batch_size, groups - start) for start in range(0, groups, mini_batch_size)]  # the rank's own
     flops = [f for size in minis for f in micro_batch_flops(config, prompt_length, [response_length] * n, size,
                                                              micro_batch_tokens)]
 
-    def pass_time(work: float, copies: int, link_bytes: int) -> float:
-        """One pass over the micro-batches: ``work`` times their training FLOPs, against ``copies`` of the shards
-        over PCIe (offloaded) and ``link_bytes`` per parameter over the link (sharded), whichever is longest."""
-        pcie = copies * shard / PCIE_BYTES_PER_S if cpu_offload else 0.0
+    def pass_time(work: float, to_gpu: float, from_gpu: float, link_bytes: int) -> float:
+        """One pass over the micro-batches: ``work`` times their training FLOPs, against the bytes each moves over
+        PCIe each way and ``link_bytes`` per parameter over the link (sharded), whichever takes longest."""
+        pcie = max(to_gpu, from_gpu) / PCIE_BYTES_PER_S
         comm = link_bytes * params / link if world > 1 else 0.0
         return sum(max(work * f / (peak * UPDATE_MFU), pcie, comm) for f in flops)
 
-    old = pass_time(1 / 3, 1, 2) if epochs > 1 or len(minis) > 1 else 0.0  # a forward: one gather of bf16 weights
-    update = epochs * pass_time(1 + recomputed / 3, 3, 8)  # shards in twice, gradients out; two gathers, a scatter
+    # a forward: the shards in once, one gather of bf16 weights
+    old = pass_time(1 / 3, shard, 0.0, 2) if epochs > 1 or len(minis) > 1 else 0.0
+    # forward and backward: the shards in twice and the gradients out, two gathers and a scatter
+    update = epochs * pass_time(1 + recomputed / 3, 2 * shard + activations, shard + activations, 8)
     steps = epochs * len(minis)
     if cpu_offload:
         per_param = HOST_ADAM_CORE_S_PER_PARAM[4 if strategy == "deepspeed" else param_bytes] / HOST_CORES_PER_GPU
@@ -129,7 +134,7 @@ def plan_step_time(sizes: ModelSizes, plan: MemoryPlan, *, gpus_per_node: int, p
     optimizer = steps * per_param * params / world
     refresh = 0.0
     if plan.rollout_weights:
-        refresh = (param_bytes * params / link if world > 1 else 0.0) + (shard / PCIE_BYTES_PER_S if cpu_offload else 0.0)
+        refresh = (param_bytes * params / link if world > 1 else 0.0) + shard / PCIE_BYTES_PER_S
     return StepTime(prefill=prefill, decode=decode, old_logprobs=old, update=update, optimizer=optimizer,
                     refresh=refresh, micro_batches=len(flops), optimizer_steps=steps)
 
@@ -145,4 +150,5 @@ def step_time_config(cfg, sizes: ModelSizes, plan: MemoryPlan, gpus_per_node: in
                           batch_size=cfg.data.train_batch_size, mini_batch_size=cfg.actor.ppo_mini_batch_size,
                           epochs=cfg.actor.ppo_epochs, micro_batch_tokens=cfg.actor.max_tokens_per_micro_batch,
                           recomputed=recomputed_fraction(cfg), cpu_offload=offloads(cfg)[0],
-                          strategy=cfg.actor.strategy, param_bytes=DTYPE_BYTES[cfg.model.dtype])
+                          strategy=cfg.actor.strategy, param_bytes=DTYPE_BYTES[cfg.model.dtype],
+                          activation_offload=cfg.model.activation_offload)
