@@ -129,7 +129,8 @@ def test_deepspeed_keeps_its_bf16_weight_partition_on_the_gpu_and_steps_the_same
     assert (fsdp.training_state, zero3.training_state) == (8 * params // 8, 16 * params // 8 + 2 * params // 8)
     assert plan("qwen3-8b", 8, param_bytes=4).training_state == 16 * params // 8
     assert fsdp.host_state == zero3.host_state == 0
-    fsdp, zero3 = plan("qwen3-8b", 8, offload=True, param_bytes=4), plan("qwen3-8b", 8, offload=True, strategy="deepspeed")
+    fsdp = plan("qwen3-8b", 8, offload=True, param_bytes=4)
+    zero3 = plan("qwen3-8b", 8, offload=True, strategy="deepspeed")
     assert (fsdp.training_state, zero3.training_state) == (0, 2 * params // 8)
     assert fsdp.host_state == zero3.host_state == 16 * params // 8
     assert plan("qwen3-8b", 8, offload=True).host_state == 8 * params // 8

@@ -9,9 +9,10 @@ while the model loads, long before the first step. What each rank holds, and whe
   page cache is shared and reclaimable, and not counted;
 - while training, with ``actor.cpu_offload``: the offloaded training state. Under FSDP2
   (``CPUOffloadPolicy``) every parameter's shard and its gradient are pinned, each its own allocation, and
-  torch's caching host allocator rounds every pinned allocation up to a power of two (``PowerOf2Ceil`` in
-  ``CachingHostAllocator.h``, unless ``pinned_max_round_threshold`` is set); AdamW's two moments are made
-  like the parameters but not pinned. Under ZeRO-3 with DeepSpeed's CPU Adam, 16 bytes per parameter (fp32
+  torch's caching host allocator rounds every pinned allocation up to a power of two
+  (``CachingHostAllocator.h``; recent releases can cap that with
+  ``PYTORCH_ALLOC_CONF=pinned_max_round_threshold_mb:N``, which this plan does not read); AdamW's two
+  moments are made like the parameters but not pinned. Under ZeRO-3 with DeepSpeed's CPU Adam, 16 bytes per parameter (fp32
   weights, gradients, moments; 18 with ``offload_param``), in large flat pinned buffers whose rounding is
   not counted;
 - while training, with ``model.activation_offload``: the offloaded layers' activations of one micro-batch
@@ -30,7 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from longqa.distributed.planner import GIB, ModelSizes, PlanError, saved_activation_widths
+from longqa.distributed.planner import GIB, ModelSizes, PlanError, saved_activation_widths, training_state
 
 HOST_MARGIN_BYTES = 4 * GIB  # per rank: interpreter, libraries, compile workers, NCCL host buffers
 RECIPE_PROMPT_TOKENS = 226_684_298  # the recipe's 13,645 prompts (benchmarks/RESULTS.md, prompt preparation)
@@ -84,7 +85,8 @@ class HostPlan:
                 ("per rank, training: offloaded state", self.offloaded_state),
                 ("per rank, training: offloaded activations", self.offloaded_activations),
                 ("per rank: margin (Python, libraries)", self.margin),
-                ("rollout engine (weights, KV on the GPU)", 0), ("prompt cache (shared, memory-mapped)", self.prompt_cache),
+                ("rollout engine (weights, KV on the GPU)", 0),
+                ("prompt cache (shared, memory-mapped)", self.prompt_cache),
                 (f"node peak ({self.ranks} rank{'s' if self.ranks > 1 else ''})", self.peak),
                 ("host memory of a node", self.host_bytes)]
         return "\n".join(f"  {name:<42} {value / GIB:8.1f} GiB" for name, value in rows)
@@ -96,12 +98,10 @@ def plan_host_memory(sizes: ModelSizes, *, world_size: int, ranks_per_node: int,
                      prompt_tokens: int = RECIPE_PROMPT_TOKENS) -> HostPlan:
     """Host bytes of a node running ``ranks_per_node`` of the ``world_size`` ranks (the module docstring
     says what is counted)."""
-    if not cpu_offload:
-        state = 0
-    elif strategy == "deepspeed":
-        state = (18 if offload_params else 16) * sizes.params // world_size
-    else:
+    if cpu_offload and strategy != "deepspeed":
         state = fsdp2_offloaded_state(sizes, world_size, param_bytes)
+    else:
+        state = training_state(sizes.params, world_size, strategy, cpu_offload, offload_params, param_bytes)[1]
     return HostPlan(ranks=ranks_per_node, host_bytes=host_bytes, loading=param_bytes * sizes.params,
                     offloaded_state=state,
                     offloaded_activations=offloaded_activations(sizes, micro_batch_tokens, activation_offload),
