@@ -100,6 +100,29 @@ def test_cli_finds_the_largest_shape_two_gpus_can_train(capsys):
     assert re.search(r"fits \(GPU 1\d\d\.\d GiB, host \d+\.\d GiB per node\)$", lines[3])
 
 
+def test_one_process_shares_its_weights_and_the_kv_cache_takes_its_share_of_the_free_memory():
+    qwen3_8b = sizes("qwen3-8b")
+    one = plan_memory(qwen3_8b, world_size=1, gpu_bytes=H200, sharded=False, groups_per_rank=64, **RECIPE)
+    assert one.rollout_weights == 0 and one.unsharded_layers == 0 and one.training_state == 8 * qwen3_8b.params
+    group = 2 * 2 * 36 * 8 * 128 * (16384 + 8 * 4096)  # keys and values, bf16, layers, KV heads, head_dim, tokens
+    free = H200 - 2 * qwen3_8b.params - 6 * GIB  # before the first update only the bf16 weights and the margin
+    assert one.kv_groups == int(0.4 * free) // group and one.rollout_kv == one.kv_groups * group
+    capped = plan_memory(qwen3_8b, world_size=1, gpu_bytes=H200, sharded=False, groups_per_rank=64,
+                         kv_cache_bytes=3 * group + 1, **RECIPE)
+    assert capped.kv_groups == 3
+    with pytest.raises(PlanError, match="set rollout.kv_cache_bytes"):
+        plan("qwen3-8b", 1, checkpointing=0.5, micro_batch_tokens=32768)
+
+
+def test_loading_the_whole_model_on_each_gpu_is_checked_first():
+    """Every rank moves the whole model to its GPU and the engine copies it before the model is sharded."""
+    fp32 = plan_memory(sizes("qwen3-32b"), world_size=8, gpu_bytes=H200, cpu_offload=True,
+                       **{**RECIPE, "param_bytes": 4})
+    assert fp32.loading == 2 * 4 * sizes("qwen3-32b").params + 6 * GIB  # the model and the engine's copy, fp32
+    with pytest.raises(PlanError, match=r"loading needs about 250.1 GiB per GPU.*model.dtype=bfloat16"):
+        check_plan(fp32, True, 1.0, 16384, None)
+
+
 def test_the_trainer_check_refuses_before_loading(tmp_path):
     from longqa.config import load_config
     from longqa.distributed.planner import check_run
