@@ -12,9 +12,9 @@ while the model loads, long before the first step. What each rank holds, and whe
   torch's caching host allocator rounds every pinned allocation up to a power of two
   (``CachingHostAllocator.h``; recent releases can cap that with
   ``PYTORCH_ALLOC_CONF=pinned_max_round_threshold_mb:N``, which this plan does not read); AdamW's two
-  moments are made like the parameters but not pinned. Under ZeRO-3 with DeepSpeed's CPU Adam, 16 bytes per parameter (fp32
-  weights, gradients, moments; 18 with ``offload_param``), in large flat pinned buffers whose rounding is
-  not counted;
+  moments are made like the parameters but not pinned. Under ZeRO-3 with DeepSpeed's CPU Adam, 16 bytes
+  per parameter (fp32 weights, gradients, moments; 18 with ``offload_param``), in large flat pinned
+  buffers whose rounding is not counted;
 - while training, with ``model.activation_offload``: the offloaded layers' activations of one micro-batch
   (the GPU plan's per-token-per-layer estimate, tensor by tensor, each rounded up as pinned memory is).
   The allocator keeps freed blocks for reuse, so a pack under half the token budget adds blocks of the
@@ -31,7 +31,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from longqa.distributed.planner import GIB, ModelSizes, PlanError, saved_activation_widths, training_state
+from longqa.distributed.planner import (DTYPE_BYTES, GIB, ModelSizes, PlanError, offloads, saved_activation_widths,
+                                       training_state)
 
 HOST_MARGIN_BYTES = 4 * GIB  # per rank: interpreter, libraries, compile workers, NCCL host buffers
 RECIPE_PROMPT_TOKENS = 226_684_298  # the recipe's 13,645 prompts (benchmarks/RESULTS.md, prompt preparation)
@@ -134,8 +135,6 @@ def check_host_plan(plan: HostPlan, world_size: int, param_bytes: int) -> None:
 
 def plan_host_config(cfg, sizes: ModelSizes, world_size: int, ranks_per_node: int, host_bytes: int) -> HostPlan:
     """The host plan of a longqa config."""
-    from longqa.distributed.planner import DTYPE_BYTES, offloads
-
     cpu_offload, offload_params = offloads(cfg)
     return plan_host_memory(sizes, world_size=world_size, ranks_per_node=ranks_per_node, host_bytes=host_bytes,
                             param_bytes=DTYPE_BYTES[cfg.model.dtype],

@@ -30,7 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from longqa.bench import H200_BF16_PEAK, decode_floor_s, group_flops
-from longqa.distributed.planner import MemoryPlan, ModelSizes, saved_activation_widths
+from longqa.distributed.planner import (DTYPE_BYTES, MemoryPlan, ModelSizes, offloads, recomputed_fraction,
+                                       saved_activation_widths)
 
 # Fast engine, 16 groups x 8, Qwen3-1.7B, 8,192-token prompts, 1,024 new tokens: 79.5% (8cd9084), 80.0% and
 # 79.5% (a7e656b) and 73.7% (4317a29) of the HBM floor.
@@ -142,8 +143,6 @@ def step_time_config(cfg, sizes: ModelSizes, plan: MemoryPlan, gpus_per_node: in
                      response_length: int | None = None) -> StepTime:
     """The step time of a longqa config under its memory plan; ``response_length``: the mean response
     length to plan for (default ``data.max_response_length``, every response at the limit)."""
-    from longqa.distributed.planner import DTYPE_BYTES, offloads, recomputed_fraction
-
     return plan_step_time(sizes, plan, gpus_per_node=gpus_per_node, prompt_length=cfg.data.max_prompt_length,
                           response_length=response_length or cfg.data.max_response_length, n=cfg.rollout.n,
                           batch_size=cfg.data.train_batch_size, mini_batch_size=cfg.actor.ppo_mini_batch_size,
