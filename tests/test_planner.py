@@ -1,5 +1,7 @@
 """The memory planner: sizes counted on the meta device, plans that fit, refusals that say what to change."""
 
+import re
+
 import pytest
 from transformers import Qwen3Config
 
@@ -8,7 +10,7 @@ from longqa.cli import main
 from longqa.distributed.planner import GIB, ModelSizes, PlanError, check_plan, plan_memory
 
 H200 = 141 * GIB
-RECIPE = dict(micro_batch_tokens=16384, prompt_length=16384, response_length=4096, n=8)
+RECIPE = dict(micro_batch_tokens=16384, prompt_length=16384, response_length=4096, n=8, param_bytes=2)  # bf16
 
 
 def sizes(shape):
@@ -24,7 +26,7 @@ def test_sizes_match_the_released_parameter_counts():
 
 
 def plan(shape, gpus, offload=False, checkpointing=True, strategy="fsdp2", offload_params=False, **extra):
-    options = {**RECIPE, **extra}
+    options = {**RECIPE, "groups_per_rank": 256 // gpus, **extra}  # the recipe's 256 prompts a step
     p = plan_memory(sizes(shape), world_size=gpus, gpu_bytes=H200, gradient_checkpointing=checkpointing,
                     cpu_offload=offload, strategy=strategy, offload_params=offload_params, **options)
     check_plan(p, offload, checkpointing, options["micro_batch_tokens"], options.get("kv_cache_bytes"))
@@ -32,7 +34,7 @@ def plan(shape, gpus, offload=False, checkpointing=True, strategy="fsdp2", offlo
 
 
 def test_qwen3_32b_on_8_gpus_needs_offload():
-    with pytest.raises(PlanError, match=r"offload the training state to the CPU \(actor.cpu_offload=true frees 61.0"):
+    with pytest.raises(PlanError, match=r"offload the training state to the CPU \(actor.cpu_offload=true frees 30.5"):
         plan("qwen3-32b", 8)
     fits = plan("qwen3-32b", 8, offload=True)
     assert fits.training_state == 0 and fits.total < H200
@@ -64,6 +66,63 @@ def test_cli_prints_the_table_and_refuses_with_exit_2(capsys):
     assert main(["plan"]) == 0  # the embedded default on one GPU
 
 
+def test_cli_prints_host_memory_and_step_time_beside_the_gpu_table(capsys):
+    assert main(["plan", "configs/loongrl-qwen3-8b.yaml", "--gpus", "2", "--shape", "qwen3-8b",
+                 "--response-length", "800"]) == 0
+    out = capsys.readouterr().out
+    assert "on 2 GPU(s) of 141 GiB, 2 per node with 256 GiB of host memory, FSDP2:" in out
+    assert "per rank, loading: the whole model             15.3 GiB" in out  # 8.19B parameters in bf16
+    assert "rollout engine (weights, KV on the GPU)         0.0 GiB" in out
+    assert "step time per GRPO step (256 prompts x 8, responses of 800 tokens" in out
+    for phase in ("rollout: prefill", "rollout: decode", "old log-probs (forward)", "update (", "optimizer (2 steps)",
+                  "weight refresh (engine's copy)", "step  "):
+        assert f"\n  {phase}" in out
+    assert main(["plan", "configs/loongrl-qwen3-32b.yaml", "--gpus", "32", "--shape", "qwen3-32b"]) == 0
+    assert "32 GPU(s) of 141 GiB, 8 per node with 1024 GiB of host memory" in capsys.readouterr().out
+
+
+def test_cli_refuses_a_plan_over_the_host_memory(capsys):
+    args = ["plan", "configs/loongrl-qwen3-32b.yaml", "actor.cpu_offload=true", "--gpus", "2", "--shape", "qwen3-32b"]
+    assert main(args) == 2
+    captured = capsys.readouterr()
+    assert "node peak (2 ranks)" in captured.out
+    assert "GiB of host memory per node but a node has 256.0 GiB" in captured.err and "use more GPUs" in captured.err
+    assert main([*args, "--host-memory-gib", "320"]) == 0
+
+
+def test_cli_finds_the_largest_shape_two_gpus_can_train(capsys):
+    assert main(["plan", "configs/loongrl-qwen3-32b.yaml", "--gpus", "2", "--largest"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("the largest Qwen3 shape on 2 GPU(s) of 141 GiB, 2 per node with 256 GiB")
+    assert [line.split(":")[0].strip() for line in lines[1:]] == [
+        "qwen3-32b, actor.cpu_offload=false", "qwen3-32b, actor.cpu_offload=true", "qwen3-14b, actor.cpu_offload=false"]
+    assert "GiB per GPU but a GPU has 141.0 GiB" in lines[1] and "GiB of host memory per node" in lines[2]
+    assert re.search(r"fits \(GPU 1\d\d\.\d GiB, host \d+\.\d GiB per node\)$", lines[3])
+
+
+def test_one_process_shares_its_weights_and_the_kv_cache_takes_its_share_of_the_free_memory():
+    qwen3_8b = sizes("qwen3-8b")
+    one = plan_memory(qwen3_8b, world_size=1, gpu_bytes=H200, sharded=False, groups_per_rank=64, **RECIPE)
+    assert one.rollout_weights == 0 and one.unsharded_layers == 0 and one.training_state == 8 * qwen3_8b.params
+    group = 2 * 2 * 36 * 8 * 128 * (16384 + 8 * 4096)  # keys and values, bf16, layers, KV heads, head_dim, tokens
+    free = H200 - 2 * qwen3_8b.params - 6 * GIB  # before the first update only the bf16 weights and the margin
+    assert one.kv_groups == int(0.4 * free) // group and one.rollout_kv == one.kv_groups * group
+    capped = plan_memory(qwen3_8b, world_size=1, gpu_bytes=H200, sharded=False, groups_per_rank=64,
+                         kv_cache_bytes=3 * group + 1, **RECIPE)
+    assert capped.kv_groups == 3
+    with pytest.raises(PlanError, match="set rollout.kv_cache_bytes"):
+        plan("qwen3-8b", 1, checkpointing=0.5, micro_batch_tokens=32768)
+
+
+def test_loading_the_whole_model_on_each_gpu_is_checked_first():
+    """Every rank moves the whole model to its GPU and the engine copies it before the model is sharded."""
+    fp32 = plan_memory(sizes("qwen3-32b"), world_size=8, gpu_bytes=H200, cpu_offload=True,
+                       **{**RECIPE, "param_bytes": 4})
+    assert fp32.loading == 2 * 4 * sizes("qwen3-32b").params + 6 * GIB  # the model and the engine's copy, fp32
+    with pytest.raises(PlanError, match=r"loading needs about 250.1 GiB per GPU.*model.dtype=bfloat16"):
+        check_plan(fp32, True, 1.0, 16384, None)
+
+
 def test_the_trainer_check_refuses_before_loading(tmp_path):
     from longqa.config import load_config
     from longqa.distributed.planner import check_run
@@ -84,15 +143,20 @@ def test_recomputing_part_of_the_layers_plans_activations_between_none_and_all()
 
 
 def test_deepspeed_keeps_its_bf16_weight_partition_on_the_gpu_and_steps_the_same_bytes_on_the_host():
-    """ZeRO-3 holds 18 bytes a parameter (bf16 weights beside FSDP2's 16); offloading the optimizer leaves the
-    bf16 partition on the GPU and puts the same 16 bytes per parameter on the host as FSDP2's offload."""
+    """ZeRO-3 holds 18 bytes a parameter (fp32 weights, gradients and moments, and a bf16 partition), whatever the
+    model's dtype; FSDP2 holds four tensors in the model's dtype, 16 bytes in fp32 and 8 in bf16. Offloading the
+    optimizer leaves ZeRO-3's bf16 partition on the GPU and puts 16 bytes per parameter on the host, as FSDP2's
+    offload of an fp32 model does."""
     params = sizes("qwen3-8b").params
     fsdp, zero3 = plan("qwen3-8b", 8), plan("qwen3-8b", 8, strategy="deepspeed")
-    assert (fsdp.training_state, zero3.training_state) == (16 * params // 8, 16 * params // 8 + 2 * params // 8)
+    assert (fsdp.training_state, zero3.training_state) == (8 * params // 8, 16 * params // 8 + 2 * params // 8)
+    assert plan("qwen3-8b", 8, param_bytes=4).training_state == 16 * params // 8
     assert fsdp.host_state == zero3.host_state == 0
-    fsdp, zero3 = plan("qwen3-8b", 8, offload=True), plan("qwen3-8b", 8, offload=True, strategy="deepspeed")
+    fsdp = plan("qwen3-8b", 8, offload=True, param_bytes=4)
+    zero3 = plan("qwen3-8b", 8, offload=True, strategy="deepspeed")
     assert (fsdp.training_state, zero3.training_state) == (0, 2 * params // 8)
     assert fsdp.host_state == zero3.host_state == 16 * params // 8
+    assert plan("qwen3-8b", 8, offload=True).host_state == 8 * params // 8
     both = plan("qwen3-8b", 8, offload=True, strategy="deepspeed", offload_params=True)
     assert (both.training_state, both.host_state) == (0, 18 * params // 8)
 

@@ -19,7 +19,7 @@ Command groups:
   sft      supervised warm-up on reference responses (how the embedded default model is made)
   bench    speed of the training layouts on random-weight models of real shapes
   cluster  start or stop a Ray cluster over ssh from an MPI-style hostfile
-  plan     per-GPU memory of a run, refused with what to change when it cannot fit
+  plan     GPU and host memory and step time of a run, refused with what to change when it cannot fit
   config   show the resolved config and every key it accepts
 """
 
@@ -237,23 +237,37 @@ def cmd_cluster(args: argparse.Namespace) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
-    from longqa.distributed.planner import GIB, ModelSizes, check_config, describe_training, model_sizes, plan_config
+    from longqa.distributed.fit import Machine, check_run_plan, largest_shape, plan_run, shape_sizes
+    from longqa.distributed.host_memory import HOST_GIB_PER_GPU
+    from longqa.distributed.planner import GIB, describe_training, model_sizes
+    from longqa.distributed.step_time import step_time_config
 
     cfg = load_config(args.config, args.overrides)
+    per_node = args.gpus_per_node or min(args.gpus, 8)
+    host_gib = args.host_memory_gib or HOST_GIB_PER_GPU * per_node
+    machine = Machine(args.gpus, int(args.gpu_memory_gib * GIB), per_node, int(host_gib * GIB))
+    where = (f"{args.gpus} GPU(s) of {args.gpu_memory_gib:g} GiB, {min(args.gpus, per_node)} per node with "
+             f"{host_gib:g} GiB of host memory")
+    if args.largest:
+        print(f"the largest Qwen3 shape on {where}, {describe_training(cfg)}:")
+        for attempt in largest_shape(cfg, machine):
+            print(f"  {attempt.shape}, actor.cpu_offload={str(attempt.cpu_offload).lower()}: "
+                  + (attempt.error or f"fits (GPU {attempt.gpu.total / GIB:.1f} GiB, host "
+                                      f"{attempt.host.peak / GIB:.1f} GiB per node)"))
+        return
     if args.shape:
-        from transformers import Qwen3Config
-
-        from longqa.model.shapes import SHAPES
-
-        sizes = ModelSizes.from_config(Qwen3Config(**SHAPES[args.shape]))
+        sizes = shape_sizes(args.shape)
     else:
         sizes = model_sizes(cfg)
         if sizes is None:
             raise ConfigError("longqa plan cannot size a GGUF model: pass --shape")
-    plan = plan_config(cfg, sizes, args.gpus, int(args.gpu_memory_gib * GIB))
-    print(f"{sizes.params / 1e9:.2f}B parameters on {args.gpus} GPU(s) of {args.gpu_memory_gib:g} GiB, "
-          f"{describe_training(cfg)}:\n{plan.table()}")
-    check_config(cfg, plan)
+    gpu, host = plan_run(cfg, sizes, machine)
+    step = step_time_config(cfg, sizes, gpu, per_node, args.response_length)
+    print(f"{sizes.params / 1e9:.2f}B parameters on {where}, {describe_training(cfg)}:\n"
+          f"GPU memory per GPU:\n{gpu.table()}\nhost memory per node:\n{host.table()}\n"
+          f"step time per GRPO step ({cfg.data.train_batch_size} prompts x {cfg.rollout.n}, responses of "
+          f"{args.response_length or cfg.data.max_response_length} tokens; H200s, the fast engine):\n{step.table()}")
+    check_run_plan(cfg, gpu, host)
     print("fits")
 
 
@@ -492,14 +506,25 @@ def _add_scale_out_commands(groups: argparse._SubParsersAction) -> None:
         p.add_argument("--dry-run", action="store_true", help="print the commands without running them")
         p.set_defaults(func=cmd_cluster)
 
-    p = groups.add_parser("plan", help="per-GPU memory of a run; refused with what to change when it cannot fit",
+    p = groups.add_parser("plan", help="GPU and host memory and step time of a run; refused with what to change "
+                          "when it cannot fit",
                           description="Estimate per-GPU memory of CONFIG on --gpus GPUs (model sharded over them): "
                           "training state, unsharded layers, activations of one micro-batch, the rollout engine's "
-                          "weights and KV cache. Exits 2 with the settings to change when it cannot fit.")
+                          "weights and KV cache; the host memory of a node (the model read on every rank, the "
+                          "offloaded state and activations); and the time of one GRPO step by phase. Exits 2 with "
+                          "the settings to change when either memory cannot hold it.")
     _add_config_args(p)
     p.add_argument("--gpus", type=int, default=1, help="GPUs the model is sharded over (default 1)")
     p.add_argument("--gpu-memory-gib", type=float, default=141.0, help="memory of one GPU (default 141, an H200)")
+    p.add_argument("--gpus-per-node", type=int, help="GPUs of one node (default: --gpus, at most 8)")
+    p.add_argument("--host-memory-gib", type=float,
+                   help="host memory of one node (default: 128 per GPU of the node, as on the measurement "
+                   "machines; an 8-GPU H200 server often has more)")
+    p.add_argument("--response-length", type=int,
+                   help="mean response length for the step time (default data.max_response_length)")
     p.add_argument("--shape", choices=sorted(SHAPES), help="a known model shape instead of model.path's config")
+    p.add_argument("--largest", action="store_true",
+                   help="instead: the largest known shape that fits, as CONFIG asks or with actor.cpu_offload=true")
     p.set_defaults(func=cmd_plan)
 
 

@@ -4,19 +4,27 @@ A run that dies of out-of-memory after the model loads, the data tokenizes and t
 finishes wastes minutes to hours; the arithmetic to predict it is simple. Per GPU, with the model
 sharded over ``world_size`` ranks (FSDP2, ZeRO-3 style):
 
-- training state: fp32 master weights, fp32 gradients and AdamW's two fp32 moments, 16 bytes per
-  parameter, divided by the ranks; on the CPU instead when offloaded (the recipe's ZeRO-3 + CPU
-  optimizer offload). DeepSpeed ZeRO-3 (``actor.strategy=deepspeed``) keeps a bf16 partition of the
-  weights beside them, 18 bytes in all, of which the 2 stay on the GPU when the optimizer is offloaded
-  (and leave it too when the parameters are); the offloaded 16 bytes are on the host either way, and
-  what differs is who steps them: torch's AdamW under FSDP2, DeepSpeed's CPU Adam under ZeRO-3;
-- the unsharded layers being computed: two decoder layers (this one and the prefetched next) and the
-  embedding/LM head, in bf16;
+- training state: the weights, their gradients and AdamW's two moments, divided by the ranks. Under
+  FSDP2 (and in one process) all four are in ``model.dtype``: FSDP2 keeps the shards and the reduced
+  gradients in the parameters' dtype, and torch's AdamW makes its moments like the parameters, so 8
+  bytes per parameter in bf16 and 16 in fp32. DeepSpeed ZeRO-3 (``actor.strategy=deepspeed``) keeps fp32
+  master weights, gradients and moments (16 bytes) and a bf16 partition of the weights beside them, 18
+  bytes in all, of which the 2 stay on the GPU when the optimizer is offloaded (and leave it too when the
+  parameters are). Offloaded (``actor.cpu_offload``), the rest is in host memory (``host_memory.py``);
+  what differs is who steps it: torch's AdamW under FSDP2, DeepSpeed's CPU Adam under ZeRO-3;
+- when sharded, the unsharded layers being computed: two decoder layers (this one and the prefetched
+  next) and the embedding/LM head, in bf16;
 - activations of one micro-batch of ``max_tokens_per_micro_batch`` packed tokens: with gradient
   checkpointing, one hidden state per layer plus one layer's recompute and an LM-head chunk;
-  without it, every layer's intermediates;
-- the rollout engine: a full bf16 copy of the weights (gathered layer by layer after each update),
-  and the KV cache of at least one group (the prompt once, n responses).
+  without it, every layer's intermediates (``saved_activation_widths``, checked against measured peaks);
+- the rollout engine: a full copy of the weights in ``model.dtype`` (gathered after each update) when
+  the model is sharded (several ranks, ZeRO-3 or an offload), none when one process shares its model
+  with the engine; and its KV cache, which stays allocated through the update: as many groups (the
+  prompt once, n responses) as ``rollout.kv_cache_bytes`` holds, or by default as 40% of the memory
+  free when the first rollout starts holds, at most the rank's groups of a step.
+
+Before any of this, every rank moves the whole model in ``model.dtype`` to its GPU and the engine copies
+it there (``load_model``, then the engine, then the actor shards): the load's peak is checked too.
 
 It is an estimate (allocator fragmentation, NCCL buffers and CUDA context are a fixed margin), meant
 to refuse plans that cannot work, naming the setting to change, not to promise a tight fit.
@@ -24,11 +32,14 @@ to refuse plans that cannot work, naming the setting to change, not to promise a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 GIB = 2**30
 MARGIN_BYTES = 6 * GIB  # CUDA context, NCCL buffers, allocator fragmentation
 LM_HEAD_CHUNK = 2048  # tokens per LM-head chunk (model/logprobs.py)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+ENGINE_KV_SHARE = 0.4  # the fast engine's default KV budget: this share of the free GPU memory (rollout/fast.py)
 
 
 class PlanError(ValueError):
@@ -46,6 +57,8 @@ class ModelSizes:
     kv_heads: int
     head_dim: int
     vocab: int
+    shapes: tuple[tuple[int, ...], ...] = ()  # every parameter's shape: FSDP2 shards and pins them one by one
+    config: Any = field(default=None, repr=False, compare=False)  # the transformers config, for the FLOP counts
 
     @classmethod
     def from_config(cls, config) -> "ModelSizes":
@@ -62,7 +75,22 @@ class ModelSizes:
                    hidden=config.hidden_size, intermediate=config.intermediate_size, layers=config.num_hidden_layers,
                    kv_heads=config.num_key_value_heads,
                    head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-                   vocab=config.vocab_size)
+                   vocab=config.vocab_size, shapes=tuple(tuple(p.shape) for p in model.parameters()), config=config)
+
+
+def saved_activation_widths(sizes: ModelSizes) -> list[int]:
+    """The widths of the bf16 tensors a compiled decoder layer saves per token for its backward pass: six of
+    the hidden size (the input, its norm, q, k and v, attention's output, the second norm) and three of the
+    MLP's (gate, up, their product). Measured: a packed group's peak memory on one H200, weights + gradients
+    + these + one LM-head chunk, is 36.6 GiB at Qwen3-1.7B (16,384 tokens, 28 layers kept; this count says
+    36.1) and 133.0 GiB at Qwen3-8B (32,768 tokens, 27 layers kept; 135.2) (benchmarks/RESULTS.md, packed
+    training)."""
+    return [sizes.hidden] * 6 + [sizes.intermediate] * 3
+
+
+def kv_bytes_per_group(sizes: ModelSizes, prompt_length: int, response_length: int, n: int, dtype_bytes: int) -> int:
+    """The fast engine's KV store of one group: the prompt once and n responses (rollout/fast.py)."""
+    return 2 * dtype_bytes * sizes.layers * sizes.kv_heads * sizes.head_dim * (prompt_length + n * response_length)
 
 
 @dataclass
@@ -78,6 +106,9 @@ class MemoryPlan:
     rollout_kv: int
     host_state: int = 0  # per rank, in host memory: the offloaded training state (not part of the total)
     margin: int = MARGIN_BYTES
+    kv_groups: int = 1  # groups the engine's KV cache holds at once
+    loading: int = 0  # the load's peak, before the model is sharded
+    param_bytes: int = 4  # bytes of one parameter in model.dtype
 
     @property
     def total(self) -> int:
@@ -87,17 +118,20 @@ class MemoryPlan:
     def table(self) -> str:
         rows = [("training state (weights, grads, AdamW)", self.training_state),
                 ("unsharded layers in flight", self.unsharded_layers), ("activations", self.activations),
-                ("rollout weights (bf16 copy)", self.rollout_weights), ("rollout KV cache", self.rollout_kv),
+                ("rollout weights (engine's copy)", self.rollout_weights),
+                (f"rollout KV cache ({self.kv_groups} group{'s' if self.kv_groups > 1 else ''})", self.rollout_kv),
                 ("margin (context, NCCL, fragmentation)", self.margin), ("total", self.total),
-                ("GPU memory", self.gpu_bytes), ("host memory per rank: offloaded state", self.host_state)]
+                ("GPU memory", self.gpu_bytes), ("while loading (whole model + copy)", self.loading)]
         return "\n".join(f"  {name:<40} {value / GIB:8.1f} GiB" for name, value in rows)
 
 
 def training_state(params: int, world_size: int, strategy: str = "fsdp2", cpu_offload: bool = False,
-                   offload_params: bool = False) -> tuple[int, int]:
+                   offload_params: bool = False, param_bytes: int = 4) -> tuple[int, int]:
     """``(GPU, host)`` bytes per rank of the weights, gradients and AdamW moments (see the module docstring)."""
-    offloaded = 16 * params // world_size
-    weights = 2 * params // world_size if strategy == "deepspeed" else 0  # ZeRO-3's bf16 partition
+    if strategy == "deepspeed":
+        offloaded, weights = 16 * params // world_size, 2 * params // world_size  # fp32 state, bf16 partition
+    else:
+        offloaded, weights = 4 * param_bytes * params // world_size, 0
     if not cpu_offload:
         return offloaded + weights, 0
     return (0, offloaded + weights) if offload_params else (weights, offloaded)
@@ -106,26 +140,36 @@ def training_state(params: int, world_size: int, strategy: str = "fsdp2", cpu_of
 def plan_memory(sizes: ModelSizes, *, world_size: int, gpu_bytes: int, micro_batch_tokens: int,
                 prompt_length: int, response_length: int, n: int, gradient_checkpointing: float = 1.0,
                 cpu_offload: bool = False, kv_cache_bytes: int | None = None,
-                activation_offload: float = 0.0, strategy: str = "fsdp2", offload_params: bool = False) -> MemoryPlan:
+                activation_offload: float = 0.0, strategy: str = "fsdp2", offload_params: bool = False,
+                param_bytes: int = 4, sharded: bool = True, groups_per_rank: int = 1) -> MemoryPlan:
     """Per-GPU bytes of a plan (see the module docstring for what is counted); ``gradient_checkpointing`` is
     the fraction of decoder layers recomputed (True: all), ``activation_offload`` the fraction whose
     activations wait in host memory (none of theirs stays on the GPU); ``offload_params``: ZeRO-3's
-    parameter offload."""
+    parameter offload; ``param_bytes``: one parameter in ``model.dtype``; ``sharded``: whether the model is
+    sharded (then layers are gathered to compute and the rollout engine keeps its own copy of the weights);
+    ``groups_per_rank``: the prompts a rank samples a step."""
     bf16 = 2
-    state, host = training_state(sizes.params, world_size, strategy, cpu_offload, offload_params)
-    unsharded = bf16 * (2 * sizes.layer_params + sizes.embedding_params)
+    state, host = training_state(sizes.params, world_size, strategy, cpu_offload, offload_params, param_bytes)
+    unsharded = bf16 * (2 * sizes.layer_params + sizes.embedding_params) if sharded else 0
     tokens = micro_batch_tokens
-    per_token_layer = bf16 * (12 * sizes.hidden + 4 * sizes.intermediate)  # q,k,v,o, norms, residuals, MLP
+    per_token_layer = bf16 * sum(saved_activation_widths(sizes))
     recomputed = round(float(gradient_checkpointing) * sizes.layers)  # these keep their input alone
     kept = sizes.layers - recomputed - round(activation_offload * sizes.layers)
     activations = tokens * (bf16 * sizes.hidden * recomputed + per_token_layer * kept)
     if recomputed:
         activations += tokens * per_token_layer  # one recomputed layer's activations during its backward
     activations += 3 * 4 * min(tokens, LM_HEAD_CHUNK) * sizes.vocab  # float32 logits of one chunk, twice + grad
-    one_group = 2 * bf16 * sizes.layers * sizes.kv_heads * sizes.head_dim * (prompt_length + n * response_length)
-    kv = max(kv_cache_bytes or 0, one_group)
+    copy = param_bytes * sizes.params if sharded else 0
+    # The KV cache is sized when the first rollout starts, before any gradient or AdamW moment exists: FSDP2
+    # holds its weight shards alone then (a quarter of its state), ZeRO-3 its whole partitions.
+    resident = state // 4 if strategy != "deepspeed" else state
+    budget = kv_cache_bytes or int(ENGINE_KV_SHARE * max(0, gpu_bytes - resident - copy - MARGIN_BYTES))
+    one_group = kv_bytes_per_group(sizes, prompt_length, response_length, n, param_bytes)
+    groups = max(1, min(groups_per_rank, budget // one_group))
     return MemoryPlan(world_size=world_size, gpu_bytes=gpu_bytes, training_state=state, unsharded_layers=unsharded,
-                      activations=activations, rollout_weights=bf16 * sizes.params, rollout_kv=kv, host_state=host)
+                      activations=activations, rollout_weights=copy, rollout_kv=groups * one_group, host_state=host,
+                      kv_groups=groups, loading=param_bytes * sizes.params + copy + MARGIN_BYTES,
+                      param_bytes=param_bytes)
 
 
 PARAMETER_OFFLOAD = "zero_optimization.offload_param.device: cpu in actor.deepspeed_config"
@@ -134,6 +178,12 @@ PARAMETER_OFFLOAD = "zero_optimization.offload_param.device: cpu in actor.deepsp
 def check_plan(plan: MemoryPlan, cpu_offload: bool, gradient_checkpointing: float, micro_batch_tokens: int,
                kv_cache_bytes: int | None, offload_setting: str = "actor.cpu_offload=true") -> None:
     """Refuse a plan over the GPU's memory, naming the settings that would make it fit."""
+    if plan.loading > plan.gpu_bytes:
+        fix = ("load it in bf16 (model.dtype=bfloat16)" if plan.param_bytes > 2 else
+               "use GPUs with more memory (--gpu-memory-gib)")
+        raise PlanError(f"loading needs about {plan.loading / GIB:.1f} GiB per GPU but a GPU has "
+                        f"{plan.gpu_bytes / GIB:.1f} GiB: every rank moves the whole model to its GPU, and the rollout "
+                        f"engine copies it there, before the model is sharded; to fit: {fix}")
     if plan.total <= plan.gpu_bytes:
         return
     over = (plan.total - plan.gpu_bytes) / GIB
@@ -152,8 +202,10 @@ def check_plan(plan: MemoryPlan, cpu_offload: bool, gradient_checkpointing: floa
     if plan.activations > 0.2 * plan.gpu_bytes:
         advice.append("keep the first layers' activations in host memory (model.activation_offload)")
         advice.append(f"lower actor.max_tokens_per_micro_batch (now {micro_batch_tokens})")
-    if kv_cache_bytes and plan.rollout_kv > 0.2 * plan.gpu_bytes:
-        advice.append("lower rollout.kv_cache_bytes")
+    if plan.kv_groups > 1 and plan.rollout_kv > 0.2 * plan.gpu_bytes:
+        advice.append("lower rollout.kv_cache_bytes" if kv_cache_bytes else
+                      f"set rollout.kv_cache_bytes (by default the engine's KV cache takes {ENGINE_KV_SHARE:.0%} of "
+                      f"the free memory: {plan.kv_groups} groups, {plan.rollout_kv / GIB:.1f} GiB)")
     if plan.training_state and plan.world_size < 64:
         advice.append("use more GPUs (the training state is divided by their number)")
     raise PlanError(f"this plan needs about {plan.total / GIB:.1f} GiB per GPU but a GPU has "
@@ -168,7 +220,15 @@ def plan_config(cfg, sizes: ModelSizes, world_size: int, gpu_bytes: int) -> Memo
                        micro_batch_tokens=cfg.actor.max_tokens_per_micro_batch,
                        gradient_checkpointing=recomputed_fraction(cfg), cpu_offload=cpu_offload,
                        kv_cache_bytes=cfg.rollout.kv_cache_bytes, activation_offload=cfg.model.activation_offload,
-                       strategy=cfg.actor.strategy, offload_params=offload_params)
+                       strategy=cfg.actor.strategy, offload_params=offload_params,
+                       param_bytes=DTYPE_BYTES[cfg.model.dtype], sharded=is_sharded(cfg, world_size),
+                       groups_per_rank=max(1, cfg.data.train_batch_size // world_size))
+
+
+def is_sharded(cfg, world_size: int) -> bool:
+    """Whether the model is sharded: over several ranks, by ZeRO-3 even on one, or to offload it (in a process
+    group of one, as ``longqa bench step`` runs it). Then the rollout engine keeps its own copy."""
+    return world_size > 1 or cfg.actor.strategy == "deepspeed" or cfg.actor.cpu_offload
 
 
 def offloads(cfg) -> tuple[bool, bool]:

@@ -11,8 +11,12 @@ SHAPES = {  # Qwen3 family shapes (config.json of the released models)
                        num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
     "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+    "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
     "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
+    "qwen3-14b": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40,
+                      num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
     "qwen3-32b": dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
 }

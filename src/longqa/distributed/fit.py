@@ -1,0 +1,78 @@
+"""Does a run fit a machine, GPUs and host memory together, and which is the largest known shape that does?
+
+``longqa plan`` answers both: one config on one machine (the GPU plan, the node's host memory and the step
+time, refused with advice when either memory does not fit), or with ``--largest`` every Qwen3 shape of
+``longqa.model.shapes`` from the largest down, as the config asks and with the training state offloaded,
+until one fits.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+from longqa.distributed.host_memory import HostPlan, check_host_plan, plan_host_config
+from longqa.distributed.planner import DTYPE_BYTES, MemoryPlan, ModelSizes, PlanError, check_config, plan_config
+
+
+@dataclass
+class Machine:
+    gpus: int
+    gpu_bytes: int
+    gpus_per_node: int
+    host_bytes: int  # per node
+
+    @property
+    def ranks_per_node(self) -> int:
+        return min(self.gpus, self.gpus_per_node)
+
+
+def plan_run(cfg, sizes: ModelSizes, machine: Machine) -> tuple[MemoryPlan, HostPlan]:
+    """The GPU plan and the node's host plan of a config."""
+    return (plan_config(cfg, sizes, machine.gpus, machine.gpu_bytes),
+            plan_host_config(cfg, sizes, machine.gpus, machine.ranks_per_node, machine.host_bytes))
+
+
+def check_run_plan(cfg, gpu: MemoryPlan, host: HostPlan) -> None:
+    """Refuse the run when either memory cannot hold it (PlanError naming what to change)."""
+    check_config(cfg, gpu)
+    check_host_plan(host, gpu.world_size, DTYPE_BYTES[cfg.model.dtype])
+
+
+def shape_sizes(shape: str) -> ModelSizes:
+    from transformers import Qwen3Config
+
+    from longqa.model.shapes import SHAPES
+
+    return ModelSizes.from_config(Qwen3Config(**SHAPES[shape]))
+
+
+@dataclass
+class Attempt:
+    shape: str
+    cpu_offload: bool
+    error: str | None  # None: it fits
+    gpu: MemoryPlan
+    host: HostPlan
+
+
+def largest_shape(cfg, machine: Machine) -> list[Attempt]:
+    """Every Qwen3 shape from the largest down, as ``cfg`` asks and then with ``actor.cpu_offload=true``,
+    until one fits; the last attempt is the answer when its ``error`` is None."""
+    from longqa.model.shapes import SHAPES
+
+    sizes = {shape: shape_sizes(shape) for shape in SHAPES}
+    attempts = []
+    for shape in sorted(SHAPES, key=lambda s: sizes[s].params, reverse=True):
+        for offload in sorted({cfg.actor.cpu_offload, True}):
+            trial = copy.deepcopy(cfg)
+            trial.actor.cpu_offload = offload
+            gpu, host = plan_run(trial, sizes[shape], machine)
+            try:
+                check_run_plan(trial, gpu, host)
+            except PlanError as e:
+                attempts.append(Attempt(shape, offload, str(e), gpu, host))
+                continue
+            attempts.append(Attempt(shape, offload, None, gpu, host))
+            return attempts
+    return attempts

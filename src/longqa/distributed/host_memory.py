@@ -1,0 +1,143 @@
+"""Will this run fit the node's host memory? The GPU plan's counterpart, per node, before any weight is read.
+
+Host memory runs out differently from a GPU's: the kernel kills a rank (or the whole node swaps), often
+while the model loads, long before the first step. What each rank holds, and when:
+
+- while loading: the whole model in ``model.dtype``. ``load_model`` reads the checkpoint on every rank
+  (transformers materialises it on the host) and only then moves it to the GPU and shards it, so a node
+  of k ranks holds k full copies at once; for a large model this is the node's peak. The checkpoint files'
+  page cache is shared and reclaimable, and not counted;
+- while training, with ``actor.cpu_offload``: the offloaded training state. Under FSDP2
+  (``CPUOffloadPolicy``) every parameter's shard and its gradient are pinned, each its own allocation, and
+  torch's caching host allocator rounds every pinned allocation up to a power of two
+  (``CachingHostAllocator.h``; recent releases can cap that with
+  ``PYTORCH_ALLOC_CONF=pinned_max_round_threshold_mb:N``, which this plan does not read); AdamW's two
+  moments are made like the parameters but not pinned. Under ZeRO-3 with DeepSpeed's CPU Adam, 16 bytes
+  per parameter (fp32 weights, gradients, moments; 18 with ``offload_param``), in large flat pinned
+  buffers whose rounding is not counted;
+- while training, with ``model.activation_offload``: the offloaded layers' activations of one micro-batch
+  (the GPU plan's per-token-per-layer estimate, tensor by tensor, each rounded up as pinned memory is).
+  The allocator keeps freed blocks for reuse, so a pack under half the token budget adds blocks of the
+  next smaller size, at most as much again;
+- the rollout engine's weights and KV cache live on the GPU: nothing on the host;
+- a margin per rank (Python, torch and the CUDA libraries, Inductor's compile workers, NCCL's host
+  buffers), and once per node the prompt cache, a memory-mapped int32 file the ranks share.
+
+The node's peak is its ranks times the larger of the two phases, plus the margins and the prompt cache.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from longqa.distributed.planner import (DTYPE_BYTES, GIB, ModelSizes, PlanError, offloads, saved_activation_widths,
+                                       training_state)
+
+HOST_MARGIN_BYTES = 4 * GIB  # per rank: interpreter, libraries, compile workers, NCCL host buffers
+RECIPE_PROMPT_TOKENS = 226_684_298  # the recipe's 13,645 prompts (benchmarks/RESULTS.md, prompt preparation)
+HOST_GIB_PER_GPU = 128  # the default: what the measurement machines have (128 GiB with one H200, 256 with two)
+
+
+def pinned_bytes(nbytes: int) -> int:
+    """What torch's caching host allocator reserves for a pinned tensor of ``nbytes``: the next power of two."""
+    return 1 << max(0, nbytes - 1).bit_length() if nbytes else 0
+
+
+def fsdp2_offloaded_state(sizes: ModelSizes, world_size: int, param_bytes: int) -> int:
+    """Host bytes per rank of FSDP2's offloaded state: each parameter's padded shard (dim 0 split over the
+    ranks) and its gradient pinned, and AdamW's two moments unpinned."""
+    total = 0
+    for shape in sizes.shapes:
+        rows = math.ceil(shape[0] / world_size) if shape else 1
+        shard = param_bytes * rows * math.prod(shape[1:])
+        total += 2 * pinned_bytes(shard) + 2 * shard
+    return total
+
+
+def offloaded_activations(sizes: ModelSizes, micro_batch_tokens: int, activation_offload: float) -> int:
+    """Pinned host bytes of the offloaded layers' bf16 activations of one micro-batch."""
+    layers = round(activation_offload * sizes.layers)
+    return layers * sum(pinned_bytes(2 * micro_batch_tokens * width) for width in saved_activation_widths(sizes))
+
+
+@dataclass
+class HostPlan:
+    """Host bytes of one node: per rank by phase, and once per node."""
+
+    ranks: int  # ranks on the node
+    host_bytes: int
+    loading: int  # per rank: the whole model while it is read
+    offloaded_state: int  # per rank, while training
+    offloaded_activations: int  # per rank, while training
+    prompt_cache: int  # per node
+    margin: int = HOST_MARGIN_BYTES  # per rank
+
+    @property
+    def training(self) -> int:
+        return self.offloaded_state + self.offloaded_activations
+
+    @property
+    def peak(self) -> int:
+        return self.ranks * (max(self.loading, self.training) + self.margin) + self.prompt_cache
+
+    def table(self) -> str:
+        rows = [("per rank, loading: the whole model", self.loading),
+                ("per rank, training: offloaded state", self.offloaded_state),
+                ("per rank, training: offloaded activations", self.offloaded_activations),
+                ("per rank: margin (Python, libraries)", self.margin),
+                ("rollout engine (weights, KV on the GPU)", 0),
+                ("prompt cache (shared, memory-mapped)", self.prompt_cache),
+                (f"node peak ({self.ranks} rank{'s' if self.ranks > 1 else ''})", self.peak),
+                ("host memory of a node", self.host_bytes)]
+        return "\n".join(f"  {name:<42} {value / GIB:8.1f} GiB" for name, value in rows)
+
+
+def plan_host_memory(sizes: ModelSizes, *, world_size: int, ranks_per_node: int, host_bytes: int,
+                     param_bytes: int, micro_batch_tokens: int, cpu_offload: bool = False,
+                     strategy: str = "fsdp2", offload_params: bool = False, activation_offload: float = 0.0,
+                     prompt_tokens: int = RECIPE_PROMPT_TOKENS) -> HostPlan:
+    """Host bytes of a node running ``ranks_per_node`` of the ``world_size`` ranks (the module docstring
+    says what is counted)."""
+    if cpu_offload and strategy != "deepspeed":
+        state = fsdp2_offloaded_state(sizes, world_size, param_bytes)
+    else:
+        state = training_state(sizes.params, world_size, strategy, cpu_offload, offload_params, param_bytes)[1]
+    return HostPlan(ranks=ranks_per_node, host_bytes=host_bytes, loading=param_bytes * sizes.params,
+                    offloaded_state=state,
+                    offloaded_activations=offloaded_activations(sizes, micro_batch_tokens, activation_offload),
+                    prompt_cache=4 * prompt_tokens)
+
+
+def check_host_plan(plan: HostPlan, world_size: int, param_bytes: int) -> None:
+    """Refuse a plan over the node's host memory, naming what would make it fit."""
+    if plan.peak <= plan.host_bytes:
+        return
+    advice = []
+    if plan.loading >= plan.training:
+        advice.append(f"fewer ranks per node (--gpus-per-node; each reads the whole model, "
+                      f"{plan.loading / GIB:.1f} GiB, before it is sharded)")
+        if param_bytes > 2:
+            advice.append("load it in bf16 (model.dtype=bfloat16)")
+    else:
+        if plan.offloaded_state:
+            advice.append(f"use more GPUs (the offloaded state, {plan.offloaded_state / GIB:.1f} GiB per rank, is "
+                          f"divided by their number, now {world_size})")
+            advice.append("keep the training state on the GPUs (actor.cpu_offload=false) if the GPU plan allows it")
+        if plan.offloaded_activations:
+            advice.append(f"lower model.activation_offload (recompute those layers instead: "
+                          f"model.checkpoint_fraction; {plan.offloaded_activations / GIB:.1f} GiB per rank)")
+    advice.append("use nodes with more host memory (--host-memory-gib)")
+    raise PlanError(f"this plan needs about {plan.peak / GIB:.1f} GiB of host memory per node but a node has "
+                    f"{plan.host_bytes / GIB:.1f} GiB ({(plan.peak - plan.host_bytes) / GIB:.1f} GiB over); to fit: "
+                    + "; or ".join(advice))
+
+
+def plan_host_config(cfg, sizes: ModelSizes, world_size: int, ranks_per_node: int, host_bytes: int) -> HostPlan:
+    """The host plan of a longqa config."""
+    cpu_offload, offload_params = offloads(cfg)
+    return plan_host_memory(sizes, world_size=world_size, ranks_per_node=ranks_per_node, host_bytes=host_bytes,
+                            param_bytes=DTYPE_BYTES[cfg.model.dtype],
+                            micro_batch_tokens=cfg.actor.max_tokens_per_micro_batch, cpu_offload=cpu_offload,
+                            strategy=cfg.actor.strategy, offload_params=offload_params,
+                            activation_offload=cfg.model.activation_offload)

@@ -1,0 +1,152 @@
+"""How long will a GRPO step take? A first-order model, per phase, from the config and the hardware.
+
+Every rank does the same work on its own share of the step's groups, so a step takes one rank's time:
+
+- rollout: the rank's prompts prefilled once each (forward FLOPs at ``PREFILL_MFU``), then decode steps
+  (``max_response_length`` tokens each, or a mean response length if given, with as many groups in
+  flight as the GPU plan's KV cache holds), each at the HBM floor of ``longqa.bench.decode_floor_s``
+  (the weights once per step, each group's prompt KV once, each sample's own KV) over
+  ``DECODE_FRACTION_OF_FLOOR``;
+- old log-probs: when a step has several mini-batches (or epochs), one forward pass over all samples;
+- update: the packed micro-batches' training FLOPs (``longqa.bench.group_flops`` on the packs
+  ``plan_packs`` makes, plus a third of the forward for each recomputed layer) at ``UPDATE_MFU``. A
+  sharded micro-batch also moves its weights and gradients: FSDP2 all-gathers bf16 weights for the forward
+  and again for the backward and reduce-scatters fp32 gradients (8 bytes a parameter over the GPUs'
+  link), and with ``actor.cpu_offload`` copies the shards in twice and the gradients out once over PCIe,
+  where offloaded activations (``model.activation_offload``) go out and come back too. Those transfers
+  overlap the compute, so a micro-batch takes the longest of compute, link and either PCIe direction;
+- optimizer steps: on the GPU at the measured AdamW time per parameter; offloaded, torch's AdamW on
+  the host at a measured time per parameter and core, over the cores a rank has;
+- weight refresh: the rollout engine's own copy gathered over the link once per step (after the
+  shards came to the GPU over PCIe, when offloaded); nothing when one process shares its model.
+
+The efficiency factors are this repository's measurements (benchmarks/RESULTS.md, one H200); the link
+bandwidths are assumptions, not yet measured here. Reward scoring (milliseconds) and validation are left
+out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from longqa.bench import H200_BF16_PEAK, decode_floor_s, group_flops
+from longqa.distributed.planner import (DTYPE_BYTES, MemoryPlan, ModelSizes, offloads, recomputed_fraction,
+                                       saved_activation_widths)
+
+# Fast engine, 16 groups x 8, Qwen3-1.7B, 8,192-token prompts, 1,024 new tokens: 79.5% (8cd9084), 80.0% and
+# 79.5% (a7e656b) and 73.7% (4317a29) of the HBM floor.
+DECODE_FRACTION_OF_FLOOR = 0.77
+# Two 8,192-token prompts prefilled in 0.124 s at Qwen3-1.7B (8cd9084): 50% of the bf16 peak.
+PREFILL_MFU = 0.50
+# The packed Qwen3-8B group, 16,384 + 8 x 2,048 tokens, nothing recomputed: 50.1% (cc8cfbd) and 48.9% (4a14c8a).
+# Recomputation is extra work at the same rate: 36 / 18 / 9 layers recomputed measured 37.5 / 42.4 / 45.3%
+# (1cc1aea), where this rate predicts 36.8 / 42.0 / 45.2%.
+UPDATE_MFU = 0.49
+# AdamW and clipping of Qwen3-1.7B's 1.72B parameters in 0.05 s on one H200 (b2faf3d).
+GPU_ADAM_S_PER_PARAM = 0.05 / 1.72e9
+# torch's AdamW (betas, no weight decay) on host tensors, seconds per parameter on one core, by bytes per
+# parameter: 3.9 ns in bf16 and 8.1 ns in fp32 (torch 2.13, AMD EPYC, best of 4 steps over 64M parameters).
+# DeepSpeed's vectorised CPU Adam is counted at the fp32 figure, an upper bound until it is measured
+# (benchmarks/optimizer_step.py times both on a GPU host).
+HOST_ADAM_CORE_S_PER_PARAM = {2: 3.9e-9, 4: 8.1e-9}
+HOST_CORES_PER_GPU = 16  # the measurement machines: 16 cores with one H200, 32 with two
+PCIE_BYTES_PER_S = 55e9  # pinned copies each way on the H200 host (RESULTS.md, packed training)
+NVLINK_BYTES_PER_S = 300e9  # assumed: NCCL all-gather bus bandwidth between the H200s of one node
+NETWORK_BYTES_PER_S = 45e9  # assumed: one 400 Gb/s network link per GPU between nodes
+
+
+@dataclass
+class StepTime:
+    """Seconds of one GRPO step on one rank, by phase."""
+
+    prefill: float
+    decode: float
+    old_logprobs: float
+    update: float
+    optimizer: float
+    refresh: float
+    micro_batches: int  # per rank, per pass over the step's samples
+    optimizer_steps: int
+
+    @property
+    def total(self) -> float:
+        return self.prefill + self.decode + self.old_logprobs + self.update + self.optimizer + self.refresh
+
+    def table(self) -> str:
+        rows = [("rollout: prefill", self.prefill), ("rollout: decode", self.decode),
+                ("old log-probs (forward)", self.old_logprobs),
+                (f"update ({self.micro_batches} micro-batches)", self.update),
+                (f"optimizer ({self.optimizer_steps} step{'s' if self.optimizer_steps > 1 else ''})", self.optimizer),
+                ("weight refresh (engine's copy)", self.refresh), ("step", self.total)]
+        return "\n".join(f"  {name:<40} {value:8.1f} s" for name, value in rows)
+
+
+def micro_batch_flops(config, prompt_length: int, response_lengths: list[int], groups: int, budget: int) -> list[float]:
+    """Forward+backward FLOPs of each micro-batch the actor packs ``groups`` groups into (``plan_packs``:
+    a group over the budget is cut into packs that each carry the prompt)."""
+    from longqa.model.packing import plan_packs
+
+    n = len(response_lengths)
+    prompts = [range(prompt_length)] * (groups * n)
+    responses = [range(length) for _ in range(groups) for length in response_lengths]
+    members = [list(range(g * n, (g + 1) * n)) for g in range(groups)]
+    return [sum(group_flops(config, prompt_length, pack.response_lengths, True).flops for pack in micro)
+            for micro in plan_packs(prompts, responses, members, budget)]
+
+
+def plan_step_time(sizes: ModelSizes, plan: MemoryPlan, *, gpus_per_node: int, prompt_length: int,
+                   response_length: int, n: int, batch_size: int, mini_batch_size: int, epochs: int,
+                   micro_batch_tokens: int, recomputed: float, cpu_offload: bool, strategy: str = "fsdp2",
+                   param_bytes: int = 2, activation_offload: float = 0.0) -> StepTime:
+    """One rank's seconds per phase of a GRPO step under ``plan`` (the module docstring says how)."""
+    config, world, params = sizes.config, plan.world_size, sizes.params
+    groups = max(1, batch_size // world)
+    peak = H200_BF16_PEAK
+    prefill = groups * group_flops(config, prompt_length, [], True).flops / 3 / (peak * PREFILL_MFU)
+    floor = decode_floor_s(config, prompt_length, response_length, n=n, groups=groups,
+                           in_flight=min(groups, plan.kv_groups), dtype_bytes=param_bytes)
+    decode = floor / DECODE_FRACTION_OF_FLOOR
+
+    link = NVLINK_BYTES_PER_S if world <= gpus_per_node else NETWORK_BYTES_PER_S
+    shard = param_bytes * params / world if cpu_offload else 0.0
+    activations = (round(activation_offload * sizes.layers) * 2 * micro_batch_tokens
+                   * sum(saved_activation_widths(sizes)))
+    minis = [min(mini_batch_size, groups - start) for start in range(0, groups, mini_batch_size)]  # the rank's own
+    flops = [f for size in minis for f in micro_batch_flops(config, prompt_length, [response_length] * n, size,
+                                                             micro_batch_tokens)]
+
+    def pass_time(work: float, to_gpu: float, from_gpu: float, link_bytes: int) -> float:
+        """One pass over the micro-batches: ``work`` times their training FLOPs, against the bytes each moves over
+        PCIe each way and ``link_bytes`` per parameter over the link (sharded), whichever takes longest."""
+        pcie = max(to_gpu, from_gpu) / PCIE_BYTES_PER_S
+        comm = link_bytes * params / link if world > 1 else 0.0
+        return sum(max(work * f / (peak * UPDATE_MFU), pcie, comm) for f in flops)
+
+    # a forward: the shards in once, one gather of bf16 weights
+    old = pass_time(1 / 3, shard, 0.0, 2) if epochs > 1 or len(minis) > 1 else 0.0
+    # forward and backward: the shards in twice and the gradients out, two gathers and a scatter
+    update = epochs * pass_time(1 + recomputed / 3, 2 * shard + activations, shard + activations, 8)
+    steps = epochs * len(minis)
+    if cpu_offload:
+        per_param = HOST_ADAM_CORE_S_PER_PARAM[4 if strategy == "deepspeed" else param_bytes] / HOST_CORES_PER_GPU
+    else:
+        per_param = GPU_ADAM_S_PER_PARAM
+    optimizer = steps * per_param * params / world
+    refresh = 0.0
+    if plan.rollout_weights:
+        refresh = (param_bytes * params / link if world > 1 else 0.0) + shard / PCIE_BYTES_PER_S
+    return StepTime(prefill=prefill, decode=decode, old_logprobs=old, update=update, optimizer=optimizer,
+                    refresh=refresh, micro_batches=len(flops), optimizer_steps=steps)
+
+
+def step_time_config(cfg, sizes: ModelSizes, plan: MemoryPlan, gpus_per_node: int,
+                     response_length: int | None = None) -> StepTime:
+    """The step time of a longqa config under its memory plan; ``response_length``: the mean response
+    length to plan for (default ``data.max_response_length``, every response at the limit)."""
+    return plan_step_time(sizes, plan, gpus_per_node=gpus_per_node, prompt_length=cfg.data.max_prompt_length,
+                          response_length=response_length or cfg.data.max_response_length, n=cfg.rollout.n,
+                          batch_size=cfg.data.train_batch_size, mini_batch_size=cfg.actor.ppo_mini_batch_size,
+                          epochs=cfg.actor.ppo_epochs, micro_batch_tokens=cfg.actor.max_tokens_per_micro_batch,
+                          recomputed=recomputed_fraction(cfg), cpu_offload=offloads(cfg)[0],
+                          strategy=cfg.actor.strategy, param_bytes=DTYPE_BYTES[cfg.model.dtype],
+                          activation_offload=cfg.model.activation_offload)
