@@ -470,3 +470,53 @@ def test_the_engine_refresh_gathers_a_layer_at_a_time(tmp_path):
             assert torch.equal(tensor, one_by_one[name]), name
         assert result["unshards"] == saved["layers"]
         assert result["still_sharded"]
+
+
+def reorder_groups(samples: Samples, order: list[int]) -> Samples:
+    rows = [g * N + j for g in order for j in range(N)]
+    return Samples([samples.prompt_ids[i] for i in rows], [samples.response_ids[i] for i in rows],
+                   samples.advantages[rows], N)
+
+
+def _minis_worker(rank, world, port, out):
+    import os
+
+    import torch.distributed as dist
+
+    from longqa.distributed.fsdp import full_state_dict
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        cfg = config("true", "token-mean", 40)
+        cfg.actor.ppo_mini_batch_size = GROUPS // 2
+        actor = Actor(tiny_lm(), cfg, 1, torch.device("cpu"))
+        steps = []
+        apply = actor.apply_gradients
+        actor.apply_gradients = lambda: (steps.append(1), apply())[1]
+        actor.update(rank_share(global_samples(), rank, world))
+        state = {k.removeprefix("model."): v for k, v in full_state_dict(actor.scorer).items()}
+        if rank == 0:
+            torch.save({"state": state, "steps": len(steps)}, out)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_mini_batch_counts_groups_over_all_ranks(tmp_path):
+    """``actor.ppo_mini_batch_size`` is global, as in verl: with 4 groups on 2 ranks and mini-batches of 2
+    there are 2 optimizer steps, each over one group of each rank, the same update as one process taking
+    those groups in that order."""
+    cfg = config("true", "token-mean", 40)
+    cfg.actor.ppo_mini_batch_size = GROUPS // 2
+    model = tiny_lm()
+    reference = Actor(model, cfg, 1, torch.device("cpu"))
+    reference.update(reorder_groups(global_samples(), [0, 2, 1, 3]))  # rank 0 owns groups 0-1, rank 1 groups 2-3
+    out = tmp_path / "rank0.pt"
+    mp.spawn(_minis_worker, args=(2, free_port(), str(out)), nprocs=2)
+    result = torch.load(out)
+    assert result["steps"] == 2
+    for name, value in model.state_dict().items():
+        gap = (result["state"][name] - value).abs().max().item()
+        assert gap <= 1e-7, (name, gap)

@@ -74,7 +74,7 @@ def test_cli_prints_host_memory_and_step_time_beside_the_gpu_table(capsys):
     assert "per rank, loading: the whole model             15.3 GiB" in out  # 8.19B parameters in bf16
     assert "rollout engine (weights, KV on the GPU)         0.0 GiB" in out
     assert "step time per GRPO step (256 prompts x 8, responses of 800 tokens" in out
-    for phase in ("rollout: prefill", "rollout: decode", "old log-probs (forward)", "update (", "optimizer (2 steps)",
+    for phase in ("rollout: prefill", "rollout: decode", "old log-probs (forward)", "update (", "optimizer (4 steps)",
                   "weight refresh (engine's copy)", "step  "):
         assert f"\n  {phase}" in out
     assert main(["plan", "configs/loongrl-qwen3-32b.yaml", "--gpus", "32", "--shape", "qwen3-32b"]) == 0

@@ -140,7 +140,7 @@ class ActorConfig:
     warmup_ratio: float = opt(0.05, "fraction of steps spent warming the learning rate up", *unit_closed)
     lr_schedule: Literal["constant", "cosine"] = opt("constant", "learning rate after warmup")
     min_lr_ratio: float = opt(0.0, "cosine: final learning rate as a fraction of lr", *unit_closed)
-    ppo_mini_batch_size: int = opt(64, "prompts per optimizer step", *positive)
+    ppo_mini_batch_size: int = opt(64, "prompts per optimizer step, over all ranks (each rank takes its share)", *positive)
     ppo_epochs: int = opt(1, "passes over each step's samples", *positive)
     max_tokens_per_micro_batch: int = opt(16384, "token budget of one forward/backward (packed tokens when "
                                           "shared_prompt)", *positive)

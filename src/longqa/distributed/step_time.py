@@ -111,7 +111,8 @@ def plan_step_time(sizes: ModelSizes, plan: MemoryPlan, *, gpus_per_node: int, p
     shard = param_bytes * params / world if cpu_offload else 0.0
     activations = (round(activation_offload * sizes.layers) * 2 * micro_batch_tokens
                    * sum(saved_activation_widths(sizes)))
-    minis = [min(mini_batch_size, groups - start) for start in range(0, groups, mini_batch_size)]  # the rank's own
+    own = max(1, mini_batch_size // world)  # the rank's share of each mini-batch
+    minis = [min(own, groups - start) for start in range(0, groups, own)]
     flops = [f for size in minis for f in micro_batch_flops(config, prompt_length, [response_length] * n, size,
                                                              micro_batch_tokens)]
 

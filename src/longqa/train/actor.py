@@ -208,10 +208,13 @@ class Actor:
         return out
 
     def update(self, samples: Samples) -> dict:
-        """PPO-clip updates over mini-batches of whole groups; returns averaged metrics."""
+        """PPO-clip updates over mini-batches of whole groups; returns averaged metrics.
+
+        ``actor.ppo_mini_batch_size`` counts groups over all ranks, as verl's does: each rank's mini-batch
+        is its share, so every optimizer step covers that many groups whatever the number of ranks."""
         cfg = self.cfg
         groups = len(samples) // samples.group_size
-        per_mini = cfg.actor.ppo_mini_batch_size
+        per_mini = cfg.actor.ppo_mini_batch_size // world_size()
         minis = [list(range(g * samples.group_size, min(groups, g + per_mini) * samples.group_size))
                  for g in range(0, groups, per_mini)]
         on_policy = cfg.actor.ppo_epochs == 1 and len(minis) == 1
