@@ -520,3 +520,27 @@ def test_a_mini_batch_counts_groups_over_all_ranks(tmp_path):
     for name, value in model.state_dict().items():
         gap = (result["state"][name] - value).abs().max().item()
         assert gap <= 1e-7, (name, gap)
+
+
+@pytest.mark.slow
+def test_one_process_offloads_its_training_state_and_resumes_like_the_plain_run(run_inputs, tmp_path):
+    """``actor.cpu_offload=true`` in a single process shards the model in a process group of its own (the
+    shards, gradients and AdamW step in host memory; the engine keeps its own copy), then trains, saves and
+    resumes as the plain run does."""
+    from longqa.config import load_config
+    from longqa.distributed.env import leave_group
+    from longqa.train.trainer import Trainer
+
+    trainer = Trainer(load_config(None, run_args(run_inputs, tmp_path / "inspect", **{"actor.cpu_offload": "true"})))
+    try:
+        assert type(next(trainer.actor.scorer.parameters())).__name__ == "DTensor"
+        assert trainer.engine.model is not trainer.model
+    finally:
+        leave_group()
+    plain = launch(run_inputs, tmp_path / "plain", 1, **{"trainer.max_steps": 3})
+    out = tmp_path / "offload"
+    launch(run_inputs, out, 1, **{"actor.cpu_offload": "true", "trainer.save_freq": 1})
+    resumed = launch(run_inputs, out, 1, **{"actor.cpu_offload": "true", "trainer.max_steps": 3})
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3]
+    for a, b in zip(plain, resumed):
+        assert_same_records(a, b)

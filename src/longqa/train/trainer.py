@@ -149,7 +149,10 @@ class Trainer:
         check_vllm(cfg, self.device)
         check_deepspeed(cfg, self.device)
         check_layer_memory(cfg, self.device)
-        self.owns_group = self.env.init(self.device, alone=deepspeed)
+        # One process still shards in a group of its own when something must leave the device: ZeRO-3
+        # partitions even one rank's weights, and FSDP2's CPU offload moves the shards to host memory.
+        sharded_alone = deepspeed or cfg.actor.cpu_offload
+        self.owns_group = self.env.init(self.device, alone=sharded_alone)
         seed = cfg.trainer.seed
         random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
         m = cfg.model
@@ -168,13 +171,12 @@ class Trainer:
         self.total_steps = min(total, cfg.trainer.max_steps or total)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         r = cfg.rollout
-        # Built before the actor shards the model: under data parallelism (or ZeRO-3, which partitions even one
-        # rank's weights) the fast engine keeps an unsharded copy, and vLLM loads the unsharded weights (later
-        # syncs gather them one tensor at a time).
+        # Built before the actor shards the model: under data parallelism (or a group of one, above) the fast
+        # engine keeps an unsharded copy, and vLLM loads the unsharded weights (later syncs gather them).
         logprobs_mode = logprobs_mode_for(r.temperature, r.top_k, r.top_p)
         if r.engine == "fast":
             self.engine = FastRolloutEngine(self.model, self.tokenizer, kv_cache_bytes=r.kv_cache_bytes,
-                                            cuda_graphs=r.cuda_graphs, own_copy=self.env.distributed or deepspeed,
+                                            cuda_graphs=r.cuda_graphs, own_copy=self.env.distributed or sharded_alone,
                                             speculative=None if r.speculative == "off" else r.speculative,
                                             num_speculative_tokens=r.num_speculative_tokens,
                                             prompt_lookup_min=r.prompt_lookup_min,
