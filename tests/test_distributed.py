@@ -544,3 +544,12 @@ def test_one_process_offloads_its_training_state_and_resumes_like_the_plain_run(
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]
     for a, b in zip(plain, resumed):
         assert_same_records(a, b)
+
+
+def test_offloaded_shards_need_an_engine_with_its_own_weights():
+    from longqa.config import ConfigError
+    from longqa.train.trainer import check_offload
+
+    with pytest.raises(ConfigError, match="actor.cpu_offload=true needs rollout.engine=fast or vllm"):
+        check_offload(load_config(None, ["actor.cpu_offload=true", "rollout.engine=hf"]))
+    check_offload(load_config(None, ["actor.cpu_offload=true"]))  # the fast engine keeps a copy

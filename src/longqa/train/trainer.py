@@ -100,6 +100,13 @@ def check_speculative(cfg: Config) -> None:
                           f"rollout.prompt_lookup_max={r.prompt_lookup_max}")
 
 
+def check_offload(cfg: Config) -> None:
+    """Offloaded shards need an engine with weights of its own."""
+    if cfg.actor.cpu_offload and cfg.rollout.engine == "hf":
+        raise ConfigError("actor.cpu_offload=true needs rollout.engine=fast or vllm: the hf engine generates with the "
+                          "training model itself, whose weights are then shards in host memory")
+
+
 def check_layer_memory(cfg: Config, device: torch.device) -> None:
     """Offloaded and recomputed layers are disjoint, and offloading needs a device apart from the host."""
     m = cfg.model
@@ -149,6 +156,7 @@ class Trainer:
         check_vllm(cfg, self.device)
         check_deepspeed(cfg, self.device)
         check_layer_memory(cfg, self.device)
+        check_offload(cfg)
         # One process still shards in a group of its own when something must leave the device: ZeRO-3
         # partitions even one rank's weights, and FSDP2's CPU offload moves the shards to host memory.
         sharded_alone = deepspeed or cfg.actor.cpu_offload
