@@ -528,3 +528,19 @@ def test_budget_batches_count_padded_tokens():
 
     assert budget_batches([5, 3, 9, 2], [0, 1, 2, 3], 12) == [[0, 1], [2], [3]]
     assert budget_batches([20, 1], [1, 0], 4) == [[1], [0]]  # an over-budget sample goes alone
+
+
+def test_training_half_precision_weights_warns_where_updates_round_away():
+    """An AdamW update is about the learning rate: bf16 weights (8 significant bits) lose it above 256 times
+    that, which at the recipe's 1e-6 is most weights. The warning says so and names the ways out."""
+    import torch
+
+    from longqa.config import load_config
+    from longqa.train.trainer import rounding_warning
+
+    message = rounding_warning(load_config(None, ["model.dtype=bfloat16", "actor.lr=1e-6"]))
+    assert "rounded away on any weight above 0.00026" in message and "model.dtype=float32" in message
+    weight = torch.tensor(0.001, dtype=torch.bfloat16)  # above 0.00026: the update is lost
+    assert weight + torch.tensor(1e-6, dtype=torch.bfloat16) == weight
+    assert rounding_warning(load_config(None, ["model.dtype=float32"])) is None
+    assert rounding_warning(load_config(None, ["model.dtype=bfloat16", "actor.strategy=deepspeed"])) is None
