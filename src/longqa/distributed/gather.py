@@ -41,9 +41,9 @@ def full_parameters(model) -> Iterator[tuple[str, torch.Tensor]]:
         inside = [prefix for prefix in sharded if prefix == "" or name.startswith(prefix + ".")]
         return max(inside, key=len) if inside else None
 
-    names = [name for name, _ in model.named_parameters()]
+    params = dict(model.named_parameters())  # the parameters no FSDP2 module here swaps when it unshards
     by_owner: dict[str | None, list[str]] = {}
-    for name in names:
+    for name in params:
         by_owner.setdefault(owner(name), []).append(name)
     for prefix in sharded:
         own = by_owner.get(prefix, [])
@@ -52,11 +52,10 @@ def full_parameters(model) -> Iterator[tuple[str, torch.Tensor]]:
         module = modules[prefix]
         module.unshard()  # its own parameters only (not nested FSDP2 modules'), as one all-gather
         try:
-            params = dict(module.named_parameters(prefix=prefix))
+            whole = dict(module.named_parameters(prefix=prefix))
             for name in own:
-                yield name, params[name].detach()
+                yield name, whole[name].detach()
         finally:
             module.reshard()
-    params = dict(model.named_parameters())
     for name in by_owner.get(None, []):
         yield name, full_tensor(params[name])
