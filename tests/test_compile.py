@@ -89,11 +89,25 @@ def test_after_compiling_every_length_bucket_no_update_compiles_again(backend, d
     actor = Actor(model, cfg, 4, torch.device("cuda"))
     assert actor.compile_length_buckets() == LENGTH_BUCKETS
     g = torch.Generator().manual_seed(0)
-    before = compiled_graphs()
+    before, seen = compiled_graphs(), guard_failure_counts()
     for _ in range(4):
-        groups = [samples(int(torch.randint(20, 1000, (1,), generator=g)),
-                          torch.randint(1, 300, (3,), generator=g).tolist(), int(torch.randint(0, 99, (1,))))
-                  for _ in range(2)]
+        groups = [samples(int(torch.randint(20, 1000, (1,), generator=g)), torch.randint(1, 300, (3,), generator=g).tolist(),
+                          int(torch.randint(0, 99, (1,), generator=g))) for _ in range(2)]
         actor.update(Samples([p for s in groups for p in s.prompt_ids], [r for s in groups for r in s.response_ids],
                              torch.randn(6, generator=g), 3))
-    assert compiled_graphs() == before
+    assert compiled_graphs() == before, recompile_reasons(seen)
+
+
+def guard_failure_counts() -> dict:
+    """How many failed guards (recompilations) Dynamo has recorded per compiled function."""
+    from torch._dynamo.utils import guard_failures
+
+    return {code: len(reasons) for code, reasons in list(guard_failures.items())}
+
+
+def recompile_reasons(seen: dict) -> list[str]:
+    """Why Dynamo recompiled since ``seen`` (from :func:`guard_failure_counts`): the failing test says."""
+    from torch._dynamo.utils import guard_failures
+
+    return [f"{code.co_name}: {reason}" for code, reasons in list(guard_failures.items())
+            for reason in reasons[seen.get(code, 0):]]

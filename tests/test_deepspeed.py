@@ -179,6 +179,29 @@ def test_cpu_adam_on_the_offloaded_optimizer_takes_the_single_process_step(refer
 
 
 @needs_deepspeed
+def test_a_cpu_run_on_a_host_with_a_gpu_keeps_deepspeed_on_the_cpu(reference_step):
+    """DeepSpeed chooses its accelerator from the host: on a host with a GPU it moved a CPU run's model to cuda:0
+    and gave rank r GPU r (an invalid device past the GPU count). Here the host's choice is CUDA's, as on such a
+    host, and a one-rank ZeRO-3 run on the CPU still takes the single-process step there."""
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+    from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
+
+    host_choice = get_accelerator()
+    set_accelerator(CUDA_Accelerator())
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        actor = make_actor("deepspeed")
+        got = one_step(actor, global_samples())
+        assert get_accelerator().device_name() == "cpu"
+        assert {p.device.type for p in actor.model.parameters()} == {"cpu"}
+        assert_the_single_process_step(reference_step, got)
+    finally:
+        dist.destroy_process_group()
+        set_accelerator(host_choice)
+
+
+@needs_deepspeed
 @pytest.mark.slow
 def test_zero3_with_torch_s_adamw_compiles_no_op(two_rank_steps):
     """Neither CPU Adam, nor the shared-memory all-reduce that DeepSpeed's CPU accelerator builds for inference:

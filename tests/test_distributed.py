@@ -553,3 +553,20 @@ def test_offloaded_shards_need_an_engine_with_its_own_weights():
     with pytest.raises(ConfigError, match="actor.cpu_offload=true needs rollout.engine=fast or vllm"):
         check_offload(load_config(None, ["actor.cpu_offload=true", "rollout.engine=hf"]))
     check_offload(load_config(None, ["actor.cpu_offload=true"]))  # the fast engine keeps a copy
+
+
+@pytest.mark.parametrize("device,local_rank,gpu", [("cuda", 1, 1), ("cuda:0", 1, 0)])
+def test_a_group_on_a_bare_cuda_device_joins_on_the_local_rank_s_gpu(monkeypatch, device, local_rank, gpu):
+    """`--device cuda` names no GPU, and torch.cuda.set_device refuses such a device: every one-process sharded
+    run on a GPU (FSDP2 offload, DeepSpeed) stopped there. A bare "cuda" is the process's own GPU, its local
+    rank's; an explicit index stays."""
+    import torch.distributed as dist
+
+    from longqa.distributed.env import DistEnv
+
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kwargs: chosen.append(backend))
+    assert DistEnv(0, 1, local_rank).init(torch.device(device), alone=True)
+    assert chosen == [gpu, "nccl"]

@@ -183,6 +183,23 @@ def skip_inference_comm_op() -> None:
         deepspeed.ops.__compatible_ops__[builder.NAME] = False
 
 
+def use_accelerator(device: torch.device) -> None:
+    """Make DeepSpeed's accelerator the training device's. DeepSpeed picks one from what the host has, so a CPU
+    run on a host with a GPU would have its engine move the model to cuda:0 and give rank r GPU r (an invalid
+    device where there are fewer GPUs than ranks)."""
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+
+    if get_accelerator().device_name() == device.type:
+        return
+    if device.type == "cpu":
+        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator as Accelerator
+    elif device.type == "cuda":
+        from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator as Accelerator
+    else:
+        raise ConfigError(f"actor.strategy=deepspeed trains on a CPU or a CUDA GPU, not on {device.type}")
+    set_accelerator(Accelerator())
+
+
 def wrap(scorer: torch.nn.Module, cfg: Config, device: torch.device):
     """``(engine, optimizer)``: ``scorer`` inside a ZeRO-3 engine over the default process group, and the
     optimizer the engine steps (the one a learning-rate schedule is attached to).
@@ -204,6 +221,7 @@ def wrap(scorer: torch.nn.Module, cfg: Config, device: torch.device):
     for layer in scorer.model.base_model.layers:
         deepspeed.utils.set_z3_leaf_module(layer, True)
     skip_inference_comm_op()
+    use_accelerator(device)
     engine, _, _, _ = deepspeed.initialize(model=scorer, optimizer=optimizer, config=config)
     head = scorer.model.get_output_embeddings()
     deepspeed.zero.register_external_parameter(scorer, head.weight)

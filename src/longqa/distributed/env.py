@@ -39,8 +39,8 @@ class DistEnv:
         ``alone`` asks for a group of one (DeepSpeed needs a group even then). True when this call created
         the group (Ray Train makes its own): the caller then ``leave_group``s."""
         if (self.distributed or alone) and not dist.is_initialized():
-            if device.type == "cuda":
-                torch.cuda.set_device(device)
+            if device.type == "cuda":  # a bare "cuda" names no GPU: this process's own, by its local rank
+                torch.cuda.set_device(self.local_rank if device.index is None else device.index)
             backend = "nccl" if device.type == "cuda" else "gloo"
             if self.distributed:
                 dist.init_process_group(backend, rank=self.rank, world_size=self.world_size)
