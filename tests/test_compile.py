@@ -91,7 +91,8 @@ def test_after_compiling_every_length_bucket_no_update_compiles_again(backend, d
     g = torch.Generator().manual_seed(0)
     before, seen = compiled_graphs(), guard_failure_counts()
     for _ in range(4):
-        groups = [samples(int(torch.randint(20, 1000, (1,), generator=g)), torch.randint(1, 300, (3,), generator=g).tolist(),
+        groups = [samples(int(torch.randint(20, 1000, (1,), generator=g)),
+                          torch.randint(1, 300, (3,), generator=g).tolist(),
                           int(torch.randint(0, 99, (1,), generator=g))) for _ in range(2)]
         actor.update(Samples([p for s in groups for p in s.prompt_ids], [r for s in groups for r in s.response_ids],
                              torch.randn(6, generator=g), 3))
