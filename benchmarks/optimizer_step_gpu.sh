@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# An offloaded optimizer on one GPU, FSDP2 against DeepSpeed ZeRO-3 (sized for about 4 minutes on an H200 host
-# with 16 cores). First the host-side optimizer step alone, for a Qwen3-8B shape: torch's AdamW on the host under
-# FSDP2's offload against DeepSpeed's CPU Adam under ZeRO-3's, time per step and host memory, one process each
-# (benchmarks/optimizer_step.py). Then whole GRPO steps (`longqa bench step`) with each backend on the same work.
+# An offloaded optimizer on one GPU, FSDP2 against DeepSpeed ZeRO-3 (about 3 minutes for the optimizer benchmark
+# on an H200 host with 16 cores, then up to STEP_LIMIT seconds per whole-step run). First the host-side optimizer
+# step alone, for a Qwen3-8B shape: torch's AdamW on the host under FSDP2's offload against DeepSpeed's CPU Adam
+# under ZeRO-3's, time per step and host memory, one process each (benchmarks/optimizer_step.py). Then whole GRPO
+# steps (`longqa bench step`) with each backend on the same work.
 #
 # Usage, from the repository root:
 #   bash benchmarks/optimizer_step_gpu.sh [OUTPUT_DIR]            (default /tmp/longqa-optimizer-step)
@@ -18,6 +19,8 @@
 #   SHAPE      the optimizer benchmark's shape (qwen3-8b); STEP_SHAPE the whole steps' model (qwen3-1.7b)
 #   STEP_RUNS  the whole steps' backends, of fsdp2-offload, deepspeed-offload, deepspeed (ZeRO-3, optimizer on
 #              the GPU) and unsharded (the bf16 default) (default "fsdp2-offload deepspeed-offload")
+#   STEP_LIMIT seconds each whole-step run may take (default 300; one H200 host needed more than 120 s for the
+#              fsdp2-offload run's model set-up, engine graphs and two steps)
 #   DEVICE     cuda; cpu with SHAPE=qwen3-tiny STEP_SHAPE=qwen3-tiny checks the harness without a GPU
 #   PYTHON     the interpreter (python3)
 # Each phase runs under a time limit, so that a slower host ends the run with what it measured.
@@ -27,6 +30,7 @@ shape=${SHAPE:-qwen3-8b}
 layers=${LAYERS:-8}
 step_shape=${STEP_SHAPE:-qwen3-1.7b}
 step_runs=${STEP_RUNS:-fsdp2-offload deepspeed-offload}
+step_limit=${STEP_LIMIT:-300}
 device=${DEVICE:-cuda}
 python=${PYTHON:-python3}
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -106,7 +110,7 @@ for run in $step_runs; do
         unsharded) flags=() ;;
         *) fail "STEP_RUNS: unknown run '$run' (fsdp2-offload, deepspeed-offload, deepspeed or unsharded)" ;;
     esac
-    phase "step-$run" 120 "$python" -m longqa.cli bench step --shape "$step_shape" "${work[@]}" --steps 2 \
+    phase "step-$run" "$step_limit" "$python" -m longqa.cli bench step --shape "$step_shape" "${work[@]}" --steps 2 \
         --device "$device" "${flags[@]}"
 done
 echo "results in $results"
