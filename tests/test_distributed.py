@@ -112,6 +112,63 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+
+def _masters_worker(rank, world, port, out, master_weights):
+    """The GPU setting on the CPU, with the model loaded in bf16 as the recipe loads it: the engine's copy made
+    first (as the trainer makes it), then the actor's shards, one update at lr 1e-6, and the copy refreshed."""
+    import functools
+    import os
+
+    import torch.distributed as dist
+
+    import longqa.train.actor as actor_module
+    from longqa.distributed.fsdp import full_state_dict, shard_model
+    from longqa.rollout.fast import FastRolloutEngine
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        actor_module.shard_model = functools.partial(shard_model, mixed_precision=True)
+        model = tiny_lm().to(torch.bfloat16)
+        engine = FastRolloutEngine(model, own_copy=True)
+        cfg = config("true", "token-mean", 40)
+        cfg.actor.master_weights = master_weights
+        actor = Actor(model, cfg, 1, torch.device("cpu"))
+        shards = {p.dtype for p in actor.scorer.parameters()}
+        before = {k.removeprefix("model."): v.clone() for k, v in full_state_dict(actor.scorer).items()}
+        step(actor, rank_share(global_samples(), rank, world), lambda t: t.full_tensor())
+        after = {k.removeprefix("model."): v for k, v in full_state_dict(actor.scorer).items()}
+        engine.sync_weights()
+        copy = {name: p.detach().clone() for name, p in engine.model.named_parameters()}
+        if rank == 0:
+            torch.save({"shards": shards, "before": before, "after": after, "copy": copy}, out)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("master_weights", ["float32", "model"])
+def test_sharded_bf16_models_step_float32_master_weights(tmp_path, master_weights):
+    """A model loaded in bf16 and sharded with mixed precision (as on GPUs) keeps float32 shards, so the recipe's
+    update of lr 1e-6 moves every weight by about that much; with the loaded bf16 as the shards
+    (actor.master_weights=model) nearly every update rounds away. The engine's copy stays bf16 and takes the
+    masters rounded to bf16."""
+    out = tmp_path / "rank0.pt"
+    mp.spawn(_masters_worker, args=(2, free_port(), str(out), master_weights), nprocs=2)
+    got = torch.load(out)
+    moved = torch.cat([(got["after"][k].float() - got["before"][k].float()).flatten() for k in got["after"]])
+    if master_weights == "float32":
+        assert got["shards"] == {torch.float32}
+        # Adam's first step moves each weight by the lr, give or take float32 rounding at weights up to 1.0
+        assert (moved != 0).float().mean() > 0.95 and moved.abs().max() <= 1.1e-6
+    else:
+        assert got["shards"] == {torch.bfloat16}
+        assert (moved != 0).float().mean() < 0.05
+    assert {p.dtype for p in got["copy"].values()} == {torch.bfloat16}
+    for name, weight in got["copy"].items():
+        assert torch.equal(weight, got["after"][name].to(torch.bfloat16)), name
+
 @pytest.mark.slow
 @pytest.mark.parametrize("shared,mode,offload", [("true", "token-mean", False), ("false", "seq-mean-token-mean", False),
                                                  ("true", "seq-mean-token-sum-norm", True)])

@@ -67,12 +67,14 @@ def test_cli_prints_the_table_and_refuses_with_exit_2(capsys):
 
 
 def test_cli_prints_host_memory_and_step_time_beside_the_gpu_table(capsys):
-    assert main(["plan", "configs/loongrl-qwen3-8b.yaml", "--gpus", "2", "--shape", "qwen3-8b",
-                 "--response-length", "800"]) == 0
+    assert main(["plan", "configs/loongrl-qwen3-8b.yaml", "actor.cpu_offload=true", "--gpus", "2", "--shape",
+                 "qwen3-8b", "--response-length", "800"]) == 0
     out = capsys.readouterr().out
-    assert "on 2 GPU(s) of 141 GiB, 2 per node with 256 GiB of host memory, FSDP2:" in out
+    assert "on 2 GPU(s) of 141 GiB, 2 per node with 256 GiB of host memory, FSDP2, CPU offload" in out
     assert "per rank, loading: the whole model             15.3 GiB" in out  # 8.19B parameters in bf16
     assert "rollout engine (weights, KV on the GPU)         0.0 GiB" in out
+    # float32 master shards, their gradients and moments: 16 bytes a parameter, half of them on each rank
+    assert "per rank, training: offloaded state" in out and "(2 ranks)                           151.1 GiB" in out
     assert "step time per GRPO step (256 prompts x 8, responses of 800 tokens" in out
     for phase in ("rollout: prefill", "rollout: decode", "old log-probs (forward)", "update (", "optimizer (4 steps)",
                   "weight refresh (engine's copy)", "step  "):
@@ -87,7 +89,7 @@ def test_cli_refuses_a_plan_over_the_host_memory(capsys):
     captured = capsys.readouterr()
     assert "node peak (2 ranks)" in captured.out
     assert "GiB of host memory per node but a node has 256.0 GiB" in captured.err and "use more GPUs" in captured.err
-    assert main([*args, "--host-memory-gib", "320"]) == 0
+    assert main([*args, "--host-memory-gib", "576"]) == 0
 
 
 def test_cli_finds_the_largest_shape_two_gpus_can_train(capsys):
@@ -95,9 +97,10 @@ def test_cli_finds_the_largest_shape_two_gpus_can_train(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("the largest Qwen3 shape on 2 GPU(s) of 141 GiB, 2 per node with 256 GiB")
     assert [line.split(":")[0].strip() for line in lines[1:]] == [
-        "qwen3-32b, actor.cpu_offload=false", "qwen3-32b, actor.cpu_offload=true", "qwen3-14b, actor.cpu_offload=false"]
+        "qwen3-32b, actor.cpu_offload=false", "qwen3-32b, actor.cpu_offload=true", "qwen3-14b, actor.cpu_offload=false",
+        "qwen3-14b, actor.cpu_offload=true", "qwen3-8b, actor.cpu_offload=false"]
     assert "GiB per GPU but a GPU has 141.0 GiB" in lines[1] and "GiB of host memory per node" in lines[2]
-    assert re.search(r"fits \(GPU 1\d\d\.\d GiB, host \d+\.\d GiB per node\)$", lines[3])
+    assert re.search(r"fits \(GPU 1\d\d\.\d GiB, host \d+\.\d GiB per node\)$", lines[5])
 
 
 def test_one_process_shares_its_weights_and_the_kv_cache_takes_its_share_of_the_free_memory():

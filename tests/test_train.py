@@ -538,9 +538,15 @@ def test_training_half_precision_weights_warns_where_updates_round_away():
     from longqa.config import load_config
     from longqa.train.trainer import rounding_warning
 
-    message = rounding_warning(load_config(None, ["model.dtype=bfloat16", "actor.lr=1e-6"]))
-    assert "rounded away on any weight above 0.00026" in message and "model.dtype=float32" in message
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    bf16 = ["model.dtype=bfloat16", "actor.lr=1e-6"]
+    for device, sharded in ((cpu, False), (gpu, False), (cpu, True)):  # the bf16 weights themselves are stepped
+        message = rounding_warning(load_config(None, bf16), device, sharded)
+        assert "rounded away on any weight above 0.00026" in message and "model.dtype=float32" in message
     weight = torch.tensor(0.001, dtype=torch.bfloat16)  # above 0.00026: the update is lost
     assert weight + torch.tensor(1e-6, dtype=torch.bfloat16) == weight
-    assert rounding_warning(load_config(None, ["model.dtype=float32"])) is None
-    assert rounding_warning(load_config(None, ["model.dtype=bfloat16", "actor.strategy=deepspeed"])) is None
+    message = rounding_warning(load_config(None, [*bf16, "actor.master_weights=model"]), gpu, True)
+    assert "actor.master_weights=float32" in message
+    assert rounding_warning(load_config(None, bf16), gpu, True) is None  # FSDP2's float32 masters
+    assert rounding_warning(load_config(None, ["model.dtype=float32"]), cpu, False) is None
+    assert rounding_warning(load_config(None, [*bf16, "actor.strategy=deepspeed"]), gpu, False) is None

@@ -149,6 +149,8 @@ def test_the_same_value_under_two_names_and_longqa_repeats_are_fine():
     (["actor_rollout_ref.actor.strategy=fsdp"], "actor.strategy", "fsdp2"),  # verl's FSDP1: longqa's is FSDP2
     (["actor_rollout_ref.actor.strategy=fsdp2"], "actor.strategy", "fsdp2"),
     (["actor_rollout_ref.actor.strategy=deepspeed"], "actor.strategy", "deepspeed"),
+    (["actor_rollout_ref.actor.fsdp_config.model_dtype=fp32"], "actor.master_weights", "float32"),
+    (["actor_rollout_ref.actor.fsdp_config.model_dtype=bf16"], "actor.master_weights", "model"),
 ])
 def test_values_verl_spells_differently(line, key, value):
     section, name = key.split(".")

@@ -86,6 +86,11 @@ RENAMED: dict[str, Renamed] = {
     ACTOR + "strategy": Renamed("actor.strategy", _spelled(
         {"fsdp": "fsdp2", "fsdp2": "fsdp2", "deepspeed": "deepspeed"},
         "longqa shards the actor with FSDP2 (fsdp, fsdp2) or DeepSpeed ZeRO-3 (deepspeed)")),
+    # verl loads the actor in fp32 by default and computes in bf16; longqa loads model.dtype and keeps the shards
+    # the optimizer steps in float32 unless told otherwise.
+    ACTOR + "fsdp_config.model_dtype": Renamed("actor.master_weights", _spelled(
+        {"fp32": "float32", "float32": "float32", "bf16": "model", "bfloat16": "model"},
+        "longqa's FSDP2 shards are float32 (fp32) or model.dtype (bf16)")),
     ACTOR + "ppo_mini_batch_size": Renamed("actor.ppo_mini_batch_size"),
     ACTOR + "ppo_epochs": Renamed("actor.ppo_epochs"),
     # Both are token budgets of one forward/backward; longqa's counts a prompt once for its group (packed).

@@ -2,7 +2,8 @@
 
 Each rank keeps 1/world of every parameter (and of its gradient and optimizer state); a layer's
 full weights exist only while it runs (all-gathered in its forward, and again for the backward).
-On GPUs the forward runs in bf16 with gradients reduced in fp32; ``cpu_offload`` keeps the shards,
+On GPUs the forward runs in bf16 with gradients reduced in fp32 into float32 shards, the optimizer's
+master weights (``actor.master_weights``); ``cpu_offload`` keeps the shards,
 their gradients and the AdamW step on the CPU (the recipe's ZeRO-3 + CPU optimizer offload), pinning
 host memory only when CUDA is there to use it.
 """
@@ -12,9 +13,15 @@ from __future__ import annotations
 import torch
 
 
-def shard_model(root, layers, device: torch.device, cpu_offload: bool = False, mixed_precision: bool | None = None):
+def shard_model(root, layers, device: torch.device, cpu_offload: bool = False, mixed_precision: bool | None = None,
+                master_weights: str = "float32"):
     """Shard each of ``layers`` and then ``root`` (which holds them and the remaining parameters: the
-    embedding, final norm and LM head) in place over the default process group; returns ``root``."""
+    embedding, final norm and LM head) in place over the default process group; returns ``root``.
+
+    Under mixed precision (on GPUs) the shards are the optimizer's master weights: float32 unless
+    ``master_weights="model"`` keeps the loaded dtype. A model loaded in bfloat16 (half the memory to load,
+    and the engine's copy made from it stays bfloat16) is cast a module at a time, just before that module is
+    sharded, so no whole float32 copy of it ever exists on one device."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -32,10 +39,23 @@ def shard_model(root, layers, device: torch.device, cpu_offload: bool = False, m
                                                     cast_forward_inputs=False)
     options["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda") if cpu_offload \
         else OffloadPolicy()
+    masters = torch.float32 if mixed_precision and master_weights == "float32" else None
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    cast([p for p in root.parameters() if id(p) not in in_layers], masters)
     for layer in layers:
+        cast(layer.parameters(), masters)
         fully_shard(layer, **options)
     fully_shard(root, **options)
     return root
+
+
+def cast(parameters, dtype: torch.dtype | None) -> None:
+    """Parameters to ``dtype`` in place (the same Parameter objects: tied weights stay tied); None: as they are."""
+    if dtype is None:
+        return
+    for p in parameters:
+        if p.dtype != dtype:
+            p.data = p.data.to(dtype)
 
 
 def full_state_dict(model) -> dict:

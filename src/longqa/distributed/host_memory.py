@@ -8,7 +8,8 @@ while the model loads, long before the first step. What each rank holds, and whe
   of k ranks holds k full copies at once; for a large model this is the node's peak. The checkpoint files'
   page cache is shared and reclaimable, and not counted;
 - while training, with ``actor.cpu_offload``: the offloaded training state. Under FSDP2
-  (``CPUOffloadPolicy``) every parameter's shard and its gradient are pinned, each its own allocation, and
+  (``CPUOffloadPolicy``) every parameter's shard (float32 master weights unless
+  ``actor.master_weights=model``) and its gradient are pinned, each its own allocation, and
   torch's caching host allocator rounds every pinned allocation up to a power of two
   (``CachingHostAllocator.h``; recent releases can cap that with
   ``PYTORCH_ALLOC_CONF=pinned_max_round_threshold_mb:N``, which this plan does not read); AdamW's two
@@ -31,8 +32,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from longqa.distributed.planner import (DTYPE_BYTES, GIB, ModelSizes, PlanError, offloads, saved_activation_widths,
-                                       training_state)
+from longqa.distributed.planner import (DTYPE_BYTES, GIB, ModelSizes, PlanError, master_bytes, offloads,
+                                       saved_activation_widths, training_state)
 
 HOST_MARGIN_BYTES = 4 * GIB  # per rank: interpreter, libraries, compile workers, NCCL host buffers
 RECIPE_PROMPT_TOKENS = 226_684_298  # the recipe's 13,645 prompts (benchmarks/RESULTS.md, prompt preparation)
@@ -96,13 +97,15 @@ class HostPlan:
 def plan_host_memory(sizes: ModelSizes, *, world_size: int, ranks_per_node: int, host_bytes: int,
                      param_bytes: int, micro_batch_tokens: int, cpu_offload: bool = False,
                      strategy: str = "fsdp2", offload_params: bool = False, activation_offload: float = 0.0,
-                     prompt_tokens: int = RECIPE_PROMPT_TOKENS) -> HostPlan:
+                     prompt_tokens: int = RECIPE_PROMPT_TOKENS, state_bytes: int | None = None) -> HostPlan:
     """Host bytes of a node running ``ranks_per_node`` of the ``world_size`` ranks (the module docstring
-    says what is counted)."""
+    says what is counted); ``param_bytes``: one parameter as loaded, ``state_bytes``: as the optimizer steps
+    it (default ``param_bytes``)."""
+    state_bytes = param_bytes if state_bytes is None else state_bytes
     if cpu_offload and strategy != "deepspeed":
-        state = fsdp2_offloaded_state(sizes, world_size, param_bytes)
+        state = fsdp2_offloaded_state(sizes, world_size, state_bytes)
     else:
-        state = training_state(sizes.params, world_size, strategy, cpu_offload, offload_params, param_bytes)[1]
+        state = training_state(sizes.params, world_size, strategy, cpu_offload, offload_params, state_bytes)[1]
     return HostPlan(ranks=ranks_per_node, host_bytes=host_bytes, loading=param_bytes * sizes.params,
                     offloaded_state=state,
                     offloaded_activations=offloaded_activations(sizes, micro_batch_tokens, activation_offload),
@@ -137,7 +140,7 @@ def plan_host_config(cfg, sizes: ModelSizes, world_size: int, ranks_per_node: in
     """The host plan of a longqa config."""
     cpu_offload, offload_params = offloads(cfg)
     return plan_host_memory(sizes, world_size=world_size, ranks_per_node=ranks_per_node, host_bytes=host_bytes,
-                            param_bytes=DTYPE_BYTES[cfg.model.dtype],
+                            param_bytes=DTYPE_BYTES[cfg.model.dtype], state_bytes=master_bytes(cfg, world_size),
                             micro_batch_tokens=cfg.actor.max_tokens_per_micro_batch, cpu_offload=cpu_offload,
                             strategy=cfg.actor.strategy, offload_params=offload_params,
                             activation_offload=cfg.model.activation_offload)

@@ -4,10 +4,11 @@ A run that dies of out-of-memory after the model loads, the data tokenizes and t
 finishes wastes minutes to hours; the arithmetic to predict it is simple. Per GPU, with the model
 sharded over ``world_size`` ranks (FSDP2, ZeRO-3 style):
 
-- training state: the weights, their gradients and AdamW's two moments, divided by the ranks. Under
-  FSDP2 (and in one process) all four are in ``model.dtype``: FSDP2 keeps the shards and the reduced
-  gradients in the parameters' dtype, and torch's AdamW makes its moments like the parameters, so 8
-  bytes per parameter in bf16 and 16 in fp32. DeepSpeed ZeRO-3 (``actor.strategy=deepspeed``) keeps fp32
+- training state: the weights, their gradients and AdamW's two moments, divided by the ranks. FSDP2 keeps
+  the reduced gradients in the shards' dtype and torch's AdamW makes its moments like the parameters, so
+  all four are in the shards' dtype: float32 master weights when sharded (``actor.master_weights``, 16
+  bytes per parameter), ``model.dtype`` in one process or with ``actor.master_weights=model`` (8 bytes in
+  bf16). DeepSpeed ZeRO-3 (``actor.strategy=deepspeed``) keeps fp32
   master weights, gradients and moments (16 bytes) and a bf16 partition of the weights beside them, 18
   bytes in all, of which the 2 stay on the GPU when the optimizer is offloaded (and leave it too when the
   parameters are). Offloaded (``actor.cpu_offload``), the rest is in host memory (``host_memory.py``);
@@ -108,7 +109,7 @@ class MemoryPlan:
     margin: int = MARGIN_BYTES
     kv_groups: int = 1  # groups the engine's KV cache holds at once
     loading: int = 0  # the load's peak, before the model is sharded
-    param_bytes: int = 4  # bytes of one parameter in model.dtype
+    param_bytes: int = 4  # bytes of one parameter in model.dtype (what loads, and the engine's copy)
 
     @property
     def total(self) -> int:
@@ -141,15 +142,18 @@ def plan_memory(sizes: ModelSizes, *, world_size: int, gpu_bytes: int, micro_bat
                 prompt_length: int, response_length: int, n: int, gradient_checkpointing: float = 1.0,
                 cpu_offload: bool = False, kv_cache_bytes: int | None = None,
                 activation_offload: float = 0.0, strategy: str = "fsdp2", offload_params: bool = False,
-                param_bytes: int = 4, sharded: bool = True, groups_per_rank: int = 1) -> MemoryPlan:
+                param_bytes: int = 4, sharded: bool = True, groups_per_rank: int = 1,
+                state_bytes: int | None = None) -> MemoryPlan:
     """Per-GPU bytes of a plan (see the module docstring for what is counted); ``gradient_checkpointing`` is
     the fraction of decoder layers recomputed (True: all), ``activation_offload`` the fraction whose
     activations wait in host memory (none of theirs stays on the GPU); ``offload_params``: ZeRO-3's
     parameter offload; ``param_bytes``: one parameter in ``model.dtype``; ``sharded``: whether the model is
     sharded (then layers are gathered to compute and the rollout engine keeps its own copy of the weights);
-    ``groups_per_rank``: the prompts a rank samples a step."""
+    ``groups_per_rank``: the prompts a rank samples a step; ``state_bytes``: one parameter of the weights the
+    optimizer steps (default ``param_bytes``)."""
     bf16 = 2
-    state, host = training_state(sizes.params, world_size, strategy, cpu_offload, offload_params, param_bytes)
+    state, host = training_state(sizes.params, world_size, strategy, cpu_offload, offload_params,
+                                 param_bytes if state_bytes is None else state_bytes)
     unsharded = bf16 * (2 * sizes.layer_params + sizes.embedding_params) if sharded else 0
     tokens = micro_batch_tokens
     per_token_layer = bf16 * sum(saved_activation_widths(sizes))
@@ -222,7 +226,16 @@ def plan_config(cfg, sizes: ModelSizes, world_size: int, gpu_bytes: int) -> Memo
                        kv_cache_bytes=cfg.rollout.kv_cache_bytes, activation_offload=cfg.model.activation_offload,
                        strategy=cfg.actor.strategy, offload_params=offload_params,
                        param_bytes=DTYPE_BYTES[cfg.model.dtype], sharded=is_sharded(cfg, world_size),
-                       groups_per_rank=max(1, cfg.data.train_batch_size // world_size))
+                       groups_per_rank=max(1, cfg.data.train_batch_size // world_size),
+                       state_bytes=master_bytes(cfg, world_size))
+
+
+def master_bytes(cfg, world_size: int) -> int:
+    """Bytes of one parameter of the weights the optimizer steps under FSDP2 or in one process: sharded (GPUs
+    compute in bf16), float32 masters unless ``actor.master_weights=model``; otherwise ``model.dtype``."""
+    if is_sharded(cfg, world_size) and cfg.actor.master_weights == "float32":
+        return 4
+    return DTYPE_BYTES[cfg.model.dtype]
 
 
 def is_sharded(cfg, world_size: int) -> bool:

@@ -30,8 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from longqa.bench import H200_BF16_PEAK, decode_floor_s, group_flops
-from longqa.distributed.planner import (DTYPE_BYTES, MemoryPlan, ModelSizes, offloads, recomputed_fraction,
-                                       saved_activation_widths)
+from longqa.distributed.planner import (DTYPE_BYTES, MemoryPlan, ModelSizes, master_bytes, offloads,
+                                       recomputed_fraction, saved_activation_widths)
 
 # Fast engine, 16 groups x 8, Qwen3-1.7B, 8,192-token prompts, 1,024 new tokens: 79.5% (8cd9084), 80.0% and
 # 79.5% (a7e656b) and 73.7% (4317a29) of the HBM floor.
@@ -97,7 +97,8 @@ def micro_batch_flops(config, prompt_length: int, response_lengths: list[int], g
 def plan_step_time(sizes: ModelSizes, plan: MemoryPlan, *, gpus_per_node: int, prompt_length: int,
                    response_length: int, n: int, batch_size: int, mini_batch_size: int, epochs: int,
                    micro_batch_tokens: int, recomputed: float, cpu_offload: bool, strategy: str = "fsdp2",
-                   param_bytes: int = 2, activation_offload: float = 0.0) -> StepTime:
+                   param_bytes: int = 2, activation_offload: float = 0.0,
+                   state_bytes: int | None = None) -> StepTime:
     """One rank's seconds per phase of a GRPO step under ``plan`` (the module docstring says how)."""
     config, world, params = sizes.config, plan.world_size, sizes.params
     groups = max(1, batch_size // world)
@@ -108,7 +109,8 @@ def plan_step_time(sizes: ModelSizes, plan: MemoryPlan, *, gpus_per_node: int, p
     decode = floor / DECODE_FRACTION_OF_FLOOR
 
     link = NVLINK_BYTES_PER_S if world <= gpus_per_node else NETWORK_BYTES_PER_S
-    shard = param_bytes * params / world if cpu_offload else 0.0
+    state_bytes = param_bytes if state_bytes is None else state_bytes  # the stepped weights' (FSDP2's shards)
+    shard = state_bytes * params / world if cpu_offload else 0.0
     activations = (round(activation_offload * sizes.layers) * 2 * micro_batch_tokens
                    * sum(saved_activation_widths(sizes)))
     own = max(1, mini_batch_size // world)  # the rank's share of each mini-batch
@@ -129,7 +131,7 @@ def plan_step_time(sizes: ModelSizes, plan: MemoryPlan, *, gpus_per_node: int, p
     update = epochs * pass_time(1 + recomputed / 3, 2 * shard + activations, shard + activations, 8)
     steps = epochs * len(minis)
     if cpu_offload:
-        per_param = HOST_ADAM_CORE_S_PER_PARAM[4 if strategy == "deepspeed" else param_bytes] / HOST_CORES_PER_GPU
+        per_param = HOST_ADAM_CORE_S_PER_PARAM[4 if strategy == "deepspeed" else state_bytes] / HOST_CORES_PER_GPU
     else:
         per_param = GPU_ADAM_S_PER_PARAM
     optimizer = steps * per_param * params / world
@@ -150,4 +152,5 @@ def step_time_config(cfg, sizes: ModelSizes, plan: MemoryPlan, gpus_per_node: in
                           epochs=cfg.actor.ppo_epochs, micro_batch_tokens=cfg.actor.max_tokens_per_micro_batch,
                           recomputed=recomputed_fraction(cfg), cpu_offload=offloads(cfg)[0],
                           strategy=cfg.actor.strategy, param_bytes=DTYPE_BYTES[cfg.model.dtype],
-                          activation_offload=cfg.model.activation_offload)
+                          activation_offload=cfg.model.activation_offload,
+                          state_bytes=master_bytes(cfg, plan.world_size))

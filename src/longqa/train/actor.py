@@ -116,9 +116,13 @@ class Actor:
         a = cfg.actor
         temperature = cfg.rollout.temperature or 1.0
         self.backend = None
+        # Parameters become shards over several ranks, or in a process group of one to offload them to the CPU
+        # (`longqa train` makes no group for one process otherwise).
+        sharded = world_size() > 1 or (a.cpu_offload and torch.distributed.is_initialized())
         if a.shared_prompt:
-            # Sharded on a GPU, the layers compute in bfloat16 whatever the parameters' dtype (shard_model).
-            compute = torch.bfloat16 if world_size() > 1 and device.type == "cuda" else next(model.parameters()).dtype
+            # Sharded by FSDP2 on a GPU, the layers compute in bfloat16 whatever the shards' dtype (shard_model).
+            compute = torch.bfloat16 if sharded and a.strategy == "fsdp2" and device.type == "cuda" \
+                else next(model.parameters()).dtype
             self.backend = resolve_backend(a.attention_backend, device, use_longqa_attention(model), compute)
         # A frozen copy of the starting weights, only when a KL penalty asks for one (the recipe has none).
         self.reference = None
@@ -130,12 +134,11 @@ class Actor:
             self.engine, self.optimizer = deepspeed.wrap(self.scorer, cfg, device)
             self.scorer = self.engine
         else:
-            # Parameters become shards (the optimizer must be built on them, after): over several ranks, or in a
-            # process group of one to offload them to the CPU (`longqa train` makes no group for one process).
-            if world_size() > 1 or (a.cpu_offload and torch.distributed.is_initialized()):
+            if sharded:  # (the optimizer must be built on the shards, after)
                 for scorer in (self.scorer, self.reference):
-                    if scorer is not None:
-                        shard_model(scorer, scorer.model.base_model.layers, device, a.cpu_offload)
+                    if scorer is not None:  # (the frozen reference takes no step: it keeps the loaded dtype)
+                        shard_model(scorer, scorer.model.base_model.layers, device, a.cpu_offload,
+                                    master_weights=a.master_weights if scorer is self.scorer else "model")
             self.optimizer = torch.optim.AdamW(self.scorer.parameters(), lr=a.lr, betas=tuple(a.betas),
                                                weight_decay=a.weight_decay)
         self.updates_per_step = a.ppo_epochs * math.ceil(cfg.data.train_batch_size / a.ppo_mini_batch_size)

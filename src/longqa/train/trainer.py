@@ -107,17 +107,21 @@ def check_offload(cfg: Config) -> None:
                           "training model itself, whose weights are then shards in host memory")
 
 
-def rounding_warning(cfg: Config) -> str | None:
-    """The weights themselves in bf16/fp16 keep 8 (11) significant bits, so an AdamW update, about the
-    learning rate, is rounded away wherever it is under a 256th (2048th) of the weight; FSDP2 and the single
-    process step the parameters in ``model.dtype`` (DeepSpeed's bf16 mode keeps float32 masters)."""
+def rounding_warning(cfg: Config, device: torch.device, sharded: bool) -> str | None:
+    """The weights the optimizer steps in bf16/fp16 keep 8 (11) significant bits, so an AdamW update, about the
+    learning rate, is rounded away wherever it is under a 256th (2048th) of the weight. One process steps the
+    parameters in ``model.dtype``; FSDP2 sharded on GPUs steps float32 masters unless
+    ``actor.master_weights=model``; DeepSpeed's bf16 mode keeps float32 masters."""
     bits = {"bfloat16": 8, "float16": 11}.get(cfg.model.dtype)
-    if bits is None or cfg.actor.strategy == "deepspeed":
+    masters = sharded and device.type == "cuda" and cfg.actor.master_weights == "float32"
+    if bits is None or cfg.actor.strategy == "deepspeed" or masters:
         return None
+    fix = ("actor.master_weights=float32 keeps float32 master weights" if sharded and device.type == "cuda" else
+           "model.dtype=float32 keeps float32 weights (sharded on GPUs, model.dtype=bfloat16 with float32 master "
+           "weights computes in bfloat16), or actor.strategy=deepspeed keeps float32 master weights")
     return (f"warning: model.dtype={cfg.model.dtype} trains the {cfg.model.dtype} weights themselves: an update of "
             f"about actor.lr={cfg.actor.lr:g} is rounded away on any weight above {cfg.actor.lr * 2 ** bits:.2g}. "
-            f"model.dtype=float32 keeps float32 weights (on several GPUs FSDP2 still computes in bfloat16), "
-            f"or actor.strategy=deepspeed keeps float32 master weights")
+            f"{fix}")
 
 
 def check_layer_memory(cfg: Config, device: torch.device) -> None:
@@ -220,7 +224,7 @@ class Trainer:
             if (count := self.actor.compile_length_buckets()) and self.env.is_main:
                 print(f"compiled the update for {count} packed lengths in {time.perf_counter() - start:.0f} s",
                       flush=True)
-        if (warning := rounding_warning(cfg)) and self.env.is_main:
+        if (warning := rounding_warning(cfg, self.device, self.env.distributed or sharded_alone)) and self.env.is_main:
             print(warning, flush=True)
         self.stops = tuple(stop_token_ids(self.tokenizer))
         # The trainer recomputes the old policy's log-probs itself; vLLM returns exact sample log-probs except
