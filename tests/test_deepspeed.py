@@ -178,27 +178,36 @@ def test_cpu_adam_on_the_offloaded_optimizer_takes_the_single_process_step(refer
     assert_resumed_exactly(results["deepspeed-offload"])
 
 
-@needs_deepspeed
-def test_a_cpu_run_on_a_host_with_a_gpu_keeps_deepspeed_on_the_cpu(reference_step):
-    """DeepSpeed chooses its accelerator from the host: on a host with a GPU it moved a CPU run's model to cuda:0
-    and gave rank r GPU r (an invalid device past the GPU count). Here the host's choice is CUDA's, as on such a
-    host, and a one-rank ZeRO-3 run on the CPU still takes the single-process step there."""
+def _host_with_a_gpu_worker(rank, world, port, out):
+    """One rank of ZeRO-3 on the CPU where DeepSpeed's own choice of accelerator is CUDA's, as on a GPU host."""
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator, set_accelerator
     from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
 
-    host_choice = get_accelerator()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
     set_accelerator(CUDA_Accelerator())
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         actor = make_actor("deepspeed")
         got = one_step(actor, global_samples())
-        assert get_accelerator().device_name() == "cpu"
-        assert {p.device.type for p in actor.model.parameters()} == {"cpu"}
-        assert_the_single_process_step(reference_step, got)
+        got["accelerator"] = get_accelerator().device_name()
+        got["devices"] = {p.device.type for p in actor.model.parameters()}
+        torch.save(got, out)
     finally:
         dist.destroy_process_group()
-        set_accelerator(host_choice)
+
+
+@needs_deepspeed
+@pytest.mark.slow
+def test_a_cpu_run_on_a_host_with_a_gpu_keeps_deepspeed_on_the_cpu(reference_step, tmp_path):
+    """DeepSpeed chooses its accelerator from the host: on a host with a GPU it moved a CPU run's model to cuda:0
+    and gave rank r GPU r (an invalid device past the GPU count). Here the host's choice is CUDA's, as on such a
+    host, and a one-rank ZeRO-3 run on the CPU still takes the single-process step there."""
+    out = tmp_path / "rank0.pt"
+    mp.spawn(_host_with_a_gpu_worker, args=(1, free_port(), str(out)), nprocs=1)
+    got = torch.load(out)
+    assert got["accelerator"] == "cpu" and got["devices"] == {"cpu"}
+    assert_the_single_process_step(reference_step, got)
 
 
 @needs_deepspeed
