@@ -8,11 +8,11 @@ sharded over ``world_size`` ranks (FSDP2, ZeRO-3 style):
   the reduced gradients in the shards' dtype and torch's AdamW makes its moments like the parameters, so
   all four are in the shards' dtype: float32 master weights when sharded (``actor.master_weights``, 16
   bytes per parameter), ``model.dtype`` in one process or with ``actor.master_weights=model`` (8 bytes in
-  bf16). DeepSpeed ZeRO-3 (``actor.strategy=deepspeed``) keeps fp32
-  master weights, gradients and moments (16 bytes) and a bf16 partition of the weights beside them, 18
-  bytes in all, of which the 2 stay on the GPU when the optimizer is offloaded (and leave it too when the
-  parameters are). Offloaded (``actor.cpu_offload``), the rest is in host memory (``host_memory.py``);
-  what differs is who steps it: torch's AdamW under FSDP2, DeepSpeed's CPU Adam under ZeRO-3;
+  bf16). DeepSpeed ZeRO-3 (``actor.strategy=deepspeed``) keeps fp32 master weights, gradients and moments
+  (16 bytes) and a bf16 partition of the weights beside them, 18 bytes in all, of which the 2 stay on the
+  GPU when the optimizer is offloaded (and leave it too when the parameters are). Offloaded
+  (``actor.cpu_offload``), the rest is in host memory (``host_memory.py``); what differs is who steps it:
+  torch's AdamW under FSDP2, DeepSpeed's CPU Adam under ZeRO-3;
 - when sharded, the unsharded layers being computed: two decoder layers (this one and the prefetched
   next) and the embedding/LM head, in bf16;
 - activations of one micro-batch of ``max_tokens_per_micro_batch`` packed tokens: with gradient

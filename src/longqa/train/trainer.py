@@ -113,10 +113,10 @@ def rounding_warning(cfg: Config, device: torch.device, sharded: bool) -> str | 
     parameters in ``model.dtype``; FSDP2 sharded on GPUs steps float32 masters unless
     ``actor.master_weights=model``; DeepSpeed's bf16 mode keeps float32 masters."""
     bits = {"bfloat16": 8, "float16": 11}.get(cfg.model.dtype)
-    masters = sharded and device.type == "cuda" and cfg.actor.master_weights == "float32"
-    if bits is None or cfg.actor.strategy == "deepspeed" or masters:
+    mixed_precision = sharded and device.type == "cuda"  # FSDP2's (shard_model)
+    if bits is None or cfg.actor.strategy == "deepspeed" or (mixed_precision and cfg.actor.master_weights == "float32"):
         return None
-    fix = ("actor.master_weights=float32 keeps float32 master weights" if sharded and device.type == "cuda" else
+    fix = ("actor.master_weights=float32 keeps float32 master weights" if mixed_precision else
            "model.dtype=float32 keeps float32 weights (sharded on GPUs, model.dtype=bfloat16 with float32 master "
            "weights computes in bfloat16), or actor.strategy=deepspeed keeps float32 master weights")
     return (f"warning: model.dtype={cfg.model.dtype} trains the {cfg.model.dtype} weights themselves: an update of "
@@ -178,6 +178,8 @@ class Trainer:
         # partitions even one rank's weights, and FSDP2's CPU offload moves the shards to host memory.
         sharded_alone = deepspeed or cfg.actor.cpu_offload
         self.owns_group = self.env.init(self.device, alone=sharded_alone)
+        if (warning := rounding_warning(cfg, self.device, self.env.distributed or sharded_alone)) and self.env.is_main:
+            print(warning, flush=True)  # said before the weights load, not after
         seed = cfg.trainer.seed
         random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
         m = cfg.model
@@ -224,8 +226,6 @@ class Trainer:
             if (count := self.actor.compile_length_buckets()) and self.env.is_main:
                 print(f"compiled the update for {count} packed lengths in {time.perf_counter() - start:.0f} s",
                       flush=True)
-        if (warning := rounding_warning(cfg, self.device, self.env.distributed or sharded_alone)) and self.env.is_main:
-            print(warning, flush=True)
         self.stops = tuple(stop_token_ids(self.tokenizer))
         # The trainer recomputes the old policy's log-probs itself; vLLM returns exact sample log-probs except
         # for tempered *and* top-k/top-p-filtered sampling, where it is not asked for them.
