@@ -19,6 +19,8 @@
 #   SHAPE      the optimizer benchmark's shape (qwen3-8b); STEP_SHAPE the whole steps' model (qwen3-1.7b)
 #   STEP_RUNS  the whole steps' backends, of fsdp2-offload, deepspeed-offload, deepspeed (ZeRO-3, optimizer on
 #              the GPU) and unsharded (the bf16 default) (default "fsdp2-offload deepspeed-offload")
+#   PARTS      what to run, of "optimizer" (the optimizer step alone) and "steps" (whole steps) (default both)
+#   STEPS      whole GRPO steps per run (default 4: the first warms up, the others are the ones to compare)
 #   STEP_LIMIT seconds each whole-step run may take (default 300; one H200 host needed more than 120 s for the
 #              fsdp2-offload run's model set-up, engine graphs and two steps)
 #   DEVICE     cuda; cpu with SHAPE=qwen3-tiny STEP_SHAPE=qwen3-tiny checks the harness without a GPU
@@ -30,6 +32,8 @@ shape=${SHAPE:-qwen3-8b}
 layers=${LAYERS:-8}
 step_shape=${STEP_SHAPE:-qwen3-1.7b}
 step_runs=${STEP_RUNS:-fsdp2-offload deepspeed-offload}
+parts=${PARTS:-optimizer steps}
+steps=${STEPS:-4}
 step_limit=${STEP_LIMIT:-300}
 device=${DEVICE:-cuda}
 python=${PYTHON:-python3}
@@ -92,25 +96,29 @@ load_cpu_adam()
 print(json.dumps({'cpu_adam_build_or_load_s': round(time.perf_counter() - start, 1)}))"
 
 if [ "$device" = cpu ]; then small=(--prompt 24 --response 5 -n 3); else small=(); fi
-for backend in fsdp2 deepspeed; do  # one process each: the host memory each reports is its own
-    phase "optimizer-step-$backend" 120 "$python" benchmarks/optimizer_step.py --backend "$backend" \
-        --shape "$shape" --layers "$layers" --steps 2 --device "$device" "${small[@]}"
-done
+if [[ " $parts " == *" optimizer "* ]]; then
+    for backend in fsdp2 deepspeed; do  # one process each: the host memory each reports is its own
+        phase "optimizer-step-$backend" 120 "$python" benchmarks/optimizer_step.py --backend "$backend" \
+            --shape "$shape" --layers "$layers" --steps 2 --device "$device" "${small[@]}"
+    done
+fi
 
-# Whole steps, the same prompts and drawn response lengths for every backend (2 steps: the first warms up).
+# Whole steps, the same prompts and drawn response lengths for every backend (the first step warms up).
 # A small packed budget (prompt + n x response = 1,024 tokens) keeps the update's compiled lengths few (8), and
 # the optimizer's step a large part of the whole.
 if [ "$device" = cpu ]; then work=(--prompt 24 --response 5 -n 3 --prompts 2); else
     work=(--prompt 512 --response 64 -n 8 --prompts 8); fi
-for run in $step_runs; do
-    case $run in
-        fsdp2-offload) flags=(--cpu-offload) ;;
-        deepspeed-offload) flags=(--strategy deepspeed --cpu-offload) ;;
-        deepspeed) flags=(--strategy deepspeed) ;;
-        unsharded) flags=() ;;
-        *) fail "STEP_RUNS: unknown run '$run' (fsdp2-offload, deepspeed-offload, deepspeed or unsharded)" ;;
-    esac
-    phase "step-$run" "$step_limit" "$python" -m longqa.cli bench step --shape "$step_shape" "${work[@]}" --steps 2 \
-        --device "$device" "${flags[@]}"
-done
+if [[ " $parts " == *" steps "* ]]; then
+    for run in $step_runs; do
+        case $run in
+            fsdp2-offload) flags=(--cpu-offload) ;;
+            deepspeed-offload) flags=(--strategy deepspeed --cpu-offload) ;;
+            deepspeed) flags=(--strategy deepspeed) ;;
+            unsharded) flags=() ;;
+            *) fail "STEP_RUNS: unknown run '$run' (fsdp2-offload, deepspeed-offload, deepspeed or unsharded)" ;;
+        esac
+        phase "step-$run" "$step_limit" "$python" -m longqa.cli bench step --shape "$step_shape" "${work[@]}" \
+            --steps "$steps" --device "$device" "${flags[@]}"
+    done
+fi
 echo "results in $results"
