@@ -220,8 +220,8 @@ def wrap(scorer: torch.nn.Module, cfg: Config, device: torch.device):
     optimizer = make_optimizer(scorer.parameters(), cfg, optimizer_offloaded(config))
     for layer in scorer.model.base_model.layers:
         deepspeed.utils.set_z3_leaf_module(layer, True)
-    skip_inference_comm_op()
     use_accelerator(device)
+    skip_inference_comm_op()  # (on the accelerator just chosen: the op is the CPU accelerator's)
     engine, _, _, _ = deepspeed.initialize(model=scorer, optimizer=optimizer, config=config)
     head = scorer.model.get_output_embeddings()
     deepspeed.zero.register_external_parameter(scorer, head.weight)

@@ -30,8 +30,11 @@ def _head_chunk(hidden: torch.Tensor, weight: torch.Tensor, bias, targets: torch
 
 @functools.cache
 def _compiled_head_chunk():
-    """On a GPU the chunk's softmax passes over ``[chunk, vocab]`` fuse into a few kernels."""
-    return torch.compile(_head_chunk, dynamic=True)
+    """On a GPU the chunk's softmax passes over ``[chunk, vocab]`` fuse into a few kernels. One graph serves
+    every chunk length: Inductor's matmul padding is off, because deciding whether to pad the head's
+    product asks whether it is compute-bound at this length, which guards the length into ranges (an H200
+    recompiled the chunk for 2-63 rows mid-run)."""
+    return torch.compile(_head_chunk, dynamic=True, options={"shape_padding": False})
 
 
 def chunked_head(model, states: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
