@@ -219,6 +219,63 @@ def test_a_cpu_run_on_a_host_with_a_gpu_keeps_deepspeed_on_the_cpu(reference_ste
     assert list(extensions.iterdir()) == []
 
 
+def _refresh_worker(rank, world, port, out):
+    """The engine refresh's gathers of a ZeRO-3 model, before any step and after one, counted."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    from longqa.distributed.gather import full_parameters, full_tensor
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    original = deepspeed.zero.GatheredParameters
+    try:
+        actor = make_actor("deepspeed")
+        model = actor.model
+        results = []
+        for when in ("before any step", "after a step"):
+            if when == "after a step":
+                one_step(actor, rank_share(global_samples(), rank, world))
+            gathers = []
+            deepspeed.zero.GatheredParameters = lambda params, *a, **k: (gathers.append(len(params)),
+                                                                         original(params, *a, **k))[1]
+            gathered = [(name, tensor.clone()) for name, tensor in full_parameters(model)]
+            deepspeed.zero.GatheredParameters = original
+            one_by_one = [(name, full_tensor(p).clone()) for name, p in model.named_parameters()]
+            results.append({"gathered": gathered, "one_by_one": one_by_one, "gathers": gathers,
+                            "partitioned": all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE
+                                               for p in model.parameters())})
+        if rank == 0:
+            torch.save({"results": results, "layers": len(model.base_model.layers),
+                        "per_layer": len(list(model.base_model.layers[0].parameters())),
+                        "parameters": len(list(model.parameters()))}, out)
+        dist.barrier()
+    finally:
+        deepspeed.zero.GatheredParameters = original
+        dist.destroy_process_group()
+
+
+@needs_deepspeed
+@pytest.mark.slow
+def test_the_engine_refresh_gathers_a_zero3_layer_at_a_time(tmp_path):
+    """ZeRO-3 weights come back whole, equal to gathering each tensor alone, with one gather per decoder layer
+    (its dozen tensors together, as its forward pass gathers them) and every parameter partitioned again
+    after."""
+    out = tmp_path / "gathered.pt"
+    mp.spawn(_refresh_worker, args=(2, free_port(), str(out)), nprocs=2)
+    saved = torch.load(out)
+    others = saved["parameters"] - saved["layers"] * saved["per_layer"]  # embeddings, final norm, LM head
+    for result in saved["results"]:
+        assert [name for name, _ in result["gathered"]] and \
+            sorted(name for name, _ in result["gathered"]) == sorted(name for name, _ in result["one_by_one"])
+        one_by_one = dict(result["one_by_one"])
+        for name, tensor in result["gathered"]:
+            assert torch.equal(tensor, one_by_one[name]), name
+        assert sorted(result["gathers"]) == sorted([saved["per_layer"]] * saved["layers"] + [1] * others)
+        assert result["partitioned"]
+
+
 @needs_deepspeed
 @pytest.mark.slow
 def test_zero3_with_torch_s_adamw_compiles_no_op(two_rank_steps):

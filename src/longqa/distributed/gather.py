@@ -1,10 +1,11 @@
 """Whole parameters out of sharded ones, for the rollout engines' weight refresh.
 
 FSDP2 holds each parameter as a DTensor shard; DeepSpeed ZeRO-3 as an empty placeholder whose
-partition lives beside it. A refresh gathers one FSDP2 module's parameters at a time (a decoder
-layer's dozen tensors in the single flat all-gather FSDP2 uses in its forward pass, rather than one
-collective per tensor), other parameters one tensor at a time, in the same order on every rank (each
-gather is a collective), so no second full copy of the model ever exists at once.
+partition lives beside it. A refresh gathers one decoder layer's parameters at a time, as the forward
+pass does (FSDP2's flat all-gather of an FSDP2 module, or one ZeRO-3 gather of a ZeRO-3 "leaf" module's
+dozen tensors, rather than one collective per tensor), other parameters one tensor at a time, in the
+same order on every rank (each gather is a collective), so no second full copy of the model ever exists
+at once.
 """
 
 from __future__ import annotations
@@ -28,20 +29,23 @@ def full_tensor(param: torch.Tensor) -> torch.Tensor:
 
 def full_parameters(model) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, whole tensor)`` for every parameter of ``model`` (collective: every rank iterates in the
-    same order, to the end). The tensors of an FSDP2 module stay valid until the next item is asked for:
-    the module is resharded then. Parameters tied to one tensor come once, as in ``named_parameters``.
-    Under FSDP2 mixed precision a module's gathered parameters are in its compute dtype (bf16), the
-    weights its own forward pass computes with."""
+    same order, to the end). A tensor stays valid until the next item is asked for: its module may be
+    resharded then. Parameters tied to one tensor come once, as in ``named_parameters``. Under FSDP2
+    mixed precision a module's gathered parameters are in its compute dtype (bf16), the weights its own
+    forward pass computes with."""
     from torch.distributed.fsdp import FSDPModule
 
     modules = dict(model.named_modules())
-    sharded = [prefix for prefix, module in modules.items() if isinstance(module, FSDPModule)]
+    params = dict(model.named_parameters())  # the parameters no FSDP2 module here swaps when it unshards
+    zero3_leaf = lambda module: False  # noqa: E731
+    if any(hasattr(p, "ds_id") for p in params.values()):  # ZeRO-3 (DeepSpeed is then installed)
+        from deepspeed.utils import z3_leaf_module as zero3_leaf
+    sharded = [prefix for prefix, module in modules.items() if isinstance(module, FSDPModule) or zero3_leaf(module)]
 
-    def owner(name: str) -> str | None:  # the innermost FSDP2 module above a parameter
+    def owner(name: str) -> str | None:  # the innermost FSDP2 module or ZeRO-3 leaf above a parameter
         inside = [prefix for prefix in sharded if prefix == "" or name.startswith(prefix + ".")]
         return max(inside, key=len) if inside else None
 
-    params = dict(model.named_parameters())  # the parameters no FSDP2 module here swaps when it unshards
     by_owner: dict[str | None, list[str]] = {}
     for name in params:
         by_owner.setdefault(owner(name), []).append(name)
@@ -50,6 +54,13 @@ def full_parameters(model) -> Iterator[tuple[str, torch.Tensor]]:
         if not own:
             continue
         module = modules[prefix]
+        if not isinstance(module, FSDPModule):  # a ZeRO-3 leaf: its parameters partitioned again on leaving
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([params[name] for name in own]):
+                for name in own:
+                    yield name, params[name].data.detach()
+            continue
         module.unshard()  # its own parameters only (not nested FSDP2 modules'), as one all-gather
         try:
             whole = dict(module.named_parameters(prefix=prefix))
