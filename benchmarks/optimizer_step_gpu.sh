@@ -21,8 +21,9 @@
 #              the GPU) and unsharded (the bf16 default) (default "fsdp2-offload deepspeed-offload")
 #   PARTS      what to run, of "optimizer" (the optimizer step alone) and "steps" (whole steps) (default both)
 #   STEPS      whole GRPO steps per run (default 4: the first warms up, the others are the ones to compare)
-#   STEP_LIMIT seconds each whole-step run may take (default 300; one H200 host needed more than 120 s for the
-#              fsdp2-offload run's model set-up, engine graphs and two steps)
+#   STEP_LIMIT seconds each whole-step run may take (default 600: on one H200 the fsdp2-offload run spent about
+#              100 s on model set-up, engine graphs and the update's compilation, then 40-60 s a step, and
+#              the deepspeed-offload run printed no step within 283 s)
 #   DEVICE     cuda; cpu with SHAPE=qwen3-tiny STEP_SHAPE=qwen3-tiny checks the harness without a GPU
 #   PYTHON     the interpreter (python3)
 # Each phase runs under a time limit, so that a slower host ends the run with what it measured.
@@ -34,7 +35,7 @@ step_shape=${STEP_SHAPE:-qwen3-1.7b}
 step_runs=${STEP_RUNS:-fsdp2-offload deepspeed-offload}
 parts=${PARTS:-optimizer steps}
 steps=${STEPS:-4}
-step_limit=${STEP_LIMIT:-300}
+step_limit=${STEP_LIMIT:-600}
 device=${DEVICE:-cuda}
 python=${PYTHON:-python3}
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
