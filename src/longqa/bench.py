@@ -14,6 +14,7 @@ the maximum (``"max"``, the worst case), and ends there as if it had sampled EOS
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -355,6 +356,11 @@ def bench_grpo_step(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int
 
     dev = pick_device(device)
     sharded = strategy == "deepspeed" or cpu_offload
+    began = time.perf_counter()
+
+    def done(stage: str) -> None:  # on stderr as each set-up stage ends: a run stopped early says how far it got
+        print(f"bench step: {stage} after {time.perf_counter() - began:.1f} s", file=sys.stderr, flush=True)
+
     own_group = DistEnv().init(dev, alone=sharded)
     bf16 = dev.type == "cuda"
     model = random_model(shape, dev, torch.float32 if sharded or not bf16 else torch.bfloat16, gradient_checkpointing)
@@ -364,10 +370,12 @@ def bench_grpo_step(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int
                              f"actor.ppo_mini_batch_size={prompts_per_step}", f"data.max_response_length={response}",
                              f"actor.max_tokens_per_micro_batch={prompt + n * response}", "actor.lr=1e-6",
                              f"actor.strategy={strategy}", f"actor.cpu_offload={str(cpu_offload).lower()}"])
+    done("model and engine ready")
     actor = Actor(model, cfg, steps, dev)
+    done(f"actor ready ({strategy}{', offloaded' if cpu_offload else ''})")
     if dev.type == "cuda":  # as `longqa train` runs it: decoder layers compiled for training, every length first
         compile_decoder_layers(model, with_hooks=strategy != "deepspeed")
-        actor.compile_length_buckets()
+        done(f"update compiled for {actor.compile_length_buckets()} packed lengths")
     params = SamplingParams(n=n, temperature=1.0, max_new_tokens=response)
     g = torch.Generator().manual_seed(0)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -383,6 +391,8 @@ def bench_grpo_step(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int
                                  stop_at=stop_at)
         sync()
         t1 = time.perf_counter()
+        if step == 0:
+            done("first rollout sampled")
         rewards = torch.randint(0, 2, (prompts_per_step * n,), generator=g).float()
         advantages, _ = algo.group_advantages(rewards, n)
         samples = Samples([p for p in prompts for _ in range(n)], [s.token_ids for grp in groups for s in grp],
