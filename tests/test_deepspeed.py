@@ -82,6 +82,7 @@ def _step_worker(rank, world, port, out, checkpoints, names, extensions):
     if extensions:
         os.environ["TORCH_EXTENSIONS_DIR"] = extensions
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    linear = torch.nn.functional.linear
     try:
         results = {}
         samples = rank_share(global_samples(), rank, world)
@@ -104,6 +105,7 @@ def _step_worker(rank, world, port, out, checkpoints, names, extensions):
                 load_checkpoint(saved, model=resumed.model, optimizer=resumed.optimizer,
                                 scheduler=resumed.scheduler, engine=resumed.engine)
                 results[name]["second"] = [one_step(a, samples)["weights"] for a in (actor, resumed)]
+        results["torch_s_linear"] = torch.nn.functional.linear is linear
         if rank == 0:
             torch.save(results, out)
         dist.barrier()
@@ -294,6 +296,9 @@ def test_compiled_layers_trace_no_deepspeed_hook(two_rank_steps):
     _, results, _ = two_rank_steps
     assert results["deepspeed"]["graphs"] == 0
     assert 0 < results["deepspeed-compiled"]["graphs"] == results["fsdp2-compiled"]["graphs"]
+    # ZeRO-3's memory-efficient linear replaces torch's for the whole process, and its backward reads each weight's
+    # ZeRO id: on an H200 the compiled layers then recompiled for every weight (here the CPU's graphs hide it).
+    assert results["torch_s_linear"]
 
 
 @needs_deepspeed
@@ -422,6 +427,8 @@ def test_the_users_file_is_merged_over_the_generated_config(tmp_path):
      r"actor.lr"),
     ('{"zero_optimization": {"stage": 2}}', "sets zero_optimization.stage=2: actor.strategy=deepspeed runs ZeRO "
                                            "stage 3"),
+    ('{"zero_optimization": {"memory_efficient_linear": true}}', "sets zero_optimization.memory_efficient_linear: "
+                                                               "it replaces torch.nn.functional.linear"),
     ('{"zero_optimization": ', "cannot be read"),
     ("[1, 2]", "must hold a mapping"),
 ])

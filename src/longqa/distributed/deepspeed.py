@@ -59,8 +59,15 @@ def import_deepspeed():
 
 def generated_config(cfg: Config, device: torch.device, dtype: torch.dtype) -> dict:
     """The engine's config from longqa's settings alone. Micro-batch and accumulation counts are bookkeeping
-    for DeepSpeed only: the actor forms its own micro-batches and sets every accumulation boundary."""
-    zero = {"stage": 3, "overlap_comm": device.type == "cuda", "contiguous_gradients": True}
+    for DeepSpeed only: the actor forms its own micro-batches and sets every accumulation boundary.
+
+    ZeRO-3's memory-efficient linear is off: it replaces ``torch.nn.functional.linear`` for the whole process
+    with an autograd function that reads each weight's ZeRO attributes, so compiled decoder layers guarded on
+    every weight's id and recompiled for each (on an H200 the update's warm-up did not end in 280 s; without
+    it, 40 s), and the engine's decode ran through it too. Each layer is gathered whole around its backward
+    anyway (``wrap``), which is what that function would gather a weight for."""
+    zero = {"stage": 3, "overlap_comm": device.type == "cuda", "contiguous_gradients": True,
+            "memory_efficient_linear": False}
     if cfg.actor.cpu_offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
     return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
@@ -106,10 +113,14 @@ def engine_config(cfg: Config, device: torch.device, dtype: torch.dtype) -> dict
     if clashes:
         raise ConfigError(f"actor.deepspeed_config={path} sets {', '.join(clashes)}: remove it or set it to \"auto\"")
     config = _merge(config, user)
-    stage = config["zero_optimization"].get("stage")
-    if stage != 3:
-        raise ConfigError(f"actor.deepspeed_config={path} sets zero_optimization.stage={stage}: actor.strategy="
-                          f"deepspeed runs ZeRO stage 3")
+    zero = config["zero_optimization"]
+    if zero.get("stage") != 3:
+        raise ConfigError(f"actor.deepspeed_config={path} sets zero_optimization.stage={zero.get('stage')}: "
+                          f"actor.strategy=deepspeed runs ZeRO stage 3")
+    if zero.get("memory_efficient_linear"):
+        raise ConfigError(f"actor.deepspeed_config={path} sets zero_optimization.memory_efficient_linear: it "
+                          f"replaces torch.nn.functional.linear in the whole process, which makes the compiled "
+                          f"decoder layers recompile for every weight; remove it (longqa gathers each layer whole)")
     return config
 
 
