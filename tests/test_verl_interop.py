@@ -20,8 +20,11 @@ from longqa.data.io import read_rows, write_rows
 from longqa.data.loongrl import SUBSET_PAIRS
 from longqa.data.prompts import PromptOptions, prepare_prompts
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("verl") is None,
-                                                   reason="verl is installed by .ci/run (pip install --no-deps verl)")]
+# verl imports Ray as it loads (the `test` extra installs it; .ci/run installs verl).
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+    importlib.util.find_spec("verl") is None or importlib.util.find_spec("ray") is None,
+    reason="needs verl and Ray, which verl imports: .ci/run installs both (pip install --no-deps verl, and the "
+           "test extra)")]
 
 
 @pytest.fixture(scope="module")
