@@ -21,9 +21,8 @@
 #              the GPU) and unsharded (the bf16 default) (default "fsdp2-offload deepspeed-offload")
 #   PARTS      what to run, of "optimizer" (the optimizer step alone) and "steps" (whole steps) (default both)
 #   STEPS      whole GRPO steps per run (default 4: the first warms up, the others are the ones to compare)
-#   STEP_LIMIT seconds each whole-step run may take (default 600: on one H200, within a limit of 280 s, the
-#              fsdp2-offload run printed three steps of 61.8, 41.0 and 38.5 s, the rest of its time set-up and
-#              a fourth step cut short, and the deepspeed-offload run printed none)
+#   STEP_LIMIT seconds each whole-step run may take (default 600: on one H200 the fsdp2-offload run took
+#              129 s to set up and 62, then 40 s a step; the deepspeed-offload run 69 s to set up, 9, then 5 s)
 #   DEVICE     cuda; cpu with SHAPE=qwen3-tiny STEP_SHAPE=qwen3-tiny checks the harness without a GPU
 #   PYTHON     the interpreter (python3)
 # Each phase runs under a time limit, so that a slower host ends the run with what it measured.
