@@ -73,3 +73,25 @@ def test_synth_by_length_then_eval_scores_each_length(tmp_path, capsys):
     result = json.loads(scores.read_text())
     assert [(g["target_tokens"], g["n"]) for g in result["by_length"]] == [(256, 2), (512, 2)]
     assert sum(g["n"] for g in result["by_hops"]) == result["all"]["n"] == 4
+
+
+def test_overrides_may_follow_options(capsys):
+    """`longqa plan CONFIG --gpus 2 key=value`: the overrides after an option are overrides still, and a command
+    given overrides alone reads them as such (argparse alone took the first for a config file)."""
+    assert main(["plan", "configs/loongrl-qwen3-8b.yaml", "--shape", "qwen3-8b", "--gpus", "2",
+                 "actor.strategy=deepspeed", "actor.cpu_offload=true"]) == 0
+    assert "on 2 GPU(s)" in (out := capsys.readouterr().out) and "DeepSpeed ZeRO-3, optimizer offloaded" in out
+    assert main(["plan", "actor.strategy=deepspeed", "--shape", "qwen3-tiny", "rollout.n=4"]) == 0
+    assert "DeepSpeed ZeRO-3" in (out := capsys.readouterr().out) and "prompts x 4" in out
+    for argv in (["plan", "--shape", "qwen3-tiny", "--bogus", "1"], ["data", "synth", "--output-dir", "x", "a=b"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_a_plan_whose_model_config_cannot_be_read_says_so_in_one_line(tmp_path, capsys):
+    assert main(["plan", f"model.path={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"longqa: error: cannot read the model config of model.path={tmp_path} (")
+    assert err.rstrip().endswith("give a local model folder, or size a Qwen3 shape instead with longqa plan --shape")
+    assert len(err.strip().splitlines()) == 1

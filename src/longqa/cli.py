@@ -242,7 +242,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     from longqa.distributed.planner import GIB, describe_training, model_sizes
     from longqa.distributed.step_time import step_time_config
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(*_split_config_args(args))
     per_node = args.gpus_per_node or min(args.gpus, 8)
     host_gib = args.host_memory_gib or HOST_GIB_PER_GPU * per_node
     machine = Machine(args.gpus, int(args.gpu_memory_gib * GIB), per_node, int(host_gib * GIB))
@@ -573,9 +573,22 @@ def _reported_errors() -> tuple[type[Exception], ...]:
             KVBudgetError, HostfileError, PlanError)
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line, with ``key=value`` overrides also after options (``longqa plan CONFIG --gpus 8
+    rollout.n=16``): argparse alone takes positionals only before an option that follows them."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    late = [arg for arg in extra if "=" in arg and not arg.startswith("-")]
+    if late != extra or (late and not hasattr(args, "overrides")):
+        parser.parse_args(argv)  # says what it does not recognise, and exits
+    if late:
+        args.overrides = [*args.overrides, *late]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     args.argv = argv  # the command as typed, for records such as the model card
     try:
         code = args.func(args)

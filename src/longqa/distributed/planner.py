@@ -36,6 +36,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from longqa.config import ConfigError
+
 GIB = 2**30
 MARGIN_BYTES = 6 * GIB  # CUDA context, NCCL buffers, allocator fragmentation
 LM_HEAD_CHUNK = 2048  # tokens per LM-head chunk (model/logprobs.py)
@@ -285,7 +287,14 @@ def model_sizes(cfg) -> ModelSizes | None:
 
     if cfg.model.gguf_file:
         return None
-    return ModelSizes.from_config(AutoConfig.from_pretrained(cfg.model.path or str(EMBEDDED_MODEL)))
+    path = cfg.model.path or str(EMBEDDED_MODEL)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:  # (offline, a missing folder, or no config.json in it)
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(f"cannot read the model config of model.path={path} ({reason}): give a local model folder, "
+                          f"or size a Qwen3 shape instead with longqa plan --shape") from None
+    return ModelSizes.from_config(config)
 
 
 def check_run(cfg, world_size: int, gpu_bytes: int) -> MemoryPlan | None:
