@@ -12,13 +12,16 @@ Every rank does the same work on its own share of the step's groups, so a step t
   ``plan_packs`` makes, plus a third of the forward for each recomputed layer) at ``UPDATE_MFU``. A
   sharded micro-batch also moves its weights and gradients: FSDP2 all-gathers bf16 weights for the forward
   and again for the backward and reduce-scatters fp32 gradients (8 bytes a parameter over the GPUs'
-  link), and with ``actor.cpu_offload`` copies the shards in twice and the gradients out once over PCIe,
-  where offloaded activations (``model.activation_offload``) go out and come back too. Those transfers
-  overlap the compute, so a micro-batch takes the longest of compute, link and either PCIe direction;
-- optimizer steps: on the GPU at the measured AdamW time per parameter; offloaded, torch's AdamW on
-  the host at a measured time per parameter and core, over the cores a rank has;
-- weight refresh: the rollout engine's own copy gathered over the link once per step (after the
-  shards came to the GPU over PCIe, when offloaded); nothing when one process shares its model.
+  link), and offloaded activations (``model.activation_offload``) go out over PCIe and come back. Those
+  transfers overlap the compute, so a micro-batch takes the longest of compute, link and either PCIe
+  direction. With ``actor.cpu_offload`` each micro-batch also waits for the offload's own traffic and host
+  work, at the rate measured per backend (``OFFLOAD_BYTES_PER_S``): FSDP2 brings the float32 shards in for
+  the forward and again for the backward and sends the gradients out to be added on the host; ZeRO-3 keeps
+  its bf16 partitions on the GPU and sends only the gradients out;
+- optimizer steps: on the GPU at the measured AdamW time per parameter; offloaded, at the time per
+  parameter measured on the host for each backend's optimizer (torch's AdamW, DeepSpeed's CPU Adam);
+- weight refresh: the rollout engine's own copy gathered over the link once per step (after FSDP2's
+  offloaded shards came to the GPU over PCIe); nothing when one process shares its model.
 
 The efficiency factors are this repository's measurements (benchmarks/RESULTS.md, one H200); the link
 bandwidths are assumptions, not yet measured here. Reward scoring (milliseconds) and validation are left
@@ -44,13 +47,17 @@ PREFILL_MFU = 0.50
 UPDATE_MFU = 0.49
 # AdamW and clipping of Qwen3-1.7B's 1.72B parameters in 0.05 s on one H200 (b2faf3d).
 GPU_ADAM_S_PER_PARAM = 0.05 / 1.72e9
-# torch's AdamW (betas, no weight decay) on host tensors, seconds per parameter on one core, by bytes per
-# parameter: 3.9 ns in bf16 and 8.1 ns in fp32 (torch 2.13, AMD EPYC, best of 4 steps over 64M parameters).
-# DeepSpeed's vectorised CPU Adam is counted at the fp32 figure, an upper bound until it is measured
-# (benchmarks/optimizer_step.py times both on a GPU host).
-HOST_ADAM_CORE_S_PER_PARAM = {2: 3.9e-9, 4: 8.1e-9}
-HOST_CORES_PER_GPU = 16  # the measurement machines: 16 cores with one H200, 32 with two
+# The offloaded optimizer's step of float32 master weights on the host of one H200 (16 cores; a rank of a
+# larger node is counted with as many): torch's AdamW under FSDP2 2.28 s and DeepSpeed's CPU Adam 0.90 s per
+# billion parameters (9a0c60b, RESULTS.md, offloaded optimizer). Weights stepped in bf16 are counted at half
+# torch's figure: the step is bound by the host's memory traffic.
+HOST_ADAM_S_PER_PARAM = {"fsdp2": 2.28e-9, "deepspeed": 0.90e-9}
 PCIE_BYTES_PER_S = 55e9  # pinned copies each way on the H200 host (RESULTS.md, packed training)
+# An offloaded micro-batch's own traffic and host work, as bytes (float32) over the seconds they took in whole
+# offloaded Qwen3-1.7B updates of 8 micro-batches on one H200 (e4fccee, RESULTS.md, offloaded optimizer): FSDP2
+# 3 x 6.9 GB (shards in twice, gradients out) in 4.46 s a micro-batch, far below PCIe (not profiled: the copies
+# and the host's gradient additions together); ZeRO-3 6.9 GB of gradients out in 0.39 s.
+OFFLOAD_BYTES_PER_S = {"fsdp2": 4.6e9, "deepspeed": 17.9e9}
 NVLINK_BYTES_PER_S = 300e9  # assumed: NCCL all-gather bus bandwidth between the H200s of one node
 NETWORK_BYTES_PER_S = 45e9  # assumed: one 400 Gb/s network link per GPU between nodes
 
@@ -110,7 +117,14 @@ def plan_step_time(sizes: ModelSizes, plan: MemoryPlan, *, gpus_per_node: int, p
 
     link = NVLINK_BYTES_PER_S if world <= gpus_per_node else NETWORK_BYTES_PER_S
     state_bytes = param_bytes if state_bytes is None else state_bytes  # the stepped weights' (FSDP2's shards)
-    shard = state_bytes * params / world if cpu_offload else 0.0
+    # The offloaded bytes a micro-batch's forward brings in and its backward brings in and sends out.
+    if not cpu_offload:
+        forward_in = backward_in = gradients_out = 0.0
+    elif strategy == "deepspeed":  # bf16 partitions stay on the GPU; fp32 gradients go out
+        forward_in, backward_in, gradients_out = 0.0, 0.0, 4 * params / world
+    else:
+        forward_in = backward_in = gradients_out = state_bytes * params / world
+    offload_rate = OFFLOAD_BYTES_PER_S[strategy]
     activations = (round(activation_offload * sizes.layers) * 2 * micro_batch_tokens
                    * sum(saved_activation_widths(sizes)))
     own = max(1, mini_batch_size // world)  # the rank's share of each mini-batch
@@ -118,26 +132,27 @@ def plan_step_time(sizes: ModelSizes, plan: MemoryPlan, *, gpus_per_node: int, p
     flops = [f for size in minis for f in micro_batch_flops(config, prompt_length, [response_length] * n, size,
                                                              micro_batch_tokens)]
 
-    def pass_time(work: float, to_gpu: float, from_gpu: float, link_bytes: int) -> float:
-        """One pass over the micro-batches: ``work`` times their training FLOPs, against the bytes each moves over
-        PCIe each way and ``link_bytes`` per parameter over the link (sharded), whichever takes longest."""
-        pcie = max(to_gpu, from_gpu) / PCIE_BYTES_PER_S
+    def pass_time(work: float, offloaded: float, activation_bytes: float, link_bytes: int) -> float:
+        """One pass over the micro-batches: ``work`` times their training FLOPs, against ``offloaded`` bytes of the
+        offload's traffic, ``activation_bytes`` over PCIe each way and ``link_bytes`` per parameter over the link
+        (sharded), whichever takes longest."""
+        transfers = offloaded / offload_rate + activation_bytes / PCIE_BYTES_PER_S
         comm = link_bytes * params / link if world > 1 else 0.0
-        return sum(max(work * f / (peak * UPDATE_MFU), pcie, comm) for f in flops)
+        return sum(max(work * f / (peak * UPDATE_MFU), transfers, comm) for f in flops)
 
-    # a forward: the shards in once, one gather of bf16 weights
-    old = pass_time(1 / 3, shard, 0.0, 2) if epochs > 1 or len(minis) > 1 else 0.0
-    # forward and backward: the shards in twice and the gradients out, two gathers and a scatter
-    update = epochs * pass_time(1 + recomputed / 3, 2 * shard + activations, shard + activations, 8)
+    # a forward: its offloaded weights in once, one gather of bf16 weights
+    old = pass_time(1 / 3, forward_in, 0.0, 2) if epochs > 1 or len(minis) > 1 else 0.0
+    # forward and backward: two gathers and a scatter
+    update = epochs * pass_time(1 + recomputed / 3, forward_in + backward_in + gradients_out, activations, 8)
     steps = epochs * len(minis)
     if cpu_offload:
-        per_param = HOST_ADAM_CORE_S_PER_PARAM[4 if strategy == "deepspeed" else state_bytes] / HOST_CORES_PER_GPU
+        per_param = HOST_ADAM_S_PER_PARAM[strategy] * (state_bytes / 4 if strategy == "fsdp2" else 1)
     else:
         per_param = GPU_ADAM_S_PER_PARAM
     optimizer = steps * per_param * params / world
     refresh = 0.0
     if plan.rollout_weights:
-        refresh = (param_bytes * params / link if world > 1 else 0.0) + shard / PCIE_BYTES_PER_S
+        refresh = (param_bytes * params / link if world > 1 else 0.0) + forward_in / PCIE_BYTES_PER_S
     return StepTime(prefill=prefill, decode=decode, old_logprobs=old, update=update, optimizer=optimizer,
                     refresh=refresh, micro_batches=len(flops), optimizer_steps=steps)
 
