@@ -14,9 +14,9 @@ Every rank does the same work on its own share of the step's groups, so a step t
   and again for the backward and reduce-scatters fp32 gradients (8 bytes a parameter over the GPUs'
   link), and offloaded activations (``model.activation_offload``) go out over PCIe and come back. Those
   transfers overlap the compute, so a micro-batch takes the longest of compute, link and either PCIe
-  direction. With ``actor.cpu_offload`` each micro-batch also waits for the offload's own traffic and host
-  work, at the rate measured per backend (``OFFLOAD_BYTES_PER_S``): FSDP2 brings the float32 shards in for
-  the forward and again for the backward and sends the gradients out to be added on the host; ZeRO-3 keeps
+  direction. With ``actor.cpu_offload`` that last part also holds the offload's own traffic and host work,
+  at the rate measured per backend (``OFFLOAD_BYTES_PER_S``): FSDP2 brings its shards in for the
+  forward and again for the backward and sends the gradients out to be added on the host; ZeRO-3 keeps
   its bf16 partitions on the GPU and sends only the gradients out;
 - optimizer steps: on the GPU at the measured AdamW time per parameter; offloaded, at the time per
   parameter measured on the host for each backend's optimizer (torch's AdamW, DeepSpeed's CPU Adam);
@@ -117,13 +117,12 @@ def plan_step_time(sizes: ModelSizes, plan: MemoryPlan, *, gpus_per_node: int, p
 
     link = NVLINK_BYTES_PER_S if world <= gpus_per_node else NETWORK_BYTES_PER_S
     state_bytes = param_bytes if state_bytes is None else state_bytes  # the stepped weights' (FSDP2's shards)
-    # The offloaded bytes a micro-batch's forward brings in and its backward brings in and sends out.
-    if not cpu_offload:
-        forward_in = backward_in = gradients_out = 0.0
-    elif strategy == "deepspeed":  # bf16 partitions stay on the GPU; fp32 gradients go out
-        forward_in, backward_in, gradients_out = 0.0, 0.0, 4 * params / world
-    else:
-        forward_in = backward_in = gradients_out = state_bytes * params / world
+    # Offloaded bytes a micro-batch brings in for each pass (forward, backward) and sends out after its backward.
+    weights_in = gradients_out = 0.0
+    if cpu_offload and strategy == "deepspeed":  # the bf16 partitions stay on the GPU; fp32 gradients go out
+        gradients_out = 4 * params / world
+    elif cpu_offload:
+        weights_in = gradients_out = state_bytes * params / world
     offload_rate = OFFLOAD_BYTES_PER_S[strategy]
     activations = (round(activation_offload * sizes.layers) * 2 * micro_batch_tokens
                    * sum(saved_activation_widths(sizes)))
@@ -141,9 +140,9 @@ def plan_step_time(sizes: ModelSizes, plan: MemoryPlan, *, gpus_per_node: int, p
         return sum(max(work * f / (peak * UPDATE_MFU), transfers, comm) for f in flops)
 
     # a forward: its offloaded weights in once, one gather of bf16 weights
-    old = pass_time(1 / 3, forward_in, 0.0, 2) if epochs > 1 or len(minis) > 1 else 0.0
+    old = pass_time(1 / 3, weights_in, 0.0, 2) if epochs > 1 or len(minis) > 1 else 0.0
     # forward and backward: two gathers and a scatter
-    update = epochs * pass_time(1 + recomputed / 3, forward_in + backward_in + gradients_out, activations, 8)
+    update = epochs * pass_time(1 + recomputed / 3, 2 * weights_in + gradients_out, activations, 8)
     steps = epochs * len(minis)
     if cpu_offload:
         per_param = HOST_ADAM_S_PER_PARAM[strategy] * (state_bytes / 4 if strategy == "fsdp2" else 1)
@@ -152,7 +151,7 @@ def plan_step_time(sizes: ModelSizes, plan: MemoryPlan, *, gpus_per_node: int, p
     optimizer = steps * per_param * params / world
     refresh = 0.0
     if plan.rollout_weights:
-        refresh = (param_bytes * params / link if world > 1 else 0.0) + forward_in / PCIE_BYTES_PER_S
+        refresh = (param_bytes * params / link if world > 1 else 0.0) + weights_in / PCIE_BYTES_PER_S
     return StepTime(prefill=prefill, decode=decode, old_logprobs=old, update=update, optimizer=optimizer,
                     refresh=refresh, micro_batches=len(flops), optimizer_steps=steps)
 
