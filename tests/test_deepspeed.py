@@ -184,6 +184,77 @@ def test_cpu_adam_on_the_offloaded_optimizer_takes_the_single_process_step(refer
     assert_resumed_exactly(results["deepspeed-offload"])
 
 
+def partly_offloaded_actor(ratio: float, sub_groups_file: str) -> Actor:
+    """ZeRO-3 with CPU Adam stepping ``ratio`` of the optimizer's sub-groups and torch's AdamW the rest, the learning
+    rate warming up over the 3 updates (so it changes every step). On the CPU DeepSpeed's accelerator *is* the CPU,
+    and it would give every sub-group to CPU Adam: the accelerator's share is renamed "cpu:0", a name for the same
+    device that DeepSpeed does not take for its host, so those sub-groups take its accelerator path as on a GPU."""
+    cfg = config("true", "token-mean", 40, True)
+    cfg.actor.strategy, cfg.actor.cpu_offload_ratio, cfg.actor.deepspeed_config = "deepspeed", ratio, sub_groups_file
+    cfg.actor.warmup_ratio = 1.0
+    actor = Actor(tiny_lm(), cfg, 3, torch.device("cpu"))
+    zero = actor.engine.optimizer
+    for i in range(int((1 - ratio) * len(zero.subgroup_to_device))):
+        zero.subgroup_to_device[i] = "cpu:0"
+    return actor
+
+
+def _partial_offload_worker(rank, world, port, out, folder):
+    """Three updates with the whole optimizer offloaded and with half of it, a checkpoint of the second after
+    its second update, and that third update again by an engine resumed from the checkpoint."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        samples, sub_groups = rank_share(global_samples(), rank, world), f"{folder}/sub_groups.json"
+        results = {}
+        for ratio in (1.0, 0.5):
+            actor = partly_offloaded_actor(ratio, sub_groups)
+            results[ratio] = {"devices": dict(actor.engine.optimizer.subgroup_to_device), "weights": []}
+            for update in range(3):
+                results[ratio]["weights"].append(one_step(actor, samples)["weights"])
+                if update == 1 and ratio < 1:
+                    saved = save_checkpoint(f"{folder}/runs", 2, model=actor.model, optimizer=actor.optimizer,
+                                            scheduler=actor.scheduler, engine=actor.engine, keep_last=1,
+                                            trainer_state={"step": 2})
+        resumed = partly_offloaded_actor(0.5, sub_groups)
+        load_checkpoint(saved, model=resumed.model, optimizer=resumed.optimizer, scheduler=resumed.scheduler,
+                        engine=resumed.engine)
+        results["resumed"] = one_step(resumed, samples)["weights"]
+        try:
+            load_checkpoint(saved, model=(whole := partly_offloaded_actor(1.0, sub_groups)).model,
+                            optimizer=whole.optimizer, scheduler=whole.scheduler, engine=whole.engine)
+        except ConfigError as e:
+            results["refused"] = str(e)
+        if rank == 0:
+            torch.save(results, out)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@needs_deepspeed
+@pytest.mark.slow
+def test_a_partly_offloaded_optimizer_steps_as_the_offloaded_one_and_resumes_exactly(tmp_path):
+    """`actor.cpu_offload_ratio=0.5` on 2 ranks: half of each rank's sub-groups stepped by torch's AdamW on the
+    accelerator, the rest by CPU Adam on the host, take the fully offloaded run's updates under a changing
+    learning rate (DeepSpeed builds that AdamW with the rate of its first step and never moves it), and resume
+    exactly from a checkpoint (DeepSpeed saves the offloaded part's moments alone); a run that offloads all of it
+    is refused that checkpoint, naming the setting."""
+    (tmp_path / "sub_groups.json").write_text(json.dumps({"zero_optimization": {"sub_group_size": 2000}}))
+    mp.spawn(_partial_offload_worker, args=(2, free_port(), str(tmp_path / "rank0.pt"), str(tmp_path)), nprocs=2)
+    results = torch.load(tmp_path / "rank0.pt")
+    devices = list(results[0.5]["devices"].values())
+    assert len(devices) >= 4 and devices.count("cpu") == len(devices) - len(devices) // 2
+    assert set(results[1.0]["devices"].values()) == {"cpu"}
+    whole, half = results[1.0]["weights"], results[0.5]["weights"]
+    for update in range(3):  # CPU Adam and torch's AdamW round differently: 1e-8 is 1% of the first update
+        assert max((half[update][p] - whole[update][p]).abs().max().item() for p in whole[update]) <= 1e-8, update
+    assert all(torch.equal(results["resumed"][p], half[2][p]) for p in half[2])
+    assert "actor.cpu_offload_ratio" in results["refused"]
+
+
 def _host_with_a_gpu_worker(rank, world, port, out, extensions):
     """One rank of ZeRO-3 on the CPU where DeepSpeed's own choice of accelerator is CUDA's, as on a GPU host;
     compiled ops, if any, are built in ``extensions``."""
@@ -450,6 +521,24 @@ def test_settings_that_cannot_work_are_refused_before_any_weight_loads(tmp_path,
     with pytest.raises(ConfigError, match=r"needs DeepSpeed, which cannot be imported .*pip install "
                                           r"'longqa\[deepspeed\]'"):
         zero3.check_deepspeed(load_config(None, ["actor.strategy=deepspeed"]), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("settings,refused", [(["actor.cpu_offload=true"], True), (["actor.strategy=deepspeed"], True),
+                                              (["actor.strategy=deepspeed", "actor.cpu_offload=true"], False)])
+def test_a_partial_offload_is_deepspeed_s_own_offload(settings, refused):
+    from longqa.train.trainer import check_offload
+
+    cfg = load_config(None, [*settings, "actor.cpu_offload_ratio=0.4"])
+    if refused:
+        with pytest.raises(ConfigError, match="actor.cpu_offload_ratio=0.4 needs actor.strategy=deepspeed and "
+                                              "actor.cpu_offload=true"):
+            check_offload(cfg)
+        return
+    check_offload(cfg)
+    offload = zero3.generated_config(cfg, torch.device("cuda"), torch.bfloat16)["zero_optimization"]["offload_optimizer"]
+    assert offload == {"device": "cpu", "pin_memory": True, "ratio": 0.4}
+    with pytest.raises(ConfigError, match=r"actor.cpu_offload_ratio' must be in \[0, 1\]"):
+        load_config(None, ["actor.cpu_offload_ratio=1.5"])
 
 
 @needs_deepspeed

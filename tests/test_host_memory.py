@@ -79,3 +79,22 @@ def test_refusals_name_what_to_change():
         check_host_plan(plan, 1, 2)
     check_host_plan(plan_host_memory(qwen3_32b, world_size=8, ranks_per_node=8, host_bytes=1024 * GIB,
                                      cpu_offload=True, **common), 8, 2)  # one node of eight: fits
+
+
+def test_the_ratio_named_for_a_partial_offload_fits_in_whole_sub_groups():
+    """ZeRO-3 offloading Qwen3-8B's optimizer on one GPU (9 sub-groups of 10^9 parameters): the named ratio is the
+    largest whose sub-groups fit the node; none is named where even the whole optimizer on the GPU would not do."""
+    from longqa.distributed.host_memory import fitting_offload_ratio
+
+    qwen3_8b = sizes("qwen3-8b")
+
+    def plan(host_gib, fraction=1.0):
+        return plan_host_memory(qwen3_8b, world_size=1, ranks_per_node=1, host_bytes=host_gib * GIB, param_bytes=2,
+                                micro_batch_tokens=16384, cpu_offload=True, strategy="deepspeed",
+                                offload_fraction=fraction)
+    assert (plan(96).sub_groups, plan(96).optimizer_bytes) == (9, 16 * qwen3_8b.params)
+    for host_gib in (40, 64, 96, 120):
+        ratio = fitting_offload_ratio(plan(host_gib))
+        on_host = 9 - int((1 - ratio) * 9)
+        assert plan(host_gib, on_host / 9).peak <= host_gib * GIB < plan(host_gib, (on_host + 1) / 9).peak
+    assert fitting_offload_ratio(plan(19)) is None  # the load alone (15.3 GiB + margin) is over

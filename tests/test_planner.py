@@ -70,7 +70,7 @@ def test_cli_prints_host_memory_and_step_time_beside_the_gpu_table(capsys):
     assert main(["plan", "configs/loongrl-qwen3-8b.yaml", "actor.cpu_offload=true", "--gpus", "2", "--shape",
                  "qwen3-8b", "--response-length", "800"]) == 0
     out = capsys.readouterr().out
-    assert "on 2 GPU(s) of 141 GiB, 2 per node with 256 GiB of host memory, FSDP2, CPU offload" in out
+    assert "on 2 GPU(s) of 141 GiB, 2 per node with 250 GiB of host memory, FSDP2, CPU offload" in out
     assert "per rank, loading: the whole model             15.3 GiB" in out  # 8.19B parameters in bf16
     assert "rollout engine (weights, KV on the GPU)         0.0 GiB" in out
     # float32 master shards, their gradients and moments: 16 bytes a parameter, half of them on each rank
@@ -80,7 +80,7 @@ def test_cli_prints_host_memory_and_step_time_beside_the_gpu_table(capsys):
                   "weight refresh (engine's copy)", "step  "):
         assert f"\n  {phase}" in out
     assert main(["plan", "configs/loongrl-qwen3-32b.yaml", "--gpus", "32", "--shape", "qwen3-32b"]) == 0
-    assert "32 GPU(s) of 141 GiB, 8 per node with 1024 GiB of host memory" in capsys.readouterr().out
+    assert "32 GPU(s) of 141 GiB, 8 per node with 1000 GiB of host memory" in capsys.readouterr().out
 
 
 def test_cli_refuses_a_plan_over_the_host_memory(capsys):
@@ -88,14 +88,14 @@ def test_cli_refuses_a_plan_over_the_host_memory(capsys):
     assert main(args) == 2
     captured = capsys.readouterr()
     assert "node peak (2 ranks)" in captured.out
-    assert "GiB of host memory per node but a node has 256.0 GiB" in captured.err and "use more GPUs" in captured.err
+    assert "GiB of host memory per node but a node has 250.0 GiB" in captured.err and "use more GPUs" in captured.err
     assert main([*args, "--host-memory-gib", "576"]) == 0
 
 
 def test_cli_finds_the_largest_shape_two_gpus_can_train(capsys):
     assert main(["plan", "configs/loongrl-qwen3-32b.yaml", "--gpus", "2", "--largest"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("the largest Qwen3 shape on 2 GPU(s) of 141 GiB, 2 per node with 256 GiB")
+    assert lines[0].startswith("the largest Qwen3 shape on 2 GPU(s) of 141 GiB, 2 per node with 250 GiB")
     assert [line.split(":")[0].strip() for line in lines[1:]] == [
         "qwen3-32b, actor.cpu_offload=false", "qwen3-32b, actor.cpu_offload=true", "qwen3-14b, actor.cpu_offload=false",
         "qwen3-14b, actor.cpu_offload=true", "qwen3-8b, actor.cpu_offload=false"]
@@ -175,6 +175,59 @@ def test_a_deepspeed_plan_reads_the_offloads_of_its_config_file(tmp_path, capsys
     # on 1 GPU the bf16 weight partition alone does not fit beside the rest: the advice is to offload it too
     assert main([*base, "actor.cpu_offload=true", "--shape", "qwen3-32b", "--gpus", "1"]) == 2
     assert "offload the parameters too (zero_optimization.offload_param.device: cpu" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("gpus,ratio", [(1, 0.5), (1, 0.3), (2, 0.5), (2, 0.0)])
+def test_a_partial_offload_keeps_zero3_s_first_sub_groups_on_the_gpu(gpus, ratio):
+    """`actor.cpu_offload_ratio`: DeepSpeed cuts a rank's partition into sub-groups of `sub_group_size` (10^9)
+    parameters and keeps the first int((1 - ratio) * sub-groups) on the GPU; the plan moves exactly their 16
+    bytes a parameter from the host to the GPU, and their AdamW step with them."""
+    import math
+
+    from longqa.config import load_config
+    from longqa.distributed.host_memory import plan_host_config
+    from longqa.distributed.planner import offload_fraction, plan_config
+    from longqa.distributed.step_time import step_time_config
+
+    qwen3_8b = sizes("qwen3-8b")
+    groups = math.ceil(qwen3_8b.params / gpus / 10**9)
+    on_gpu = int((1 - ratio) * groups)
+
+    def config(r):
+        return load_config("configs/loongrl-qwen3-8b.yaml", ["actor.strategy=deepspeed", "actor.cpu_offload=true",
+                                                             f"actor.cpu_offload_ratio={r}"])
+    whole, part = config(1.0), config(ratio)
+    assert offload_fraction(whole, gpus, qwen3_8b.params) == 1.0
+    assert offload_fraction(part, gpus, qwen3_8b.params) == (groups - on_gpu) / groups
+    plans = [plan_config(c, qwen3_8b, gpus, H200) for c in (whole, part)]
+    moved = 16 * qwen3_8b.params // gpus - int((groups - on_gpu) / groups * 16 * qwen3_8b.params // gpus)
+    assert plans[0].host_state - plans[1].host_state == pytest.approx(moved, abs=1)
+    assert plans[1].training_state - plans[0].training_state == pytest.approx(moved, abs=1)
+    hosts = [plan_host_config(c, qwen3_8b, gpus, gpus, 128 * GIB * gpus) for c in (whole, part)]
+    assert hosts[0].offloaded_state - hosts[1].offloaded_state == pytest.approx(moved, abs=1)
+    times = [step_time_config(c, qwen3_8b, p, gpus) for c, p in zip((whole, part), plans)]
+    assert times[1].optimizer < times[0].optimizer and times[1].update <= times[0].update
+
+
+def test_the_plan_names_the_partial_offload_where_host_memory_runs_out(capsys):
+    """Qwen3-8B on one H200 of 64 GiB host memory: the offloaded optimizer (122 GiB) cannot be held, and the plan
+    names the ratio that fits the host; with it, the plan fits and says what steps where."""
+    base = ["plan", "configs/loongrl-qwen3-8b.yaml", "--shape", "qwen3-8b", "--host-memory-gib", "96",
+            "actor.strategy=deepspeed", "actor.cpu_offload=true", "data.train_batch_size=2"]
+    assert main(base) == 2
+    ratio = re.search(r"actor.cpu_offload_ratio=([0-9.]+) or lower", capsys.readouterr().err).group(1)
+    assert main([*base, f"actor.cpu_offload_ratio={ratio}"]) == 0
+    out = capsys.readouterr().out
+    assert f"{float(ratio):.0%} of the optimizer offloaded (DeepSpeed's CPU Adam steps it on the host, torch's AdamW " \
+           f"the rest on the GPU)" in out and out.rstrip().endswith("fits")
+    assert main([*base, "actor.cpu_offload_ratio=0.05", "--gpu-memory-gib", "96"]) == 2
+    assert "offload more of the optimizer (raise actor.cpu_offload_ratio)" in capsys.readouterr().err
+    # --largest tries that share where the whole optimizer does not fit the host but the GPU has room
+    assert main(["plan", "configs/loongrl-qwen3-8b.yaml", "--largest", "--host-memory-gib", "96",
+                 "actor.strategy=deepspeed"]) == 0
+    last = capsys.readouterr().out.splitlines()[-2:]
+    assert "qwen3-8b, actor.cpu_offload=true: this plan needs about" in last[0]
+    assert last[1].startswith(f"  qwen3-8b, actor.cpu_offload=true actor.cpu_offload_ratio={ratio}: fits")
 
 
 def test_offloaded_layers_keep_no_activations_on_the_gpu():

@@ -251,7 +251,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
     if args.largest:
         print(f"the largest Qwen3 shape on {where}, {describe_training(cfg)}:")
         for attempt in largest_shape(cfg, machine):
-            print(f"  {attempt.shape}, actor.cpu_offload={str(attempt.cpu_offload).lower()}: "
+            ratio = f" actor.cpu_offload_ratio={attempt.offload_ratio:g}" if attempt.offload_ratio < 1 else ""
+            print(f"  {attempt.shape}, actor.cpu_offload={str(attempt.cpu_offload).lower()}{ratio}: "
                   + (attempt.error or f"fits (GPU {attempt.gpu.total / GIB:.1f} GiB, host "
                                       f"{attempt.host.peak / GIB:.1f} GiB per node)"))
         return
@@ -518,8 +519,8 @@ def _add_scale_out_commands(groups: argparse._SubParsersAction) -> None:
     p.add_argument("--gpu-memory-gib", type=float, default=141.0, help="memory of one GPU (default 141, an H200)")
     p.add_argument("--gpus-per-node", type=int, help="GPUs of one node (default: --gpus, at most 8)")
     p.add_argument("--host-memory-gib", type=float,
-                   help="host memory of one node (default: 128 per GPU of the node, as on the measurement "
-                   "machines; an 8-GPU H200 server often has more)")
+                   help="host memory of one node (default: 125 per GPU of the node, what the kernel counts on the "
+                   "measurement machines; an 8-GPU H200 server often has more)")
     p.add_argument("--response-length", type=int,
                    help="mean response length for the step time (default data.max_response_length)")
     p.add_argument("--shape", choices=sorted(SHAPES), help="a known model shape instead of model.path's config")

@@ -150,6 +150,11 @@ class ActorConfig:
     cpu_offload: bool = opt(False, "fsdp2, with several ranks: keep the weight shards, their gradients and the AdamW "
                             "step on the CPU; deepspeed: offload the optimizer and step it with DeepSpeed's CPU Adam "
                             "(ZeRO-3 + CPU optimizer offload)")
+    cpu_offload_ratio: float = opt(
+        1.0, "deepspeed with cpu_offload: the fraction of the optimizer (its float32 weights, gradients and AdamW "
+        "moments, in whole sub-groups of zero_optimization.sub_group_size parameters) kept in host memory and stepped "
+        "by CPU Adam; torch's AdamW steps the rest on the GPU (DeepSpeed's partial offload), for a model whose "
+        "optimizer fits in neither memory alone", *unit_closed)
     master_weights: Literal["float32", "model"] = opt(
         "float32", "fsdp2, sharded on GPUs (several ranks, or cpu_offload): the dtype of the weight shards the "
         "optimizer steps, computed in bfloat16 either way. float32 (verl's default): an update of lr 1e-6 "

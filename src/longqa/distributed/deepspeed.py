@@ -70,6 +70,8 @@ def generated_config(cfg: Config, device: torch.device, dtype: torch.dtype) -> d
             "memory_efficient_linear": False}
     if cfg.actor.cpu_offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
+        if cfg.actor.cpu_offload_ratio != 1:
+            zero["offload_optimizer"]["ratio"] = cfg.actor.cpu_offload_ratio
     return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
             "gradient_clipping": cfg.actor.grad_clip,
             "bf16": {"enabled": dtype == torch.bfloat16 or device.type == "cuda"},
@@ -246,9 +248,29 @@ def backward(engine, loss: torch.Tensor, boundary: bool) -> None:
     engine.backward(loss, scale_wrt_gas=False)
 
 
+def accelerator_part(engine) -> tuple[torch.optim.Optimizer | None, dict[int, torch.Tensor]]:
+    """Under a partial offload (``offload_optimizer.ratio`` below 1), the torch AdamW that ZeRO-3 steps its
+    sub-groups left on the accelerator with, and those sub-groups' float32 weights by sub-group index; else
+    ``(None, {})``. DeepSpeed builds that optimizer once, from the offloaded one's settings at that moment, and
+    its checkpoints hold the offloaded optimizer's state alone: longqa keeps both in step."""
+    zero = engine.optimizer
+    backup = getattr(zero, "backup_optimizer", None)
+    if backup is None:
+        return None, {}
+    flats = zero.fp32_partitioned_groups_flat
+    return backup, {i: flats[i] for i, where in zero.subgroup_to_device.items() if where != "cpu"}
+
+
 def step(engine) -> float:
     """Clip and apply the accumulated gradient; returns its global norm before clipping (not finite: the
-    engine skipped the step and dropped the gradient)."""
+    engine skipped the step and dropped the gradient).
+
+    Under a partial offload the accelerator's AdamW first takes the offloaded one's learning rate (the
+    schedule moves only that one) and its other settings."""
+    backup, _ = accelerator_part(engine)
+    if backup is not None:
+        for source, target in zip(engine.optimizer.optimizer.param_groups, backup.param_groups):
+            target.update({key: source[key] for key in ("lr", "betas", "eps", "weight_decay")})
     engine.step()
     norm = engine.get_global_grad_norm()
     return float(norm) if norm is not None else float("nan")
@@ -265,6 +287,11 @@ def zero_grad(engine) -> None:
 def save(engine, folder: Path) -> None:
     """Every rank writes its partitions of the weights and optimizer state under ``folder / TAG``."""
     engine.save_checkpoint(str(folder), tag=TAG, save_latest=False)
+    backup, flats = accelerator_part(engine)
+    if backup is not None:
+        state = {i: {key: value.cpu() for key, value in backup.state.get(flat, {}).items()}
+                 for i, flat in flats.items()}
+        torch.save(state, folder / TAG / accelerator_state_file(engine))
 
 
 def saved_ranks(folder: Path) -> int:
@@ -273,8 +300,27 @@ def saved_ranks(folder: Path) -> int:
 
 
 def load(engine, folder: Path) -> None:
-    """Restore weights and optimizer state written by :func:`save` (on the same number of ranks)."""
+    """Restore weights and optimizer state written by :func:`save` (on the same number of ranks, and with the
+    optimizer split between host and accelerator as it was)."""
+    backup, flats = accelerator_part(engine)
+    path = folder / TAG / accelerator_state_file(engine)
+    state = torch.load(path, weights_only=True) if path.is_file() else {}
+    if sorted(state) != sorted(flats):
+        saved, now = (f"the optimizer's sub-groups {sorted(groups)} on the accelerator, the rest offloaded" if groups
+                      else "no partly offloaded optimizer" for groups in (state, flats))
+        raise ConfigError(f"checkpoint {folder} was written with {saved}, this run has {now}: resume it with the "
+                          f"actor.cpu_offload_ratio (and zero_optimization.sub_group_size) it was written with")
     engine.load_checkpoint(str(folder), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False)
+    backup, flats = accelerator_part(engine)  # (the partitions the engine holds now)
+    for i, moments in state.items():
+        if moments:  # (none before the first step)
+            backup.state[flats[i]] = {key: value if key == "step" else value.to(flats[i].device)
+                                      for key, value in moments.items()}
+
+
+def accelerator_state_file(engine) -> str:
+    """This rank's file of the accelerator's AdamW state under a partial offload, beside DeepSpeed's own."""
+    return f"rank{engine.global_rank}_accelerator_adamw.pt"
 
 
 def fp32_state_dict(folder: Path) -> dict[str, torch.Tensor]:

@@ -2,8 +2,8 @@
 
 ``longqa plan`` answers both: one config on one machine (the GPU plan, the node's host memory and the step
 time, refused with advice when either memory does not fit), or with ``--largest`` every Qwen3 shape of
-``longqa.model.shapes`` from the largest down, as the config asks and with the training state offloaded,
-until one fits.
+``longqa.model.shapes`` from the largest down, as the config asks and with the training state offloaded
+(under ZeRO-3, where all of it does not fit the host, with the share of it that does), until one fits.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-from longqa.distributed.host_memory import HostPlan, check_host_plan, plan_host_config
+from longqa.distributed.host_memory import HostPlan, check_host_plan, fitting_offload_ratio, plan_host_config
 from longqa.distributed.planner import DTYPE_BYTES, MemoryPlan, ModelSizes, PlanError, check_config, plan_config
 
 
@@ -54,25 +54,33 @@ class Attempt:
     error: str | None  # None: it fits
     gpu: MemoryPlan
     host: HostPlan
+    offload_ratio: float = 1.0  # actor.cpu_offload_ratio
 
 
 def largest_shape(cfg, machine: Machine) -> list[Attempt]:
-    """Every Qwen3 shape from the largest down, as ``cfg`` asks and then with ``actor.cpu_offload=true``,
-    until one fits; the last attempt is the answer when its ``error`` is None."""
+    """Every Qwen3 shape from the largest down, as ``cfg`` asks and then with ``actor.cpu_offload=true`` (and
+    under ZeRO-3 the largest ``actor.cpu_offload_ratio`` the host holds, if the whole optimizer is too much
+    for it), until one fits; the last attempt is the answer when its ``error`` is None."""
     from longqa.model.shapes import SHAPES
 
     sizes = {shape: shape_sizes(shape) for shape in SHAPES}
     attempts = []
     for shape in sorted(SHAPES, key=lambda s: sizes[s].params, reverse=True):
-        for offload in sorted({cfg.actor.cpu_offload, True}):
+        trials = [(offload, cfg.actor.cpu_offload_ratio) for offload in sorted({cfg.actor.cpu_offload, True})]
+        while trials:
+            offload, ratio = trials.pop(0)
             trial = copy.deepcopy(cfg)
-            trial.actor.cpu_offload = offload
+            trial.actor.cpu_offload, trial.actor.cpu_offload_ratio = offload, ratio if offload else 1.0
             gpu, host = plan_run(trial, sizes[shape], machine)
             try:
                 check_run_plan(trial, gpu, host)
             except PlanError as e:
-                attempts.append(Attempt(shape, offload, str(e), gpu, host))
+                attempts.append(Attempt(shape, offload, str(e), gpu, host, trial.actor.cpu_offload_ratio))
+                host_alone = gpu.total <= gpu.gpu_bytes and host.peak > host.host_bytes  # the host alone is short
+                share = fitting_offload_ratio(host) if offload and host_alone else None
+                if share is not None and share < trial.actor.cpu_offload_ratio:
+                    trials.append((True, share))
                 continue
-            attempts.append(Attempt(shape, offload, None, gpu, host))
+            attempts.append(Attempt(shape, offload, None, gpu, host, trial.actor.cpu_offload_ratio))
             return attempts
     return attempts

@@ -32,12 +32,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from longqa.distributed.planner import (DTYPE_BYTES, GIB, ModelSizes, PlanError, master_bytes, offloads,
+import math
+
+from longqa.distributed.planner import (DEEPSPEED_SUB_GROUP_SIZE, DTYPE_BYTES, GIB, ModelSizes, PlanError,
+                                       master_bytes, offload_fraction, offload_ratio, offloads,
                                        saved_activation_widths, training_state)
 
 HOST_MARGIN_BYTES = 4 * GIB  # per rank: interpreter, libraries, compile workers, NCCL host buffers
 RECIPE_PROMPT_TOKENS = 226_684_298  # the recipe's 13,645 prompts (benchmarks/RESULTS.md, prompt preparation)
-HOST_GIB_PER_GPU = 128  # the default: what the measurement machines have (128 GiB with one H200, 256 with two)
+# The default: what the measurement machines have, as the kernel counts it (MemTotal: 125 GiB of the 128 GiB
+# installed with one H200), which is what a run can use.
+HOST_GIB_PER_GPU = 125
 
 
 def pinned_bytes(nbytes: int) -> int:
@@ -73,6 +78,8 @@ class HostPlan:
     offloaded_activations: int  # per rank, while training
     prompt_cache: int  # per node
     margin: int = HOST_MARGIN_BYTES  # per rank
+    sub_groups: int = 0  # per rank: the sub-groups of ZeRO-3's offloaded optimizer (0: no ZeRO-3 optimizer offload)
+    optimizer_bytes: int = 0  # per rank: that optimizer's bytes, on the host or not
 
     @property
     def training(self) -> int:
@@ -97,19 +104,29 @@ class HostPlan:
 def plan_host_memory(sizes: ModelSizes, *, world_size: int, ranks_per_node: int, host_bytes: int,
                      param_bytes: int, micro_batch_tokens: int, cpu_offload: bool = False,
                      strategy: str = "fsdp2", offload_params: bool = False, activation_offload: float = 0.0,
-                     prompt_tokens: int = RECIPE_PROMPT_TOKENS, state_bytes: int | None = None) -> HostPlan:
+                     prompt_tokens: int = RECIPE_PROMPT_TOKENS, state_bytes: int | None = None,
+                     offload_fraction: float = 1.0, sub_group_size: int = DEEPSPEED_SUB_GROUP_SIZE) -> HostPlan:
     """Host bytes of a node running ``ranks_per_node`` of the ``world_size`` ranks (the module docstring
     says what is counted); ``param_bytes``: one parameter as loaded, ``state_bytes``: as the optimizer steps
-    it (default ``param_bytes``)."""
+    it (default ``param_bytes``); ``offload_fraction``: the share of ZeRO-3's offloaded optimizer on the host,
+    whose rank's partition DeepSpeed cuts into sub-groups of ``sub_group_size`` parameters."""
     state_bytes = param_bytes if state_bytes is None else state_bytes
     if cpu_offload and strategy != "deepspeed":
         state = fsdp2_offloaded_state(sizes, world_size, state_bytes)
     else:
-        state = training_state(sizes.params, world_size, strategy, cpu_offload, offload_params, state_bytes)[1]
+        state = training_state(sizes.params, world_size, strategy, cpu_offload, offload_params, state_bytes,
+                               offload_fraction)[1]
     return HostPlan(ranks=ranks_per_node, host_bytes=host_bytes, loading=param_bytes * sizes.params,
                     offloaded_state=state,
                     offloaded_activations=offloaded_activations(sizes, micro_batch_tokens, activation_offload),
-                    prompt_cache=4 * prompt_tokens)
+                    prompt_cache=4 * prompt_tokens,
+                    **zero3_sub_groups(sizes.params, world_size, sub_group_size)
+                    if cpu_offload and strategy == "deepspeed" and not offload_params else {})
+
+
+def zero3_sub_groups(params: int, world_size: int, sub_group_size: int) -> dict:
+    """A rank's sub-groups of ZeRO-3's optimizer and their bytes (float32 weights, gradients and moments)."""
+    return {"sub_groups": math.ceil(params / world_size / sub_group_size), "optimizer_bytes": 16 * params // world_size}
 
 
 def check_host_plan(plan: HostPlan, world_size: int, param_bytes: int) -> None:
@@ -127,6 +144,12 @@ def check_host_plan(plan: HostPlan, world_size: int, param_bytes: int) -> None:
             advice.append(f"use more GPUs (the offloaded state, {plan.offloaded_state / GIB:.1f} GiB per rank, is "
                           f"divided by their number, now {world_size})")
             advice.append("keep the training state on the GPUs (actor.cpu_offload=false) if the GPU plan allows it")
+            if (ratio := fitting_offload_ratio(plan)) is not None:
+                advice.append(f"offload only part of the optimizer (actor.cpu_offload_ratio={ratio:g} or lower) if "
+                              f"the GPU plan has room for the rest")
+            elif not plan.sub_groups:
+                advice.append("offload only part of the optimizer (actor.strategy=deepspeed with actor.cpu_offload_ratio "
+                              "below 1) if the GPU plan has room for the rest")
         if plan.offloaded_activations:
             advice.append(f"lower model.activation_offload (recompute those layers instead: "
                           f"model.checkpoint_fraction; {plan.offloaded_activations / GIB:.1f} GiB per rank)")
@@ -136,6 +159,19 @@ def check_host_plan(plan: HostPlan, world_size: int, param_bytes: int) -> None:
                     + "; or ".join(advice))
 
 
+def fitting_offload_ratio(plan: HostPlan) -> float | None:
+    """The largest ``actor.cpu_offload_ratio`` (to 2 decimals) whose share of ZeRO-3's offloaded optimizer fits
+    the node, counted in DeepSpeed's whole sub-groups (it keeps the first ``int((1 - ratio) * sub-groups)`` on
+    the GPU); None if the plan offloads no ZeRO-3 optimizer, or if no share would fit."""
+    if not plan.sub_groups or not plan.offloaded_state:
+        return None
+    room = (plan.host_bytes - plan.prompt_cache) / plan.ranks - plan.margin  # per rank
+    on_host = math.floor((room - plan.offloaded_activations) / (plan.optimizer_bytes / plan.sub_groups))
+    if plan.loading > room or on_host < 1:
+        return None
+    return math.floor(100 * min(on_host, plan.sub_groups) / plan.sub_groups) / 100
+
+
 def plan_host_config(cfg, sizes: ModelSizes, world_size: int, ranks_per_node: int, host_bytes: int) -> HostPlan:
     """The host plan of a longqa config."""
     cpu_offload, offload_params = offloads(cfg)
@@ -143,4 +179,6 @@ def plan_host_config(cfg, sizes: ModelSizes, world_size: int, ranks_per_node: in
                             param_bytes=DTYPE_BYTES[cfg.model.dtype], state_bytes=master_bytes(cfg, world_size),
                             micro_batch_tokens=cfg.actor.max_tokens_per_micro_batch, cpu_offload=cpu_offload,
                             strategy=cfg.actor.strategy, offload_params=offload_params,
-                            activation_offload=cfg.model.activation_offload)
+                            activation_offload=cfg.model.activation_offload,
+                            offload_fraction=offload_fraction(cfg, world_size, sizes.params),
+                            sub_group_size=offload_ratio(cfg)[1])

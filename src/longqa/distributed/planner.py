@@ -12,7 +12,8 @@ sharded over ``world_size`` ranks (FSDP2, ZeRO-3 style):
   (16 bytes) and a bf16 partition of the weights beside them, 18 bytes in all, of which the 2 stay on the
   GPU when the optimizer is offloaded (and leave it too when the parameters are). Offloaded
   (``actor.cpu_offload``), the rest is in host memory (``host_memory.py``); what differs is who steps it:
-  torch's AdamW under FSDP2, DeepSpeed's CPU Adam under ZeRO-3;
+  torch's AdamW under FSDP2, DeepSpeed's CPU Adam under ZeRO-3. ZeRO-3 may offload part of it
+  (``actor.cpu_offload_ratio``): that share of its sub-groups goes to the host, the others stay on the GPU;
 - when sharded, the unsharded layers being computed: two decoder layers (this one and the prefetched
   next) and the embedding/LM head, in bf16;
 - activations of one micro-batch of ``max_tokens_per_micro_batch`` packed tokens: with gradient
@@ -33,6 +34,7 @@ to refuse plans that cannot work, naming the setting to change, not to promise a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,15 +131,20 @@ class MemoryPlan:
 
 
 def training_state(params: int, world_size: int, strategy: str = "fsdp2", cpu_offload: bool = False,
-                   offload_params: bool = False, param_bytes: int = 4) -> tuple[int, int]:
-    """``(GPU, host)`` bytes per rank of the weights, gradients and AdamW moments (see the module docstring)."""
+                   offload_params: bool = False, param_bytes: int = 4,
+                   offload_fraction: float = 1.0) -> tuple[int, int]:
+    """``(GPU, host)`` bytes per rank of the weights, gradients and AdamW moments (see the module docstring);
+    ``offload_fraction``: the share of an offloaded optimizer in host memory (ZeRO-3's partial offload)."""
     if strategy == "deepspeed":
         offloaded, weights = 16 * params // world_size, 2 * params // world_size  # fp32 state, bf16 partition
     else:
         offloaded, weights = 4 * param_bytes * params // world_size, 0
     if not cpu_offload:
         return offloaded + weights, 0
-    return (0, offloaded + weights) if offload_params else (weights, offloaded)
+    if offload_params:
+        return 0, offloaded + weights
+    host = int(offload_fraction * offloaded)
+    return weights + offloaded - host, host
 
 
 def plan_memory(sizes: ModelSizes, *, world_size: int, gpu_bytes: int, micro_batch_tokens: int,
@@ -145,17 +152,17 @@ def plan_memory(sizes: ModelSizes, *, world_size: int, gpu_bytes: int, micro_bat
                 cpu_offload: bool = False, kv_cache_bytes: int | None = None,
                 activation_offload: float = 0.0, strategy: str = "fsdp2", offload_params: bool = False,
                 param_bytes: int = 4, sharded: bool = True, groups_per_rank: int = 1,
-                state_bytes: int | None = None) -> MemoryPlan:
+                state_bytes: int | None = None, offload_fraction: float = 1.0) -> MemoryPlan:
     """Per-GPU bytes of a plan (see the module docstring for what is counted); ``gradient_checkpointing`` is
     the fraction of decoder layers recomputed (True: all), ``activation_offload`` the fraction whose
     activations wait in host memory (none of theirs stays on the GPU); ``offload_params``: ZeRO-3's
     parameter offload; ``param_bytes``: one parameter in ``model.dtype``; ``sharded``: whether the model is
     sharded (then layers are gathered to compute and the rollout engine keeps its own copy of the weights);
     ``groups_per_rank``: the prompts a rank samples a step; ``state_bytes``: one parameter of the weights the
-    optimizer steps (default ``param_bytes``)."""
+    optimizer steps (default ``param_bytes``); ``offload_fraction``: see ``training_state``."""
     bf16 = 2
     state, host = training_state(sizes.params, world_size, strategy, cpu_offload, offload_params,
-                                 param_bytes if state_bytes is None else state_bytes)
+                                 param_bytes if state_bytes is None else state_bytes, offload_fraction)
     unsharded = bf16 * (2 * sizes.layer_params + sizes.embedding_params) if sharded else 0
     tokens = micro_batch_tokens
     per_token_layer = bf16 * sum(saved_activation_widths(sizes))
@@ -179,10 +186,12 @@ def plan_memory(sizes: ModelSizes, *, world_size: int, gpu_bytes: int, micro_bat
 
 
 PARAMETER_OFFLOAD = "zero_optimization.offload_param.device: cpu in actor.deepspeed_config"
+DEEPSPEED_SUB_GROUP_SIZE = 10**9  # DeepSpeed's default zero_optimization.sub_group_size
 
 
 def check_plan(plan: MemoryPlan, cpu_offload: bool, gradient_checkpointing: float, micro_batch_tokens: int,
-               kv_cache_bytes: int | None, offload_setting: str = "actor.cpu_offload=true") -> None:
+               kv_cache_bytes: int | None, offload_setting: str = "actor.cpu_offload=true",
+               partly_offloaded: bool = False) -> None:
     """Refuse a plan over the GPU's memory, naming the settings that would make it fit."""
     if plan.loading > plan.gpu_bytes:
         fix = ("load it in bf16 (model.dtype=bfloat16)" if plan.param_bytes > 2 else
@@ -199,6 +208,8 @@ def check_plan(plan: MemoryPlan, cpu_offload: bool, gradient_checkpointing: floa
                       f"{plan.training_state / GIB:.1f} GiB per GPU)")
     elif not cpu_offload and plan.training_state:
         advice.append(f"offload the training state to the CPU ({offload_setting})")
+    elif partly_offloaded:
+        advice.append("offload more of the optimizer (raise actor.cpu_offload_ratio)")
     elif plan.training_state:  # ZeRO-3's weight partition, still on the GPU beside an offloaded optimizer
         advice.append(f"offload the parameters too ({PARAMETER_OFFLOAD})")
     if not gradient_checkpointing:
@@ -229,7 +240,8 @@ def plan_config(cfg, sizes: ModelSizes, world_size: int, gpu_bytes: int) -> Memo
                        strategy=cfg.actor.strategy, offload_params=offload_params,
                        param_bytes=DTYPE_BYTES[cfg.model.dtype], sharded=is_sharded(cfg, world_size),
                        groups_per_rank=max(1, cfg.data.train_batch_size // world_size),
-                       state_bytes=master_bytes(cfg, world_size))
+                       state_bytes=master_bytes(cfg, world_size),
+                       offload_fraction=offload_fraction(cfg, world_size, sizes.params))
 
 
 def master_bytes(cfg, world_size: int) -> int:
@@ -259,6 +271,31 @@ def offloads(cfg) -> tuple[bool, bool]:
     return optimizer_offloaded(config), params
 
 
+def offload_fraction(cfg, world_size: int, params: int) -> float:
+    """The share of an offloaded optimizer in host memory: all of it, except under ZeRO-3's partial offload
+    (``offload_optimizer.ratio``, which ``actor.cpu_offload_ratio`` sets), which divides a rank's partition
+    into sub-groups of ``sub_group_size`` parameters and keeps the first ``int((1 - ratio) * sub-groups)`` of
+    them on the GPU."""
+    ratio, sub_group_size = offload_ratio(cfg)
+    if ratio >= 1:
+        return 1.0
+    groups = max(1, math.ceil(params / world_size / sub_group_size))
+    return (groups - int((1 - ratio) * groups)) / groups
+
+
+def offload_ratio(cfg) -> tuple[float, int]:
+    """ZeRO-3's ``offload_optimizer.ratio`` (1 for FSDP2 or no partial offload) and ``sub_group_size``."""
+    if cfg.actor.strategy != "deepspeed":
+        return 1.0, DEEPSPEED_SUB_GROUP_SIZE
+    import torch
+
+    from longqa.distributed.deepspeed import engine_config
+
+    zero = engine_config(cfg, torch.device("cuda"), torch.bfloat16)["zero_optimization"]
+    return ((zero.get("offload_optimizer") or {}).get("ratio", 1.0),
+            int(zero.get("sub_group_size", DEEPSPEED_SUB_GROUP_SIZE)))
+
+
 def recomputed_fraction(cfg) -> float:
     """The fraction of decoder layers a config recomputes in the backward pass."""
     return cfg.model.checkpoint_fraction if cfg.model.gradient_checkpointing else 0.0
@@ -268,14 +305,18 @@ def describe_training(cfg) -> str:
     """The sharding and where the optimizer steps, in words, for the plan's heading."""
     optimizer, params = offloads(cfg)
     if cfg.actor.strategy == "deepspeed":
+        ratio = offload_ratio(cfg)[0]
         where = ("optimizer and parameters offloaded" if params else "optimizer offloaded") if optimizer else ""
+        if where and ratio < 1 and not params:
+            return (f"DeepSpeed ZeRO-3, {ratio:.0%} of the optimizer offloaded (DeepSpeed's CPU Adam steps it on the "
+                    f"host, torch's AdamW the rest on the GPU)")
         return "DeepSpeed ZeRO-3" + (f", {where} (DeepSpeed's CPU Adam steps it on the host)" if where else "")
     return "FSDP2" + (", CPU offload (torch's AdamW steps it on the host)" if optimizer else "")
 
 
 def check_config(cfg, plan: MemoryPlan) -> None:
     check_plan(plan, offloads(cfg)[0], recomputed_fraction(cfg), cfg.actor.max_tokens_per_micro_batch,
-               cfg.rollout.kv_cache_bytes)
+               cfg.rollout.kv_cache_bytes, partly_offloaded=offload_ratio(cfg)[0] < 1)
 
 
 def model_sizes(cfg) -> ModelSizes | None:

@@ -17,9 +17,11 @@ Every rank does the same work on its own share of the step's groups, so a step t
   direction. With ``actor.cpu_offload`` that last part also holds the offload's own traffic and host work,
   at the rate measured per backend (``OFFLOAD_BYTES_PER_S``): FSDP2 brings its shards in for the
   forward and again for the backward and sends the gradients out to be added on the host; ZeRO-3 keeps
-  its bf16 partitions on the GPU and sends only the gradients out;
+  its bf16 partitions on the GPU and sends only the gradients out (those of its offloaded share, when
+  ``actor.cpu_offload_ratio`` keeps the rest on the GPU);
 - optimizer steps: on the GPU at the measured AdamW time per parameter; offloaded, at the time per
-  parameter measured on the host for each backend's optimizer (torch's AdamW, DeepSpeed's CPU Adam);
+  parameter measured on the host for each backend's optimizer (torch's AdamW, DeepSpeed's CPU Adam), and
+  a partial offload's GPU share at the GPU's time;
 - weight refresh: the rollout engine's own copy gathered over the link once per step (after FSDP2's
   offloaded shards came to the GPU over PCIe); nothing when one process shares its model.
 
@@ -33,8 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from longqa.bench import H200_BF16_PEAK, decode_floor_s, group_flops
-from longqa.distributed.planner import (DTYPE_BYTES, MemoryPlan, ModelSizes, master_bytes, offloads,
-                                       recomputed_fraction, saved_activation_widths)
+from longqa.distributed.planner import (DTYPE_BYTES, MemoryPlan, ModelSizes, master_bytes, offload_fraction,
+                                       offloads, recomputed_fraction, saved_activation_widths)
 
 # Fast engine, 16 groups x 8, Qwen3-1.7B, 8,192-token prompts, 1,024 new tokens: 79.5% (8cd9084), 80.0% and
 # 79.5% (a7e656b) and 73.7% (4317a29) of the HBM floor.
@@ -105,8 +107,9 @@ def plan_step_time(sizes: ModelSizes, plan: MemoryPlan, *, gpus_per_node: int, p
                    response_length: int, n: int, batch_size: int, mini_batch_size: int, epochs: int,
                    micro_batch_tokens: int, recomputed: float, cpu_offload: bool, strategy: str = "fsdp2",
                    param_bytes: int = 2, activation_offload: float = 0.0,
-                   state_bytes: int | None = None) -> StepTime:
-    """One rank's seconds per phase of a GRPO step under ``plan`` (the module docstring says how)."""
+                   state_bytes: int | None = None, offloaded: float = 1.0) -> StepTime:
+    """One rank's seconds per phase of a GRPO step under ``plan`` (the module docstring says how); ``offloaded``:
+    the share of an offloaded optimizer on the host (ZeRO-3's partial offload)."""
     config, world, params = sizes.config, plan.world_size, sizes.params
     groups = max(1, batch_size // world)
     peak = H200_BF16_PEAK
@@ -120,7 +123,7 @@ def plan_step_time(sizes: ModelSizes, plan: MemoryPlan, *, gpus_per_node: int, p
     # Offloaded bytes a micro-batch brings in for each pass (forward, backward) and sends out after its backward.
     weights_in = gradients_out = 0.0
     if cpu_offload and strategy == "deepspeed":  # the bf16 partitions stay on the GPU; fp32 gradients go out
-        gradients_out = 4 * params / world
+        gradients_out = offloaded * 4 * params / world
     elif cpu_offload:
         weights_in = gradients_out = state_bytes * params / world
     offload_rate = OFFLOAD_BYTES_PER_S[strategy]
@@ -145,7 +148,8 @@ def plan_step_time(sizes: ModelSizes, plan: MemoryPlan, *, gpus_per_node: int, p
     update = epochs * pass_time(1 + recomputed / 3, 2 * weights_in + gradients_out, activations, 8)
     steps = epochs * len(minis)
     if cpu_offload:
-        per_param = HOST_ADAM_S_PER_PARAM[strategy] * (state_bytes / 4 if strategy == "fsdp2" else 1)
+        host = HOST_ADAM_S_PER_PARAM[strategy] * (state_bytes / 4 if strategy == "fsdp2" else 1)
+        per_param = offloaded * host + (1 - offloaded) * GPU_ADAM_S_PER_PARAM
     else:
         per_param = GPU_ADAM_S_PER_PARAM
     optimizer = steps * per_param * params / world
@@ -167,4 +171,5 @@ def step_time_config(cfg, sizes: ModelSizes, plan: MemoryPlan, gpus_per_node: in
                           recomputed=recomputed_fraction(cfg), cpu_offload=offloads(cfg)[0],
                           strategy=cfg.actor.strategy, param_bytes=DTYPE_BYTES[cfg.model.dtype],
                           activation_offload=cfg.model.activation_offload,
-                          state_bytes=master_bytes(cfg, plan.world_size))
+                          state_bytes=master_bytes(cfg, plan.world_size),
+                          offloaded=offload_fraction(cfg, plan.world_size, sizes.params))

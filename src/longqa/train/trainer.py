@@ -105,6 +105,11 @@ def check_offload(cfg: Config) -> None:
     if cfg.actor.cpu_offload and cfg.rollout.engine == "hf":
         raise ConfigError("actor.cpu_offload=true needs rollout.engine=fast or vllm: the hf engine generates with the "
                           "training model itself, whose weights are then shards in host memory")
+    a = cfg.actor
+    if a.cpu_offload_ratio != 1 and (a.strategy != "deepspeed" or not a.cpu_offload):
+        raise ConfigError(f"actor.cpu_offload_ratio={a.cpu_offload_ratio:g} needs actor.strategy=deepspeed and "
+                          f"actor.cpu_offload=true: only DeepSpeed offloads part of the optimizer (got "
+                          f"actor.strategy={a.strategy}, actor.cpu_offload={str(a.cpu_offload).lower()})")
 
 
 def rounding_warning(cfg: Config, device: torch.device, sharded: bool) -> str | None:
