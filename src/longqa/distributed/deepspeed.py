@@ -302,7 +302,7 @@ def saved_ranks(folder: Path) -> int:
 def load(engine, folder: Path) -> None:
     """Restore weights and optimizer state written by :func:`save` (on the same number of ranks, and with the
     optimizer split between host and accelerator as it was)."""
-    backup, flats = accelerator_part(engine)
+    _, flats = accelerator_part(engine)
     path = folder / TAG / accelerator_state_file(engine)
     state = torch.load(path, weights_only=True) if path.is_file() else {}
     if sorted(state) != sorted(flats):

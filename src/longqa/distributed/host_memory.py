@@ -32,11 +32,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import math
-
 from longqa.distributed.planner import (DEEPSPEED_SUB_GROUP_SIZE, DTYPE_BYTES, GIB, ModelSizes, PlanError,
-                                       master_bytes, offload_fraction, offload_ratio, offloads,
-                                       saved_activation_widths, training_state)
+                                       host_share, master_bytes, offload_ratio, offloads, saved_activation_widths,
+                                       training_state, zero3_sub_groups)
 
 HOST_MARGIN_BYTES = 4 * GIB  # per rank: interpreter, libraries, compile workers, NCCL host buffers
 RECIPE_PROMPT_TOKENS = 226_684_298  # the recipe's 13,645 prompts (benchmarks/RESULTS.md, prompt preparation)
@@ -120,13 +118,14 @@ def plan_host_memory(sizes: ModelSizes, *, world_size: int, ranks_per_node: int,
                     offloaded_state=state,
                     offloaded_activations=offloaded_activations(sizes, micro_batch_tokens, activation_offload),
                     prompt_cache=4 * prompt_tokens,
-                    **zero3_sub_groups(sizes.params, world_size, sub_group_size)
+                    **zero3_optimizer(sizes.params, world_size, sub_group_size)
                     if cpu_offload and strategy == "deepspeed" and not offload_params else {})
 
 
-def zero3_sub_groups(params: int, world_size: int, sub_group_size: int) -> dict:
+def zero3_optimizer(params: int, world_size: int, sub_group_size: int) -> dict:
     """A rank's sub-groups of ZeRO-3's optimizer and their bytes (float32 weights, gradients and moments)."""
-    return {"sub_groups": math.ceil(params / world_size / sub_group_size), "optimizer_bytes": 16 * params // world_size}
+    return {"sub_groups": zero3_sub_groups(params, world_size, sub_group_size),
+            "optimizer_bytes": 16 * params // world_size}
 
 
 def check_host_plan(plan: HostPlan, world_size: int, param_bytes: int) -> None:
@@ -148,8 +147,8 @@ def check_host_plan(plan: HostPlan, world_size: int, param_bytes: int) -> None:
                 advice.append(f"offload only part of the optimizer (actor.cpu_offload_ratio={ratio:g} or lower) if "
                               f"the GPU plan has room for the rest")
             elif not plan.sub_groups:
-                advice.append("offload only part of the optimizer (actor.strategy=deepspeed with actor.cpu_offload_ratio "
-                              "below 1) if the GPU plan has room for the rest")
+                advice.append("offload only part of the optimizer (actor.strategy=deepspeed with "
+                              "actor.cpu_offload_ratio below 1) if the GPU plan has room for the rest")
         if plan.offloaded_activations:
             advice.append(f"lower model.activation_offload (recompute those layers instead: "
                           f"model.checkpoint_fraction; {plan.offloaded_activations / GIB:.1f} GiB per rank)")
@@ -175,10 +174,12 @@ def fitting_offload_ratio(plan: HostPlan) -> float | None:
 def plan_host_config(cfg, sizes: ModelSizes, world_size: int, ranks_per_node: int, host_bytes: int) -> HostPlan:
     """The host plan of a longqa config."""
     cpu_offload, offload_params = offloads(cfg)
+    ratio, sub_group_size = offload_ratio(cfg)
     return plan_host_memory(sizes, world_size=world_size, ranks_per_node=ranks_per_node, host_bytes=host_bytes,
                             param_bytes=DTYPE_BYTES[cfg.model.dtype], state_bytes=master_bytes(cfg, world_size),
                             micro_batch_tokens=cfg.actor.max_tokens_per_micro_batch, cpu_offload=cpu_offload,
                             strategy=cfg.actor.strategy, offload_params=offload_params,
                             activation_offload=cfg.model.activation_offload,
-                            offload_fraction=offload_fraction(cfg, world_size, sizes.params),
-                            sub_group_size=offload_ratio(cfg)[1])
+                            sub_group_size=sub_group_size,
+                            offload_fraction=host_share(ratio, zero3_sub_groups(sizes.params, world_size,
+                                                                                sub_group_size)))

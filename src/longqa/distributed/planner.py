@@ -274,13 +274,22 @@ def offloads(cfg) -> tuple[bool, bool]:
 def offload_fraction(cfg, world_size: int, params: int) -> float:
     """The share of an offloaded optimizer in host memory: all of it, except under ZeRO-3's partial offload
     (``offload_optimizer.ratio``, which ``actor.cpu_offload_ratio`` sets), which divides a rank's partition
-    into sub-groups of ``sub_group_size`` parameters and keeps the first ``int((1 - ratio) * sub-groups)`` of
-    them on the GPU."""
+    into sub-groups of ``sub_group_size`` parameters (``host_share``)."""
     ratio, sub_group_size = offload_ratio(cfg)
+    return host_share(ratio, zero3_sub_groups(params, world_size, sub_group_size))
+
+
+def zero3_sub_groups(params: int, world_size: int, sub_group_size: int) -> int:
+    """How many sub-groups ZeRO-3 cuts a rank's partition of the optimizer into."""
+    return max(1, math.ceil(params / world_size / sub_group_size))
+
+
+def host_share(ratio: float, sub_groups: int) -> float:
+    """The share of ``sub_groups`` in host memory at ``offload_optimizer.ratio``: all but the first
+    ``int((1 - ratio) * sub_groups)``, which DeepSpeed keeps on the GPU."""
     if ratio >= 1:
         return 1.0
-    groups = max(1, math.ceil(params / world_size / sub_group_size))
-    return (groups - int((1 - ratio) * groups)) / groups
+    return (sub_groups - int((1 - ratio) * sub_groups)) / sub_groups
 
 
 def offload_ratio(cfg) -> tuple[float, int]:
