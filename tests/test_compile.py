@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from longqa.config import load_config
-from longqa.model.attention import LENGTH_BUCKETS, length_step
+from longqa.model.attention import BLOCK, LENGTH_BUCKETS, length_step
 from longqa.model.load import compile_decoder_layers, compiled_graphs
 from longqa.train.actor import Actor, Samples
 from tiny_models import VOCAB, tiny_lm
@@ -81,18 +81,19 @@ def test_checkpointing_a_fraction_of_the_layers_recomputes_the_first_ones():
 def test_after_compiling_every_length_bucket_no_update_compiles_again(backend, dtype):
     """Updates of random prompt and response lengths, off-policy (an old log-prob pass too), after
     ``compile_length_buckets``: no new graph."""
+    budget = 4 * BLOCK  # four length buckets: Inductor compiles each one's forward and backward (minutes for 16)
     model = tiny_lm(head_dim=16).to("cuda", dtype)
     compile_decoder_layers(model)
     cfg = load_config(None, ["actor.shared_prompt=true", f"actor.attention_backend={backend}", "rollout.n=3",
-                             f"actor.max_tokens_per_micro_batch={BUDGET}", "data.train_batch_size=2",
-                             "actor.ppo_mini_batch_size=1", "data.max_response_length=300"])
+                             f"actor.max_tokens_per_micro_batch={budget}", "data.train_batch_size=2",
+                             "actor.ppo_mini_batch_size=1", "data.max_response_length=100"])
     actor = Actor(model, cfg, 4, torch.device("cuda"))
-    assert actor.compile_length_buckets() == LENGTH_BUCKETS
+    assert length_step(budget) == BLOCK and actor.compile_length_buckets() == 4
     g = torch.Generator().manual_seed(0)
     before, seen = compiled_graphs(), guard_failure_counts()
-    for _ in range(4):
-        groups = [samples(int(torch.randint(20, 1000, (1,), generator=g)),
-                          torch.randint(1, 300, (3,), generator=g).tolist(),
+    for _ in range(6):  # every group (a prompt of 20-199 tokens, three responses of 1-99) fits in one row
+        groups = [samples(int(torch.randint(20, 200, (1,), generator=g)),
+                          torch.randint(1, 100, (3,), generator=g).tolist(),
                           int(torch.randint(0, 99, (1,), generator=g))) for _ in range(2)]
         actor.update(Samples([p for s in groups for p in s.prompt_ids], [r for s in groups for r in s.response_ids],
                              torch.randn(6, generator=g), 3))
