@@ -12,7 +12,6 @@ import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
 from longqa.config import ConfigError, load_config
@@ -20,7 +19,7 @@ from longqa.distributed import deepspeed as zero3
 from longqa.train.actor import Actor
 from longqa.train.checkpoint import CheckpointError, load_checkpoint, load_model_weights, save_checkpoint
 from test_distributed import (assert_same_records, config, free_port, global_samples, launch, rank_share,  # noqa: F401
-                              run_args, run_inputs)
+                              run_args, run_inputs, spawn_ranks)
 from tiny_models import tiny_lm
 
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
@@ -122,7 +121,7 @@ def reference_step():
 def two_rank_run(root, names: list[str], extensions=None) -> tuple[dict, object]:
     """The named variants' updates on 2 ranks (rank 0's results) and the folder of their checkpoints."""
     args = (2, free_port(), str(root / "rank0.pt"), str(root / "runs"), names, extensions and str(extensions))
-    mp.spawn(_step_worker, args=args, nprocs=2)
+    spawn_ranks(_step_worker, *args)
     return torch.load(root / "rank0.pt"), root / "runs"
 
 
@@ -243,7 +242,7 @@ def test_a_partly_offloaded_optimizer_steps_as_the_offloaded_one_and_resumes_exa
     exactly from a checkpoint (DeepSpeed saves the offloaded part's moments alone); a run that offloads all of it
     is refused that checkpoint, naming the setting."""
     (tmp_path / "sub_groups.json").write_text(json.dumps({"zero_optimization": {"sub_group_size": 2000}}))
-    mp.spawn(_partial_offload_worker, args=(2, free_port(), str(tmp_path / "rank0.pt"), str(tmp_path)), nprocs=2)
+    spawn_ranks(_partial_offload_worker, 2, free_port(), str(tmp_path / "rank0.pt"), str(tmp_path))
     results = torch.load(tmp_path / "rank0.pt")
     devices = list(results[0.5]["devices"].values())
     assert len(devices) >= 4 and devices.count("cpu") == len(devices) - len(devices) // 2
@@ -285,7 +284,7 @@ def test_a_cpu_run_on_a_host_with_a_gpu_keeps_deepspeed_on_the_cpu(reference_ste
     CPU accelerator's inference all-reduce was built there when it was marked unavailable on CUDA's)."""
     out, extensions = tmp_path / "rank0.pt", tmp_path / "extensions"
     extensions.mkdir()
-    mp.spawn(_host_with_a_gpu_worker, args=(1, free_port(), str(out), str(extensions)), nprocs=1)
+    spawn_ranks(_host_with_a_gpu_worker, 1, free_port(), str(out), str(extensions), nprocs=1)
     got = torch.load(out)
     assert got["accelerator"] == "cpu" and got["devices"] == {"cpu"}
     assert_the_single_process_step(reference_step, got)
@@ -336,7 +335,7 @@ def test_the_engine_refresh_gathers_a_zero3_layer_at_a_time(tmp_path):
     (its dozen tensors together, as its forward pass gathers them) and every parameter partitioned again
     after."""
     out = tmp_path / "gathered.pt"
-    mp.spawn(_refresh_worker, args=(2, free_port(), str(out)), nprocs=2)
+    spawn_ranks(_refresh_worker, 2, free_port(), str(out))
     saved = torch.load(out)
     others = saved["parameters"] - saved["layers"] * saved["per_layer"]  # embeddings, final norm, LM head
     for result in saved["results"]:

@@ -101,7 +101,7 @@ def test_bf16_mixed_precision_takes_packed_batches(tmp_path):
     reference = Actor(tiny_lm(), config("true", "token-mean", 40), 1, torch.device("cpu")).logprobs(
         rank_share(global_samples(), 0, 2))
     out = tmp_path / "rank0.pt"
-    mp.spawn(_bf16_worker, args=(2, free_port(), str(out)), nprocs=2)
+    spawn_ranks(_bf16_worker, 2, free_port(), str(out))
     for got, expected in zip(torch.load(out), reference):
         assert torch.allclose(got.float(), expected, atol=0.1)
 
@@ -110,6 +110,27 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def spawn_ranks(worker, *args, nprocs: int = 2) -> None:
+    """``mp.spawn(worker, args)``, each process leaving with ``os._exit`` once its worker returned. By then the
+    worker has written its results and left the process group; what remains is interpreter shutdown, where
+    gloo's threads were seen to abort a rank that had finished ("terminate called without an active
+    exception", SIGABRT) and fail a test whose every rank had succeeded. A crash before that still fails the
+    test, with each thread's Python stack on stderr (faulthandler)."""
+    mp.spawn(_exit_when_done, args=(worker, args), nprocs=nprocs)
+
+
+def _exit_when_done(rank, worker, args):
+    import faulthandler
+    import os
+    import sys
+
+    faulthandler.enable(all_threads=True)
+    worker(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 
@@ -155,7 +176,7 @@ def test_sharded_bf16_models_step_float32_master_weights(tmp_path, master_weight
     (actor.master_weights=model) nearly every update rounds away. The engine's copy stays bf16 and takes the
     masters rounded to bf16."""
     out = tmp_path / "rank0.pt"
-    mp.spawn(_masters_worker, args=(2, free_port(), str(out), master_weights), nprocs=2)
+    spawn_ranks(_masters_worker, 2, free_port(), str(out), master_weights)
     got = torch.load(out)
     moved = torch.cat([(got["after"][k].float() - got["before"][k].float()).flatten() for k in got["after"]])
     if master_weights == "float32":
@@ -181,7 +202,7 @@ def test_two_ranks_take_the_single_process_step(tmp_path, shared, mode, offload)
     reference_stats, reference_grads = step(Actor(model, config(shared, mode, budget), 1, torch.device("cpu")),
                                             global_samples())
     out = tmp_path / "rank0.pt"
-    mp.spawn(_worker, args=(2, free_port(), shared, mode, budget, str(out), offload), nprocs=2)
+    spawn_ranks(_worker, 2, free_port(), shared, mode, budget, str(out), offload)
     result = torch.load(out)
     for name, grad in reference_grads.items():
         rel = ((result["grads"][name] - grad).abs().max() / grad.abs().max()).item()
@@ -518,7 +539,7 @@ def test_the_engine_refresh_gathers_a_layer_at_a_time(tmp_path):
     """Sharded weights come back whole, equal to gathering each tensor alone, with one gather per decoder
     layer (FSDP2's flat all-gather of its shards) and every shard released after."""
     out = tmp_path / "gathered.pt"
-    mp.spawn(_gather_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    spawn_ranks(_gather_worker, 2, free_port(), str(out))
     saved = torch.load(out)
     for result in saved["results"]:
         assert sorted(name for name, _ in result["gathered"]) == sorted(name for name, _ in result["one_by_one"])
@@ -571,7 +592,7 @@ def test_a_mini_batch_counts_groups_over_all_ranks(tmp_path):
     reference = Actor(model, cfg, 1, torch.device("cpu"))
     reference.update(reorder_groups(global_samples(), [0, 2, 1, 3]))  # rank 0 owns groups 0-1, rank 1 groups 2-3
     out = tmp_path / "rank0.pt"
-    mp.spawn(_minis_worker, args=(2, free_port(), str(out)), nprocs=2)
+    spawn_ranks(_minis_worker, 2, free_port(), str(out))
     result = torch.load(out)
     assert result["steps"] == 2
     for name, value in model.state_dict().items():
