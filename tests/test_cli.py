@@ -1,5 +1,6 @@
 import json
 
+import pyarrow.parquet as pq
 import pytest
 
 from longqa.cli import build_parser, main
@@ -73,6 +74,24 @@ def test_synth_by_length_then_eval_scores_each_length(tmp_path, capsys):
     result = json.loads(scores.read_text())
     assert [(g["target_tokens"], g["n"]) for g in result["by_length"]] == [(256, 2), (512, 2)]
     assert sum(g["n"] for g in result["by_hops"]) == result["all"]["n"] == 4
+    # --limit: the first rows of each file, so a quick look still covers every length
+    files = [out_dir / f"ctx{n}" / "merged" / "test.parquet" for n in (512, 256)]
+    samples = tmp_path / "samples.jsonl"
+    assert main(["eval", "--data", *map(str, files), "--max-new-tokens", "4", "--device", "cpu", "--limit", "1",
+                 "--output", str(scores), "--samples", str(samples)]) == 0
+    result = json.loads(scores.read_text())
+    assert [(g["target_tokens"], g["n"]) for g in result["by_length"]] == [(256, 1), (512, 1)]
+    firsts = [pq.read_table(f).to_pylist()[0]["reward_model"]["ground_truth"] for f in files]
+    assert [json.loads(line)["ground_truth"] for line in samples.read_text().splitlines()] == firsts
+
+
+@pytest.mark.parametrize("extra, complaint", [
+    (["--data", "x.parquet", "--limit", "0"], "--limit must be at least 1, got 0"),
+    (["--longbench-scores", "preds", "--limit", "5"], "--longbench-scores answers none"),
+])
+def test_eval_limit_errors(capsys, extra, complaint):
+    assert main(["eval", *extra]) == 2
+    assert complaint in capsys.readouterr().err
 
 
 def test_overrides_may_follow_options(capsys):

@@ -114,6 +114,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
+    if args.limit is not None and args.limit < 1:
+        raise ConfigError(f"--limit must be at least 1, got {args.limit}")
+    if args.limit is not None and args.longbench_scores:
+        raise ConfigError("--limit takes the first rows to answer; --longbench-scores answers none (it scores "
+                          "the prediction files whole)")
     if args.longbench or args.longbench_scores:
         return _eval_longbench(args)
     import json
@@ -125,6 +130,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
     model, tokenizer = load_model(args.model, device=pick_device(args.device))
     prompts = prepare_prompts(args.data, tokenizer, PromptOptions(args.max_prompt_length))
+    if args.limit is not None:
+        prompts = prompts.first_of_each_file(args.limit)
     samples = Path(args.samples) if args.samples else None
     result = evaluate(model, tokenizer, prompts, args.max_new_tokens, args.batch_size, samples, args.mode)
     print(format_table(result) + format_groups(result))
@@ -140,8 +147,6 @@ def _eval_longbench(args: argparse.Namespace) -> None:
     if args.longbench:
         if not args.output:
             raise ConfigError("--longbench needs --output: the folder for the prediction files and result.json")
-        if args.limit is not None and args.limit < 1:
-            raise ConfigError(f"--limit must be at least 1, got {args.limit}")
         if args.max_prompt_length < 2:
             raise ConfigError(f"--max-prompt-length must be at least 2, got {args.max_prompt_length}")
         from longqa.model.load import load_model, pick_device
@@ -380,7 +385,8 @@ def _add_model_commands(groups: argparse._SubParsersAction) -> None:
     p.add_argument("--output", help="write the scores as JSON here (with --longbench: the folder for the "
                    "prediction files and result.json)")
     p.add_argument("--samples", help="write every answer as JSONL here")
-    p.add_argument("--limit", type=int, help="with --longbench: the first N rows of each set (quick runs)")
+    p.add_argument("--limit", type=int, help="answer the first N rows of each --data file or LongBench set "
+                   "(quick runs)")
     p.set_defaults(func=cmd_eval)
 
     p = groups.add_parser("export", help="a checkpoint as a Hugging Face folder (safetensors + tokenizer)",

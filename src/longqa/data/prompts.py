@@ -99,6 +99,20 @@ class PromptSet:
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
 
+    def first_of_each_file(self, n: int) -> PromptSet:
+        """The first ``n`` kept prompts of each file, in order: a quick evaluation that still sees every file
+        (one per context length, say) rather than the first file alone."""
+        taken: dict[int, int] = {}
+        keep = []
+        for i, m in enumerate(self.meta):
+            taken[m["file"]] = taken.get(m["file"], 0) + 1
+            if taken[m["file"]] <= n:
+                keep.append(i)
+        lengths = [len(self.ids(i)) for i in keep]
+        offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64)
+        token_ids = np.concatenate([self.ids(i) for i in keep]).astype(np.int32)
+        return PromptSet(token_ids, offsets, [self.meta[i] for i in keep], self.stats)
+
 
 def _file_digest(path: Path) -> str:
     with open(path, "rb") as f:
