@@ -87,9 +87,11 @@ def test_synth_by_length_then_eval_scores_each_length(tmp_path, capsys):
 
 @pytest.mark.parametrize("extra, complaint", [
     (["--data", "x.parquet", "--limit", "0"], "--limit must be at least 1, got 0"),
-    (["--longbench-scores", "preds", "--limit", "5"], "--longbench-scores answers none"),
+    (["--longbench-scores", "preds", "--limit", "5", "--device", "cpu"],
+     "--longbench-scores takes no --device, --limit: it scores the prediction files as they are"),
+    (["--longbench", "data", "--output", "preds", "--mode", "em"], "--longbench takes no --mode: LongBench's"),
 ])
-def test_eval_limit_errors(capsys, extra, complaint):
+def test_eval_refuses_options_it_would_not_use(capsys, extra, complaint):
     assert main(["eval", *extra]) == 2
     assert complaint in capsys.readouterr().err
 

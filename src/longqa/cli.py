@@ -113,12 +113,26 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+# Options that an input of `longqa eval` has no use for, and why: given with it, they would do nothing.
+EVAL_UNUSED_OPTIONS = {
+    "longbench": (("mode",), "LongBench's prediction files are scored with its own F1"),
+    "longbench_scores": (("model", "max_new_tokens", "max_prompt_length", "batch_size", "mode", "device", "output",
+                          "samples", "limit"),
+                         "it scores the prediction files as they are and writes PRED_DIR/result.json"),
+}
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
 def cmd_eval(args: argparse.Namespace) -> None:
+    for source, (options, why) in EVAL_UNUSED_OPTIONS.items():
+        given = [_flag(o) for o in options if getattr(args, o) != args.eval_defaults[o]]
+        if getattr(args, source) and given:
+            raise ConfigError(f"{_flag(source)} takes no {', '.join(given)}: {why}")
     if args.limit is not None and args.limit < 1:
         raise ConfigError(f"--limit must be at least 1, got {args.limit}")
-    if args.limit is not None and args.longbench_scores:
-        raise ConfigError("--limit takes the first rows to answer; --longbench-scores answers none (it scores "
-                          "the prediction files whole)")
     if args.longbench or args.longbench_scores:
         return _eval_longbench(args)
     import json
@@ -387,7 +401,8 @@ def _add_model_commands(groups: argparse._SubParsersAction) -> None:
     p.add_argument("--samples", help="write every answer as JSONL here")
     p.add_argument("--limit", type=int, help="answer the first N rows of each --data file or LongBench set "
                    "(quick runs)")
-    p.set_defaults(func=cmd_eval)
+    p.set_defaults(func=cmd_eval, eval_defaults={dest: p.get_default(dest) for options, _ in
+                                                 EVAL_UNUSED_OPTIONS.values() for dest in options})
 
     p = groups.add_parser("export", help="a checkpoint as a Hugging Face folder (safetensors + tokenizer)",
                           description="Write checkpoint CHECKPOINT as a folder that transformers (and vLLM) load.")
