@@ -86,7 +86,6 @@ def test_synth_by_length_then_eval_scores_each_length(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("extra, complaint", [
-    (["--data", "x.parquet", "--limit", "0"], "--limit must be at least 1, got 0"),
     (["--longbench-scores", "preds", "--limit", "5", "--device", "cpu"],
      "--longbench-scores takes no --device, --limit: it scores the prediction files as they are"),
     (["--longbench", "data", "--output", "preds", "--mode", "em"], "--longbench takes no --mode: LongBench's"),
@@ -116,3 +115,76 @@ def test_a_plan_whose_model_config_cannot_be_read_says_so_in_one_line(tmp_path, 
     assert err.startswith(f"longqa: error: cannot read the model config of model.path={tmp_path} (")
     assert err.rstrip().endswith("give a local model folder, or size a Qwen3 shape instead with longqa plan --shape")
     assert len(err.strip().splitlines()) == 1
+
+
+def _commands(parser, path=()):
+    """Every (command path, its parser) of the ``longqa`` command line."""
+    import argparse
+
+    subparsers = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subparsers:
+        yield path, parser
+    for action in subparsers:
+        for name, sub in action.choices.items():
+            yield from _commands(sub, (*path, name))
+
+
+# Numeric options left to the library's own checks (one line each, tested below), or with no range to check.
+CHECKED_BY_THE_LIBRARY = {"--test-ratio", "--context-tokens", "--context-lengths", "--min-hops", "--max-hops"}
+ANY_NUMBER = {"--seed", "--port"}
+
+
+def _numeric_options():
+    for path, parser in _commands(build_parser()):
+        if path != ("sft",):  # sft's flags are SFTOptions' fields, checked by it (below)
+            for action in parser._actions:
+                if action.type is not None and action.option_strings:
+                    yield path, action
+
+
+@pytest.mark.parametrize("path, flag", [pytest.param(path, action.option_strings[-1], id=" ".join(path) + " " +
+                                                     action.option_strings[-1])
+                                        for path, action in _numeric_options() if action.type not in (int, float)])
+def test_every_range_checked_option_refuses_a_value_below_its_range(capsys, path, flag):
+    with pytest.raises(SystemExit) as e:
+        main([*path, flag, "-1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"argument {flag}: must be " in err
+    if "must be at least 1" in err:  # a count: none of it is refused too
+        with pytest.raises(SystemExit):
+            main([*path, flag, "0"])
+        assert f"argument {flag}: must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_every_numeric_option_is_range_checked_or_listed_as_checked_elsewhere():
+    unchecked = {action.option_strings[-1] for _, action in _numeric_options() if action.type in (int, float)}
+    assert unchecked == CHECKED_BY_THE_LIBRARY | ANY_NUMBER
+
+
+@pytest.mark.parametrize("extra, complaint", [
+    (["--test-ratio", "1.5"], "test ratio must be in (0, 1), got 1.5"),
+    (["--context-tokens", "-3"], "context lengths must be at least 256 tokens, got -3"),
+    (["--context-lengths", "512", "100"], "context lengths must be at least 256 tokens, got 100"),
+    (["--min-hops", "5", "--max-hops", "3"], "need 2 <= min_hops <= max_hops"),
+    (["--rows-per-task", "1"], "1 rows are too few for a test ratio of 0.05"),
+])
+def test_bad_synth_settings_get_one_clear_line(tmp_path, capsys, extra, complaint):
+    assert main(["data", "synth", "--output-dir", str(tmp_path / "out"), *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("longqa: error: ") and complaint in err and len(err.strip().splitlines()) == 1
+
+
+def test_every_numeric_sft_option_refuses_a_value_below_its_range():
+    import dataclasses
+    import typing
+
+    from longqa.config import ConfigError
+    from longqa.sft_options import SFTOptions
+
+    hints = typing.get_type_hints(SFTOptions)
+    numeric = [f.name for f in dataclasses.fields(SFTOptions) if f.name != "seed"
+               and {int, float} & {hints[f.name], *typing.get_args(hints[f.name])}]
+    SFTOptions(["x.parquet"], "out")  # the defaults are fine
+    for name in numeric:
+        with pytest.raises(ConfigError, match=f"--{name.replace('_', '-')} must be "):
+            SFTOptions(["x.parquet"], "out", **{name: -1})

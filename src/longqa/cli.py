@@ -24,6 +24,30 @@ Command groups:
 """
 
 
+def _at_least(low: int | float, kind: type = int):
+    """An argparse type: a ``kind`` number no smaller than ``low``, so that a count of 0 or a negative size is
+    refused with the flag's name before any work (it failed deep inside, with a traceback)."""
+    def parse(text: str):
+        value = kind(text)  # a ValueError here: argparse's "invalid int value: 'x'"
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a fraction from 0 to 1, got {text}")
+    return value
+
+
+_fraction.__name__ = "float"
+COUNT = _at_least(1)
+
+
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", nargs="?", help="YAML config file (optional)")
     p.add_argument("overrides", nargs="*", metavar="key=value",
@@ -131,8 +155,6 @@ def cmd_eval(args: argparse.Namespace) -> None:
         given = [_flag(o) for o in options if getattr(args, o) != args.eval_defaults[o]]
         if getattr(args, source) and given:
             raise ConfigError(f"{_flag(source)} takes no {', '.join(given)}: {why}")
-    if args.limit is not None and args.limit < 1:
-        raise ConfigError(f"--limit must be at least 1, got {args.limit}")
     if args.longbench or args.longbench_scores:
         return _eval_longbench(args)
     import json
@@ -339,7 +361,7 @@ def _add_data_commands(groups: argparse._SubParsersAction) -> None:
                              "2WikiMultiHopQA and MuSiQue over long contexts of supporting and distractor documents, "
                              "optionally with LoongRL's KeyChain. The same seed gives byte-identical files.")
     _add_layout_args(p, seed_help="generation and split seed")
-    p.add_argument("--rows-per-task", type=int, default=400, help="rows per task before the split (default 400)")
+    p.add_argument("--rows-per-task", type=COUNT, default=400, help="rows per task before the split (default 400)")
     length = p.add_mutually_exclusive_group()
     length.add_argument("--context-tokens", type=int, default=1024,
                         help="target context length in tokens (default 1024)")
@@ -353,7 +375,7 @@ def _add_data_commands(groups: argparse._SubParsersAction) -> None:
     p.add_argument("--keychain", action="store_true", help="insert LoongRL-style UUID KeyChains")
     p.add_argument("--tokenizer", help="tokenizer folder or tokenizer.json that measures context length "
                    "(default: a built-in approximate count)")
-    p.add_argument("--workers", type=int, default=1, help="processes generating rows (default 1)")
+    p.add_argument("--workers", type=COUNT, default=1, help="processes generating rows (default 1)")
     p.set_defaults(func=cmd_data_synth)
 
     p = data_cmds.add_parser("prepare", help="tokenize data.train_files / data.val_files into the prompt cache",
@@ -389,17 +411,17 @@ def _add_model_commands(groups: argparse._SubParsersAction) -> None:
     inputs.add_argument("--longbench-scores", metavar="PRED_DIR",
                         help="score the LongBench prediction files <dataset>.jsonl in PRED_DIR (no model); "
                         "writes PRED_DIR/result.json")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--max-prompt-length", type=int, default=16384,
+    p.add_argument("--max-new-tokens", type=COUNT, default=256)
+    p.add_argument("--max-prompt-length", type=COUNT, default=16384,
                    help="most prompt tokens: a longer prompt is left out with --data, and loses its middle "
                    "with --longbench (as in LongBench)")
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--batch-size", type=COUNT, default=64)
     p.add_argument("--mode", default="hardened", help="reward mode that decides accuracy")
     p.add_argument("--device", default="auto")
     p.add_argument("--output", help="write the scores as JSON here (with --longbench: the folder for the "
                    "prediction files and result.json)")
     p.add_argument("--samples", help="write every answer as JSONL here")
-    p.add_argument("--limit", type=int, help="answer the first N rows of each --data file or LongBench set "
+    p.add_argument("--limit", type=COUNT, help="answer the first N rows of each --data file or LongBench set "
                    "(quick runs)")
     p.set_defaults(func=cmd_eval, eval_defaults={dest: p.get_default(dest) for options, _ in
                                                  EVAL_UNUSED_OPTIONS.values() for dest in options})
@@ -429,8 +451,8 @@ def _add_bench_args(p: argparse.ArgumentParser, func) -> None:
     from longqa.model.shapes import SHAPES
 
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-1.7b")
-    p.add_argument("--prompt", type=int, default=8192, help="prompt tokens (default 8192)")
-    p.add_argument("-n", type=int, default=8, help="samples per prompt (default 8)")
+    p.add_argument("--prompt", type=COUNT, default=8192, help="prompt tokens (default 8192)")
+    p.add_argument("-n", type=COUNT, default=8, help="samples per prompt (default 8)")
     p.add_argument("--device", default="auto")
     p.add_argument("--json", help="also write the results here")
     p.set_defaults(func=func)
@@ -447,7 +469,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="fast engine speculative decoding (drafts from each sample's own text, verified in the "
                    "step; random prompts and weights give no right drafts, so a step then measures the cost of "
                    "verifying k+1 tokens per sample)")
-    p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
+    p.add_argument("--num-speculative-tokens", type=COUNT, default=4, metavar="K",
                    help="with --speculative: most drafted tokens per sample and step (default 4)")
     p.add_argument("--lengths", choices=LENGTH_KINDS, default="lognormal",
                    help="each response's length (a random-weight model never samples EOS): drawn from a log-normal "
@@ -465,16 +487,16 @@ def _add_bench_commands(groups: argparse._SubParsersAction) -> None:
                               "path, tokens/s, speed-up, MFU (model FLOPs, recompute excluded, over the H200 bf16 "
                               "peak) and peak memory. bf16 on CUDA, float32 on the CPU.")
     _add_bench_args(p, cmd_bench_train)
-    p.add_argument("--response", type=int, default=1024, help="tokens of each response (default 1024)")
+    p.add_argument("--response", type=COUNT, default=1024, help="tokens of each response (default 1024)")
     p.add_argument("--layouts", nargs="+", choices=["naive", "packed"], default=["naive", "packed"])
-    p.add_argument("--repeat", type=int, default=3, help="timed repetitions after one warm-up (default 3)")
+    p.add_argument("--repeat", type=COUNT, default=3, help="timed repetitions after one warm-up (default 3)")
     p.add_argument("--backend", choices=["auto", "dense", "flex", "split"], default="auto",
                    help="packed attention backend")
-    p.add_argument("--budget", type=int, help="micro-batch token budget (default: one packed group)")
+    p.add_argument("--budget", type=COUNT, help="micro-batch token budget (default: one packed group)")
     p.add_argument("--no-gradient-checkpointing", action="store_true")
-    p.add_argument("--checkpoint-fraction", type=float, default=1.0,
+    p.add_argument("--checkpoint-fraction", type=_fraction, default=1.0,
                    help="fraction of decoder layers recomputed in the backward pass (default 1: all)")
-    p.add_argument("--activation-offload", type=float, default=0.0,
+    p.add_argument("--activation-offload", type=_fraction, default=0.0,
                    help="fraction of decoder layers (the first, before the recomputed ones) whose activations wait "
                         "in host memory (default 0)")
     p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
@@ -485,9 +507,9 @@ def _add_bench_commands(groups: argparse._SubParsersAction) -> None:
                               "fast engine for each --groups count, the fast engine's decode time against its "
                               "HBM-bandwidth floor for those lengths and how full it kept its slots.")
     _add_bench_args(p, cmd_bench_rollout)
-    p.add_argument("--new-tokens", type=int, default=1024, help="most new tokens per sample (default 1024)")
-    p.add_argument("--groups", type=int, nargs="+", default=[1, 16], help="prompts per run (default 1 16)")
-    p.add_argument("--hf-new-tokens", type=int, help="most new tokens for transformers (default --new-tokens; 0 skips)")
+    p.add_argument("--new-tokens", type=COUNT, default=1024, help="most new tokens per sample (default 1024)")
+    p.add_argument("--groups", type=COUNT, nargs="+", default=[1, 16], help="prompts per run (default 1 16)")
+    p.add_argument("--hf-new-tokens", type=_at_least(0), help="most new tokens for transformers (default --new-tokens; 0 skips)")
     p.add_argument("--no-cuda-graphs", action="store_true")
     _add_engine_args(p)
 
@@ -496,11 +518,11 @@ def _add_bench_commands(groups: argparse._SubParsersAction) -> None:
                               "the fast engine, rewards (random: such a model cannot answer) and advantages, one "
                               "packed shared-prompt update. The first step includes warm-up.")
     _add_bench_args(p, cmd_bench_step)
-    p.add_argument("--response", type=int, default=1024, help="most new tokens per sample (default 1024)")
-    p.add_argument("--prompts", type=int, default=16, help="prompts per step (default 16)")
+    p.add_argument("--response", type=COUNT, default=1024, help="most new tokens per sample (default 1024)")
+    p.add_argument("--prompts", type=COUNT, default=16, help="prompts per step (default 16)")
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="recompute activations in the backward pass (off, as in longqa train)")
-    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--steps", type=COUNT, default=2)
     p.add_argument("--strategy", choices=["fsdp2", "deepspeed"], default="fsdp2",
                    help="as actor.strategy; deepspeed: ZeRO-3 in a process group of one (default fsdp2: unsharded "
                    "unless --cpu-offload)")
@@ -536,13 +558,13 @@ def _add_scale_out_commands(groups: argparse._SubParsersAction) -> None:
                           "offloaded state and activations); and the time of one GRPO step by phase. Exits 2 with "
                           "the settings to change when either memory cannot hold it.")
     _add_config_args(p)
-    p.add_argument("--gpus", type=int, default=1, help="GPUs the model is sharded over (default 1)")
-    p.add_argument("--gpu-memory-gib", type=float, default=141.0, help="memory of one GPU (default 141, an H200)")
-    p.add_argument("--gpus-per-node", type=int, help="GPUs of one node (default: --gpus, at most 8)")
-    p.add_argument("--host-memory-gib", type=float,
+    p.add_argument("--gpus", type=COUNT, default=1, help="GPUs the model is sharded over (default 1)")
+    p.add_argument("--gpu-memory-gib", type=_at_least(1, float), default=141.0, help="memory of one GPU (default 141, an H200)")
+    p.add_argument("--gpus-per-node", type=COUNT, help="GPUs of one node (default: --gpus, at most 8)")
+    p.add_argument("--host-memory-gib", type=_at_least(1, float),
                    help="host memory of one node (default: 125 per GPU of the node, what the kernel counts on the "
                    "measurement machines; an 8-GPU H200 server often has more)")
-    p.add_argument("--response-length", type=int,
+    p.add_argument("--response-length", type=COUNT,
                    help="mean response length for the step time (default data.max_response_length)")
     p.add_argument("--shape", choices=sorted(SHAPES), help="a known model shape instead of model.path's config")
     p.add_argument("--largest", action="store_true",

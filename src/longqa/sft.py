@@ -24,7 +24,7 @@ import torch
 
 from longqa.batching import budget_batches, collate_right
 from longqa.config import ConfigError
-from longqa.data.io import iter_rows
+from longqa.data.io import DataFileError, iter_rows
 from longqa.data.prompts import PromptOptions, PromptSet, prepare_prompts
 from longqa.evaluate import evaluate, format_table
 from longqa.model.load import load_model, pick_device, qwen3_config, set_max_positions
@@ -54,7 +54,7 @@ def _responses(rows_meta: list[dict], key: str, no_think_fraction: float = 0.0, 
     for m in rows_meta:
         text = (m.get("extra_info") or {}).get(key)
         if not isinstance(text, str) or not text:
-            raise ValueError(f"row {m['row']} of file {m['file']} has no extra_info.{key} to train on")
+            raise DataFileError(f"row {m['row']} of file {m['file']} has no extra_info.{key} to train on")
         if rng.random() < no_think_fraction:
             text = without_thinking(text)
         out.append(text + END_OF_TURN)

@@ -37,3 +37,18 @@ class SFTOptions:
     eval_rows: int = 512
     seed: int = 0
     device: str = "auto"
+
+    def __post_init__(self) -> None:
+        """Refuse sizes and rates no run can use, naming each flag, before any data or model is read."""
+        from longqa.config import ConfigError
+
+        counts = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "max_prompt_length",
+                  "max_positions", "batch_tokens", "max_steps", "eval_every", "eval_rows")
+        rules = [(counts, "at least 1", lambda v: v >= 1),
+                 (("no_think_fraction", "min_lr_ratio"), "a fraction from 0 to 1", lambda v: 0 <= v <= 1),
+                 (("warmup_steps", "weight_decay"), "at least 0", lambda v: v >= 0),
+                 (("lr", "max_minutes"), "above 0", lambda v: v > 0)]
+        problems = [f"--{name.replace('_', '-')} must be {what}, got {value}" for names, what, ok in rules
+                    for name in names if (value := getattr(self, name)) is not None and not ok(value)]
+        if problems:
+            raise ConfigError("; ".join(problems))

@@ -17,6 +17,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from longqa.config import ConfigError
+
 ROW_FILE_SUFFIXES = (".parquet", ".jsonl", ".json")
 
 
@@ -86,10 +88,10 @@ def split_train_test(n_rows: int, test_ratio: float, seed: int) -> tuple[np.ndar
     Reproducing the draw (not only the sizes) gives the very rows the recipe trains on.
     """
     if not 0.0 < test_ratio < 1.0:
-        raise ValueError(f"test ratio must be in (0, 1), got {test_ratio}")
+        raise ConfigError(f"test ratio must be in (0, 1), got {test_ratio}")
     n_test = math.ceil(test_ratio * n_rows)
     if n_test >= n_rows:
-        raise ValueError(f"{n_rows} rows are too few for a test ratio of {test_ratio}: no training row would be left")
+        raise ConfigError(f"{n_rows} rows are too few for a test ratio of {test_ratio}: no training row would be left")
     permutation = np.random.default_rng(seed).permutation(n_rows)
     return permutation[n_test:], permutation[:n_test]
 

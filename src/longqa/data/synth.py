@@ -62,6 +62,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from longqa.config import ConfigError
+
 from .io import task_splits, write_splits, write_task_splits
 from .schema import QA_PREFIX, SYSTEM_PROMPT, make_row, question_suffix, with_system_prompt
 
@@ -960,12 +962,12 @@ def make_synth_rows(task: str, index: int, config: SynthConfig, lengths: Sequenc
 def _check(tasks: tuple[str, ...], config: SynthConfig, lengths: tuple[int, ...] = ()) -> None:
     unknown = [t for t in tasks if t not in STYLES]
     if unknown or not tasks:
-        raise ValueError(f"unknown tasks {unknown}; choose from {', '.join(TASKS)}")
+        raise ConfigError(f"unknown tasks {unknown}; choose from {', '.join(TASKS)}")
     if not 2 <= config.min_hops <= config.max_hops <= MAX_HOPS:
-        raise ValueError(f"need 2 <= min_hops <= max_hops <= {MAX_HOPS}, got {config.min_hops}..{config.max_hops}")
+        raise ConfigError(f"need 2 <= min_hops <= max_hops <= {MAX_HOPS}, got {config.min_hops}..{config.max_hops}")
     for length in lengths or (config.context_tokens,):
         if length < MIN_CONTEXT_TOKENS:
-            raise ValueError(f"context lengths must be at least {MIN_CONTEXT_TOKENS} tokens, got {length}")
+            raise ConfigError(f"context lengths must be at least {MIN_CONTEXT_TOKENS} tokens, got {length}")
 
 
 def _make_rows(jobs: list[tuple[str, int]], config: SynthConfig, workers: int,
