@@ -509,7 +509,8 @@ def _add_bench_commands(groups: argparse._SubParsersAction) -> None:
     _add_bench_args(p, cmd_bench_rollout)
     p.add_argument("--new-tokens", type=COUNT, default=1024, help="most new tokens per sample (default 1024)")
     p.add_argument("--groups", type=COUNT, nargs="+", default=[1, 16], help="prompts per run (default 1 16)")
-    p.add_argument("--hf-new-tokens", type=_at_least(0), help="most new tokens for transformers (default --new-tokens; 0 skips)")
+    p.add_argument("--hf-new-tokens", type=_at_least(0),
+                   help="most new tokens for transformers (default --new-tokens; 0 skips)")
     p.add_argument("--no-cuda-graphs", action="store_true")
     _add_engine_args(p)
 
@@ -559,7 +560,8 @@ def _add_scale_out_commands(groups: argparse._SubParsersAction) -> None:
                           "the settings to change when either memory cannot hold it.")
     _add_config_args(p)
     p.add_argument("--gpus", type=COUNT, default=1, help="GPUs the model is sharded over (default 1)")
-    p.add_argument("--gpu-memory-gib", type=_at_least(1, float), default=141.0, help="memory of one GPU (default 141, an H200)")
+    p.add_argument("--gpu-memory-gib", type=_at_least(1, float), default=141.0,
+                   help="memory of one GPU (default 141, an H200)")
     p.add_argument("--gpus-per-node", type=COUNT, help="GPUs of one node (default: --gpus, at most 8)")
     p.add_argument("--host-memory-gib", type=_at_least(1, float),
                    help="host memory of one node (default: 125 per GPU of the node, what the kernel counts on the "
