@@ -417,11 +417,16 @@ def test_learning_rate_schedule():
      "rollout.speculative=prompt_lookup needs rollout.engine=fast (got rollout.engine=hf)"),
     ({"rollout.prompt_lookup_min": 5, "rollout.prompt_lookup_max": 4},
      "rollout.prompt_lookup_min=5 must not exceed rollout.prompt_lookup_max=4"),
+    ({"rollout.n": 1}, "rollout.n=1: algo.adv_estimator=grpo compares the samples of each prompt"),
+    ({"algo.adv_estimator": "rloo", "rollout.n": 1}, "rollout.n=1: algo.adv_estimator=rloo"),
+    ({"trainer.output_dir": "{tmp}/a-file/run"}, "Not a directory: '{tmp}/a-file/run"),
 ])
 def test_bad_input_gets_one_clear_message(tiny_model_dir, data_dir, tmp_path, capsys, extra, message):
+    (tmp_path / "a-file").write_text("")  # an output folder below a file cannot be made
+    extra = {key: str(value).format(tmp=tmp_path) for key, value in extra.items()}
     assert main(["train", *overrides(tiny_model_dir, data_dir, tmp_path / "run", **extra)]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("longqa: error: ") and message in err
+    assert err.startswith("longqa: error: ") and message.format(tmp=tmp_path) in err
 
 
 def test_rollout_speculative_reaches_the_engine_and_samples_the_same(tiny_model_dir, data_dir, tmp_path):

@@ -639,7 +639,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = args.func(args)
     except Exception as e:
-        if not isinstance(e, _reported_errors()):
+        # a path that cannot be read or written (an output folder on a read-only disk, say) is the user's to fix
+        if not isinstance(e, _reported_errors()) and not (isinstance(e, OSError) and e.filename):
             raise
         print(f"longqa: error: {e}", file=sys.stderr)
         return 2

@@ -81,6 +81,14 @@ def check_data_parallel(cfg: Config, world: int) -> None:
             raise ConfigError(f"{what} is not supported with {world} ranks yet")
 
 
+def check_groups(cfg: Config) -> None:
+    """Every advantage estimator here compares the samples of one prompt: a group of one has nothing to
+    compare with, every advantage is 0 and the run would train nothing, silently."""
+    if cfg.rollout.n < 2:
+        raise ConfigError(f"rollout.n={cfg.rollout.n}: algo.adv_estimator={cfg.algo.adv_estimator} compares the "
+                          f"samples of each prompt, and one sample gives every advantage 0; set rollout.n to 2 or more")
+
+
 def check_response_lengths(cfg: Config) -> None:
     """Drawn response lengths need an engine that can end a sample at a given length."""
     r = cfg.rollout
@@ -166,6 +174,7 @@ class Trainer:
         self.stopping = False  # every rank agreed to stop after the step in flight (or before it)
         self.saved: tuple[int, Path] | None = None  # the last checkpoint on disk of this timeline, by step
         self.seconds = {"update": None, "validate": None, "save": None}  # this process's last ones, for the grace
+        check_groups(cfg)
         check_response_lengths(cfg)
         check_speculative(cfg)
         self.env = DistEnv.from_environment()
