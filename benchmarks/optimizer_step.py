@@ -65,7 +65,7 @@ def run(backend: str, shape: str, layers: int | None, prompt: int, response: int
     from longqa.model.shapes import SHAPES
     from longqa.train.actor import Actor
 
-    dev = pick_device(device)
+    dev = pick_device(device, "--device")
     shape_config = {**SHAPES[shape], **({"num_hidden_layers": layers} if layers else {})}
     sizes = ModelSizes.from_config(Qwen3Config(**shape_config))
     check_host_memory(sizes.params)

@@ -88,7 +88,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args(argv)
 
-    device = pick_device(args.device)
+    device = pick_device(args.device, "--device")
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     model, tokenizer = load_model(args.model, dtype=dtype, device=device)
     prompts = load_prompts(args, tokenizer)

@@ -2,6 +2,7 @@ import json
 
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from longqa.cli import build_parser, main
 
@@ -188,3 +189,21 @@ def test_every_numeric_sft_option_refuses_a_value_below_its_range():
     for name in numeric:
         with pytest.raises(ConfigError, match=f"--{name.replace('_', '-')} must be "):
             SFTOptions(["x.parquet"], "out", **{name: -1})
+
+
+@pytest.mark.parametrize("name, complaint", [
+    ("gpu", "--device=gpu names no device: give auto, cpu or cuda[:i]"),
+    ("meta", "--device=meta but no META device is available"),
+    ("cuda:99", "--device=cuda:99 but " + ("this machine has" if torch.cuda.is_available() else "no CUDA device")),
+])
+def test_a_device_this_machine_lacks_is_refused_naming_the_flag(tmp_path, capsys, name, complaint):
+    data = tmp_path / "data"
+    assert main(["data", "synth", "--output-dir", str(data), "--rows-per-task", "4", "--tasks", "hotpotqa"]) == 0
+    assert main(["eval", "--data", str(data / "merged" / "test.parquet"), "--device", name]) == 2
+    assert complaint in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a GPU")
+def test_training_on_a_missing_gpu_names_the_key(capsys):
+    assert main(["train", "trainer.device=cuda", "data.train_files=x.parquet"]) == 2
+    assert "trainer.device=cuda but no CUDA device is available" in capsys.readouterr().err

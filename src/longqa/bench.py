@@ -101,7 +101,7 @@ def bench_train(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int = 1
     from longqa.model.load import pick_device
     from longqa.train.actor import Actor, Samples
 
-    dev = pick_device(device)
+    dev = pick_device(device, "--device")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     model = random_model(shape, dev, dtype, gradient_checkpointing, compile_layers,
                          activation_offload=activation_offload)
@@ -263,7 +263,7 @@ def bench_rollout(shape: str = "qwen3-1.7b", prompt: int = 8192, new_tokens: int
     from longqa.rollout.base import SamplingParams
     from longqa.rollout.fast import FastRolloutEngine
 
-    dev = pick_device(device)
+    dev = pick_device(device, "--device")
     model = random_model(shape, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32, False).eval()
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, model.config.vocab_size, (prompt,), generator=g).tolist() for _ in range(max(groups))]
@@ -354,7 +354,7 @@ def bench_grpo_step(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int
     from longqa.rollout.fast import FastRolloutEngine
     from longqa.train.actor import Actor, Samples
 
-    dev = pick_device(device)
+    dev = pick_device(device, "--device")
     sharded = strategy == "deepspeed" or cpu_offload
     began = time.perf_counter()
 

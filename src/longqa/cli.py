@@ -164,7 +164,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from longqa.evaluate import evaluate, format_groups, format_table
     from longqa.model.load import load_model, pick_device
 
-    model, tokenizer = load_model(args.model, device=pick_device(args.device))
+    model, tokenizer = load_model(args.model, device=pick_device(args.device, "--device"))
     prompts = prepare_prompts(args.data, tokenizer, PromptOptions(args.max_prompt_length))
     if args.limit is not None:
         prompts = prompts.first_of_each_file(args.limit)
@@ -188,7 +188,7 @@ def _eval_longbench(args: argparse.Namespace) -> None:
         from longqa.model.load import load_model, pick_device
 
         examples = longbench.read_longbench(args.longbench, args.limit)  # before the weights: bad files fail fast
-        model, tokenizer = load_model(args.model, device=pick_device(args.device))
+        model, tokenizer = load_model(args.model, device=pick_device(args.device, "--device"))
         done = longbench.predict(model, tokenizer, examples, args.output, args.max_new_tokens,
                                  args.max_prompt_length, args.batch_size, args.samples)
         print(f"{done['rows']} rows answered in {done['seconds']:.1f}s; {done['truncated']} prompts over "

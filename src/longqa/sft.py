@@ -129,7 +129,7 @@ def run_sft(options: SFTOptions, command: str = "") -> dict:
     """Train, evaluate every ``eval_every`` steps, save the model folder and its card; return the summary."""
     torch.manual_seed(options.seed)
     rng = random.Random(options.seed)
-    device = pick_device(options.device)
+    device = pick_device(options.device, "--device")
     out = Path(options.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()

@@ -146,12 +146,22 @@ def _gguf_tokenizer(folder: str, gguf_file: str):
     return tokenizer
 
 
-def pick_device(name: str = "auto") -> torch.device:
+def pick_device(name: str = "auto", setting: str = "trainer.device") -> torch.device:
+    """The device ``name`` asks for ("auto": the GPU when there is one), refused in one line naming ``setting``
+    (the key or flag it came from) when this machine has no such device, rather than at the first tensor
+    moved there."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ModelError(f"trainer.device={name} but no CUDA device is available")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ModelError(f"{setting}={name} names no device: give auto, cpu or cuda[:i]") from None
+    available = getattr(getattr(torch, device.type, None), "is_available", lambda: False)
+    if device.type != "cpu" and not available():
+        raise ModelError(f"{setting}={name} but no {device.type.upper()} device is available")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ModelError(f"{setting}={name} but this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
 
 
 def qwen3_config(vocab_size: int, hidden_size: int = 256, num_layers: int = 4, num_heads: int = 4,
