@@ -633,6 +633,26 @@ def test_offloaded_shards_need_an_engine_with_its_own_weights():
     check_offload(load_config(None, ["actor.cpu_offload=true"]))  # the fast engine keeps a copy
 
 
+def test_a_rank_s_device_is_its_local_gpu_and_a_device_the_machine_lacks_is_refused(monkeypatch):
+    """Under torchrun each rank trains on its local rank's GPU; a device name that is none, or one this machine
+    lacks, is refused as in one process (ranks fell back to the CPU for any name not starting with "cuda")."""
+    from longqa.distributed.env import DistEnv
+    from longqa.model.load import ModelError
+
+    rank = DistEnv(3, 4, 1)
+    assert rank.device("cpu") == torch.device("cpu")
+    for name in ("gpu", "mps" if not torch.backends.mps.is_available() else "meta"):
+        with pytest.raises(ModelError, match=f"trainer.device={name} "):
+            rank.device(name)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert rank.device("cuda") == rank.device("auto") == rank.device("cuda:0") == torch.device("cuda", 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ModelError, match="trainer.device=cuda but no CUDA device is available"):
+        rank.device("cuda")
+    assert rank.device("auto") == torch.device("cpu")
+
+
 @pytest.mark.parametrize("device,local_rank,gpu", [("cuda", 1, 1), ("cuda:0", 1, 0)])
 def test_a_group_on_a_bare_cuda_device_joins_on_the_local_rank_s_gpu(monkeypatch, device, local_rank, gpu):
     """`--device cuda` names no GPU, and torch.cuda.set_device refuses such a device: every one-process sharded

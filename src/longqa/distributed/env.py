@@ -30,9 +30,12 @@ class DistEnv:
                    int(os.environ.get("LOCAL_RANK", 0)))
 
     def device(self, requested: str = "auto") -> torch.device:
-        if requested.startswith("cuda") or (requested == "auto" and torch.cuda.is_available()):
-            return torch.device("cuda", self.local_rank)
-        return torch.device("cpu")
+        """This rank's device: on CUDA its local rank's GPU, whichever index ``requested`` names (a device this
+        machine lacks is refused, as in a single process)."""
+        from longqa.model.load import pick_device
+
+        device = pick_device(requested)
+        return torch.device("cuda", self.local_rank) if device.type == "cuda" else device
 
     def init(self, device: torch.device, alone: bool = False) -> bool:
         """Join the process group (NCCL on GPUs, gloo on CPUs) once; nothing to do for a single process unless
