@@ -45,7 +45,7 @@ def records(run: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
 
 
-def test_training_end_to_end(tiny_model_dir, data_dir, tmp_path):
+def test_training_end_to_end(tiny_model_dir, data_dir, tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["train", *overrides(tiny_model_dir, data_dir, out)]) == 0
     rows = records(out)
@@ -65,6 +65,19 @@ def test_training_end_to_end(tiny_model_dir, data_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(exported) is not None
+    # the run folder, or its checkpoints/ folder: the latest complete checkpoint; an interrupted one: refused
+    weights = (exported / "model.safetensors").read_bytes()
+    for given in (out, out / "checkpoints"):
+        assert main(["export", str(given), str(tmp_path / "latest")]) == 0
+        assert (tmp_path / "latest" / "model.safetensors").read_bytes() == weights
+    (out / "checkpoints" / "step_00000004" / "COMPLETE").unlink()
+    capsys.readouterr()
+    assert main(["export", str(out / "checkpoints" / "step_00000004"), str(tmp_path / "x")]) == 2
+    assert "step_00000004 is incomplete" in capsys.readouterr().err
+    assert main(["export", str(out), str(tmp_path / "step3")]) == 0
+    assert "step_00000003, the run's latest complete checkpoint" in capsys.readouterr().out
+    assert main(["export", str(tmp_path), str(tmp_path / "x")]) == 2
+    assert f"{tmp_path} is neither a checkpoint" in capsys.readouterr().err
 
 
 def test_validation_by_length_is_logged_and_drawn(tiny_model_dir, data_dir, tmp_path):

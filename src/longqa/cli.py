@@ -205,12 +205,22 @@ def cmd_export(args: argparse.Namespace) -> None:
 
     from longqa.config import Config, load_config_dict
     from longqa.model.load import load_model
-    from longqa.train.checkpoint import export_hf
+    from longqa.train.checkpoint import CheckpointError, export_hf, is_complete, latest_checkpoint
 
-    state = json.loads((Path(args.checkpoint) / "trainer_state.json").read_text())
+    checkpoint = Path(args.checkpoint)
+    if not (checkpoint / "trainer_state.json").is_file():  # a run folder (or its checkpoints/): its latest
+        latest = latest_checkpoint(checkpoint.parent if checkpoint.name == "checkpoints" else checkpoint)
+        if latest is None:
+            raise CheckpointError(f"{checkpoint} is neither a checkpoint (no trainer_state.json) nor a run folder "
+                                  f"with a complete one: give runs/NAME/checkpoints/step_XXXXXXXX or runs/NAME")
+        print(f"exporting {latest}, the run's latest complete checkpoint")
+        checkpoint = latest
+    elif not is_complete(checkpoint):
+        raise CheckpointError(f"{checkpoint} is incomplete (its writing was interrupted): export an earlier step")
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
     cfg: Config = load_config_dict(state["config"])
     model, tokenizer = load_model(cfg.model.path, gguf_file=cfg.model.gguf_file, dtype=cfg.model.dtype)
-    print(f"wrote {export_hf(args.checkpoint, tokenizer, args.output, model=model)}")
+    print(f"wrote {export_hf(checkpoint, tokenizer, args.output, model=model)}")
 
 
 def cmd_sft(args: argparse.Namespace) -> None:
@@ -427,8 +437,9 @@ def _add_model_commands(groups: argparse._SubParsersAction) -> None:
                                                  EVAL_UNUSED_OPTIONS.values() for dest in options})
 
     p = groups.add_parser("export", help="a checkpoint as a Hugging Face folder (safetensors + tokenizer)",
-                          description="Write checkpoint CHECKPOINT as a folder that transformers (and vLLM) load.")
-    p.add_argument("checkpoint", help="runs/NAME/checkpoints/step_XXXXXXXX")
+                          description="Write checkpoint CHECKPOINT (or a run's latest complete one) as a folder "
+                          "that transformers (and vLLM) load.")
+    p.add_argument("checkpoint", help="runs/NAME/checkpoints/step_XXXXXXXX, or a run folder runs/NAME")
     p.add_argument("output", help="output folder")
     p.set_defaults(func=cmd_export)
 
