@@ -110,6 +110,11 @@ def test_overrides_may_follow_options(capsys):
         assert e.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
 
 
+def test_plan_largest_with_a_shape_is_refused(capsys):
+    assert main(["plan", "--largest", "--shape", "qwen3-8b"]) == 2
+    assert "--largest tries every known shape, --shape sizes one" in capsys.readouterr().err
+
+
 def test_a_plan_whose_model_config_cannot_be_read_says_so_in_one_line(tmp_path, capsys):
     assert main(["plan", f"model.path={tmp_path}"]) == 2
     err = capsys.readouterr().err

@@ -293,6 +293,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
     from longqa.distributed.planner import GIB, describe_training, model_sizes
     from longqa.distributed.step_time import step_time_config
 
+    if args.largest and args.shape:
+        raise ConfigError("--largest tries every known shape, --shape sizes one: give either")
     cfg = load_config(*_split_config_args(args))
     per_node = args.gpus_per_node or min(args.gpus, 8)
     host_gib = args.host_memory_gib or HOST_GIB_PER_GPU * per_node
