@@ -252,7 +252,7 @@ def test_eval_longbench_end_to_end(tiny_model_dir, tmp_path, capsys):
 
 @pytest.mark.parametrize("extra, complaint", [
     ([], "--longbench needs --output"),
-    (["--output", "x", "--limit", "0"], "--limit must be at least 1"),
+    (["--output", "x", "--max-prompt-length", "1"], "--max-prompt-length must be at least 2, got 1"),
 ])
 def test_eval_longbench_option_errors(tmp_path, capsys, extra, complaint):
     assert main(["eval", "--longbench", str(tmp_path), *extra]) == 2
