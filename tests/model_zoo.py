@@ -28,7 +28,10 @@ SIZES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_
              encoder_ffn_dim=64, num_heads=4, ffn_dim=64, rotary_dim=8, partial_rotary_factor=None,
              global_head_dim=8, num_global_key_value_heads=2, initializer_range=0.2, pad_token_id=0,
              bos_token_id=1, eos_token_id=2, sliding_window=WINDOW, attn_logit_softcapping=ATTENTION_SOFTCAP,
-             final_logit_softcapping=FINAL_SOFTCAP, tie_word_embeddings=False)
+             final_logit_softcapping=FINAL_SOFTCAP, tie_word_embeddings=False, vocab_size_per_layer_input=VOCAB,
+             hidden_size_per_layer_input=8)
+FEATURES = ("sliding_window", "attn_logit_softcapping", "final_logit_softcapping")  # off stays off
+BUILT_FROM = ("global_head_dim", "num_global_key_value_heads")  # arguments a config turns into per-layer sizes
 
 
 class ZooError(RuntimeError):
@@ -44,13 +47,34 @@ def families() -> list[str]:
 def _set(config, name, value) -> None:
     if name == "partial_rotary_factor" or not hasattr(config, name):
         return
-    if value is None or getattr(config, name) is None and name in ("sliding_window", "attn_logit_softcapping",
-                                                                   "final_logit_softcapping"):
+    if value is None or getattr(config, name) is None and name in FEATURES:
         return  # a feature the family does not have stays off
     try:
         setattr(config, name, value)
     except Exception:  # read-only properties of some configurations
         pass
+
+
+def _distinct_kinds(kinds: list) -> list:
+    """One layer of each kind (two of the only kind), in their order."""
+    distinct = list(dict.fromkeys(kinds))
+    return distinct if len(distinct) > 1 else distinct * 2
+
+
+def _rebuilt_with_per_layer_sizes(cfg, overrides: dict):
+    """A configuration with per-layer sizes (Gemma 4: its full-attention layers have a head_dim of their own)
+    derives them when it is built, from its layer kinds and global sizes, and refuses a global one set
+    afterwards: it is built again from the tiny values instead."""
+    values = {k: v for k, v in cfg.to_dict().items()
+              if k not in ("per_layer_config", "model_type", "transformers_version", "architectures")}
+    for name, value in {**SIZES, **overrides}.items():
+        if name in BUILT_FROM or (name in values and name != "partial_rotary_factor" and value is not None
+                                  and not (values[name] is None and name in FEATURES)):
+            values[name] = value
+    if isinstance(values.get("layer_types"), list) and values["layer_types"]:
+        values["layer_types"] = _distinct_kinds(values["layer_types"])
+        values["num_hidden_layers"] = len(values["layer_types"])
+    return type(cfg)(**values)
 
 
 def tiny_config(family: str, **overrides):
@@ -60,15 +84,23 @@ def tiny_config(family: str, **overrides):
         warnings.simplefilter("ignore")
         config = CONFIG_MAPPING[family]()
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        for cfg in {id(config): config, id(text): text}.values():
+        if "per_layer_config" in text.to_dict():
+            text = _rebuilt_with_per_layer_sizes(text, overrides)
+            if config is not text and hasattr(config, "text_config"):
+                config.text_config = text
+            else:
+                config = text
+        parts = [getattr(config, name, None) for name in getattr(config, "sub_configs", {})]  # vision towers, ...
+        for cfg in {id(c): c for c in (config, text, *parts) if hasattr(c, "to_dict")}.values():
+            if "per_layer_config" in cfg.to_dict():
+                continue  # built tiny above
             for name, value in {**SIZES, **overrides}.items():
                 _set(cfg, name, value)
             if getattr(cfg, "kv_lora_rank", None):  # latent attention expands keys per query head
                 _set(cfg, "num_key_value_heads", cfg.num_attention_heads)
             kinds = getattr(cfg, "layer_types", None)
             if isinstance(kinds, list) and kinds:
-                distinct = list(dict.fromkeys(kinds))
-                kinds = distinct if len(distinct) > 1 else distinct * 2
+                kinds = _distinct_kinds(kinds)
                 _set(cfg, "num_hidden_layers", len(kinds))
                 _set(cfg, "layer_types", kinds)
     return config
