@@ -94,6 +94,7 @@ def tiny_config(family: str, **overrides):
         for cfg in {id(c): c for c in (config, text, *parts) if hasattr(c, "to_dict")}.values():
             if "per_layer_config" in cfg.to_dict():
                 continue  # built tiny above
+            per_layer = _per_layer_lists(cfg)
             for name, value in {**SIZES, **overrides}.items():
                 _set(cfg, name, value)
             if getattr(cfg, "kv_lora_rank", None):  # latent attention expands keys per query head
@@ -101,9 +102,24 @@ def tiny_config(family: str, **overrides):
             kinds = getattr(cfg, "layer_types", None)
             if isinstance(kinds, list) and kinds:
                 kinds = _distinct_kinds(kinds)
+                if getattr(cfg, "num_kv_shared_layers", None):  # the last layers reuse earlier ones' keys and
+                    _set(cfg, "num_kv_shared_layers", len(kinds))  # values: one layer of each kind shares
+                    kinds = kinds * 2
                 _set(cfg, "num_hidden_layers", len(kinds))
                 _set(cfg, "layer_types", kinds)
+            for name in per_layer:  # one entry a layer, the tiny size where the common keys set one
+                value = getattr(cfg, name)
+                _set(cfg, name, value[:cfg.num_hidden_layers] if isinstance(value, list)
+                     else [value] * cfg.num_hidden_layers)
     return config
+
+
+def _per_layer_lists(cfg) -> list[str]:
+    """Attributes holding one entry per layer (Gemma 3n's MLP sizes and activation sparsity), besides the
+    layer kinds: they must shrink with the layer count."""
+    layers = len(getattr(cfg, "layer_types", None) or []) or getattr(cfg, "num_hidden_layers", None)
+    return [name for name, value in cfg.to_dict().items()
+            if name != "layer_types" and isinstance(value, list) and len(value) == layers and layers > 1]
 
 
 def tiny_model(family: str, attn_implementation: str = "eager", **overrides):
