@@ -1,8 +1,10 @@
 """Every causal-LM family of the installed transformers as a tiny random model, for the family sweep.
 
 The families are enumerated from transformers' own causal-LM mapping, not chosen. Each family's default
-configuration is shrunk by the common size keys (any the config has), its layer kinds kept one of
-each, and its sliding window and soft-caps set small enough to change the results at test lengths.
+configuration, and its sub-configurations (vision towers), is shrunk by the common size keys (any the
+config has), its layer kinds kept one of each (twice where later layers reuse earlier ones' keys and
+values), its per-layer sizes cut with them, and its sliding window and soft-caps set small enough to
+change the results at test lengths.
 A family whose configuration cannot be shrunk this way is reported with the reason (``ZooError``).
 """
 
