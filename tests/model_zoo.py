@@ -31,7 +31,7 @@ SIZES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_
              global_head_dim=8, num_global_key_value_heads=2, initializer_range=0.2, pad_token_id=0,
              bos_token_id=1, eos_token_id=2, sliding_window=WINDOW, attn_logit_softcapping=ATTENTION_SOFTCAP,
              final_logit_softcapping=FINAL_SOFTCAP, tie_word_embeddings=False, vocab_size_per_layer_input=VOCAB,
-             hidden_size_per_layer_input=8)
+             hidden_size_per_layer_input=8, n_group=1, topk_group=1)
 FEATURES = ("sliding_window", "attn_logit_softcapping", "final_logit_softcapping")  # off stays off
 BUILT_FROM = ("global_head_dim", "num_global_key_value_heads")  # arguments a config turns into per-layer sizes
 
