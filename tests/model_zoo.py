@@ -46,11 +46,14 @@ def families() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
+def _left_as_is(name: str, value, current) -> bool:
+    """Whether ``name`` keeps the family's value: no tiny value for it, or a feature the family does not have."""
+    return name == "partial_rotary_factor" or value is None or (current is None and name in FEATURES)
+
+
 def _set(config, name, value) -> None:
-    if name == "partial_rotary_factor" or not hasattr(config, name):
+    if not hasattr(config, name) or _left_as_is(name, value, getattr(config, name)):
         return
-    if value is None or getattr(config, name) is None and name in FEATURES:
-        return  # a feature the family does not have stays off
     try:
         setattr(config, name, value)
     except Exception:  # read-only properties of some configurations
@@ -70,8 +73,7 @@ def _rebuilt_with_per_layer_sizes(cfg, overrides: dict):
     values = {k: v for k, v in cfg.to_dict().items()
               if k not in ("per_layer_config", "model_type", "transformers_version", "architectures")}
     for name, value in {**SIZES, **overrides}.items():
-        if name in BUILT_FROM or (name in values and name != "partial_rotary_factor" and value is not None
-                                  and not (values[name] is None and name in FEATURES)):
+        if name in BUILT_FROM or (name in values and not _left_as_is(name, value, values[name])):
             values[name] = value
     if isinstance(values.get("layer_types"), list) and values["layer_types"]:
         values["layer_types"] = _distinct_kinds(values["layer_types"])
