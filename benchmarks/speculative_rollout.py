@@ -35,7 +35,8 @@ def load_prompts(args, tokenizer) -> list[list[int]]:
     if not data.is_file():
         generate(data.parent.parent, rows_per_task=args.rows_per_task, context_tokens=args.context_tokens,
                  max_hops=3, test_ratio=0.25, seed=args.seed)
-    prompts = prepare_prompts([data], tokenizer, PromptOptions(args.max_prompt_length))
+    prompts = prepare_prompts([data], tokenizer, PromptOptions(args.max_prompt_length),
+                              length_setting="--max-prompt-length")
     if args.longest:
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts.ids(i)))[:args.prompts]
     else:

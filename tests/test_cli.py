@@ -84,6 +84,8 @@ def test_synth_by_length_then_eval_scores_each_length(tmp_path, capsys):
     assert [(g["target_tokens"], g["n"]) for g in result["by_length"]] == [(256, 1), (512, 1)]
     firsts = [pq.read_table(f).to_pylist()[0]["reward_model"]["ground_truth"] for f in files]
     assert [json.loads(line)["ground_truth"] for line in samples.read_text().splitlines()] == firsts
+    assert main(["eval", "--data", str(files[0]), "--max-prompt-length", "5", "--device", "cpu"]) == 2
+    assert "no prompt left: 2 rows read, 2 over --max-prompt-length=5" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("extra, complaint", [

@@ -55,7 +55,7 @@ def test_overlong_prompts_filtered_or_truncated(files, tokenizer):
 
     with pytest.raises(DataFileError, match=r"a.parquet, row \d+: prompt has \d+ tokens, over data.max_prompt_length"):
         prepare_prompts(files, tokenizer, PromptOptions(limit, filter_overlong_prompts=False, truncation="error"))
-    with pytest.raises(DataFileError, match="no prompt left to train on: 75 rows read, 75 over"):
+    with pytest.raises(DataFileError, match="no prompt left: 75 rows read, 75 over"):
         prepare_prompts(files, tokenizer, PromptOptions(3))
 
 

@@ -421,7 +421,7 @@ def test_learning_rate_schedule():
 @pytest.mark.parametrize("extra, message", [
     ({"data.train_files": "/nope/train.parquet"}, "/nope/train.parquet: no such file"),
     ({"model.path": "/nope/model"}, "model path /nope/model does not exist"),
-    ({"data.max_prompt_length": 8}, "no prompt left to train on"),
+    ({"data.max_prompt_length": 8}, "no prompt left: 18 rows read, 18 over data.max_prompt_length=8"),
     ({"data.train_batch_size": 99}, "data.train_batch_size=99 is larger than the 18 training prompts"),
     ({"reward.path": "/nope/reward.py"}, "reward.path / reward.name"),
     ({"rollout.engine": "hf", "rollout.response_lengths": "lognormal"},

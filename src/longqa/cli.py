@@ -165,7 +165,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from longqa.model.load import load_model, pick_device
 
     model, tokenizer = load_model(args.model, device=pick_device(args.device, "--device"))
-    prompts = prepare_prompts(args.data, tokenizer, PromptOptions(args.max_prompt_length))
+    prompts = prepare_prompts(args.data, tokenizer, PromptOptions(args.max_prompt_length),
+                              length_setting="--max-prompt-length")
     if args.limit is not None:
         prompts = prompts.first_of_each_file(args.limit)
     samples = Path(args.samples) if args.samples else None

@@ -151,13 +151,14 @@ def run_sft(options: SFTOptions, command: str = "") -> dict:
                               pad_token_id=tokenizer.pad_token_id)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device)
     prompt_options = PromptOptions(options.max_prompt_length)
-    train = prepare_prompts(options.train_files, tokenizer, prompt_options)
+    train = prepare_prompts(options.train_files, tokenizer, prompt_options, length_setting="--max-prompt-length")
     examples, starts = _examples(train, tokenizer, options)
     lengths = np.asarray([len(e) for e in examples])
     check_positions(int(lengths.max()), model.config.max_position_embeddings)
     held_out = None
     if options.eval_files:
-        held_out = prepare_prompts(options.eval_files, tokenizer, prompt_options)
+        held_out = prepare_prompts(options.eval_files, tokenizer, prompt_options,
+                                   length_setting="--max-prompt-length")
         keep = min(options.eval_rows, len(held_out))
         held_out = PromptSet(held_out.token_ids, held_out.offsets[:keep + 1], held_out.meta[:keep], held_out.stats)
     max_new = int(max(len(e) - s for e, s in zip(examples, starts))) + 16

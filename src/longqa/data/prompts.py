@@ -229,8 +229,10 @@ def _commit(work: Path, entry: Path) -> None:
 
 
 def prepare_prompts(files: Sequence[str | os.PathLike], tokenizer, options: PromptOptions,
-                    cache_dir: str | os.PathLike | None = None) -> PromptSet:
+                    cache_dir: str | os.PathLike | None = None,
+                    length_setting: str = "data.max_prompt_length") -> PromptSet:
     """Tokenized prompts of ``files``; with ``cache_dir``, reused when files, tokenizer and options match.
+    ``length_setting`` names where ``options.max_prompt_length`` came from, for the error when none is left.
 
     A bad row stops the load naming file, row and reason (or is skipped and counted with
     ``skip_bad_rows``); overlong prompts are filtered and counted, or truncated, per ``options``.
@@ -261,8 +263,8 @@ def prepare_prompts(files: Sequence[str | os.PathLike], tokenizer, options: Prom
     try:
         stats = _tokenize(paths, tokenizer, options, work)
         if stats.kept == 0:
-            raise DataFileError(f"no prompt left to train on: {stats.rows_read} rows read, {stats.overlong_filtered} "
-                                f"over data.max_prompt_length={options.max_prompt_length}, {stats.bad_rows} bad")
+            raise DataFileError(f"no prompt left: {stats.rows_read} rows read, {stats.overlong_filtered} over "
+                                f"{length_setting}={options.max_prompt_length}, {stats.bad_rows} bad")
         stats.cache_path = str(entry or work)
         (work / "stats.json").write_text(json.dumps(dataclasses.asdict(stats)))
         if entry is not None:
