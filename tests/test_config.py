@@ -60,8 +60,10 @@ def test_bad_overrides_fail_with_one_clear_message(override, message):
 
 
 def test_bad_yaml_files(tmp_path):
-    with pytest.raises(ConfigError, match="does not exist"):
+    with pytest.raises(ConfigError, match="does not exist$"):
         load_config(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="rollout.n is a config key; give it a value"):
+        load_config("rollout.n")  # `longqa config show rollout.n`: a key where a file was expected
     bad = tmp_path / "bad.yaml"
     bad.write_text("rollout:\n  n: [1\n")
     with pytest.raises(ConfigError, match="not valid YAML"):

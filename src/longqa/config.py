@@ -368,7 +368,10 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
+            hint = ""
+            if str(path) in {key for key, _, _ in key_help()}:  # `longqa config show rollout.n`
+                hint = f": {path} is a config key; give it a value ({path}=VALUE), or read it in `longqa config show`"
+            raise ConfigError(f"config file {path} does not exist{hint}")
         try:
             tree = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as e:
