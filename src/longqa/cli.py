@@ -333,7 +333,7 @@ def _add_dataclass_args(p: argparse.ArgumentParser, cls: type) -> None:
 
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        flag = "--" + f.name.replace("_", "-")
+        flag = _flag(f.name)
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             p.add_argument(flag, dest=f.name, required=True, nargs="+" if "list" in str(f.type) else None)
         elif f.default_factory is not dataclasses.MISSING:

@@ -108,8 +108,7 @@ class PromptSet:
             taken[m["file"]] = taken.get(m["file"], 0) + 1
             if taken[m["file"]] <= n:
                 keep.append(i)
-        lengths = [len(self.ids(i)) for i in keep]
-        offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64)
+        offsets = np.concatenate([[0], np.cumsum(self.lengths[keep])]).astype(np.int64)
         token_ids = np.concatenate([self.ids(i) for i in keep]).astype(np.int32)
         return PromptSet(token_ids, offsets, [self.meta[i] for i in keep], self.stats)
 
