@@ -282,53 +282,71 @@ def test_checkpoints_resume_on_another_number_of_ranks(run_inputs, tmp_path):
 
 
 
-def rank_pid(launcher: int, rank: int) -> int | None:
-    """The process id of torchrun's worker of ``rank``: a child of the launcher with RANK in its environment."""
-    import re
-    from pathlib import Path
+STOP_AFTER_STEP_1 = '''
+import os
+import signal
+import time
+from pathlib import Path
 
-    for status in Path("/proc").glob("[0-9]*/status"):
+from longqa.reward import compute_score as hardened
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """Once step 1 is logged, the first call on a rank in SENDERS to see it sends SIGTERM to TARGET (its own
+    process when None) and, when HOLD_UNTIL is named, scores nothing until that file exists. The signal thus
+    lands while a later step is being scored, however short the steps, and never in the run that made MARKER."""
+    metrics = Path(RUN_DIR, "metrics.jsonl")
+    if os.environ.get("RANK", "0") in SENDERS and metrics.exists() and metrics.read_text():
         try:
-            parent = int(re.search(r"^PPid:\s+(\d+)", status.read_text(), re.M).group(1))
-            environment = (status.parent / "environ").read_bytes().split(b"\0")
-        except (OSError, AttributeError):  # gone meanwhile, or not ours to read
-            continue
-        if parent == launcher and f"RANK={rank}".encode() in environment:
-            return int(status.parent.name)
-    return None
+            Path(MARKER).open("x").close()
+        except FileExistsError:
+            pass
+        else:
+            os.kill(TARGET or os.getpid(), signal.SIGTERM)
+            deadline = time.time() + 120
+            while HOLD_UNTIL and not Path(HOLD_UNTIL).exists() and time.time() < deadline:
+                time.sleep(0.01)
+    return hardened(data_source, solution_str, ground_truth, extra_info)
+'''
+
+
+def stopping_reward(path, run, senders: set[str], target: int | None = None, hold_until=None, sent=False):
+    """A reward file with :data:`STOP_AFTER_STEP_1` for the run in ``run``; ``sent``: it never signals."""
+    marker = path.with_suffix(".sent")
+    if sent:
+        marker.write_text("never")
+    path.write_text(f"RUN_DIR = {str(run)!r}\nMARKER = {str(marker)!r}\nSENDERS = {senders!r}\n"
+                    f"TARGET = {target!r}\nHOLD_UNTIL = {hold_until and str(hold_until)!r}\n" + STOP_AFTER_STEP_1)
+    return path
 
 
 @pytest.mark.slow
 def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(run_inputs, tmp_path):
-    """Under torchrun only rank 1 gets SIGTERM; rank 0, which logs, stops after the same step through the
-    per-step agreement. Both write their shards of one checkpoint and exit 75, and one process resumes
-    from that checkpoint to the end of the uninterrupted run."""
+    """Under torchrun only rank 1 gets SIGTERM, while it scores a step after step 1; rank 0, which logs, stops
+    after the same step through the per-step agreement. Both write their shards of one checkpoint and exit
+    75, and one process resumes from that checkpoint to the end of the uninterrupted run."""
     import json
     import os
     import re
-    import signal
     import subprocess
     import sys
-    import time
     from pathlib import Path
 
     from longqa.cli import main
 
     straight, out = tmp_path / "straight", tmp_path / "two"
     extra = {"trainer.max_steps": 4, "trainer.test_freq": 0}
-    assert main(["train", *run_args(run_inputs, straight, **extra)]) == 0
+    quiet = stopping_reward(tmp_path / "quiet.py", straight, {"1"}, sent=True)
+    assert main(["train", *run_args(run_inputs, straight, **extra, **{"reward.path": quiet})]) == 0
+    extra["reward.path"] = stopping_reward(tmp_path / "stop.py", out, {"1"})
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
                "-m", "longqa.cli", "train", *run_args(run_inputs, out, **extra)]
     src = str(Path(__file__).resolve().parent.parent / "src")
-    proc = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": src}, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    metrics, deadline = out / "metrics.jsonl", time.time() + 120
-    while proc.poll() is None and time.time() < deadline and not (metrics.exists() and metrics.read_text()):
-        time.sleep(0.02)  # step 1 logged
-    os.kill(rank_pid(proc.pid, 1), signal.SIGTERM)
-    output, _ = proc.communicate(timeout=120)
+    done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": src}, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
+    output, metrics = done.stdout, out / "metrics.jsonl"
     stopped = re.search(r"^preempted at step (\d+): saved checkpoint (\S+);", output, re.M)
-    assert stopped and proc.returncode != 0 and "exitcode  : 75" in output, output[-3000:]
+    assert stopped and done.returncode != 0 and "exitcode  : 75" in output, output[-3000:]
     step, checkpoint = int(stopped.group(1)), Path(stopped.group(2))
     assert 1 <= step < 4 and checkpoint == out / "checkpoints" / f"step_{step:08d}"
     assert (checkpoint / "state").is_dir() and (checkpoint / "COMPLETE").is_file()
@@ -407,27 +425,23 @@ def test_ray_train_workers_restart_from_the_last_checkpoint(run_inputs, tmp_path
 def test_sigterm_to_the_ray_driver_stops_its_workers_with_a_checkpoint(run_inputs, tmp_path, ray_env, capsys):
     """trainer.launcher=ray: the driver takes SIGTERM (its workers train in threads, where no handler can be
     installed) and passes it on; both workers stop after the same step with its checkpoint, the driver says
-    so and returns 75, and one process resumes to the end of the uninterrupted run."""
+    so and returns 75, and one process resumes to the end of the uninterrupted run.
+
+    A worker sends the signal while it scores a step after step 1 and waits for the driver's request file:
+    blocked in Ray's ``get``, the driver runs its handler only when Ray checks for signals, about once a
+    second, and steps this small would all be done by then."""
     import json
     import os
-    import signal
-    import threading
-    import time
 
     from longqa.cli import main
 
     straight, out = tmp_path / "straight", tmp_path / "ray-run"
     extra = {"trainer.max_steps": 4, "trainer.test_freq": 0}
-    assert main(["train", *run_args(run_inputs, straight, **extra)]) == 0
+    quiet = stopping_reward(tmp_path / "quiet.py", straight, {"0", "1"}, sent=True)
+    assert main(["train", *run_args(run_inputs, straight, **extra, **{"reward.path": quiet})]) == 0
+    extra["reward.path"] = stopping_reward(tmp_path / "stop.py", out, {"0", "1"}, target=os.getpid(),
+                                           hold_until=out / ".stop-request")
     metrics = out / "metrics.jsonl"
-
-    def signal_after_step_1():
-        deadline = time.time() + 120
-        while time.time() < deadline and not (metrics.exists() and metrics.read_text()):
-            time.sleep(0.02)
-        os.kill(os.getpid(), signal.SIGTERM)  # the handler runs in the main thread, the driver's
-
-    threading.Thread(target=signal_after_step_1, daemon=True).start()
     capsys.readouterr()
     args = run_args(run_inputs, out, **extra, **{"trainer.launcher": "ray", "trainer.ray_workers": 2})
     assert main(["train", *args]) == 75

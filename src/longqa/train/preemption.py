@@ -164,7 +164,9 @@ class ForwardedStop:
 
     def _note(self, signum: int, frame) -> None:
         """Note the time and write it for the workers: the driver's main thread spends the whole run
-        blocked in ``fit()``, so no other code of ours runs to pass the request on."""
+        blocked in ``fit()``, so no other code of ours runs to pass the request on. Blocked there, in Ray's
+        ``get``, it runs this handler only when Ray checks for signals, about once a second, so the grace
+        period is counted from up to a second after the signal."""
         self.received_at = _request_time(self.received_at, signum)
         self.request_file.write_text(f"{self.received_at}\n")
 
