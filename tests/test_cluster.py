@@ -1,5 +1,7 @@
 """Hostfile parsing and the exact commands `longqa cluster` runs, without contacting any host."""
 
+import shlex
+
 import pytest
 
 from longqa.cli import main
@@ -80,6 +82,26 @@ def test_cli_dry_run_prints_the_commands_and_how_to_connect(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "10.9.0.2 'ray start --address=10.9.0.1:6379" in out and "RAY_ADDRESS=10.9.0.1:6379" in out
     assert main(["cluster", "down", "--hostfile", str(path), "--dry-run"]) == 0
+    assert "stop it with: longqa cluster down --hostfile " + str(path) in out
     bad = write(tmp_path, "10.9.0.1 slots=eight\n")
     assert main(["cluster", "up", "--hostfile", str(bad), "--dry-run"]) == 2
     assert "line 1" in capsys.readouterr().err
+
+
+def test_an_ipv6_head_is_bracketed_where_a_port_follows(tmp_path, capsys):
+    hosts = [Host("fe80::1", 8), Host("10.0.0.2", 8)]
+    worker = up_commands(hosts, port=6380, local_head=False)[-1]
+    assert shlex.split(worker.argv[-1])[:4] == ["ray", "start", "--address=[fe80::1]:6380",
+                                                "--node-ip-address=10.0.0.2"]
+    assert status_command(hosts)[0].argv[-1] == "--address=[fe80::1]:6379"
+    path = write(tmp_path, "fe80::1 slots=8\n10.0.0.2 slots=8\n")
+    assert main(["cluster", "up", "--hostfile", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "RAY_ADDRESS=[fe80::1]:6379;" in out and "dashboard http://[fe80::1]:8265" in out
+
+
+def test_stopping_takes_no_port(tmp_path, capsys):
+    path = write(tmp_path, "10.9.0.1 slots=8\n")
+    with pytest.raises(SystemExit):
+        main(["cluster", "down", "--hostfile", str(path), "--port", "6380", "--dry-run"])
+    assert "unrecognized arguments: --port 6380" in capsys.readouterr().err

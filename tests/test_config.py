@@ -50,7 +50,7 @@ def test_show_round_trips(tmp_path):
     ("rollout.speculative=ngram", "config key 'rollout.speculative' must be one of 'off', 'prompt_lookup'"),
     ("rollout.num_speculative_tokens=0", "config key 'rollout.num_speculative_tokens' must be > 0, got 0"),
     ("trainer.preemption_grace_s=-1", "config key 'trainer.preemption_grace_s' must be >= 0, got -1.0"),
-    ("trainer.preemption_grace_s=soon", "config key 'trainer.preemption_grace_s' must be a number"),
+    ("trainer.preemption_grace_s=soon", "config key 'trainer.preemption_grace_s' must be a finite number"),
     ("no_equals_sign", "must look like key=value"),
 ])
 def test_bad_overrides_fail_with_one_clear_message(override, message):
@@ -89,9 +89,30 @@ def test_every_key_has_help_and_parses():
 def test_reward_modes_match_the_reward_module():
     import typing
 
-    from longqa import config, reward
+    from longqa import config_schema, reward
 
-    assert set(typing.get_args(typing.get_type_hints(config.RewardConfig)["mode"])) == set(reward.REWARD_MODES)
+    assert set(typing.get_args(typing.get_type_hints(config_schema.RewardConfig)["mode"])) == set(reward.REWARD_MODES)
+
+
+def test_logger_sinks_match_the_report_module():
+    import typing
+
+    from longqa import config_schema, report, support
+
+    (sink,) = typing.get_args(typing.get_type_hints(config_schema.TrainerConfig)["logger"])
+    assert set(typing.get_args(sink)) == set(report.SINKS) >= set(support.SINK_PACKAGES)
+
+
+def test_the_reward_mode_s_default_comes_from_the_environment_when_set(monkeypatch, tmp_path):
+    monkeypatch.setenv("REWARD_CALC_TYPE", "pure_exact_match")
+    assert load_config().reward.mode == "pure_exact_match"
+    path = tmp_path / "c.yaml"
+    path.write_text("reward:\n  mode: format_f1_score\n")
+    assert load_config(path).reward.mode == "format_f1_score"  # a file or an override given wins
+    assert load_config(None, ["reward.mode=hardened"]).reward.mode == "hardened"
+    monkeypatch.setenv("REWARD_CALC_TYPE", "typo")
+    with pytest.raises(ConfigError, match="REWARD_CALC_TYPE='typo' names no reward mode: set it to one of hardened"):
+        load_config(None, ["reward.mode=hardened"])
 
 
 def test_every_shipped_config_loads():

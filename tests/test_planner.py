@@ -108,7 +108,7 @@ def test_one_process_shares_its_weights_and_the_kv_cache_takes_its_share_of_the_
     one = plan_memory(qwen3_8b, world_size=1, gpu_bytes=H200, sharded=False, groups_per_rank=64, **RECIPE)
     assert one.rollout_weights == 0 and one.unsharded_layers == 0 and one.training_state == 8 * qwen3_8b.params
     group = 2 * 2 * 36 * 8 * 128 * (16384 + 8 * 4096)  # keys and values, bf16, layers, KV heads, head_dim, tokens
-    free = H200 - 2 * qwen3_8b.params - 6 * GIB  # before the first update only the bf16 weights and the margin
+    free = H200 - 2 * qwen3_8b.params  # before the first update only the bf16 weights are allocated
     assert one.kv_groups == int(0.4 * free) // group and one.rollout_kv == one.kv_groups * group
     capped = plan_memory(qwen3_8b, world_size=1, gpu_bytes=H200, sharded=False, groups_per_rank=64,
                          kv_cache_bytes=3 * group + 1, **RECIPE)
@@ -239,8 +239,30 @@ def test_offloaded_layers_keep_no_activations_on_the_gpu():
 
     none, quarter_recomputed, quarter_offloaded = activations(0, 0), activations(0.25, 0), activations(0, 0.25)
     layer = (none - quarter_offloaded) / 9  # 9 of 36 layers
-    # recomputed: each keeps its bf16 input, and one has all its activations while it is recomputed
-    assert quarter_recomputed - quarter_offloaded == 9 * 2 * 4096 * 32768 + layer
+    # recomputed: each keeps its bf16 input; the one being recomputed holds its activations again only after the
+    # kept layers (the last ones, whose backward passes come first) have freed theirs, below this peak
+    assert quarter_recomputed - quarter_offloaded == 9 * 2 * 4096 * 32768
     assert activations(0.25, 0.25) == quarter_recomputed - 9 * layer
+    # with every layer recomputed, the one being recomputed is the peak: all the inputs and one layer's all
+    assert activations(1.0, 0) >= 36 * 2 * 4096 * 32768 + layer > activations(0, 1.0)
     with pytest.raises(PlanError, match="model.activation_offload"):
         plan("qwen3-8b", 1, offload=True, checkpointing=0.25, micro_batch_tokens=65536)
+
+
+def test_a_kl_penalty_s_reference_model_is_counted_on_each_gpu():
+    """algo.kl_coef > 0 keeps a frozen copy of the starting weights in model.dtype: whole while the actor is built,
+    then sharded like the policy under FSDP2, whole beside a ZeRO-3 engine."""
+    from longqa.config import load_config
+    from longqa.distributed.planner import plan_config
+
+    qwen3_8b = sizes("qwen3-8b")
+    base = ["model.dtype=bfloat16", "actor.cpu_offload=true"]
+    plans = {kl: {strategy: plan_config(load_config("configs/loongrl-qwen3-8b.yaml", [
+        *base, f"algo.kl_coef={kl}", f"actor.strategy={strategy}", "rollout.kv_cache_bytes=1000000000"]),
+        qwen3_8b, 8, H200) for strategy in ("fsdp2", "deepspeed")} for kl in (0, 0.001)}
+    for strategy, share in (("fsdp2", 8), ("deepspeed", 1)):
+        without, with_kl = plans[0][strategy], plans[0.001][strategy]
+        assert with_kl.reference_weights == 2 * qwen3_8b.params // share and without.reference_weights == 0
+        assert with_kl.total - without.total == with_kl.reference_weights
+        assert with_kl.loading - without.loading == 2 * qwen3_8b.params
+    assert "reference model (algo.kl_coef)" in plans[0.001]["fsdp2"].table()

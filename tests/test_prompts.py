@@ -165,3 +165,140 @@ def test_files_written_by_verl_recipes_load_unchanged(tmp_path, tokenizer):
     for i in range(16):
         assert prompts.ids(i).tolist() == reference_ids(tokenizer, rows[i % 8])
         assert prompts.meta[i]["ground_truth"] == f"Person {i % 8}"
+
+
+def rows_at_lengths(lengths=(256, 512, 1024), sources=("hotpotqa", "musique", "2wikimqa")) -> list[dict]:
+    """The same questions at several context lengths, as `longqa data synth --context-lengths` writes them:
+    ``target_tokens`` in extra_info, longer contexts at longer lengths, a different length per question."""
+    rows = []
+    for length in lengths:
+        for q, source in enumerate(sources):
+            row = qa_row(q, words=length // 16 + 4 * q, source=source)
+            row["extra_info"]["target_tokens"] = length
+            rows.append(row)
+    return rows
+
+
+def expected_tallies(rows, limit: int, mode: str, tokenizer) -> dict[str, dict]:
+    """From the tokenizer's own lengths: per data_source and per target_tokens, [rows, dropped, truncated]; a
+    bad row (no user message here) counts as dropped, under the source and length it names."""
+    out = {"data_source": {}, "target_tokens": {}}
+    for row in rows:
+        bad = not any(m["role"] == "user" for m in row["prompt"])
+        over = not bad and len(reference_ids(tokenizer, row)) > limit
+        for group, key in (("data_source", row.get("data_source") or "(no data_source)"),
+                           ("target_tokens", row["extra_info"].get("target_tokens"))):
+            if key is None:
+                continue
+            counts = out[group].setdefault(key, [0, 0, 0])
+            counts[0] += 1
+            counts[1] += bad or (over and mode == "filter")
+            counts[2] += over and mode == "truncate"
+    return out
+
+
+def said(key, rows: int, dropped: int, truncated: int) -> str:
+    parts = ([f"{dropped} of {rows} dropped" + (", none left" if dropped == rows else "")] if dropped else []) + (
+        [f"{truncated} of {rows} truncated"] if truncated else [])
+    return f"{key}: {' and '.join(parts)}"
+
+
+def limits_that_cut(rows, tokenizer) -> list[int]:
+    """Every limit that keeps a different set of prompts whole: each good row's prompt length, longest first."""
+    return sorted({len(reference_ids(tokenizer, r)) for r in rows if any(m["role"] == "user" for m in r["prompt"])},
+                  reverse=True)
+
+
+@pytest.mark.parametrize("mode", ["filter", "truncate"])
+def test_every_row_not_kept_whole_is_counted_per_source_and_length(tmp_path, tokenizer, mode):
+    """At every limit that changes what is kept, overlong rows filtered or truncated and bad rows skipped are
+    counted per data_source and per target_tokens, and the lines a run prints say each count."""
+    from longqa.data.prompts import describe_losses, tally
+
+    rows = rows_at_lengths()
+    rows.append(qa_row(90, source="musique"))  # no target_tokens: counted per source alone
+    broken = qa_row(91, source="hotpotqa")
+    broken["prompt"] = broken["prompt"][:1]  # no user message: a bad row
+    broken["extra_info"]["target_tokens"] = 512
+    nameless = qa_row(92)
+    nameless["prompt"], nameless["data_source"] = nameless["prompt"][:1], None
+    rows += [broken, nameless]
+    path = write_rows(rows, tmp_path / "rows.parquet")
+    for limit in limits_that_cut(rows, tokenizer):
+        options = PromptOptions(limit, filter_overlong_prompts=mode == "filter", skip_bad_rows=True)
+        prompts = prepare_prompts([path], tokenizer, options)
+        lines = describe_losses(prompts, "training prompts", options)
+        expected = expected_tallies(rows, limit, mode, tokenizer)
+        for group, by_key in expected.items():
+            got = {key: [t.rows, t.dropped, t.truncated] for key, t in tally(prompts, group).items()}
+            assert got == by_key, (limit, group)
+            listed = [said(key, *counts) for key, counts in sorted(by_key.items()) if counts[1] or counts[2]]
+            line = next((x for x in lines if x.startswith(f"  by {group}: ")), None)
+            assert (line and line.removeprefix(f"  by {group}: ").split("; ")) == (listed or None), (limit, lines)
+        dropped = sum(c[1] for c in expected["data_source"].values())
+        truncated = sum(c[2] for c in expected["data_source"].values())
+        assert lines[0].startswith(f"training prompts: {len(rows) - dropped} of {len(rows)} kept; ")
+        assert "2 bad rows dropped (data.skip_bad_rows=true)" in lines[0]
+        assert (f"{dropped - 2} dropped over data.max_prompt_length={limit}" in lines[0]) == (dropped > 2)
+        assert (f"{truncated} truncated to data.max_prompt_length={limit}" in lines[0]) == (truncated > 0)
+
+
+def test_a_set_that_lost_nothing_says_so(files, tokenizer):
+    from longqa.data.prompts import describe_losses
+
+    options = PromptOptions(10_000)
+    assert describe_losses(prepare_prompts(files, tokenizer, options), "validation prompts", options) == [
+        "validation prompts: all 75 kept whole"]
+
+
+@pytest.mark.parametrize("mode", ["filter", "truncate"])
+def test_a_validation_set_that_loses_rows_is_refused_never_silent(tmp_path, tokenizer, mode):
+    """At every limit that changes what is kept: a validation set that would drop a row (of any source, with a
+    context length or without), or cut one at a context length (target_tokens), stops the run before anything
+    loads, naming each source and length with its counts and a limit that keeps them; otherwise every row is
+    scored (rows without a length may be cut, said). Training prompts are said and never refused."""
+    from longqa.config import ConfigError, load_config
+    from longqa.train.trainer import load_prompts
+
+    rows = rows_at_lengths() + [qa_row(90 + i, words=30 + 30 * i, source="musique") for i in range(3)]
+    val = write_rows(rows, tmp_path / "val.parquet")
+    train = write_rows(rows_at_lengths(), tmp_path / "train.parquet")
+    lengths = {len(reference_ids(tokenizer, r)): r for r in rows}
+    refused = 0
+    for limit in limits_that_cut(rows, tokenizer):
+        base = [f"data.max_prompt_length={limit}", f"data.filter_overlong_prompts={mode == 'filter'}",
+                "data.train_batch_size=1", "actor.ppo_mini_batch_size=1", f"data.cache_dir={tmp_path / 'cache'}"]
+        said_lines = []
+        expected = expected_tallies(rows, limit, mode, tokenizer)
+        losing = {length: c for length, c in sorted(expected["target_tokens"].items()) if c[1] or c[2]}
+        sources = [said(k, *c) for k, c in sorted(expected["data_source"].items()) if c[1] or c[2]]
+        dropped = sum(c[1] for c in expected["data_source"].values())
+        cfg = load_config(None, [*base, f"data.train_files={train}", f"data.val_files={val}"])
+        if losing or dropped:
+            refused += 1
+            with pytest.raises(ConfigError) as e:
+                load_prompts(cfg, tokenizer, say=said_lines.append)
+            message = str(e.value)
+            assert "\n" not in message
+            assert f"(by data_source: {'; '.join(sources)}" in message
+            assert (f"by target_tokens: {'; '.join(said(k, *c) for k, c in losing.items())})" in message) == bool(losing)
+            over = [n for n, r in lengths.items() if n > limit and (mode == "filter" or r["extra_info"].get("target_tokens"))]
+            assert f"set data.max_prompt_length to {max(over)} or more" in message
+        else:
+            _, kept = load_prompts(cfg, tokenizer, say=said_lines.append)
+            assert len(kept) == len(rows)
+            assert all(c[0] == sum(target == k for target in
+                                   (m["extra_info"].get("target_tokens") for m in kept.meta)) and c[2] == 0
+                       for k, c in expected["target_tokens"].items())
+        val_lines = said_lines[said_lines.index(next(x for x in said_lines if x.startswith("validation"))):]
+        assert (f"  by data_source: {'; '.join(sources)}" in val_lines) == bool(sources)
+        # a validation set that never runs (trainer.test_freq=0) is said, not refused
+        said_lines.clear()
+        load_prompts(load_config(None, [*base, f"data.train_files={train}", f"data.val_files={val}",
+                                        "trainer.test_freq=0"]), tokenizer, say=said_lines.append)
+        assert any(line.startswith("validation prompts: ") for line in said_lines)
+        # training alone: what it lost is said, never refused
+        said_lines.clear()
+        load_prompts(load_config(None, [*base, f"data.train_files={train}"]), tokenizer, say=said_lines.append)
+        assert said_lines[0].startswith("training prompts: ")
+    assert 0 < refused < len(limits_that_cut(rows, tokenizer))  # both outcomes were met

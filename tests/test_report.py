@@ -61,6 +61,14 @@ def test_console_prints_one_line_per_step_when_not_a_terminal(tmp_path, capsys):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+def test_console_shows_reward_errors_when_there_are_any(tmp_path, capsys):
+    with MetricsLogger(tmp_path, ["console"], total_steps=2) as logger:
+        logger.log(1, {**STEP, "reward_errors": 3})
+        logger.log(2, {**STEP, "reward_errors": 0})
+    first, second = capsys.readouterr().out.splitlines()
+    assert "| reward errors 3 |" in first and "reward errors" not in second
+
+
 def test_console_rewrites_its_line_on_a_terminal(tmp_path, monkeypatch):
     class Terminal(io.StringIO):
         def isatty(self):
@@ -162,6 +170,12 @@ def test_write_report_plots_and_summarises(tmp_path):
     assert "| val/accuracy | 0.1 | 0.4 | 0.4 (step 20) |" in text
     assert "| response_length/max | 202 | 240 | — |" in text
     assert "![accuracy](accuracy.png)" in text
+
+
+def test_the_report_counts_training_steps_not_the_validation_before_them(tmp_path):
+    write_metrics(tmp_path, [{"step": 0, "val/accuracy": 0.1, "time/step_s": 1.0},
+                             *({"step": s, "reward/mean": 0.5, "time/step_s": 2.0} for s in (1, 2))])
+    assert "- steps: 2 (last step 2)" in write_report(tmp_path).read_text()
 
 
 def test_write_report_draws_accuracy_by_length_at_the_first_and_last_validation(tmp_path):

@@ -270,3 +270,71 @@ def test_cuda_graphs_per_k_sample_the_same(kernel):
         assert_same_samples(FastRolloutEngine(model, max_groups=2, decode_kernel=kernel).generate(prompts(), greedy),
                             engine.generate(prompts(), greedy), atol=1e-4)
         assert engine.last_run["accepted_draft_tokens"] > 0
+
+
+# The shapes rollout batches take. A decode step reads the KV stores through views of the longest prompt
+# and response still running, rounded up to steps (256 and 64 tokens in the engine; 4 here, so that small
+# prompts and responses cross them): a group that finished, or a longer prompt's, leaves its slot holding
+# more text than a later step's views show.
+LENGTH_MIXES = {"equal": (6, 6, 6), "different": (3, 10, 1), "one much longer": (4, 30, 7)}
+BATCHES = {"one group": ((30,), None),  # (prompt lengths, max_groups)
+           **{f"{mix}, all at once": (lengths, None) for mix, lengths in LENGTH_MIXES.items()},
+           **{f"{mix}, through two slots": (lengths, 2) for mix, lengths in LENGTH_MIXES.items()}}
+RESPONSE_LIMITS = (1, 2, 8)  # no decode step, one, across view steps
+# k acts on shapes through the k + 1 tokens a step feeds per row, against the view step and the limits:
+# one draft; fewer than a view step; more than a view step and than any response.
+K_VALUES = (1, 3, 9)
+STOPS = (STOP, 6, 7, 8)  # sampled responses end at one now and then
+
+
+def response_limits(max_new: int, prompts: int) -> list[list[int]]:
+    """``stop_at`` for three samples per prompt: the first prompt's run into ``max_new_tokens``, the
+    second's end early (its group leaves while the others go on), the third's at and next to the limit."""
+    table = [[max_new, max_new // 2, 3], [max_new - 2, max_new // 3, 1], [max_new, max_new - 1, max_new]]
+    return [[min(max(1, length), max_new) for length in row] for row in table[:prompts]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    """One tiny model for the many calls below (engines only read its weights)."""
+    return tiny_lm()
+
+
+@pytest.fixture
+def small_views(monkeypatch):
+    """Views that grow by 4 tokens, prompt and response."""
+    monkeypatch.setattr(fast, "PROMPT_VIEW_STEP", 4)
+    monkeypatch.setattr(fast, "RESPONSE_VIEW_STEP", 4)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("max_new", RESPONSE_LIMITS)
+@pytest.mark.parametrize("batch", BATCHES)
+def test_every_batch_shape_samples_as_plain_decoding(small_views, model, batch, max_new, temperature):
+    """Every prompt-length mix, one group or several (all in slots at once, or streaming through fewer),
+    responses of one token, two and several view steps (samples that stop early, at ``stop_at`` lengths and
+    at ``max_new_tokens``), and k from one to more than any response: the same token ids, log-probs and
+    finish reasons as without speculation. Greedy decoding accepts drafts (steps that keep several tokens,
+    cut at the limits); sampling rejects most."""
+    lengths, max_groups = BATCHES[batch]
+    ids, seeds, stop_at = prompts(lengths), SEEDS[:len(lengths)], response_limits(max_new, len(lengths))
+    params = SamplingParams(n=3, temperature=temperature, max_new_tokens=max_new, stop_token_ids=STOPS)
+    plain = FastRolloutEngine(model, max_groups=max_groups, sync_every=3).generate(ids, params, seeds=seeds,
+                                                                                   stop_at=stop_at)
+    for k in K_VALUES:
+        engine = FastRolloutEngine(model, max_groups=max_groups, sync_every=3, speculative="prompt_lookup",
+                                   num_speculative_tokens=k, prompt_lookup_min=1)
+        assert_same_samples(plain, engine.generate(ids, params, seeds=seeds, stop_at=stop_at))
+
+
+@pytest.mark.parametrize("k", K_VALUES)
+def test_a_reused_engine_samples_as_plain_decoding(small_views, model, k):
+    """Calls on one engine, each with fewer, shorter prompts than the one before: the slots a call leaves
+    empty still hold the earlier call's groups."""
+    engine = FastRolloutEngine(model, sync_every=3, speculative="prompt_lookup", num_speculative_tokens=k,
+                               prompt_lookup_min=1)
+    for lengths, max_new in [((4, 7, 30), 8), ((6, 6), 8), ((3,), 2)]:
+        ids, seeds = prompts(lengths), SEEDS[:len(lengths)]
+        params = SamplingParams(n=3, temperature=0, max_new_tokens=max_new, stop_token_ids=STOPS)
+        plain = FastRolloutEngine(model, sync_every=3).generate(ids, params, seeds=seeds)
+        assert_same_samples(plain, engine.generate(ids, params, seeds=seeds))

@@ -462,15 +462,165 @@ def test_rollout_speculative_reaches_the_engine_and_samples_the_same(tiny_model_
     assert drafting.engine.last_run["draft_row_steps"] > 0
 
 
-def test_a_raising_custom_reward_is_counted_not_fatal(tiny_model_dir, data_dir, tmp_path):
+def test_a_custom_reward_failing_on_some_answers_is_counted_on_every_one_stops_the_run(tiny_model_dir, data_dir,
+                                                                                       tmp_path, capsys):
+    """A few failures cost those answers (counted, and shown on the console line); a function that fails on
+    every call would train nothing and still exit 0, so the run stops at the first such step with its error."""
     path = tmp_path / "reward.py"
     path.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw):\n"
-                    "    raise RuntimeError('boom')\n")
+                    "    if extra_info['index'] % 2 or FAIL_ALWAYS:\n"
+                    "        raise RuntimeError('boom')\n"
+                    "    return 1.0\n"
+                    "FAIL_ALWAYS = False\n")
     out = tmp_path / "run"
     args = overrides(tiny_model_dir, data_dir, out, **{"reward.path": path, "trainer.max_steps": 1,
-                                                       "trainer.test_freq": 0})
+                                                       "trainer.test_freq": 0, "trainer.logger": "[console,jsonl]"})
     assert main(["train", *args]) == 0
-    assert records(out)[0]["reward_errors"] == 8
+    errors = records(out)[0]["reward_errors"]
+    assert 0 < errors < 8 and f"| reward errors {errors} |" in capsys.readouterr().out
+    validated = tmp_path / "validated"  # validation counts them too, on its own line
+    assert main(["train", *args, "trainer.test_freq=1", f"trainer.output_dir={validated}"]) == 0
+    val_errors = [r["val/reward_errors"] for r in records(validated) if "val/reward_errors" in r]
+    assert val_errors and all(e > 0 for e in val_errors)
+    assert f"| val/reward_errors {val_errors[-1]} |" in capsys.readouterr().out
+    path.write_text(path.read_text().replace("FAIL_ALWAYS = False", "FAIL_ALWAYS = True"))
+    assert main(["train", *args, "trainer.resume=none", f"trainer.output_dir={tmp_path}/again"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (f"longqa: error: every one of the 8 reward calls of step 1 "
+                                                        f"failed, the last with RuntimeError: boom: fix "
+                                                        f"reward.path={path} (compute_score)")
+    assert not (tmp_path / "again" / "checkpoints").exists()
+
+
+def test_validation_scores_with_the_custom_reward(tiny_model_dir, data_dir, tmp_path, capsys):
+    """reward.path decides validation accuracy as it decides the training reward; failing on every validation
+    answer stops the run before the first step."""
+    path = tmp_path / "reward.py"
+    path.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw):\n"
+                    "    return 0.75\n")
+    out = tmp_path / "run"
+    args = overrides(tiny_model_dir, data_dir, out, **{"reward.path": path, "trainer.max_steps": 1,
+                                                       "trainer.test_freq": 1})
+    assert main(["train", *args]) == 0
+    assert [r["val/accuracy"] for r in records(out)] == [0.75, 0.75]
+    path.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw):\n"
+                    "    return 'right'\n")
+    assert main(["train", *args, f"trainer.output_dir={tmp_path}/again"]) == 2
+    assert "every one of the 6 reward calls of the validation failed: fix reward.path=" in capsys.readouterr().err
+
+
+def test_a_resume_applies_changed_settings_from_the_resumed_step_and_says_so(tiny_model_dir, data_dir, tmp_path,
+                                                                            capsys):
+    """The learning rate, the optimizer's betas and weight decay, the number of steps (which the schedule is laid
+    over) and the validation frequency, changed on resuming, hold from the resumed step on: the learning rate
+    logged is the one an uninterrupted run with the new settings logs at that step, the optimizer steps with the
+    new settings, and the new checkpoint records the config that ran and what changed where."""
+    first = {"trainer.max_steps": 1, "trainer.test_freq": 0}
+    changed = {"trainer.max_steps": 2, "trainer.test_freq": 2, "actor.lr": 5e-3, "actor.betas": "[0.8,0.9]",
+               "actor.weight_decay": 0.1}
+    run, straight = tmp_path / "run", tmp_path / "straight"
+    assert main(["train", *overrides(tiny_model_dir, data_dir, run, **first)]) == 0
+    capsys.readouterr()
+    assert main(["train", *overrides(tiny_model_dir, data_dir, run, **changed)]) == 0
+    out = capsys.readouterr().out
+    assert f"resumed from {run / 'checkpoints' / 'step_00000001'} at step 1\n" in out
+    assert ("  changed since the checkpoint, applied from step 2 on: actor.lr 0.001 -> 0.005; actor.betas [0.9, "
+            "0.95] -> [0.8, 0.9]; actor.weight_decay 0.0 -> 0.1; trainer.max_steps 1 -> 2; trainer.test_freq 0 -> 2\n"
+            ) in out
+    assert main(["train", *overrides(tiny_model_dir, data_dir, straight, **{**changed, "trainer.test_freq": 0})]) == 0
+    resumed = records(run)
+    assert [r["step"] for r in resumed] == [1, 2] and "val/accuracy" in resumed[1]
+    assert resumed[1]["lr"] == records(straight)[1]["lr"]  # (the old rate on the new schedule: a fifth of it)
+    checkpoint = run / "checkpoints" / "step_00000002"
+    groups = torch.load(checkpoint / "optimizer.pt", weights_only=True)["param_groups"]
+    assert {(tuple(g["betas"]), g["weight_decay"], g["initial_lr"]) for g in groups} == {((0.8, 0.9), 0.1, 5e-3)}
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    assert state["config"]["actor"]["lr"] == 5e-3 and state["config"]["trainer"]["max_steps"] == 2
+    assert state["resumed_with_changes"] == [{"step": 1, "changes": {
+        "actor.lr": [1e-3, 5e-3], "actor.betas": [[0.9, 0.95], [0.8, 0.9]], "actor.weight_decay": [0.0, 0.1],
+        "trainer.max_steps": [1, 2], "trainer.test_freq": [0, 2]}}]
+
+
+def test_a_resume_that_would_compute_something_else_is_refused_naming_every_difference(tiny_model_dir, data_dir,
+                                                                                      tmp_path, capsys):
+    """A changed group size, batch size and seed are refused together, before anything loads, beside the changes
+    that would apply; nothing is trained. trainer.resume_allow_changes=true goes on with them, saying so."""
+    run = tmp_path / "run"
+    assert main(["train", *overrides(tiny_model_dir, data_dir, run, **{"trainer.max_steps": 1,
+                                                                      "trainer.test_freq": 0})]) == 0
+    changed = {"trainer.max_steps": 2, "trainer.test_freq": 0, "rollout.n": 4, "data.train_batch_size": 2,
+               "trainer.seed": 7, "actor.lr": 5e-3}
+    capsys.readouterr()
+    assert main(["train", *overrides(tiny_model_dir, data_dir, run, **changed)]) == 2
+    out, err = capsys.readouterr()
+    assert err.strip().splitlines()[-1] == (
+        f"longqa: error: checkpoint {run / 'checkpoints' / 'step_00000001'} was written with other settings that "
+        f"change what the run computes: data.train_batch_size 4 -> 2; rollout.n 2 -> 4; trainer.seed 42 -> 7 (these "
+        f"would apply: actor.lr 0.001 -> 0.005; trainer.max_steps 1 -> 2); resume with the checkpoint's values, set "
+        f"trainer.resume_allow_changes=true to go on with the new ones, or start a new run in another "
+        f"trainer.output_dir")
+    assert "prompts" not in out  # refused before the data was read
+    assert [r["step"] for r in records(run)] == [1]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000001"]
+
+    allowed = {**changed, "trainer.resume_allow_changes": "true"}
+    assert main(["train", *overrides(tiny_model_dir, data_dir, run, **allowed)]) == 0
+    out = capsys.readouterr().out
+    assert ("  changed since the checkpoint, altering what the run computes (trainer.resume_allow_changes=true): "
+            "data.train_batch_size 4 -> 2; rollout.n 2 -> 4; trainer.seed 42 -> 7\n") in out
+    assert [r["step"] for r in records(run)] == [1, 2]
+    state = json.loads((run / "checkpoints" / "step_00000002" / "trainer_state.json").read_text())
+    assert state["config"]["rollout"]["n"] == 4 and state["config"]["data"]["train_batch_size"] == 2
+    assert state["resumed_with_changes"][0]["changes"]["rollout.n"] == [2, 4]
+
+
+def test_train_says_what_it_dropped_and_refuses_a_validation_length_that_loses_prompts(tiny_model_dir, data_dir,
+                                                                                    tmp_path, capsys, tokenizer):
+    """Overlong prompts dropped are counted at the start of the run, per data_source, for training and
+    validation alike; a validation set that would lose prompts (of a source, of a context length) stops a run
+    that validates before any step, naming each source and length, its count and a limit that keeps them."""
+    from collections import Counter
+
+    from longqa.data.prompts import PromptOptions, prepare_prompts
+    from longqa.data.synth import generate
+
+    files = {"training": f"{data_dir}/merged/train.parquet", "validation": f"{data_dir}/merged/test.parquet"}
+    whole = {name: prepare_prompts([path], tokenizer, PromptOptions(100_000)) for name, path in files.items()}
+    limit = int(sorted(whole["training"].lengths)[len(whole["training"]) // 2])
+    out = tmp_path / "run"
+    extra = {"data.max_prompt_length": limit, "trainer.max_steps": 1, "trainer.test_freq": 0, "trainer.save_freq": 0,
+             "data.train_batch_size": 2, "actor.ppo_mini_batch_size": 2}
+    assert main(["train", *overrides(tiny_model_dir, data_dir, out, **extra)]) == 0  # (no validation: said only)
+    said = capsys.readouterr().out
+    for name, prompts in whole.items():
+        over = [m["data_source"] for m, n in zip(prompts.meta, prompts.lengths) if n > limit]
+        rows = Counter(m["data_source"] for m in prompts.meta)
+        if not over:
+            assert f"{name} prompts: all {len(prompts)} kept whole\n" in said
+            continue
+        assert (f"{name} prompts: {len(prompts) - len(over)} of {len(prompts)} kept; {len(over)} dropped over "
+                f"data.max_prompt_length={limit}\n") in said
+        counts = [f"{source}: {k} of {rows[source]} dropped" + (", none left" if k == rows[source] else "")
+                  for source, k in sorted(Counter(over).items())]
+        assert f"  by data_source: {'; '.join(counts)}\n" in said
+
+    by_length = tmp_path / "by-length"
+    generate(by_length, rows_per_task=4, context_lengths=(256, 512), max_hops=2, test_ratio=0.25, seed=5)
+    val = prepare_prompts([by_length / "merged" / "test.parquet"], tokenizer, PromptOptions(100_000))
+    at = {length: [int(n) for m, n in zip(val.meta, val.lengths) if m["extra_info"]["target_tokens"] == length]
+          for length in (256, 512)}
+    limit = sorted(val.lengths)[-3]  # the two longest prompts dropped
+    over = {length: [n for n in lengths if n > limit] for length, lengths in at.items()}
+    extra.update({"data.max_prompt_length": limit, "data.val_files": f"{by_length}/merged/test.parquet",
+                  "trainer.test_freq": 1})
+    refused = tmp_path / "refused"
+    assert main(["train", *overrides(tiny_model_dir, data_dir, refused, **extra)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    lost = [f"{length}: {len(o)} of {len(at[length])} dropped" + (", none left" if len(o) == len(at[length]) else "")
+            for length, o in over.items() if o]
+    assert f"validation would not score every prompt whole under data.max_prompt_length={limit} (" in err
+    assert f"by target_tokens: {'; '.join(lost)})" in err
+    assert f"set data.max_prompt_length to {max(val.lengths)} or more" in err
+    assert not (refused / "metrics.jsonl").exists()
 
 
 def test_disk_full_while_checkpointing_keeps_the_last_checkpoint(tiny_model_dir, data_dir, tmp_path, monkeypatch,

@@ -13,6 +13,7 @@ the maximum (``"max"``, the worst case), and ends there as if it had sampled EOS
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -29,15 +30,16 @@ H200_BF16_PEAK = 989e12  # dense bf16 TFLOP/s, datasheet
 
 def random_model(shape: str, device, dtype=torch.bfloat16, gradient_checkpointing: float = 1.0,
                  compile_layers: bool = False, min_vocab: int = 0, activation_offload: float = 0.0,
-                 layers: int | None = None):
-    """A random-weight Qwen3 of ``shape`` (``layers`` decoder layers if given); ``gradient_checkpointing`` is
-    the fraction of decoder layers recomputed in the backward pass (True: all, False or 0: none),
-    ``activation_offload`` the fraction (the first layers) whose activations wait in host memory."""
+                 layers: int | None = None, vocab: int | None = None):
+    """A random-weight Qwen3 of ``shape`` (``layers`` decoder layers and a vocabulary of ``vocab`` entries if
+    given, at least ``min_vocab``); ``gradient_checkpointing`` is the fraction of decoder layers recomputed in
+    the backward pass (True: all, False or 0: none), ``activation_offload`` the fraction (the first layers)
+    whose activations wait in host memory."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; expected one of {sorted(SHAPES)}")
-    sizes = {**SHAPES[shape], "vocab_size": max(SHAPES[shape]["vocab_size"], min_vocab),
+    sizes = {**SHAPES[shape], "vocab_size": max(vocab or SHAPES[shape]["vocab_size"], min_vocab),
              **({"num_hidden_layers": layers} if layers else {})}
     config = Qwen3Config(**sizes, max_position_embeddings=65536, rope_theta=1000000.0)
     torch.manual_seed(0)
@@ -332,15 +334,49 @@ def speculation_stats(run: dict) -> dict:
             "tokens_per_row_step": round(1 + run["accepted_draft_tokens"] / max(run["live_row_steps"], 1), 3)}
 
 
+class PhaseProfiler:
+    """Kernel time per phase of a step, under torch's profiler: for each phase, the wall time, the device's
+    busy time (the sum of its kernels), their count and the costliest kernels by name."""
+
+    def __init__(self, device: torch.device, top: int = 12):
+        self.device, self.top, self.phases = device, top, {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        from torch.profiler import ProfilerActivity, profile
+
+        cuda = self.device.type == "cuda"
+        kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+        began = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            yield
+        wall = time.perf_counter() - began
+        kernels: dict[str, list[float]] = {}  # on the CPU, the top-level operations (their children inside them)
+        for event in prof.events():
+            if event.device_type == kind and (cuda or not event.cpu_parent):
+                kernels.setdefault(event.name, []).append(event.device_time if cuda else event.cpu_time)
+        busy = sum(sum(t) for t in kernels.values()) / 1e6
+        top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:self.top]
+        self.phases[name] = {"wall_s": round(wall, 3), "busy_s": round(busy, 3), "busy_fraction": round(busy / wall, 3),
+                             "kernels": sum(len(t) for t in kernels.values()),
+                             "top": [{"kernel": k[:100], "calls": len(t), "s": round(sum(t) / 1e6, 4)} for k, t in top]}
+
+
 def bench_grpo_step(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int = 1024, n: int = 8,
                     prompts_per_step: int = 16, steps: int = 2, device: str = "auto",
                     engine_options: dict | None = None, gradient_checkpointing: bool = False,
-                    lengths: str = "lognormal", strategy: str = "fsdp2", cpu_offload: bool = False) -> list[dict]:
+                    lengths: str = "lognormal", strategy: str = "fsdp2", cpu_offload: bool = False,
+                    budget: int | None = None, backend: str = "auto", profile: bool = False) -> list[dict]:
     """Seconds per phase of whole GRPO steps: fast-engine rollout of ``prompts_per_step`` x ``n``, each
     response ending at its drawn length (at most ``response``), group advantages, one packed
     shared-prompt update (on-policy: no old log-prob pass). A random-weight model cannot answer, so
     rewards are random coin flips (scoring text costs milliseconds anyway).
     Gradient checkpointing is off by default, as in ``longqa train`` (``model.gradient_checkpointing``).
+    ``budget`` is the update's micro-batch token budget (``actor.max_tokens_per_micro_batch``; default one
+    group of the longest responses): a small model needs several groups per micro-batch to keep a GPU busy.
+    ``backend`` is the update's packed attention (``actor.attention_backend``). ``profile`` runs the last step
+    under torch's profiler and adds, per phase, the kernels' busy time against the wall time and the costliest
+    kernels: a phase whose device sits idle is paying for launches and host synchronisation, not arithmetic.
 
     By default the bf16 model trains unsharded and the engine shares its weights. ``strategy="deepspeed"``
     (ZeRO-3) or ``cpu_offload`` (FSDP2's offload, or ZeRO-3's with DeepSpeed's CPU Adam) shard it in a
@@ -368,8 +404,9 @@ def bench_grpo_step(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int
                                **(engine_options or {}))  # a copy is made before the actor shards the model
     cfg = load_config(None, [f"rollout.n={n}", f"data.train_batch_size={prompts_per_step}",
                              f"actor.ppo_mini_batch_size={prompts_per_step}", f"data.max_response_length={response}",
-                             f"actor.max_tokens_per_micro_batch={prompt + n * response}", "actor.lr=1e-6",
-                             f"actor.strategy={strategy}", f"actor.cpu_offload={str(cpu_offload).lower()}"])
+                             f"actor.max_tokens_per_micro_batch={budget or prompt + n * response}", "actor.lr=1e-6",
+                             f"actor.strategy={strategy}", f"actor.cpu_offload={str(cpu_offload).lower()}",
+                             f"actor.attention_backend={backend}"])
     done("model and engine ready")
     actor = Actor(model, cfg, steps, dev)
     done(f"actor ready ({strategy}{', offloaded' if cpu_offload else ''})")
@@ -385,11 +422,13 @@ def bench_grpo_step(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int
                    for _ in range(prompts_per_step)]
         sync()
         compiled, captured = compiled_graphs(), engine.graph_captures
+        phases = PhaseProfiler(dev) if profile and step == steps - 1 else None
         t0 = time.perf_counter()
         stop_at = [draw_response_lengths(lengths, n, response, (step, i)) for i in range(prompts_per_step)]
-        groups = engine.generate(prompts, params, seeds=[step * 1000 + i for i in range(prompts_per_step)],
-                                 stop_at=stop_at)
-        sync()
+        with phases.phase("rollout") if phases else contextlib.nullcontext():
+            groups = engine.generate(prompts, params, seeds=[step * 1000 + i for i in range(prompts_per_step)],
+                                     stop_at=stop_at)
+            sync()
         t1 = time.perf_counter()
         if step == 0:
             done("first rollout sampled")
@@ -398,14 +437,16 @@ def bench_grpo_step(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int
         samples = Samples([p for p in prompts for _ in range(n)], [s.token_ids for grp in groups for s in grp],
                           advantages, n)
         t2 = time.perf_counter()
-        actor.update(samples)
-        engine.sync_weights()
-        sync()
+        with phases.phase("update") if phases else contextlib.nullcontext():
+            actor.update(samples)
+            engine.sync_weights()
+            sync()
         t3 = time.perf_counter()
         new_tokens = sum(len(s) for s in samples.response_ids)
         made = [[len(s.token_ids) for s in grp] for grp in groups]
         floor = step_floor_s(model.config, prompt, made, engine.kv.groups)
         row = {"step": step, "shape": shape, "strategy": strategy, "cpu_offload": cpu_offload,
+               "budget": cfg.actor.max_tokens_per_micro_batch,
                "prompts": prompts_per_step, "n": n, "prompt": prompt,
                "response": response, "lengths": lengths, "gradient_checkpointing": gradient_checkpointing,
                "rollout_s": round(t1 - t0, 3), "reward_and_advantages_s": round(t2 - t1, 3),
@@ -417,7 +458,8 @@ def bench_grpo_step(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int
                "update_mfu": round(floor["update"] / (t3 - t2), 3),
                "rollout_new_tokens_per_s": round(new_tokens / (t1 - t0)),
                "update_tokens_per_s": round((prompts_per_step * prompt + new_tokens) / (t3 - t2)),
-               "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if dev.type == "cuda" else None}
+               "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if dev.type == "cuda" else None,
+               "backend": actor.backend, **({"profile": phases.phases} if phases else {})}
         results.append(row)
         print(json.dumps(row), flush=True)
     if own_group:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import shlex
 import sys
+from pathlib import Path
 
-from longqa.config import ConfigError, key_help, load_config, to_yaml
+from longqa.config import Config, ConfigError, key_help, load_config, to_yaml
 
 DESCRIPTION = """\
 longqa trains language models with GRPO to answer multi-hop questions over long documents.
@@ -24,13 +27,18 @@ Command groups:
 """
 
 
-def _at_least(low: int | float, kind: type = int):
-    """An argparse type: a ``kind`` number no smaller than ``low``, so that a count of 0 or a negative size is
-    refused with the flag's name before any work (it failed deep inside, with a traceback)."""
+def _within(low: int | float, high: int | float = math.inf, kind: type = int):
+    """An argparse type: a finite ``kind`` number from ``low`` to ``high``, so that a count of 0, a negative size
+    or a port past 65535 is refused with the flag's name before any work (it failed deep inside, with a
+    traceback, or not at all)."""
     def parse(text: str):
         value = kind(text)  # a ValueError here: argparse's "invalid int value: 'x'"
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
         if value < low:
             raise argparse.ArgumentTypeError(f"must be at least {low}, got {text}")
+        if value > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high}, got {text}")
         return value
 
     parse.__name__ = kind.__name__
@@ -39,13 +47,37 @@ def _at_least(low: int | float, kind: type = int):
 
 def _fraction(text: str) -> float:
     value = float(text)
-    if not 0.0 <= value <= 1.0:
+    if not 0.0 <= value <= 1.0:  # nan too
         raise argparse.ArgumentTypeError(f"must be a fraction from 0 to 1, got {text}")
     return value
 
 
 _fraction.__name__ = "float"
-COUNT = _at_least(1)
+COUNT = _within(1)
+SEED = _within(0, 2**32 - 1)  # numpy's generators take no negative seed
+PORT = _within(1, 65535)
+
+
+def _writable(path: str, setting: str, folder: bool = False) -> Path:
+    """``path``, the output of the work ahead, checked before that work: it is not a file where a folder goes (or
+    a folder where a file goes), and its nearest existing folder can be written to. So the work is not lost at
+    its end; the missing folders are made then."""
+    target = Path(path).expanduser()
+    if target.exists():
+        if target.is_dir() != folder:
+            raise ConfigError(f"{setting} {path} is {'a file' if folder else 'a folder'}: give "
+                              f"{'a folder' if folder else 'a file'} to write")
+        if not os.access(target, os.W_OK):
+            raise ConfigError(f"{setting} {path} cannot be written to")
+        return target
+    existing = target.parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{setting} {path}: {existing} is a file, so nothing can be made below it")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{setting} {path}: {existing} cannot be written to")
+    return target
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -58,7 +90,7 @@ def _add_layout_args(p: argparse.ArgumentParser, seed_help: str) -> None:
     """The options every command writing the recipe's folder layout shares."""
     p.add_argument("--output-dir", required=True, help="where the parquet files go")
     p.add_argument("--test-ratio", type=float, default=0.05, help="test fraction per task (default 0.05)")
-    p.add_argument("--seed", type=int, default=42, help=f"{seed_help} (default 42)")
+    p.add_argument("--seed", type=SEED, default=42, help=f"{seed_help} (default 42)")
 
 
 def _split_config_args(args: argparse.Namespace) -> tuple[str | None, list[str]]:
@@ -68,8 +100,23 @@ def _split_config_args(args: argparse.Namespace) -> tuple[str | None, list[str]]
     return args.config, list(args.overrides)
 
 
+def run_config(args: argparse.Namespace) -> Config:
+    """The config ``longqa train`` runs for these arguments, which ``config show``, ``plan`` and ``data prepare``
+    read as well: CONFIG with the overrides; without CONFIG, the embedded demo adjusted by them, unless they are
+    a verl launch line (a whole run of its own, on longqa's defaults)."""
+    from longqa.demo import DEMO_CONFIG
+    from longqa.verl_keys import is_verl_line
+
+    path, overrides = _split_config_args(args)
+    return load_config(path or (None if is_verl_line(overrides) else DEMO_CONFIG), overrides)
+
+
 def cmd_config_show(args: argparse.Namespace) -> None:
-    print(to_yaml(load_config(*_split_config_args(args))), end="")
+    from longqa.support import check_machine, named_device_type
+
+    cfg = run_config(args)
+    check_machine(cfg, named_device_type(cfg.trainer.device))  # what train would refuse before any work
+    print(to_yaml(cfg), end="")
 
 
 def cmd_config_keys(args: argparse.Namespace) -> None:
@@ -86,6 +133,7 @@ def cmd_config_keys(args: argparse.Namespace) -> None:
 def cmd_data_loongrl(args: argparse.Namespace) -> None:
     from longqa.data.loongrl import prepare_loongrl
 
+    _writable(args.output_dir, "--output-dir", folder=True)
     counts = prepare_loongrl(args.output_dir, source=args.source, test_ratio=args.test_ratio, seed=args.seed)
     _print_counts(args.output_dir, counts)
 
@@ -93,6 +141,7 @@ def cmd_data_loongrl(args: argparse.Namespace) -> None:
 def cmd_data_synth(args: argparse.Namespace) -> None:
     from longqa.data.synth import generate
 
+    _writable(args.output_dir, "--output-dir", folder=True)
     counts = generate(args.output_dir, rows_per_task=args.rows_per_task, context_tokens=args.context_tokens,
                       tasks=tuple(args.tasks), min_hops=args.min_hops, max_hops=args.max_hops,
                       keychain=args.keychain, test_ratio=args.test_ratio, seed=args.seed,
@@ -102,14 +151,11 @@ def cmd_data_synth(args: argparse.Namespace) -> None:
 
 def cmd_data_prepare(args: argparse.Namespace) -> None:
     from longqa.data.prompts import PromptOptions, prepare_prompts
-    from longqa.model.tokenizer import load_tokenizer
+    from longqa.model.load import config_tokenizer
 
-    cfg = load_config(*_split_config_args(args))
-    source = cfg.model.tokenizer_path or cfg.model.path
-    if source is None:
-        raise ConfigError("set model.path (or model.tokenizer_path): its tokenizer prepares the prompts")
+    cfg = run_config(args)
     options = PromptOptions.from_config(cfg.data)
-    tokenizer = load_tokenizer(source)
+    tokenizer = config_tokenizer(cfg.model)  # as train reads it: model.path unset is the embedded model
     for name, files in (("train", cfg.data.train_files), ("val", cfg.data.val_files)):
         if files:
             prompts = prepare_prompts(files, tokenizer, options, cache_dir=cfg.data.cache_dir)
@@ -121,13 +167,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     from longqa.demo import DEMO_CONFIG, ensure_demo_data
     from longqa.train.preemption import EXIT_PREEMPTED
     from longqa.train.trainer import train
-    from longqa.verl_keys import is_verl_line
 
-    path, overrides = _split_config_args(args)
-    # Overrides alone adjust the demo; a verl launch line is a whole run of its own, on longqa's defaults.
-    cfg = load_config(path or (None if is_verl_line(overrides) else DEMO_CONFIG), overrides)
+    cfg = run_config(args)
     demo = load_config(DEMO_CONFIG).data
-    if path is None and (cfg.data.train_files, cfg.data.val_files) == (demo.train_files, demo.val_files):
+    demo_files = (cfg.data.train_files, cfg.data.val_files) == (demo.train_files, demo.val_files)
+    if _split_config_args(args)[0] is None and demo_files:
         ensure_demo_data(cfg)  # the demo's own files: made on first use
     result = train(cfg)
     if result["preempted"]:
@@ -139,9 +183,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 # Options that an input of `longqa eval` has no use for, and why: given with it, they would do nothing.
 EVAL_UNUSED_OPTIONS = {
-    "longbench": (("mode",), "LongBench's prediction files are scored with its own F1"),
+    "longbench": (("mode", "skip_bad_rows"), "LongBench's prediction files are scored with its own F1"),
     "longbench_scores": (("model", "max_new_tokens", "max_prompt_length", "batch_size", "mode", "device", "output",
-                          "samples", "limit"),
+                          "samples", "limit", "skip_bad_rows"),
                          "it scores the prediction files as they are and writes PRED_DIR/result.json"),
 }
 
@@ -151,29 +195,37 @@ def _flag(dest: str) -> str:
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
+    from longqa.config import environment_reward_mode
+
     for source, (options, why) in EVAL_UNUSED_OPTIONS.items():
         given = [_flag(o) for o in options if getattr(args, o) != args.eval_defaults[o]]
         if getattr(args, source) and given:
             raise ConfigError(f"{_flag(source)} takes no {', '.join(given)}: {why}")
+    mode = args.mode or environment_reward_mode() or "hardened"  # the environment's checked even when unused
     if args.longbench or args.longbench_scores:
         return _eval_longbench(args)
     import json
-    from pathlib import Path
 
     from longqa.data.prompts import PromptOptions, prepare_prompts
-    from longqa.evaluate import evaluate, format_groups, format_table
-    from longqa.model.load import load_model, pick_device
+    from longqa.evaluate import evaluate, format_groups, format_table, mode_reward
+    from longqa.model.load import load_model, load_model_tokenizer, pick_device
 
-    model, tokenizer = load_model(args.model, device=pick_device(args.device, "--device"))
-    prompts = prepare_prompts(args.data, tokenizer, PromptOptions(args.max_prompt_length),
-                              length_setting="--max-prompt-length")
+    output = _writable(args.output, "--output") if args.output else None
+    samples = _writable(args.samples, "--samples") if args.samples else None
+    device = pick_device(args.device, "--device")
+    tokenizer = load_model_tokenizer(args.model)  # the data before the weights: a bad file fails fast
+    prompts = prepare_prompts(args.data, tokenizer, PromptOptions(args.max_prompt_length,
+                                                                  skip_bad_rows=args.skip_bad_rows),
+                              length_setting="--max-prompt-length", skip_setting="--skip-bad-rows")
     if args.limit is not None:
         prompts = prompts.first_of_each_file(args.limit)
-    samples = Path(args.samples) if args.samples else None
-    result = evaluate(model, tokenizer, prompts, args.max_new_tokens, args.batch_size, samples, args.mode)
+    model, tokenizer = load_model(args.model, device=device, tokenizer=tokenizer)
+    result = evaluate(model, tokenizer, prompts, args.max_new_tokens, args.batch_size, samples, mode_reward(mode),
+                      files=args.data)
     print(format_table(result) + format_groups(result))
-    if args.output:
-        Path(args.output).write_text(json.dumps(result, indent=1))
+    if output is not None:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(json.dumps(result, indent=1))
 
 
 def _eval_longbench(args: argparse.Namespace) -> None:
@@ -188,8 +240,12 @@ def _eval_longbench(args: argparse.Namespace) -> None:
             raise ConfigError(f"--max-prompt-length must be at least 2, got {args.max_prompt_length}")
         from longqa.model.load import load_model, pick_device
 
+        _writable(args.output, "--output", folder=True)
+        if args.samples:
+            _writable(args.samples, "--samples")
+        device = pick_device(args.device, "--device")
         examples = longbench.read_longbench(args.longbench, args.limit)  # before the weights: bad files fail fast
-        model, tokenizer = load_model(args.model, device=pick_device(args.device, "--device"))
+        model, tokenizer = load_model(args.model, device=device)
         done = longbench.predict(model, tokenizer, examples, args.output, args.max_new_tokens,
                                  args.max_prompt_length, args.batch_size, args.samples)
         print(f"{done['rows']} rows answered in {done['seconds']:.1f}s; {done['truncated']} prompts over "
@@ -202,12 +258,12 @@ def _eval_longbench(args: argparse.Namespace) -> None:
 
 def cmd_export(args: argparse.Namespace) -> None:
     import json
-    from pathlib import Path
 
-    from longqa.config import Config, load_config_dict
-    from longqa.model.load import load_model
+    from longqa.config import load_config_dict
+    from longqa.model.load import config_tokenizer, load_model
     from longqa.train.checkpoint import CheckpointError, export_hf, is_complete, latest_checkpoint
 
+    _writable(args.output, "the output folder", folder=True)  # transformers only logs that it cannot write a file
     checkpoint = Path(args.checkpoint)
     if not (checkpoint / "trainer_state.json").is_file():  # a run folder (or its checkpoints/): its latest
         latest = latest_checkpoint(checkpoint.parent if checkpoint.name == "checkpoints" else checkpoint)
@@ -219,8 +275,9 @@ def cmd_export(args: argparse.Namespace) -> None:
     elif not is_complete(checkpoint):
         raise CheckpointError(f"{checkpoint} is incomplete (its writing was interrupted): export an earlier step")
     state = json.loads((checkpoint / "trainer_state.json").read_text())
-    cfg: Config = load_config_dict(state["config"])
-    model, tokenizer = load_model(cfg.model.path, gguf_file=cfg.model.gguf_file, dtype=cfg.model.dtype)
+    cfg = load_config_dict(state["config"])
+    model, tokenizer = load_model(cfg.model.path, gguf_file=cfg.model.gguf_file, dtype=cfg.model.dtype,
+                                  tokenizer=config_tokenizer(cfg.model))
     print(f"wrote {export_hf(checkpoint, tokenizer, args.output, model=model)}")
 
 
@@ -230,21 +287,48 @@ def cmd_sft(args: argparse.Namespace) -> None:
     from longqa.sft import SFTOptions, run_sft
 
     options = SFTOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SFTOptions)})
+    shape = [_flag(name) for name in SFT_NEW_MODEL_OPTIONS if getattr(args, name) != args.sft_defaults[name]]
+    if options.init and shape:
+        raise ConfigError(f"--init takes no {', '.join(shape)}: the model it names has its shape and vocabulary")
+    _writable(options.output_dir, "--output-dir", folder=True)
     summary = run_sft(options, command="longqa " + shlex.join(args.argv))
     print(f"wrote {options.output_dir} ({summary['steps']} steps, {summary['train_minutes']} min)")
+
+
+# The options that shape the new model `longqa sft` builds: --init, continuing from a model, takes none of them.
+SFT_NEW_MODEL_OPTIONS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads")
 
 
 def _save_results(args: argparse.Namespace, results: list[dict]) -> None:
     if args.json:
         import json
 
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        path = Path(args.json).expanduser()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results, indent=1))
+
+
+def _check_bench(args: argparse.Namespace, backend: str = "auto") -> None:
+    """What a bench is asked for and cannot do, refused before it builds its model: a device this machine
+    lacks, a kernel or attention backend the device cannot run, a --json that cannot be written."""
+    from longqa.model.load import pick_device
+    from longqa.support import attention_backend_problem, decode_kernel_problem
+
+    device = pick_device(args.device, "--device").type
+    kernel = getattr(args, "decode_kernel", None) or "auto"  # the benches that sample choose one
+    problems = [f"{flag} {value}: {problem}" for flag, value, problem in (
+        ("--backend", backend, attention_backend_problem(backend, device)),
+        ("--decode-kernel", kernel, decode_kernel_problem(kernel, device))) if problem]
+    if problems:
+        raise ConfigError("; ".join(problems))
+    if args.json:
+        _writable(args.json, "--json")
 
 
 def cmd_bench_train(args: argparse.Namespace) -> None:
     from longqa.bench import bench_train
 
+    _check_bench(args, args.backend)
     _save_results(args, bench_train(args.shape, args.prompt, args.response, args.n, tuple(args.layouts), args.repeat,
                                     args.device, 0.0 if args.no_gradient_checkpointing else args.checkpoint_fraction,
                                     args.budget, args.backend, args.compile,
@@ -254,6 +338,7 @@ def cmd_bench_train(args: argparse.Namespace) -> None:
 def cmd_bench_rollout(args: argparse.Namespace) -> None:
     from longqa.bench import bench_rollout
 
+    _check_bench(args)
     _save_results(args, bench_rollout(args.shape, args.prompt, args.new_tokens, args.n, tuple(args.groups),
                                       args.hf_new_tokens, args.device, not args.no_cuda_graphs, _engine_options(args),
                                       args.lengths))
@@ -270,9 +355,10 @@ def _engine_options(args: argparse.Namespace) -> dict:
 def cmd_bench_step(args: argparse.Namespace) -> None:
     from longqa.bench import bench_grpo_step
 
+    _check_bench(args, args.backend)
     _save_results(args, bench_grpo_step(args.shape, args.prompt, args.response, args.n, args.prompts, args.steps,
                                         args.device, _engine_options(args), args.gradient_checkpointing, args.lengths,
-                                        args.strategy, args.cpu_offload))
+                                        args.strategy, args.cpu_offload, args.budget, args.backend, args.profile))
 
 
 def cmd_cluster(args: argparse.Namespace) -> None:
@@ -281,7 +367,7 @@ def cmd_cluster(args: argparse.Namespace) -> None:
     hosts = cluster.parse_hostfile(args.hostfile)
     if args.command == "up":
         cluster.run_steps(cluster.up_commands(hosts, args.port, args.ray), args.dry_run)
-        print(cluster.reach_message(hosts, args.port))
+        print(cluster.reach_message(hosts, args.hostfile, args.port))
     elif args.command == "down":
         cluster.run_steps(cluster.down_commands(hosts, args.ray), args.dry_run)
     else:
@@ -291,17 +377,21 @@ def cmd_cluster(args: argparse.Namespace) -> None:
 def cmd_plan(args: argparse.Namespace) -> None:
     from longqa.distributed.fit import Machine, check_run_plan, largest_shape, plan_run, shape_sizes
     from longqa.distributed.host_memory import HOST_GIB_PER_GPU
-    from longqa.distributed.planner import GIB, describe_training, model_sizes
+    from longqa.distributed.planner import GIB, check_data_parallel, describe_training, model_sizes
     from longqa.distributed.step_time import step_time_config
 
     if args.largest and args.shape:
         raise ConfigError("--largest tries every known shape, --shape sizes one: give either")
-    cfg = load_config(*_split_config_args(args))
+    cfg = run_config(args)
+    if args.gpus > 1:  # as the trainer checks it under torchrun or Ray, one rank per GPU
+        check_data_parallel(cfg, args.gpus)
     per_node = args.gpus_per_node or min(args.gpus, 8)
-    host_gib = args.host_memory_gib or HOST_GIB_PER_GPU * per_node
+    used = min(args.gpus, per_node)  # the run's GPUs on a node: the default host memory is theirs
+    host_gib = args.host_memory_gib or HOST_GIB_PER_GPU * used
     machine = Machine(args.gpus, int(args.gpu_memory_gib * GIB), per_node, int(host_gib * GIB))
-    where = (f"{args.gpus} GPU(s) of {args.gpu_memory_gib:g} GiB, {min(args.gpus, per_node)} per node with "
-             f"{host_gib:g} GiB of host memory")
+    nodes_of = f" (nodes of {per_node}: the host memory is the share of the GPUs used)" if per_node > used else ""
+    where = (f"{args.gpus} GPU(s) of {args.gpu_memory_gib:g} GiB, {used} per node{nodes_of} with {host_gib:g} GiB "
+             f"of host memory")
     if args.largest:
         print(f"the largest Qwen3 shape on {where}, {describe_training(cfg)}:")
         for attempt in largest_shape(cfg, machine):
@@ -310,20 +400,23 @@ def cmd_plan(args: argparse.Namespace) -> None:
                   + (attempt.error or f"fits (GPU {attempt.gpu.total / GIB:.1f} GiB, host "
                                       f"{attempt.host.peak / GIB:.1f} GiB per node)"))
         return
-    if args.shape:
-        sizes = shape_sizes(args.shape)
-    else:
-        sizes = model_sizes(cfg)
-        if sizes is None:
-            raise ConfigError("longqa plan cannot size a GGUF model: pass --shape")
+    sizes = shape_sizes(args.shape) if args.shape else model_sizes(cfg)
     gpu, host = plan_run(cfg, sizes, machine)
     step = step_time_config(cfg, sizes, gpu, per_node, args.response_length)
-    print(f"{sizes.params / 1e9:.2f}B parameters on {where}, {describe_training(cfg)}:\n"
+    print(f"{_count(sizes.params)} parameters on {where}, {describe_training(cfg)}:\n"
           f"GPU memory per GPU:\n{gpu.table()}\nhost memory per node:\n{host.table()}\n"
           f"step time per GRPO step ({cfg.data.train_batch_size} prompts x {cfg.rollout.n}, responses of "
           f"{args.response_length or cfg.data.max_response_length} tokens; H200s, the fast engine):\n{step.table()}")
-    check_run_plan(cfg, gpu, host)
+    check_run_plan(cfg, gpu, host, sizes)
     print("fits")
+
+
+def _count(n: int) -> str:
+    """A parameter count in the unit that shows it: 8.19B, 2.47M, 120,000."""
+    for unit, size in (("B", 1e9), ("M", 1e6)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return f"{n:,}"
 
 
 def _add_dataclass_args(p: argparse.ArgumentParser, cls: type) -> None:
@@ -400,6 +493,8 @@ def _add_data_commands(groups: argparse._SubParsersAction) -> None:
 
 def _add_model_commands(groups: argparse._SubParsersAction) -> None:
     """``longqa train``, ``eval`` and ``export``: a policy trained, scored, and written out."""
+    from longqa.reward import REWARD_MODES
+
     p = groups.add_parser("train", help="GRPO training (no arguments: the embedded default demo on the CPU)",
                           description="GRPO training from a YAML config plus key=value overrides. With no config it "
                           "runs the embedded default: the committed small model on synthetic data generated on "
@@ -429,7 +524,11 @@ def _add_model_commands(groups: argparse._SubParsersAction) -> None:
                    help="most prompt tokens: a longer prompt is left out with --data, and loses its middle "
                    "with --longbench (as in LongBench)")
     p.add_argument("--batch-size", type=COUNT, default=64)
-    p.add_argument("--mode", default="hardened", help="reward mode that decides accuracy")
+    p.add_argument("--mode", choices=REWARD_MODES,
+                   help="reward mode that decides accuracy (default: the environment's REWARD_CALC_TYPE when set, "
+                   "else hardened)")
+    p.add_argument("--skip-bad-rows", action="store_true",
+                   help="skip and count rows that break verl's schema instead of stopping at the first")
     p.add_argument("--device", default="auto")
     p.add_argument("--output", help="write the scores as JSON here (with --longbench: the folder for the "
                    "prediction files and result.json)")
@@ -457,7 +556,7 @@ def _add_sft_command(groups: argparse._SubParsersAction) -> None:
                           "tokenizer trained on the data, or --init MODEL to continue from one. Evaluates greedy "
                           "held-out accuracy as it goes and writes the model folder with a model card.")
     _add_dataclass_args(p, SFTOptions)
-    p.set_defaults(func=cmd_sft)
+    p.set_defaults(func=cmd_sft, sft_defaults={name: p.get_default(name) for name in SFT_NEW_MODEL_OPTIONS})
 
 
 def _add_bench_args(p: argparse.ArgumentParser, func) -> None:
@@ -523,7 +622,7 @@ def _add_bench_commands(groups: argparse._SubParsersAction) -> None:
     _add_bench_args(p, cmd_bench_rollout)
     p.add_argument("--new-tokens", type=COUNT, default=1024, help="most new tokens per sample (default 1024)")
     p.add_argument("--groups", type=COUNT, nargs="+", default=[1, 16], help="prompts per run (default 1 16)")
-    p.add_argument("--hf-new-tokens", type=_at_least(0),
+    p.add_argument("--hf-new-tokens", type=_within(0),
                    help="most new tokens for transformers (default --new-tokens; 0 skips)")
     p.add_argument("--no-cuda-graphs", action="store_true")
     _add_engine_args(p)
@@ -538,6 +637,12 @@ def _add_bench_commands(groups: argparse._SubParsersAction) -> None:
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="recompute activations in the backward pass (off, as in longqa train)")
     p.add_argument("--steps", type=COUNT, default=2)
+    p.add_argument("--budget", type=COUNT, help="micro-batch token budget of the update (default: one group of "
+                   "--prompt + n x --response tokens)")
+    p.add_argument("--backend", choices=["auto", "dense", "flex", "split"], default="auto",
+                   help="the update's packed attention, as actor.attention_backend (default auto)")
+    p.add_argument("--profile", action="store_true",
+                   help="profile the last step: per phase, the device's busy time and its costliest kernels")
     p.add_argument("--strategy", choices=["fsdp2", "deepspeed"], default="fsdp2",
                    help="as actor.strategy; deepspeed: ZeRO-3 in a process group of one (default fsdp2: unsharded "
                    "unless --cpu-offload)")
@@ -560,7 +665,8 @@ def _add_scale_out_commands(groups: argparse._SubParsersAction) -> None:
                        ("down", "stop Ray on every host"), ("status", "print the cluster's resources")):
         p = cluster_cmds.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
         p.add_argument("--hostfile", required=True, help="one 'IP slots=N' per line")
-        p.add_argument("--port", type=int, default=6379, help="the head's port (default 6379)")
+        if name != "down":  # stopping Ray needs no port
+            p.add_argument("--port", type=PORT, default=6379, help="the head's port (default 6379)")
         p.add_argument("--ray", default="ray", help="the ray executable on the hosts (default: ray)")
         p.add_argument("--dry-run", action="store_true", help="print the commands without running them")
         p.set_defaults(func=cmd_cluster)
@@ -574,12 +680,12 @@ def _add_scale_out_commands(groups: argparse._SubParsersAction) -> None:
                           "the settings to change when either memory cannot hold it.")
     _add_config_args(p)
     p.add_argument("--gpus", type=COUNT, default=1, help="GPUs the model is sharded over (default 1)")
-    p.add_argument("--gpu-memory-gib", type=_at_least(1, float), default=141.0,
+    p.add_argument("--gpu-memory-gib", type=_within(1, kind=float), default=141.0,
                    help="memory of one GPU (default 141, an H200)")
     p.add_argument("--gpus-per-node", type=COUNT, help="GPUs of one node (default: --gpus, at most 8)")
-    p.add_argument("--host-memory-gib", type=_at_least(1, float),
-                   help="host memory of one node (default: 125 per GPU of the node, what the kernel counts on the "
-                   "measurement machines; an 8-GPU H200 server often has more)")
+    p.add_argument("--host-memory-gib", type=_within(1, kind=float),
+                   help="host memory of one node (default: 125 per GPU the run uses on the node, what the kernel "
+                   "counts on the measurement machines; an 8-GPU H200 server often has more)")
     p.add_argument("--response-length", type=COUNT,
                    help="mean response length for the step time (default data.max_response_length)")
     p.add_argument("--shape", choices=sorted(SHAPES), help="a known model shape instead of model.path's config")

@@ -10,15 +10,27 @@ scores: on a set that asks the same questions at several lengths, accuracy again
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from longqa import reward
+
+
+# A reward function: (data_source, response, ground_truth, extra_info) -> reward.RewardResult, as the trainer
+# scores its samples with (reward.mode's scorer, or the function of reward.path).
+RewardFn = Callable[..., reward.RewardResult]
+
+
+def mode_reward(mode: str = "hardened") -> RewardFn:
+    """longqa's own reward in ``mode`` (see ``longqa.reward``)."""
+    return functools.partial(reward.score_detailed, mode=mode)
 
 
 def stop_token_ids(tokenizer) -> list[int]:
@@ -77,15 +89,32 @@ def guess_baseline(extra_info: dict) -> float | None:
     return 1.0 / n if isinstance(n, int) and n > 0 else None
 
 
-def score(meta: Sequence[dict], responses: Sequence[str], mode: str = "hardened") -> dict:
-    """Accuracy (hardened reward), EM and F1 overall and per data_source, plus the guessing baseline."""
-    groups: dict[str, list[tuple[float, float, float]]] = defaultdict(list)
-    guesses = []
+@dataclass(frozen=True)
+class Scored:
+    """One answer scored: the reward function's result, and SQuAD's EM and F1 of the answer it holds."""
+
+    reward: reward.RewardResult
+    em: float
+    f1: float
+
+
+def score_answers(meta: Sequence[dict], responses: Sequence[str], reward_fn: RewardFn | None = None) -> list[Scored]:
+    """Each response scored once by ``reward_fn`` (the hardened reward by default), with EM and F1."""
+    reward_fn = reward_fn or mode_reward()
+    scored = []
     for m, text in zip(meta, responses):
         truth = m["ground_truth"]
         answer = reward.extract_answer(text)
-        row = (reward.score_detailed(m["data_source"], text, truth, mode=mode).score,
-               reward.exact_match(answer, truth), reward.token_f1(answer, truth))
+        scored.append(Scored(reward_fn(m["data_source"], text, truth, m.get("extra_info")),
+                             reward.exact_match(answer, truth), reward.token_f1(answer, truth)))
+    return scored
+
+
+def summarize(meta: Sequence[dict], scored: Sequence[Scored]) -> dict:
+    """Accuracy (the mean reward), EM and F1 overall and per data_source, plus the guessing baseline."""
+    groups: dict[str, list[Scored]] = defaultdict(list)
+    guesses = []
+    for m, row in zip(meta, scored):
         groups[m["data_source"]].append(row)
         groups["all"].append(row)
         if (g := guess_baseline(m.get("extra_info"))) is not None:
@@ -93,42 +122,67 @@ def score(meta: Sequence[dict], responses: Sequence[str], mode: str = "hardened"
     result = {}
     for source, rows in sorted(groups.items()):
         n = len(rows)
-        result[source] = {"n": n, "accuracy": sum(r[0] for r in rows) / n, "em": sum(r[1] for r in rows) / n,
-                          "f1": sum(r[2] for r in rows) / n}
+        result[source] = {"n": n, "accuracy": sum(r.reward.score for r in rows) / n, "em": sum(r.em for r in rows) / n,
+                          "f1": sum(r.f1 for r in rows) / n}
     if guesses:
         result["all"]["guess_baseline"] = sum(guesses) / len(guesses)
     return result
+
+
+def score(meta: Sequence[dict], responses: Sequence[str], reward_fn: RewardFn | None = None) -> dict:
+    """``summarize`` of ``score_answers``."""
+    return summarize(meta, score_answers(meta, responses, reward_fn))
 
 
 # Groupings beside the per-source scores: result key -> the extra_info key whose integer values make the groups.
 GROUPINGS = {"by_length": "target_tokens", "by_hops": "hops"}
 
 
-def score_by(meta: Sequence[dict], responses: Sequence[str], key: str, mode: str = "hardened") -> list[dict]:
-    """``score``'s overall numbers for each integer value of ``extra_info[key]``, ascending, as
+def summarize_by(meta: Sequence[dict], scored: Sequence[Scored], key: str) -> list[dict]:
+    """``summarize``'s overall numbers for each integer value of ``extra_info[key]``, ascending, as
     ``{key: value, "n": ..., "accuracy": ...}``; rows without one are left out."""
     groups: dict[int, list[int]] = defaultdict(list)
     for i, m in enumerate(meta):
         value = (m.get("extra_info") or {}).get(key)
         if isinstance(value, int) and not isinstance(value, bool):
             groups[value].append(i)
-    return [{key: value, **score([meta[i] for i in rows], [responses[i] for i in rows], mode)["all"]}
+    return [{key: value, **summarize([meta[i] for i in rows], [scored[i] for i in rows])["all"]}
             for value, rows in sorted(groups.items())]
 
 
-def score_groups(meta: Sequence[dict], responses: Sequence[str], mode: str = "hardened") -> dict[str, list[dict]]:
-    """``score_by`` for every grouping of ``GROUPINGS`` that some row has. Lists, not mappings, so that
+def summarize_groups(meta: Sequence[dict], scored: Sequence[Scored]) -> dict[str, list[dict]]:
+    """``summarize_by`` for every grouping of ``GROUPINGS`` that some row has. Lists, not mappings, so that
     whatever reads the per-source entries of a result (the ones that are mappings) reads only those."""
-    return {name: groups for name, key in GROUPINGS.items() if (groups := score_by(meta, responses, key, mode))}
+    return {name: groups for name, key in GROUPINGS.items() if (groups := summarize_by(meta, scored, key))}
+
+
+# What a row of ``--samples`` carries from the row's extra_info beside its answer: which question it is (the same
+# question_id at every context length) and the groups ``summarize_groups`` makes.
+SAMPLE_KEYS = ("index", "question_id", *GROUPINGS.values())
+
+
+def sample_record(meta: dict, response: str, scored: Scored, files: Sequence[str] = ()) -> dict:
+    """One row of ``--samples``: where the question comes from (its file, named from ``files`` where given, its
+    row, data_source and ``SAMPLE_KEYS``), its ground truth, the answer read from the response, its scores and
+    the response."""
+    extra = meta.get("extra_info") or {}
+    file = meta.get("file")
+    return {"data_source": meta["data_source"], "file": str(files[file]) if file is not None and files else file,
+            "row": meta.get("row"), **{key: extra[key] for key in SAMPLE_KEYS if key in extra},
+            "ground_truth": meta["ground_truth"], "answer": reward.extract_answer(response),
+            "score": scored.reward.score, "reason": scored.reward.reason, "em": scored.em, "f1": scored.f1,
+            "response": response}
 
 
 def evaluate(model, tokenizer, prompts, max_new_tokens: int, batch_size: int = 64, samples_path: Path | None = None,
-             mode: str = "hardened", engine=None, shard=None) -> dict:
-    """Greedy answers for a PromptSet, scored; optionally every answer written as JSONL for inspection. With
+             reward_fn: RewardFn | None = None, engine=None, shard=None, files: Sequence[str] = ()) -> dict:
+    """Greedy answers for a PromptSet, scored by ``reward_fn`` (the hardened reward by default) with EM and F1;
+    optionally every answer written as JSONL for inspection (``files``: the prompts' files, to name them). With
     ``engine`` (a rollout engine holding its own weights) the answers come from it instead of ``model``.
     ``shard`` ``(rank, world, gather)`` splits the engine's work over data-parallel ranks: each answers
     every ``world``-th question from ``rank`` (an engine answers each prompt on its own: the split changes
-    no answer beyond float ties) and ``gather`` (every rank's list, in rank order) brings the rest."""
+    no answer beyond float ties) and ``gather`` (every rank's list, in rank order) brings the rest.
+    ``result["reward_errors"]`` counts the answers whose scoring failed (a reason starting with ``error``)."""
     start = time.perf_counter()
     ids = [prompts.ids(i) for i in range(len(prompts))]
     if engine is not None:
@@ -137,15 +191,16 @@ def evaluate(model, tokenizer, prompts, max_new_tokens: int, batch_size: int = 6
         responses = [parts[i % world][i // world] for i in range(len(ids))]
     else:
         responses = greedy_responses(model, tokenizer, ids, max_new_tokens, batch_size)
-    result = score(prompts.meta, responses, mode)
-    result.update(score_groups(prompts.meta, responses, mode))
+    scored = score_answers(prompts.meta, responses, reward_fn)
+    result = summarize(prompts.meta, scored)
+    result.update(summarize_groups(prompts.meta, scored))
+    result["reward_errors"] = sum(1 for s in scored if (s.reward.reason or "").startswith("error"))
     result["seconds"] = time.perf_counter() - start
     if samples_path is not None:
         samples_path.parent.mkdir(parents=True, exist_ok=True)
         with open(samples_path, "w") as f:
-            for m, text in zip(prompts.meta, responses):
-                f.write(json.dumps({"data_source": m["data_source"], "ground_truth": m["ground_truth"],
-                                    "answer": reward.extract_answer(text), "response": text}) + "\n")
+            for m, text, row in zip(prompts.meta, responses, scored):
+                f.write(json.dumps(sample_record(m, text, row, files)) + "\n")
     return result
 
 

@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import string
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Iterator
 
@@ -34,9 +31,6 @@ DATASETS = ("hotpotqa", "2wikimqa", "musique")
 RESULT_FILE = "result.json"
 # As LongBench's eval.py (scorer_e): LongBench-E's three length ranges, by the row's word count.
 LENGTH_BUCKETS = (("0-4k", 4000), ("4-8k", 8000), ("8k+", None))
-
-_PUNCTUATION = frozenset(string.punctuation)
-_ARTICLES = re.compile(r"\b(a|an|the)\b")
 
 
 # --- reading LongBench's files --------------------------------------------------------------------
@@ -183,23 +177,14 @@ def predict(model, tokenizer, examples: dict[str, list[dict]], out_dir: str | os
 # --- LongBench's scoring ------------------------------------------------------------------------------
 
 
-def normalize_answer(text: str) -> str:
-    """As LongBench's metrics.py (normalize_answer): lower case, ASCII punctuation removed, then the
-    articles a/an/the replaced by spaces, then whitespace collapsed, in that order."""
-    text = "".join(ch for ch in text.lower() if ch not in _PUNCTUATION)
-    return " ".join(_ARTICLES.sub(" ", text).split())
+# As LongBench's metrics.py (normalize_answer), which is SQuAD's and HotpotQA's: the reward module holds it.
+normalize_answer = reward.normalize_answer
 
 
 def qa_f1_score(prediction: str, ground_truth: str) -> float:
     """As LongBench's metrics.py (qa_f1_score, f1_score): F1 of the normalised tokens, overlap counted as
     a multiset. No token in common scores 0, which covers an empty prediction or an empty answer."""
-    predicted, truth = normalize_answer(prediction).split(), normalize_answer(ground_truth).split()
-    same = sum((Counter(predicted) & Counter(truth)).values())
-    if same == 0:
-        return 0.0
-    precision = 1.0 * same / len(predicted)
-    recall = 1.0 * same / len(truth)
-    return (2 * precision * recall) / (precision + recall)
+    return reward.overlap_f1(normalize_answer(prediction).split(), normalize_answer(ground_truth).split())
 
 
 def best_score(prediction: str, answers: list[str]) -> float:

@@ -11,6 +11,7 @@ The trainer logs a flat dict per step. These keys are the ones the console line 
 ``response_length/mean``, ``/max``      response lengths in tokens
 ``perf/tokens_per_s``                   throughput of the step
 ``perf/recompiles``, ``/graph_captures`` graphs compiled / decode steps captured in the step (0 once warm)
+``reward_errors``                       reward calls that failed (scored 0); on the console line when any did
 ``time/step_s``                         seconds since the previous step; added by the logger unless given
 
 Every other key is stored and forwarded to the sinks as it is.
@@ -33,7 +34,7 @@ __all__ = ["LENGTH_ACCURACY", "MetricsLogger", "SINKS", "read_metrics", "write_r
 SINKS = ("console", "jsonl", "tensorboard", "wandb")
 REWARD, ACCURACY, VAL_PREFIX = "reward/mean", "accuracy", "val/"
 LENGTH_MEAN, LENGTH_MAX = "response_length/mean", "response_length/max"
-TOKENS_PER_S, STEP_TIME = "perf/tokens_per_s", "time/step_s"
+TOKENS_PER_S, STEP_TIME, REWARD_ERRORS = "perf/tokens_per_s", "time/step_s", "reward_errors"
 METRICS_FILE, WANDB_ID_FILE, REPORT_DIR = "metrics.jsonl", "wandb_run_id", "report"
 LENGTH_ACCURACY, LENGTH_PLOT = "val/accuracy@", "accuracy_by_length.png"
 
@@ -103,8 +104,10 @@ class ConsoleLine:
     def format(self, step: int, record: dict) -> str:
         parts = [f"step {step}/{self.total_steps}" if self.total_steps else f"step {step}"]
         parts += [form.format(record[key]) for key, form in self.FIELDS if _is_number(record.get(key))]
-        parts += [f"{key} {value:.3f}" for key, value in record.items()
-                  if key.startswith(VAL_PREFIX) and _is_number(value)]
+        if _is_number(errors := record.get(REWARD_ERRORS)) and errors:  # a reward function failing, not scoring 0
+            parts.append(f"reward errors {errors}")
+        parts += [f"{key} {value}" if isinstance(value, int) else f"{key} {value:.3f}" for key, value in record.items()
+                  if key.startswith(VAL_PREFIX) and _is_number(value)]  # (counts as counts)
         if self.total_steps:
             remaining = max(self.total_steps - step, 0)
             parts.append(f"ETA {_hms(remaining * sum(self.step_times) / len(self.step_times))}")
@@ -337,8 +340,9 @@ def write_report(run_dir: str | os.PathLike) -> Path:
             (LENGTH_MEAN, False), (LENGTH_MAX, False), (TOKENS_PER_S, True)]
     table = [row for key, better in rows if (row := _summary_row(records, key, better))]
     total_time = sum(r[STEP_TIME] for r in records if _is_number(r.get(STEP_TIME)))
+    steps = [r for r in records if r["step"] > 0]  # step 0 holds the validation before the first step
     lines = [f"# Run report: {run_dir.name}", "",
-             f"- steps: {len(records)}" + (f" (last step {records[-1]['step']})" if records else ""),
+             f"- steps: {len(steps)}" + (f" (last step {steps[-1]['step']})" if steps else ""),
              f"- total time: {_hms(total_time)}", ""]
     if table:
         lines += ["| metric | first | last | best |", "|---|---|---|---|", *table, ""]

@@ -25,18 +25,33 @@ Modes (the ``mode`` argument, else the ``REWARD_CALC_TYPE`` environment variable
        recipe's brace-less ``\boxed X`` form is not accepted because its extent is a guess (the recipe reads
        up to the next ``$``, which lets an essay containing the answer score). A box only inside the
        reasoning, an answer in plain text, or a box that never closes scores 0.
-    3. Several boxes in the answer part must all normalise to the same words; otherwise it is hedging: 0.
-    4. Words are compared after normalisation: NFKC, case folding, accents removed, Unicode punctuation and
-       symbols removed, the articles a/an/the dropped (unless nothing else is left, so the answer "A"
-       still works), whitespace collapsed. An empty prediction scores 0.
-    5. Against each ground truth (the best one counts), the prediction scores 1.0 when it
-       - equals the answer; or
+    3. Several boxes in the answer part must all name the same answer (equal in one reading, below);
+       otherwise it is hedging: 0.
+    4. Words are compared after normalisation: the benchmarks' own (SQuAD's, HotpotQA's and LongBench's
+       ``normalize_answer``: lower case, punctuation removed, the articles a/an/the dropped, whitespace
+       collapsed; the articles stay when nothing else is left, so the answer "A" still works), plus NFKC,
+       case folding, accents removed and Unicode punctuation and symbols removed, on both sides. Numbers
+       keep what gives their value, where the benchmarks' normalisation runs "3.5" and "35" together: a
+       decimal point, a minus sign, a time's colon, a fraction's slash, a range's dash, a percent sign
+       ("50 percent" is "50%"). A date's or version's separators count as one ("12.05.1990" is
+       "12/05/1990"); thousands separators and a plus sign carry no value ("+1,000" is "1000").
+       An answer has two readings: joined, punctuation removed as the benchmarks do ("X-Men" is "xmen",
+       "AT&T" is "att"), and separated, where a dash is a space, "&" is "and" and "/" is "or"
+       ("Saint-Étienne" is "saint etienne", "Paris & London" is "paris and london"). An empty
+       prediction scores 0.
+    5. Against each ground truth (the best one counts), the prediction scores 1.0 when, in either reading,
+       it equals the answer (so wherever the benchmarks' normalisation matches two answers without
+       digits, this does too); or when, in both readings, it
        - is shorter and is a contiguous run of whole answer words covering strictly more than half of
          them ("Van Houten" for "Milhouse Van Houten", but not "van", "Milhouse", or "Obama" for
          "Barack Obama"); or
        - is longer, contains the whole answer as a contiguous run of whole words, adds at most
          ``MAX_EXTRA_WORDS`` (2) words, none of which is a hedge word such as "or", "and", "not",
-         "maybe" ("Paris, France" for "Paris"; not "Paris or London", not a list of five names).
+         "maybe" ("Paris, France" for "Paris"; not "Paris or London", not "Paris & London", not a list
+         of five names);
+       and in both cases has the answer's numbers and no others (a word with a digit, or one of
+       ``NUMBER_WORDS`` such as "million" or "minus": "5 km" for "5", not "5 million", not
+       "1990, 1995" for "1990", not "March 1990" for "5 March 1990").
        Otherwise 0. Known residue: a longer prediction like "Paris, London" (a second candidate without a
        hedge word, within two words) still counts; a qualifier and an alternative look alike to a
        string rule, and the word cap limits how much can be hedged this way.
@@ -74,6 +89,8 @@ __all__ = [
     "exact_match",
     "extract_answer",
     "load_reward_function",
+    "normalize_answer",
+    "overlap_f1",
     "score_detailed",
     "token_f1",
     "validate_mode",
@@ -85,14 +102,32 @@ MAX_EXTRA_WORDS = 2
 HEDGE_WORDS = frozenset(
     {"or", "and", "nor", "either", "neither", "not", "no", "maybe", "perhaps", "possibly", "probably"}
 )
-ARTICLES = frozenset({"a", "an", "the"})
+# Words that scale or negate the number beside them: never a qualifier to add or a part to leave out.
+NUMBER_WORDS = frozenset({"hundred", "thousand", "million", "billion", "trillion", "minus", "negative", "bc", "bce"})
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 
 _RECIPE_SPECIAL = ',.:"\'[]-=+\\|!@#$%^&*();<>?/！￥…（）—{}：“”《》？'
 _RECIPE_TABLE = str.maketrans({ch: " " for ch in _RECIPE_SPECIAL})
-_SQUAD_PUNCT = frozenset(string.punctuation)
 _SQUAD_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_ASCII_PUNCT_REMOVAL = str.maketrans("", "", string.punctuation)
+# Number punctuation is carried through normalisation as private-use characters (neither punctuation nor
+# symbols, so the removal of those passes them by) and written back at the end.
+_STAND_IN = {".": "\ue000", ":": "\ue001", "/": "\ue002", "-": "\ue003", "%": "\ue004"}
+_STAND_IN_RESTORE = str.maketrans({stand_in: mark for mark, stand_in in _STAND_IN.items()})
+_STAND_IN_REMOVAL = str.maketrans({stand_in: None for stand_in in _STAND_IN.values()})
+_DASHES = "-\u2010\u2011\u2012\u2013\u2014\u2015\u2212"  # hyphens, figure/en/em dashes, minus sign
+_DIGIT_MARKS = {".": _STAND_IN["."], ":": _STAND_IN[":"], "/": _STAND_IN["/"], "\u2044": _STAND_IN["/"],
+                **{dash: _STAND_IN["-"] for dash in _DASHES}}
+_DIGIT = re.compile(r"\d")
+_THOUSANDS_COMMA = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+_BETWEEN_DIGITS = re.compile(r"(?<=\d)[^\w\s](?=\d)")
+_SIGN = re.compile(rf"(?<!\w)[{_DASHES}](?=\.?\d)")
+_LEADING_POINT = re.compile(r"(?<!\w)\.(?=\d)")
+_PERCENT = re.compile(r"(?<=\d)\s*(?:%|percent\b|per\s+cent\b)")
+_DATE = re.compile(f"\\d+([{_STAND_IN['.']}{_STAND_IN['/']}{_STAND_IN['-']}])\\d+(?:\\1\\d+)+")
+_SEPARATORS = re.compile(f"[{_DASHES}&/]")
+_SEPARATOR_WORDS = {"&": " and ", "/": " or "}
 _BRACE = re.compile(r"[{}]")
 _BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _LATEX_COMMAND = re.compile(r"\\[A-Za-z]+")
@@ -149,13 +184,17 @@ def _balanced_end(text: str, start: int) -> int | None:
     return None
 
 
-def _squad_normalize(text: str) -> str:
-    """SQuAD v1.1 answer normalisation, kept exact so EM/F1 numbers compare with published ones."""
-    text = "".join(ch for ch in text.lower() if ch not in _SQUAD_PUNCT)
+def normalize_answer(text: str) -> str:
+    """The benchmarks' answer normalisation (SQuAD v1.1, HotpotQA, LongBench): lower case, ASCII punctuation
+    removed, the articles a/an/the replaced by spaces, whitespace collapsed, in that order. Kept exact so
+    EM/F1 numbers compare with published ones; it reads "3.5" as "35", which is why the hardened mode
+    does not compare with it alone."""
+    text = text.lower().translate(_ASCII_PUNCT_REMOVAL)
     return " ".join(_SQUAD_ARTICLES.sub(" ", text).split())
 
 
-def _f1(prediction_tokens: list[str], truth_tokens: list[str]) -> float:
+def overlap_f1(prediction_tokens: list[str], truth_tokens: list[str]) -> float:
+    """The benchmarks' token F1: overlap counted as a multiset; no token in common (or none at all) is 0."""
     common = sum((Counter(prediction_tokens) & Counter(truth_tokens)).values())
     if common == 0:
         return 0.0
@@ -263,10 +302,10 @@ def _score_format_f1_score(solution: str, truths: list[str]) -> RewardResult:
     if prediction is None:
         return _fail(reason)
     threshold = float(os.getenv("F1_SCORE_THRESHOLD", 0.5))
-    tokens = _squad_normalize(prediction).split()
+    tokens = normalize_answer(prediction).split()
     results = []
     for truth in truths:
-        f1 = _f1(tokens, _squad_normalize(truth).split())
+        f1 = overlap_f1(tokens, normalize_answer(truth).split())
         if f1 <= threshold:
             results.append(_fail("wrong"))
             continue
@@ -309,14 +348,62 @@ def _unlatex(text: str) -> str:
     return " ".join(text.replace("~", " ").replace("{", "").replace("}", "").split())
 
 
-def _answer_words(text: str) -> tuple[str, ...]:
-    """SQuAD-style words that also survive Unicode variants: width, case, accents, curly quotes."""
-    text = unicodedata.normalize("NFKD", unicodedata.normalize("NFKC", text).casefold())
-    text = "".join(
-        ch for ch in text if not unicodedata.combining(ch) and unicodedata.category(ch)[0] not in "PS"
-    )
-    words = tuple(text.split())
-    return tuple(word for word in words if word not in ARTICLES) or words
+def _protect_numbers(text: str) -> str:
+    """``text`` with the punctuation that is part of a number's value replaced by stand-ins that no later
+    step removes: a decimal point ("3.5", ".5"), a minus sign ("-5"), a colon ("10:30"), a slash ("1/2"),
+    a dash between digits ("1990-1995"), a percent sign ("50%", "50 percent"). A date or version with one
+    separator used twice or more ("12.05.1990", "12-05-1990") takes "/" throughout, as its value does not
+    depend on which. Thousands separators ("1,000") are dropped: they carry no value. Any other
+    punctuation between digits ("1,5", "1+1") becomes a space, so digits never run together."""
+    text = text.translate(_STAND_IN_REMOVAL)
+    if not _DIGIT.search(text):
+        return text
+    text = _THOUSANDS_COMMA.sub("", text)
+    text = _BETWEEN_DIGITS.sub(lambda match: _DIGIT_MARKS.get(match.group(), " "), text)
+    text = _SIGN.sub(_STAND_IN["-"], text)
+    text = _LEADING_POINT.sub(_STAND_IN["."], text)
+    text = _PERCENT.sub(_STAND_IN["%"], text)
+    return _DATE.sub(lambda match: match.group().replace(match.group(1), _STAND_IN["/"]), text)
+
+
+class _FoldTable(dict):
+    """``str.translate`` table of :func:`_fold`, filled once per character met: one lookup per character
+    instead of a Python loop, which a megabyte-long box would feel. Decomposing character by character is
+    NFKD but for the order of combining marks, and those are dropped."""
+
+    def __missing__(self, code: int) -> str:
+        kept = "".join(ch for ch in unicodedata.normalize("NFKD", chr(code))
+                       if not unicodedata.combining(ch) and unicodedata.category(ch)[0] not in "PS")
+        self[code] = kept
+        return kept
+
+
+_FOLD_TABLE = _FoldTable(_STAND_IN_RESTORE)
+
+
+def _fold(text: str) -> str:
+    """Accents, and Unicode punctuation and symbols, removed; the number stand-ins written back."""
+    return text.translate(_FOLD_TABLE)
+
+
+def _words(text: str) -> tuple[str, ...]:
+    """:func:`normalize_answer` of a protected text, then :func:`_fold`: the articles go before the Unicode
+    punctuation, as the benchmarks do it, so two answers they normalise alike stay alike here. An answer
+    of articles only ("A", "The The") keeps them rather than becoming empty."""
+    return tuple(_fold(normalize_answer(text)).split() or _fold(text).split())
+
+
+def _readings(text: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """An answer's two readings as words: (joined, separated).
+
+    Joined reads punctuation as the benchmarks do, by removing it ("X-Men" is "xmen", "AT&T" is "att").
+    Separated reads the marks that stand between words as what they say: a dash as a space
+    ("Saint-Étienne" is "saint etienne"), "&" as "and", "/" as "or", so a list written with them is a list
+    in both directions ("Paris & London" hedges like "Paris and London"). Both keep numbers whole.
+    """
+    text = _protect_numbers(unicodedata.normalize("NFKC", text).casefold())
+    separated = _SEPARATORS.sub(lambda match: _SEPARATOR_WORDS.get(match.group(), " "), text)
+    return _words(text), _words(separated)
 
 
 def _contains_run(words: tuple[str, ...], run: tuple[str, ...]) -> bool:
@@ -324,20 +411,42 @@ def _contains_run(words: tuple[str, ...], run: tuple[str, ...]) -> bool:
     return f" {' '.join(run)} " in f" {' '.join(words)} "
 
 
-def _hardened_match(prediction: tuple[str, ...], truth: tuple[str, ...]) -> str | None:
-    """None when the prediction names the answer; otherwise the failure reason."""
+def _numbers(words: tuple[str, ...]) -> tuple[str, ...]:
+    """The words that carry a value: those with a digit, and those that scale or negate a number."""
+    return tuple(word for word in words if _DIGIT.search(word) or word in NUMBER_WORDS)
+
+
+def _partial_match(prediction: tuple[str, ...], truth: tuple[str, ...]) -> str | None:
+    """None when the prediction names the answer with fewer or more words; otherwise the failure reason.
+
+    Either way its numbers must be the answer's: a qualifier or the part of a name left out is words,
+    never a number, so "5 million" is not "5" and "1990, 1995" does not name "1990".
+    """
     if prediction == truth:
         return None
     if len(prediction) < len(truth):
-        covers_most = 2 * len(prediction) > len(truth)
-        return None if covers_most and _contains_run(truth, prediction) else "wrong"
+        covers_most = 2 * len(prediction) > len(truth) and _contains_run(truth, prediction)
+        return None if covers_most and _numbers(prediction) == _numbers(truth) else "wrong"
     if not _contains_run(prediction, truth):
         return "wrong"
     if HEDGE_WORDS.intersection(Counter(prediction) - Counter(truth)):
         return "multiple_answers"
     if len(prediction) - len(truth) > MAX_EXTRA_WORDS:
         return "answer_overflow"
-    return None
+    return None if _numbers(prediction) == _numbers(truth) else "wrong"
+
+
+def _hardened_match(prediction: tuple[tuple[str, ...], ...], truth: tuple[tuple[str, ...], ...]) -> str | None:
+    """None when the prediction names the answer; otherwise the failure reason (see :func:`_readings`).
+
+    Equal in either reading is a match. Fewer or more words must pass in both readings, so neither
+    reading opens a way around the other's guards ("Paris-London" is one word joined, "Jean-Paul" is
+    one of two words of "Jean-Paul Sartre" joined).
+    """
+    if any(ours == theirs for ours, theirs in zip(prediction, truth)):
+        return None
+    failures = [failure for failure in map(_partial_match, prediction, truth) if failure]
+    return min(failures, key=_FAILURE_ORDER.index) if failures else None
 
 
 def _hardened_boxes(solution: str) -> tuple[list[str] | None, str | None]:
@@ -358,18 +467,18 @@ def _score_hardened(solution: str, truths: list[str]) -> RewardResult:
     contents, reason = _hardened_boxes(solution)
     if contents is None:
         return _fail(reason)
-    predictions = {_answer_words(content) for content in contents}
-    if len(predictions) > 1:
+    readings = [_readings(content) for content in contents]
+    if all(len(set(reading)) > 1 for reading in zip(*readings)):
         return _fail("multiple_answers")
-    prediction = predictions.pop()
-    if not prediction:
+    prediction = readings[-1]
+    if not prediction[0]:
         return _fail("empty_answer")
-    truth_words = [words for words in map(_answer_words, truths) if words]
-    if not truth_words:
+    truth_readings = [reading for reading in map(_readings, truths) if reading[0]]
+    if not truth_readings:
         return _fail("bad_ground_truth")
     results = []
-    for words in truth_words:
-        failure = _hardened_match(prediction, words)
+    for truth in truth_readings:
+        failure = _hardened_match(prediction, truth)
         results.append(_fail(failure) if failure else RewardResult(1.0))
     return _best(results)
 
@@ -445,8 +554,8 @@ def exact_match(prediction: str | None, ground_truth: str | list[str]) -> float:
     truths = _eval_truths(ground_truth)
     if prediction is None:
         return 0.0
-    normalized = _squad_normalize(prediction)
-    return float(any(normalized == _squad_normalize(truth) for truth in truths))
+    normalized = normalize_answer(prediction)
+    return float(any(normalized == normalize_answer(truth) for truth in truths))
 
 
 def token_f1(prediction: str | None, ground_truth: str | list[str]) -> float:
@@ -454,8 +563,8 @@ def token_f1(prediction: str | None, ground_truth: str | list[str]) -> float:
     truths = _eval_truths(ground_truth)
     if prediction is None:
         return 0.0
-    tokens = _squad_normalize(prediction).split()
-    return max(_f1(tokens, _squad_normalize(truth).split()) for truth in truths)
+    tokens = normalize_answer(prediction).split()
+    return max(overlap_f1(tokens, normalize_answer(truth).split()) for truth in truths)
 
 
 # --- custom reward functions ---------------------------------------------------------------------
@@ -500,7 +609,8 @@ def load_reward_function(path: str | os.PathLike[str], name: str = "compute_scor
     """Wrap a user's verl-style reward function so it behaves like :func:`score_detailed`.
 
     A valid number comes back with reason None: longqa cannot know why a custom function scored as it
-    did. Anything unusable (an exception, None, a string, NaN or inf) becomes 0 with an ``error:`` reason.
+    did. Anything unusable (an exception, None, a string, NaN or inf) becomes 0 with an ``error:`` reason;
+    the wrapper's ``last_error`` keeps the latest exception's text, for a caller to show.
     """
     function = _import_function(Path(path), name)
 
@@ -511,6 +621,8 @@ def load_reward_function(path: str | os.PathLike[str], name: str = "compute_scor
             return _as_result(function(data_source=data_source, solution_str=solution_str,
                                        ground_truth=ground_truth, extra_info=extra_info, **kwargs))
         except Exception as exc:  # noqa: BLE001 - a user's bug must cost one sample, not the run
+            score.last_error = f"{type(exc).__name__}: {exc}"
             return _fail(f"error:{type(exc).__name__}")
 
+    score.last_error = None
     return score

@@ -26,8 +26,11 @@ from longqa.batching import budget_batches, collate_right
 from longqa.config import ConfigError
 from longqa.data.io import DataFileError, iter_rows
 from longqa.data.prompts import PromptOptions, PromptSet, prepare_prompts
+from longqa.distributed.planner import ModelSizes, check_sft
 from longqa.evaluate import evaluate, format_table
-from longqa.model.load import load_model, pick_device, qwen3_config, set_max_positions
+from longqa.model.load import (load_model, load_model_config, load_model_tokenizer, pick_device, qwen3_config,
+                               raise_position_limit, set_max_positions)
+from longqa.model.logprobs import token_logprobs
 from longqa.model.tokenizer import train_tokenizer
 from longqa.sft_options import SFTOptions
 
@@ -108,6 +111,58 @@ def _collate(examples: list[np.ndarray], starts: np.ndarray, index: list[int], p
     return ids.to(device), mask.to(device), labels.to(device)
 
 
+def sft_loss(model, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of the response tokens (``labels`` other than -100), through the GRPO update's chunked
+    LM head (``model/logprobs.py``): logits exist one chunk of tokens at a time. The model's own loss would make
+    them for the whole batch at once: 131,072 tokens of a 49,152-entry vocabulary are 25.8 GB in float32, and
+    its softmax and gradient as much again each.
+
+    No attention mask: rows are right-padded, so causal attention already keeps every real token from the
+    padding after it, and the log-probs of real tokens are those a masked forward gives. With a padding mask SDPA
+    would keep an additive ``[rows, L, L]`` copy of it in every layer for the backward pass (32 GiB for a
+    131,072-token batch of 4,400-token rows in SmolLM2-135M's 30 layers) and could not run its flash kernels."""
+    targets = labels != -100
+    logp, _ = token_logprobs(model, ids, None, targets)
+    return -logp.sum() / targets[:, 1:].sum().clamp(min=1)
+
+
+def sft_autocast(device: torch.device, enabled: bool | None = None):
+    """The precision ``longqa sft`` computes in: float32 weights, bfloat16 matmuls and attention on a GPU."""
+    enabled = device.type == "cuda" if enabled is None else enabled
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
+
+
+def _model_config(options: SFTOptions):
+    """``(config, tokenizer)`` of the model to train, before any weight exists: ``--init``'s (with the position
+    limit ``--max-positions`` raises), or a new Qwen3's on a tokenizer trained on the data."""
+    if options.init:
+        config, tokenizer = load_model_config(options.init), load_model_tokenizer(options.init)
+        if options.max_positions is not None:
+            raise_position_limit(config, options.max_positions)
+        return config, tokenizer
+    tokenizer = _tokenizer_for(options)
+    positions = options.max_positions
+    if positions is None:
+        positions = max(4096, 2 * options.max_prompt_length)
+    config = qwen3_config(len(tokenizer), options.hidden_size, options.num_layers, options.num_heads,
+                          options.num_kv_heads, max_positions=positions,
+                          eos_token_id=tokenizer.convert_tokens_to_ids(END_OF_TURN),
+                          pad_token_id=tokenizer.pad_token_id)
+    return config, tokenizer
+
+
+def _model(options: SFTOptions, config, tokenizer, device: torch.device):
+    """The model ``_model_config`` described, on ``device``: ``--init``'s weights, or new random ones."""
+    if options.init:
+        model, _ = load_model(options.init, device=device, tokenizer=tokenizer)
+        if options.max_positions is not None:
+            set_max_positions(model, options.max_positions)
+        return model
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device)
+
+
 def _lr_at(step: int, options: SFTOptions, time_fraction: float) -> float:
     """Warmup, then cosine over whichever budget runs out first: steps or minutes."""
     if step < options.warmup_steps:
@@ -134,44 +189,36 @@ def run_sft(options: SFTOptions, command: str = "") -> dict:
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
 
-    if options.init:
-        model, tokenizer = load_model(options.init, device=device)
-        if options.max_positions is not None:
-            set_max_positions(model, options.max_positions)
-    else:
-        from transformers import AutoModelForCausalLM
-
-        tokenizer = _tokenizer_for(options)
-        positions = options.max_positions
-        if positions is None:
-            positions = max(4096, 2 * options.max_prompt_length)
-        config = qwen3_config(len(tokenizer), options.hidden_size, options.num_layers, options.num_heads,
-                              options.num_kv_heads, max_positions=positions,
-                              eos_token_id=tokenizer.convert_tokens_to_ids(END_OF_TURN),
-                              pad_token_id=tokenizer.pad_token_id)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device)
+    config, tokenizer = _model_config(options)
     prompt_options = PromptOptions(options.max_prompt_length)
-    train = prepare_prompts(options.train_files, tokenizer, prompt_options, length_setting="--max-prompt-length")
+    train = prepare_prompts(options.train_files, tokenizer, prompt_options, length_setting="--max-prompt-length",
+                            skip_setting=None)
     examples, starts = _examples(train, tokenizer, options)
     lengths = np.asarray([len(e) for e in examples])
-    check_positions(int(lengths.max()), model.config.max_position_embeddings)
+    check_positions(int(lengths.max()), config.max_position_embeddings)
+    memory = {}
+    if device.type == "cuda":  # refuse a batch budget that cannot fit before any weight is read
+        gpu = torch.cuda.get_device_properties(device).total_memory
+        need = check_sft(ModelSizes.from_config(config), gpu_bytes=gpu, batch_tokens=options.batch_tokens,
+                         longest=int(lengths.max()))
+        memory = {"planned_gib": round(need / 2**30, 1), "gpu_gib": round(gpu / 2**30, 1)}
+    model = _model(options, config, tokenizer, device)
     held_out = None
     if options.eval_files:
         held_out = prepare_prompts(options.eval_files, tokenizer, prompt_options,
-                                   length_setting="--max-prompt-length")
+                                   length_setting="--max-prompt-length", skip_setting=None)
         keep = min(options.eval_rows, len(held_out))
         held_out = PromptSet(held_out.token_ids, held_out.offsets[:keep + 1], held_out.meta[:keep], held_out.stats)
     max_new = int(max(len(e) - s for e, s in zip(examples, starts))) + 16
     params = sum(p.numel() for p in model.parameters())
     print(json.dumps({"examples": len(examples), "tokens": int(lengths.sum()), "params": params,
-                      "vocab": len(tokenizer), "prep_s": round(time.perf_counter() - start, 1)}), flush=True)
+                      "vocab": len(tokenizer), **memory, "prep_s": round(time.perf_counter() - start, 1)}), flush=True)
 
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": options.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=options.lr, betas=(0.9, 0.95),
                                   fused=device.type == "cuda")
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     budget_s = 60 * options.max_minutes
     log, step, epoch, tokens_seen = [], 0, 0, 0
     train_start = time.perf_counter()
@@ -190,8 +237,8 @@ def run_sft(options: SFTOptions, command: str = "") -> dict:
             ids, mask, labels = _collate(examples, starts, batch, tokenizer.pad_token_id, device)
             for group in optimizer.param_groups:
                 group["lr"] = _lr_at(step, options, (time.perf_counter() - train_start) / budget_s)
-            with autocast:
-                loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            with sft_autocast(device):
+                loss = sft_loss(model, ids, labels)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
@@ -213,7 +260,8 @@ def run_sft(options: SFTOptions, command: str = "") -> dict:
     tokenizer.save_pretrained(out)
     model.float()
     summary = {"steps": step, "epochs_started": epoch, "train_minutes": round((time.perf_counter() - train_start) / 60, 2),
-               "params": params, "shape": {k: getattr(model.config, k) for k in (
+               "params": params, "architecture": type(model).__name__,
+               "shape": {k: getattr(model.config, k) for k in (
                    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
                    "max_position_embeddings")},
                "examples": len(examples), "tokens_seen": tokens_seen, "device": str(device),
@@ -234,9 +282,9 @@ def write_model_card(out: Path, summary: dict) -> None:
     origin = f"continued from `{o['init']}`" if o.get("init") else "trained from scratch"
     lines = [
         f"# {out.name}", "",
-        f"A small Qwen3-architecture model {origin} by `longqa sft` on synthetic long-context "
-        "multi-hop QA (`longqa data synth`): it reads the passages, writes the supporting facts inside "
-        "`<think>` and the answer inside `\\boxed{}`; it knows nothing beyond that synthetic world.", "",
+        f"A {summary['architecture']} {origin} by `longqa sft` on synthetic long-context multi-hop QA (`longqa "
+        "data synth`): it reads the passages, writes the supporting facts inside `<think>` and the answer inside "
+        "`\\boxed{}`" + ("." if o.get("init") else "; it knows nothing beyond that synthetic world."), "",
         f"- parameters: {summary['params']:,} (hidden {shape['hidden_size']}, {shape['num_hidden_layers']} layers, "
         f"{shape['num_attention_heads']} heads, {shape['num_key_value_heads']} KV heads, vocabulary "
         f"{shape['vocab_size']}, {shape['max_position_embeddings']:,} positions), stored in bfloat16",

@@ -6,6 +6,7 @@ importing torch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -46,9 +47,17 @@ class SFTOptions:
                   "max_positions", "batch_tokens", "max_steps", "eval_every", "eval_rows")
         rules = [(counts, "at least 1", lambda v: v >= 1),
                  (("no_think_fraction", "min_lr_ratio"), "a fraction from 0 to 1", lambda v: 0 <= v <= 1),
-                 (("warmup_steps", "weight_decay"), "at least 0", lambda v: v >= 0),
-                 (("lr", "max_minutes"), "above 0", lambda v: v > 0)]
+                 (("warmup_steps", "weight_decay", "seed"), "at least 0", lambda v: v >= 0),
+                 (("lr", "max_minutes"), "above 0", lambda v: v > 0),
+                 (("lr", "max_minutes", "weight_decay"), "a finite number", math.isfinite)]
         problems = [f"--{name.replace('_', '-')} must be {what}, got {value}" for names, what, ok in rules
                     for name in names if (value := getattr(self, name)) is not None and not ok(value)]
+        if not problems and not self.init:  # the shape of the new model: whole heads, RoPE on pairs of dimensions
+            if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 2:
+                problems.append(f"--hidden-size {self.hidden_size} must be --num-heads {self.num_heads} times an even "
+                                f"head size")
+            if self.num_heads % self.num_kv_heads:
+                problems.append(f"--num-heads {self.num_heads} must be a multiple of --num-kv-heads "
+                                f"{self.num_kv_heads} (each key/value head serves a whole group of query heads)")
         if problems:
             raise ConfigError("; ".join(problems))

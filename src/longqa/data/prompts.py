@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import islice
@@ -27,7 +28,7 @@ from longqa.data.io import DataFileError, iter_rows
 from longqa.data.schema import row_problem
 from longqa.model.tokenizer import tokenizer_fingerprint
 
-CACHE_FORMAT = 1  # bump when the cache layout or the preparation rules change
+CACHE_FORMAT = 2  # bump when the cache layout or the preparation rules change
 BATCH_ROWS = 64
 
 
@@ -65,6 +66,9 @@ class PrepStats:
     cache_hit: bool = False
     seconds: float = 0.0
     cache_path: str = ""
+    # One entry per row not kept whole (dropped as overlong or bad, or truncated), with what it belonged to:
+    # {"file", "row", "data_source", "target_tokens", "tokens", "reason"} (``LOST_REASONS``).
+    lost: list[dict] = field(default_factory=list)
 
     def summary(self) -> str:
         mean = self.prompt_tokens / max(self.kept, 1)
@@ -78,6 +82,26 @@ class PrepStats:
             parts.append(f"{self.bad_rows} bad rows skipped")
         parts.append(f"{'cache hit' if self.cache_hit else 'prepared'} in {self.seconds:.1f}s")
         return ", ".join(parts)
+
+
+OVERLONG, BAD_ROW, TRUNCATED = "overlong", "bad row", "truncated"
+LOST_REASONS = (OVERLONG, BAD_ROW, TRUNCATED)  # the last one keeps the row, cut
+NO_SOURCE = "(no data_source)"
+
+
+def target_tokens(extra_info) -> int | None:
+    """The context length a row was made for (``longqa data synth --context-lengths``), or None."""
+    value = extra_info.get("target_tokens") if isinstance(extra_info, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _lost_row(file_index: int, row_index: int, row, reason: str, tokens: int | None = None) -> dict:
+    """What a row not kept whole belonged to; read defensively, since a bad row may lack any of it."""
+    row = row if isinstance(row, dict) else {}
+    source = row.get("data_source")
+    return {"file": file_index, "row": row_index,
+            "data_source": source if isinstance(source, str) and source else NO_SOURCE,
+            "target_tokens": target_tokens(row.get("extra_info")), "tokens": tokens, "reason": reason}
 
 
 @dataclass
@@ -113,6 +137,73 @@ class PromptSet:
         return PromptSet(token_ids, offsets, [self.meta[i] for i in keep], self.stats)
 
 
+@dataclass
+class Tally:
+    """The rows of one data_source or one context length: read, dropped (overlong or bad) and truncated."""
+
+    rows: int = 0
+    dropped: int = 0
+    truncated: int = 0
+
+    @property
+    def lost(self) -> bool:
+        return bool(self.dropped or self.truncated)
+
+    def describe(self, key) -> str:
+        """``key`` and what it lost, e.g. ``musique: 3 of 3 dropped, none left``."""
+        parts = [f"{self.dropped} of {self.rows} dropped" + (", none left" if self.dropped == self.rows else "")
+                 ] if self.dropped else []
+        if self.truncated:
+            parts.append(f"{self.truncated} of {self.rows} truncated")
+        return f"{key}: {' and '.join(parts)}"
+
+
+GROUPS = ("data_source", "target_tokens")  # what a row belongs to, in the accounting of what was lost
+
+
+def tally(prompts: PromptSet, group: str) -> dict:
+    """A ``Tally`` per value of ``group`` (``data_source``, or ``target_tokens`` where rows have one), sorted."""
+    tallies: dict = {}
+
+    def of(key) -> Tally:
+        return tallies.setdefault(key, Tally())
+
+    for m in prompts.meta:
+        key = m["data_source"] if group == "data_source" else target_tokens(m.get("extra_info"))
+        if key is not None:
+            of(key).rows += 1
+    for entry in prompts.stats.lost:
+        if (key := entry[group]) is None:
+            continue
+        if entry["reason"] == TRUNCATED:  # (a kept row, counted above)
+            of(key).truncated += 1
+        else:
+            of(key).rows += 1
+            of(key).dropped += 1
+    return dict(sorted(tallies.items()))
+
+
+def describe_losses(prompts: PromptSet, name: str, options: PromptOptions) -> list[str]:
+    """Lines saying what preparing ``prompts`` dropped or cut, by reason, then per data_source and per context
+    length (``target_tokens``) that lost rows: a run says this before it starts, since a source or a length
+    that is gone would otherwise only be missed in the metrics."""
+    stats = prompts.stats
+    if not stats.lost:
+        return [f"{name}: all {stats.kept} kept whole"]
+    reasons = Counter(entry["reason"] for entry in stats.lost)
+    limit = f"data.max_prompt_length={options.max_prompt_length}"
+    said = {OVERLONG: f"{reasons[OVERLONG]} dropped over {limit}",
+            BAD_ROW: f"{reasons[BAD_ROW]} bad rows dropped (data.skip_bad_rows=true)",
+            TRUNCATED: f"{reasons[TRUNCATED]} truncated to {limit} (data.truncation={options.truncation})"}
+    lines = [f"{name}: {stats.kept} of {stats.rows_read} kept; "
+             + "; ".join(said[r] for r in LOST_REASONS if reasons[r])]
+    for group in GROUPS:
+        lost = [t.describe(key) for key, t in tally(prompts, group).items() if t.lost]
+        if lost:
+            lines.append(f"  by {group}: " + "; ".join(lost))
+    return lines
+
+
 def _file_digest(path: Path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "blake2b").hexdigest()[:32]
@@ -146,7 +237,8 @@ def _fit(ids: list[int], options: PromptOptions, where: str) -> list[int] | None
     return ids[-limit:] if options.truncation == "left" else ids[:limit]
 
 
-def _templated(files: Sequence[Path], tokenizer, options: PromptOptions, stats: PrepStats):
+def _templated(files: Sequence[Path], tokenizer, options: PromptOptions, stats: PrepStats,
+               skip_setting: str | None):
     """Valid rows with their chat-templated prompt texts, a batch at a time."""
     for file_index, path in enumerate(files):
         for batch in _batched(enumerate(iter_rows(path)), BATCH_ROWS):
@@ -155,9 +247,10 @@ def _templated(files: Sequence[Path], tokenizer, options: PromptOptions, stats: 
                 stats.rows_read += 1
                 if problem := row_problem(row):
                     if not options.skip_bad_rows:
-                        raise DataFileError(f"{path}, row {row_index}: {problem} "
-                                            f"(set data.skip_bad_rows=true to skip and count such rows)")
+                        raise DataFileError(f"{path}, row {row_index}: {problem}"
+                                            + (f" ({skip_setting} skips and counts such rows)" if skip_setting else ""))
                     stats.bad_rows += 1
+                    stats.lost.append(_lost_row(file_index, row_index, row, BAD_ROW))
                     continue
                 good.append((file_index, path, row_index, row))
             if good:
@@ -179,20 +272,24 @@ def _encoded(batches, backend):
             yield pending[0], pending[1].result()
 
 
-def _tokenize(files: Sequence[Path], tokenizer, options: PromptOptions, out_dir: Path) -> PrepStats:
+def _tokenize(files: Sequence[Path], tokenizer, options: PromptOptions, out_dir: Path,
+              skip_setting: str | None) -> PrepStats:
     """Stream every file through validation, the chat template and the tokenizer into ``out_dir``."""
     stats = PrepStats(files=len(files))
     offsets, meta = [0], []
     with open(out_dir / "tokens.int32", "wb") as out:
-        batches = _templated(files, tokenizer, options, stats)
+        batches = _templated(files, tokenizer, options, stats, skip_setting)
         for rows, encodings in _encoded(batches, tokenizer.backend_tokenizer):
             for (file_index, path, row_index, row), enc in zip(rows, encodings):
                 full = enc.ids  # a new Python list on every access: take it once
                 ids = _fit(full, options, f"{path}, row {row_index}")
                 if ids is None:
                     stats.overlong_filtered += 1
+                    stats.lost.append(_lost_row(file_index, row_index, row, OVERLONG, len(full)))
                     continue
-                stats.truncated += len(ids) < len(full)
+                if len(ids) < len(full):
+                    stats.truncated += 1
+                    stats.lost.append(_lost_row(file_index, row_index, row, TRUNCATED, len(full)))
                 out.write(np.asarray(ids, dtype=np.int32).tobytes())
                 offsets.append(offsets[-1] + len(ids))
                 stats.max_prompt_tokens = max(stats.max_prompt_tokens, len(ids))
@@ -229,9 +326,11 @@ def _commit(work: Path, entry: Path) -> None:
 
 def prepare_prompts(files: Sequence[str | os.PathLike], tokenizer, options: PromptOptions,
                     cache_dir: str | os.PathLike | None = None,
-                    length_setting: str = "data.max_prompt_length") -> PromptSet:
+                    length_setting: str = "data.max_prompt_length",
+                    skip_setting: str | None = "data.skip_bad_rows=true") -> PromptSet:
     """Tokenized prompts of ``files``; with ``cache_dir``, reused when files, tokenizer and options match.
-    ``length_setting`` names where ``options.max_prompt_length`` came from, for the error when none is left.
+    ``length_setting`` names where ``options.max_prompt_length`` came from, for the error when none is left;
+    ``skip_setting`` where ``options.skip_bad_rows`` comes from (None: nowhere), for the error on a bad row.
 
     A bad row stops the load naming file, row and reason (or is skipped and counted with
     ``skip_bad_rows``); overlong prompts are filtered and counted, or truncated, per ``options``.
@@ -260,7 +359,7 @@ def prepare_prompts(files: Sequence[str | os.PathLike], tokenizer, options: Prom
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     try:
-        stats = _tokenize(paths, tokenizer, options, work)
+        stats = _tokenize(paths, tokenizer, options, work, skip_setting)
         if stats.kept == 0:
             raise DataFileError(f"no prompt left: {stats.rows_read} rows read, {stats.overlong_filtered} over "
                                 f"{length_setting}={options.max_prompt_length}, {stats.bad_rows} bad")

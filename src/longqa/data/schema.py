@@ -27,7 +27,10 @@ QA_PREFIX = "The following are given passages.\n"
 
 
 def with_system_prompt(messages: list[dict], system_prompt: str = SYSTEM_PROMPT) -> list[dict]:
-    """Prepend the system message, as the recipe does to every LoongRL row."""
+    """Prepend the system message, as the recipe does to every LoongRL row; messages that open with a system
+    message of their own keep it alone (a local copy already prepared, say), not two of them."""
+    if messages and isinstance(messages[0], dict) and messages[0].get("role") == "system":
+        return list(messages)
     return [{"role": "system", "content": system_prompt}, *messages]
 
 

@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from longqa.config import ConfigError
+from longqa.model.tokenizer import TokenizerError
 
 from .io import task_splits, write_splits, write_task_splits
 from .schema import QA_PREFIX, SYSTEM_PROMPT, make_row, question_suffix, with_system_prompt
@@ -199,17 +200,20 @@ def token_counter(tokenizer: str | None = None) -> Callable[[str], int]:
         return approx_tokens
     path = Path(tokenizer)
     json_file = path if path.is_file() else path / "tokenizer.json"
-    if json_file.is_file():
-        from tokenizers import Tokenizer
+    try:
+        if json_file.is_file():
+            from tokenizers import Tokenizer
 
-        fast = Tokenizer.from_file(str(json_file))
-        return lambda text: len(fast.encode(text, add_special_tokens=False).ids)
-    if not path.is_dir():
-        raise FileNotFoundError(f"{path}: no tokenizer.json file or tokenizer folder")
-    from transformers import AutoTokenizer
+            fast = Tokenizer.from_file(str(json_file))
+            return lambda text: len(fast.encode(text, add_special_tokens=False).ids)
+        if path.is_dir():
+            from transformers import AutoTokenizer
 
-    slow = AutoTokenizer.from_pretrained(str(path))
-    return lambda text: len(slow.encode(text, add_special_tokens=False))
+            slow = AutoTokenizer.from_pretrained(str(path))
+            return lambda text: len(slow.encode(text, add_special_tokens=False))
+    except Exception as e:  # a file or folder that holds no tokenizer these libraries read
+        raise TokenizerError(f"cannot read a tokenizer from {path}: {type(e).__name__}: {e}") from None
+    raise TokenizerError(f"tokenizer {path} is neither a tokenizer.json file nor a tokenizer folder")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -968,6 +972,7 @@ def _check(tasks: tuple[str, ...], config: SynthConfig, lengths: tuple[int, ...]
     for length in lengths or (config.context_tokens,):
         if length < MIN_CONTEXT_TOKENS:
             raise ConfigError(f"context lengths must be at least {MIN_CONTEXT_TOKENS} tokens, got {length}")
+    token_counter(config.tokenizer)  # a tokenizer that cannot be read fails here, not in the first row (or worker)
 
 
 def _make_rows(jobs: list[tuple[str, int]], config: SynthConfig, workers: int,

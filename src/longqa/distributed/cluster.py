@@ -96,6 +96,11 @@ def _is_local(address: str) -> bool:
         return False
 
 
+def endpoint(address: str, port: int) -> str:
+    """``address:port``, with an IPv6 address in brackets (``[fe80::1]:6379``) so the port stays apart from it."""
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+
+
 def _on(host: Host, command: list[str], local: bool) -> list[str]:
     return command if local else [*SSH, host.address, shlex.join(command)]
 
@@ -113,7 +118,7 @@ def up_commands(hosts: list[Host], port: int = RAY_PORT, ray: str = "ray", local
                                  f"--num-gpus={head.slots}", "--dashboard-host=0.0.0.0",
                                  f"--dashboard-port={DASHBOARD_PORT}"], local)))
     for host in hosts[1:]:
-        steps.append(Step(_on(host, [ray, "start", f"--address={head.address}:{port}",
+        steps.append(Step(_on(host, [ray, "start", f"--address={endpoint(head.address, port)}",
                                      f"--node-ip-address={host.address}", f"--num-gpus={host.slots}"], False)))
     return steps
 
@@ -125,7 +130,7 @@ def down_commands(hosts: list[Host], ray: str = "ray", local_head: bool | None =
 
 
 def status_command(hosts: list[Host], port: int = RAY_PORT, ray: str = "ray") -> list[Step]:
-    return [Step([ray, "status", f"--address={hosts[0].address}:{port}"])]
+    return [Step([ray, "status", f"--address={endpoint(hosts[0].address, port)}"])]
 
 
 def run_steps(steps: list[Step], dry_run: bool = False) -> None:
@@ -142,9 +147,9 @@ def run_steps(steps: list[Step], dry_run: bool = False) -> None:
             raise HostfileError(f"command failed with exit status {code}: {shlex.join(step.argv)}")
 
 
-def reach_message(hosts: list[Host], port: int = RAY_PORT) -> str:
-    head = hosts[0].address
+def reach_message(hosts: list[Host], hostfile: str | Path, port: int = RAY_PORT) -> str:
+    head = endpoint(hosts[0].address, port)
     gpus = sum(h.slots for h in hosts)
-    return (f"Ray cluster of {len(hosts)} host(s), {gpus} GPU slot(s): head {head}:{port}, dashboard "
-            f"http://{head}:{DASHBOARD_PORT}\n  connect with RAY_ADDRESS={head}:{port}; "
-            f"stop it with: longqa cluster down --hostfile FILE")
+    return (f"Ray cluster of {len(hosts)} host(s), {gpus} GPU slot(s): head {head}, dashboard "
+            f"http://{endpoint(hosts[0].address, DASHBOARD_PORT)}\n  connect with RAY_ADDRESS={head}; "
+            f"stop it with: longqa cluster down --hostfile {shlex.quote(str(hostfile))}")

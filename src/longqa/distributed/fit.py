@@ -33,9 +33,10 @@ def plan_run(cfg, sizes: ModelSizes, machine: Machine) -> tuple[MemoryPlan, Host
             plan_host_config(cfg, sizes, machine.gpus, machine.ranks_per_node, machine.host_bytes))
 
 
-def check_run_plan(cfg, gpu: MemoryPlan, host: HostPlan) -> None:
-    """Refuse the run when either memory cannot hold it (PlanError naming what to change)."""
-    check_config(cfg, gpu)
+def check_run_plan(cfg, gpu: MemoryPlan, host: HostPlan, sizes: ModelSizes | None = None) -> None:
+    """Refuse the run when either memory cannot hold it (PlanError naming what to change; with the model's
+    ``sizes``, the largest micro-batch token budget that fits)."""
+    check_config(cfg, gpu, sizes)
     check_host_plan(host, gpu.world_size, DTYPE_BYTES[cfg.model.dtype])
 
 

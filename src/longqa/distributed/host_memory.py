@@ -32,9 +32,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from longqa.distributed.activations import saved_activation_widths
 from longqa.distributed.planner import (DEEPSPEED_SUB_GROUP_SIZE, DTYPE_BYTES, GIB, ModelSizes, PlanError,
-                                       host_share, master_bytes, offload_ratio, offloads, saved_activation_widths,
-                                       training_state, zero3_sub_groups)
+                                       host_share, master_bytes, offload_ratio, offloads, training_state,
+                                       zero3_sub_groups)
 
 HOST_MARGIN_BYTES = 4 * GIB  # per rank: interpreter, libraries, compile workers, NCCL host buffers
 RECIPE_PROMPT_TOKENS = 226_684_298  # the recipe's 13,645 prompts (benchmarks/RESULTS.md, prompt preparation)

@@ -16,14 +16,19 @@ sharded over ``world_size`` ranks (FSDP2, ZeRO-3 style):
   (``actor.cpu_offload_ratio``): that share of its sub-groups goes to the host, the others stay on the GPU;
 - when sharded, the unsharded layers being computed: two decoder layers (this one and the prefetched
   next) and the embedding/LM head, in bf16;
-- activations of one micro-batch of ``max_tokens_per_micro_batch`` packed tokens: with gradient
-  checkpointing, one hidden state per layer plus one layer's recompute and an LM-head chunk;
-  without it, every layer's intermediates (``saved_activation_widths``, checked against measured peaks);
+- activations of one micro-batch of ``max_tokens_per_micro_batch`` packed tokens (``activations.py``, the
+  count ``longqa sft``'s check uses too, checked against measured peaks by ``benchmarks/memory_check.py``):
+  every kept layer's saved tensors, in the dtype the layers compute in (bf16 when sharded, else
+  ``model.dtype``), fewer when the layers are compiled than eager; a recomputed layer's input, and one
+  layer's recompute; on the dense attention backend an additive mask per pack in every kept layer, which
+  grows with the square of a pack's length; the chunked LM head's backward pass and its weight's gradient;
 - the rollout engine: a full copy of the weights in ``model.dtype`` (gathered after each update) when
   the model is sharded (several ranks, ZeRO-3 or an offload), none when one process shares its model
   with the engine; and its KV cache, which stays allocated through the update: as many groups (the
   prompt once, n responses) as ``rollout.kv_cache_bytes`` holds, or by default as 40% of the memory
-  free when the first rollout starts holds, at most the rank's groups of a step.
+  free when the first rollout starts holds, at most the rank's groups of a step;
+- with a KL penalty (``algo.kl_coef``), the frozen reference model's weights (sharded like the policy's
+  under FSDP2).
 
 Before any of this, every rank moves the whole model in ``model.dtype`` to its GPU and the engine copies
 it there (``load_model``, then the engine, then the actor shards): the load's peak is checked too.
@@ -39,10 +44,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from longqa.config import ConfigError
+from longqa.distributed.activations import Activations, Compute, sft_activations, update_activations
 
 GIB = 2**30
 MARGIN_BYTES = 6 * GIB  # CUDA context, NCCL buffers, allocator fragmentation
-LM_HEAD_CHUNK = 2048  # tokens per LM-head chunk (model/logprobs.py)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ENGINE_KV_SHARE = 0.4  # the fast engine's default KV budget: this share of the free GPU memory (rollout/fast.py)
 
@@ -64,6 +69,13 @@ class ModelSizes:
     vocab: int
     shapes: tuple[tuple[int, ...], ...] = ()  # every parameter's shape: FSDP2 shards and pins them one by one
     config: Any = field(default=None, repr=False, compare=False)  # the transformers config, for the FLOP counts
+    heads: int = 0  # query heads (0: hidden // head_dim)
+    qk_norm: bool = False  # per-head norms of queries and keys (Qwen3): more saved activations in eager layers
+    compilable: bool = True  # Llama-family layers the trainer compiles (the fast engine's fused decode runs them)
+    tied: bool = False  # the LM head's weight is the input embedding's
+
+    def __post_init__(self) -> None:
+        self.heads = self.heads or (self.hidden // self.head_dim if self.head_dim else 0)
 
     @classmethod
     def from_config(cls, config) -> "ModelSizes":
@@ -71,26 +83,23 @@ class ModelSizes:
         import torch
         from transformers import AutoModelForCausalLM
 
+        from longqa.rollout.decode_step import unsupported_reason
+
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
         params = sum(p.numel() for p in model.parameters())
-        layer = sum(p.numel() for p in model.base_model.layers[0].parameters())
+        first = model.base_model.layers[0]
+        layer = sum(p.numel() for p in first.parameters())
         heads = config.num_attention_heads
+        attention = getattr(first, "self_attn", None)
         return cls(params=params, layer_params=layer, embedding_params=params - layer * config.num_hidden_layers,
                    hidden=config.hidden_size, intermediate=config.intermediate_size, layers=config.num_hidden_layers,
                    kv_heads=config.num_key_value_heads,
                    head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-                   vocab=config.vocab_size, shapes=tuple(tuple(p.shape) for p in model.parameters()), config=config)
-
-
-def saved_activation_widths(sizes: ModelSizes) -> list[int]:
-    """The widths of the bf16 tensors a compiled decoder layer saves per token for its backward pass: six of
-    the hidden size (the input, its norm, q, k and v, attention's output, the second norm) and three of the
-    MLP's (gate, up, their product). Measured: a packed group's peak memory on one H200, weights + gradients
-    + these + one LM-head chunk, is 36.6 GiB at Qwen3-1.7B (16,384 tokens, 28 layers kept; this count says
-    36.1) and 133.0 GiB at Qwen3-8B (32,768 tokens, 27 layers kept; 135.2) (benchmarks/RESULTS.md, packed
-    training)."""
-    return [sizes.hidden] * 6 + [sizes.intermediate] * 3
+                   vocab=config.vocab_size, shapes=tuple(tuple(p.shape) for p in model.parameters()), config=config,
+                   heads=heads, qk_norm=hasattr(attention, "q_norm") or hasattr(attention, "k_norm"),
+                   compilable=unsupported_reason(model) is None,
+                   tied=model.get_output_embeddings().weight is model.get_input_embeddings().weight)
 
 
 def kv_bytes_per_group(sizes: ModelSizes, prompt_length: int, response_length: int, n: int, dtype_bytes: int) -> int:
@@ -114,16 +123,21 @@ class MemoryPlan:
     kv_groups: int = 1  # groups the engine's KV cache holds at once
     loading: int = 0  # the load's peak, before the model is sharded
     param_bytes: int = 4  # bytes of one parameter in model.dtype (what loads, and the engine's copy)
+    activation_parts: Activations | None = None  # what the activations are made of
+    reference_weights: int = 0  # the frozen reference model of a KL penalty
 
     @property
     def total(self) -> int:
         return (self.training_state + self.unsharded_layers + self.activations + self.rollout_weights
-                + self.rollout_kv + self.margin)
+                + self.rollout_kv + self.reference_weights + self.margin)
 
     def table(self) -> str:
+        parts = self.activation_parts
+        masks = f" (masks {parts.masks / GIB:.1f})" if parts and parts.masks else ""
         rows = [("training state (weights, grads, AdamW)", self.training_state),
-                ("unsharded layers in flight", self.unsharded_layers), ("activations", self.activations),
+                ("unsharded layers in flight", self.unsharded_layers), (f"activations{masks}", self.activations),
                 ("rollout weights (engine's copy)", self.rollout_weights),
+                *([("reference model (algo.kl_coef)", self.reference_weights)] if self.reference_weights else []),
                 (f"rollout KV cache ({self.kv_groups} group{'s' if self.kv_groups > 1 else ''})", self.rollout_kv),
                 ("margin (context, NCCL, fragmentation)", self.margin), ("total", self.total),
                 ("GPU memory", self.gpu_bytes), ("while loading (whole model + copy)", self.loading)]
@@ -152,37 +166,42 @@ def plan_memory(sizes: ModelSizes, *, world_size: int, gpu_bytes: int, micro_bat
                 cpu_offload: bool = False, kv_cache_bytes: int | None = None,
                 activation_offload: float = 0.0, strategy: str = "fsdp2", offload_params: bool = False,
                 param_bytes: int = 4, sharded: bool = True, groups_per_rank: int = 1,
-                state_bytes: int | None = None, offload_fraction: float = 1.0) -> MemoryPlan:
+                state_bytes: int | None = None, offload_fraction: float = 1.0, compute: Compute | None = None,
+                backend: str = "flex", shared_prompt: bool = True, reference_model: bool = False) -> MemoryPlan:
     """Per-GPU bytes of a plan (see the module docstring for what is counted); ``gradient_checkpointing`` is
     the fraction of decoder layers recomputed (True: all), ``activation_offload`` the fraction whose
     activations wait in host memory (none of theirs stays on the GPU); ``offload_params``: ZeRO-3's
     parameter offload; ``param_bytes``: one parameter in ``model.dtype``; ``sharded``: whether the model is
     sharded (then layers are gathered to compute and the rollout engine keeps its own copy of the weights);
     ``groups_per_rank``: the prompts a rank samples a step; ``state_bytes``: one parameter of the weights the
-    optimizer steps (default ``param_bytes``); ``offload_fraction``: see ``training_state``."""
+    optimizer steps (default ``param_bytes``); ``offload_fraction``: see ``training_state``; ``compute``: how the
+    layers compute (default: compiled, in bf16), ``backend``: the packed attention backend, ``shared_prompt``:
+    the packed layout (else one padded row per sample); ``reference_model``: a frozen copy of the starting weights
+    for a KL penalty (``algo.kl_coef``), in ``model.dtype``, sharded like the policy under FSDP2."""
     bf16 = 2
     state, host = training_state(sizes.params, world_size, strategy, cpu_offload, offload_params,
                                  param_bytes if state_bytes is None else state_bytes, offload_fraction)
     unsharded = bf16 * (2 * sizes.layer_params + sizes.embedding_params) if sharded else 0
-    tokens = micro_batch_tokens
-    per_token_layer = bf16 * sum(saved_activation_widths(sizes))
-    recomputed = round(float(gradient_checkpointing) * sizes.layers)  # these keep their input alone
-    kept = sizes.layers - recomputed - round(activation_offload * sizes.layers)
-    activations = tokens * (bf16 * sizes.hidden * recomputed + per_token_layer * kept)
-    if recomputed:
-        activations += tokens * per_token_layer  # one recomputed layer's activations during its backward
-    activations += 3 * 4 * min(tokens, LM_HEAD_CHUNK) * sizes.vocab  # float32 logits of one chunk, twice + grad
+    activations = update_activations(sizes, compute or Compute(compiled=True), budget=micro_batch_tokens,
+                                     prompt_length=prompt_length, response_length=response_length, n=n,
+                                     backend=backend, recomputed=float(gradient_checkpointing),
+                                     offloaded=activation_offload, shared_prompt=shared_prompt)
     copy = param_bytes * sizes.params if sharded else 0
+    reference = 0  # (copied whole from the loaded model, then sharded)
+    if reference_model:
+        reference = param_bytes * sizes.params // (world_size if sharded and strategy != "deepspeed" else 1)
     # The KV cache is sized when the first rollout starts, before any gradient or AdamW moment exists: FSDP2
-    # holds its weight shards alone then (a quarter of its state), ZeRO-3 its whole partitions.
+    # holds its weight shards alone then (a quarter of its state), ZeRO-3 its whole partitions. The engine
+    # measures the memory free then, which the margin still is (nothing has fragmented yet).
     resident = state // 4 if strategy != "deepspeed" else state
-    budget = kv_cache_bytes or int(ENGINE_KV_SHARE * max(0, gpu_bytes - resident - copy - MARGIN_BYTES))
+    budget = kv_cache_bytes or int(ENGINE_KV_SHARE * max(0, gpu_bytes - resident - copy - reference))
     one_group = kv_bytes_per_group(sizes, prompt_length, response_length, n, param_bytes)
     groups = max(1, min(groups_per_rank, budget // one_group))
     return MemoryPlan(world_size=world_size, gpu_bytes=gpu_bytes, training_state=state, unsharded_layers=unsharded,
-                      activations=activations, rollout_weights=copy, rollout_kv=groups * one_group, host_state=host,
-                      kv_groups=groups, loading=param_bytes * sizes.params + copy + MARGIN_BYTES,
-                      param_bytes=param_bytes)
+                      activations=activations.total, rollout_weights=copy, rollout_kv=groups * one_group,
+                      host_state=host, kv_groups=groups,
+                      loading=param_bytes * sizes.params * (1 + reference_model) + copy + MARGIN_BYTES,
+                      param_bytes=param_bytes, activation_parts=activations, reference_weights=reference)
 
 
 PARAMETER_OFFLOAD = "zero_optimization.offload_param.device: cpu in actor.deepspeed_config"
@@ -191,8 +210,9 @@ DEEPSPEED_SUB_GROUP_SIZE = 10**9  # DeepSpeed's default zero_optimization.sub_gr
 
 def check_plan(plan: MemoryPlan, cpu_offload: bool, gradient_checkpointing: float, micro_batch_tokens: int,
                kv_cache_bytes: int | None, offload_setting: str = "actor.cpu_offload=true",
-               partly_offloaded: bool = False) -> None:
-    """Refuse a plan over the GPU's memory, naming the settings that would make it fit."""
+               partly_offloaded: bool = False, fitting_tokens: int | None = None, backend: str = "flex") -> None:
+    """Refuse a plan over the GPU's memory, naming the settings that would make it fit: first the largest
+    micro-batch token budget that does (``fitting_tokens``, when one is known)."""
     if plan.loading > plan.gpu_bytes:
         fix = ("load it in bf16 (model.dtype=bfloat16)" if plan.param_bytes > 2 else
                "use GPUs with more memory (--gpu-memory-gib)")
@@ -203,9 +223,15 @@ def check_plan(plan: MemoryPlan, cpu_offload: bool, gradient_checkpointing: floa
         return
     over = (plan.total - plan.gpu_bytes) / GIB
     advice = []
+    if fitting_tokens:
+        advice.append(f"set actor.max_tokens_per_micro_batch={fitting_tokens}, the largest that fits (now "
+                      f"{micro_batch_tokens})")
+    state_matters = plan.training_state >= 0.1 * (plan.total - plan.gpu_bytes)  # else moving it is no fix
     if not cpu_offload and plan.training_state > plan.total - plan.gpu_bytes:
         advice.append(f"offload the training state to the CPU ({offload_setting} frees "
                       f"{plan.training_state / GIB:.1f} GiB per GPU)")
+    elif not state_matters:
+        pass
     elif not cpu_offload and plan.training_state:
         advice.append(f"offload the training state to the CPU ({offload_setting})")
     elif partly_offloaded:
@@ -216,32 +242,56 @@ def check_plan(plan: MemoryPlan, cpu_offload: bool, gradient_checkpointing: floa
         advice.append("turn on model.gradient_checkpointing")
     elif gradient_checkpointing < 1:
         advice.append("raise model.checkpoint_fraction")
+    masks = plan.activation_parts.masks if plan.activation_parts else 0
+    if backend == "dense" and masks > 0.1 * plan.gpu_bytes:
+        advice.append(f"use actor.attention_backend=flex (the dense backend keeps an attention mask per pack in every "
+                      f"layer, and in float32 with grouped key/value heads its attention scores: {masks / GIB:.1f} GiB)")
     if plan.activations > 0.2 * plan.gpu_bytes:
         advice.append("keep the first layers' activations in host memory (model.activation_offload)")
-        advice.append(f"lower actor.max_tokens_per_micro_batch (now {micro_batch_tokens})")
+        if not fitting_tokens:
+            advice.append(f"lower actor.max_tokens_per_micro_batch (now {micro_batch_tokens})")
     if plan.kv_groups > 1 and plan.rollout_kv > 0.2 * plan.gpu_bytes:
         advice.append("lower rollout.kv_cache_bytes" if kv_cache_bytes else
                       f"set rollout.kv_cache_bytes (by default the engine's KV cache takes {ENGINE_KV_SHARE:.0%} of "
                       f"the free memory: {plan.kv_groups} groups, {plan.rollout_kv / GIB:.1f} GiB)")
-    if plan.training_state and plan.world_size < 64:
+    if plan.training_state and state_matters and plan.world_size < 64:
         advice.append("use more GPUs (the training state is divided by their number)")
     raise PlanError(f"this plan needs about {plan.total / GIB:.1f} GiB per GPU but a GPU has "
                     f"{plan.gpu_bytes / GIB:.1f} GiB ({over:.1f} GiB over); to fit: " + "; or ".join(advice))
 
 
-def plan_config(cfg, sizes: ModelSizes, world_size: int, gpu_bytes: int) -> MemoryPlan:
-    """The plan of a longqa config on ``world_size`` GPUs of ``gpu_bytes``."""
+def plan_config(cfg, sizes: ModelSizes, world_size: int, gpu_bytes: int,
+                micro_batch_tokens: int | None = None) -> MemoryPlan:
+    """The plan of a longqa config on ``world_size`` GPUs of ``gpu_bytes`` (at another micro-batch token budget
+    than the config's, if given)."""
     cpu_offload, offload_params = offloads(cfg)
     return plan_memory(sizes, world_size=world_size, gpu_bytes=gpu_bytes, prompt_length=cfg.data.max_prompt_length,
                        response_length=cfg.data.max_response_length, n=cfg.rollout.n,
-                       micro_batch_tokens=cfg.actor.max_tokens_per_micro_batch,
+                       micro_batch_tokens=micro_batch_tokens or cfg.actor.max_tokens_per_micro_batch,
                        gradient_checkpointing=recomputed_fraction(cfg), cpu_offload=cpu_offload,
                        kv_cache_bytes=cfg.rollout.kv_cache_bytes, activation_offload=cfg.model.activation_offload,
                        strategy=cfg.actor.strategy, offload_params=offload_params,
                        param_bytes=DTYPE_BYTES[cfg.model.dtype], sharded=is_sharded(cfg, world_size),
                        groups_per_rank=max(1, cfg.data.train_batch_size // world_size),
                        state_bytes=master_bytes(cfg, world_size),
-                       offload_fraction=offload_fraction(cfg, world_size, sizes.params))
+                       offload_fraction=offload_fraction(cfg, world_size, sizes.params),
+                       compute=update_compute(cfg, sizes, world_size), backend=update_backend(cfg),
+                       shared_prompt=cfg.actor.shared_prompt, reference_model=cfg.algo.kl_coef > 0)
+
+
+def update_compute(cfg, sizes: ModelSizes, world_size: int) -> Compute:
+    """How the update's layers compute on a GPU: in bf16 when the model is sharded (FSDP2's mixed precision,
+    ZeRO-3's bf16), else in ``model.dtype``; compiled where the trainer compiles them (``actor.compile_layers``
+    with the fast engine, for the Llama-family layers its fused decode runs), else eager."""
+    dtype = 2 if is_sharded(cfg, world_size) else DTYPE_BYTES[cfg.model.dtype]
+    compiled = cfg.actor.compile_layers and cfg.rollout.engine == "fast" and sizes.compilable
+    return Compute(dtype_bytes=dtype, param_bytes=dtype, compiled=compiled)
+
+
+def update_backend(cfg) -> str:
+    """The packed attention backend on a GPU (``auto`` is flex there)."""
+    backend = cfg.actor.attention_backend
+    return "flex" if backend == "auto" else backend
 
 
 def master_bytes(cfg, world_size: int) -> int:
@@ -323,35 +373,102 @@ def describe_training(cfg) -> str:
     return "FSDP2" + (", CPU offload (torch's AdamW steps it on the host)" if optimizer else "")
 
 
-def check_config(cfg, plan: MemoryPlan) -> None:
+def check_config(cfg, plan: MemoryPlan, sizes: ModelSizes | None = None) -> None:
+    """Refuse a config's plan over the GPU's memory; with the model's ``sizes``, name the largest micro-batch
+    token budget that fits."""
+    fitting = None
+    if sizes is not None and plan.total > plan.gpu_bytes:
+        fitting = largest_micro_batch_tokens(cfg, sizes, plan.world_size, plan.gpu_bytes)
     check_plan(plan, offloads(cfg)[0], recomputed_fraction(cfg), cfg.actor.max_tokens_per_micro_batch,
-               cfg.rollout.kv_cache_bytes, partly_offloaded=offload_ratio(cfg)[0] < 1)
+               cfg.rollout.kv_cache_bytes, partly_offloaded=offload_ratio(cfg)[0] < 1, fitting_tokens=fitting,
+               backend=update_backend(cfg))
 
 
-def model_sizes(cfg) -> ModelSizes | None:
-    """Sizes from the config of ``model.path`` (or the embedded default); None for GGUF files, whose
-    config is only known once read."""
-    from transformers import AutoConfig
+def largest_micro_batch_tokens(cfg, sizes: ModelSizes, world_size: int, gpu_bytes: int) -> int | None:
+    """The largest ``actor.max_tokens_per_micro_batch`` at which the config's plan fits (None: not even one
+    sample's, prompt and response, under which a smaller budget saves nothing: a sample never splits). The plan
+    grows with the budget, so a bisection finds it."""
+    def fits(tokens: int) -> bool:
+        plan = plan_config(cfg, sizes, world_size, gpu_bytes, micro_batch_tokens=tokens)
+        return plan.loading <= gpu_bytes and plan.total <= gpu_bytes
 
-    from longqa.model.load import EMBEDDED_MODEL
-
-    if cfg.model.gguf_file:
+    low = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if not fits(low):
         return None
-    path = cfg.model.path or str(EMBEDDED_MODEL)
+    high = max(low, cfg.actor.max_tokens_per_micro_batch)
+    while fits(high):  # (the config's own budget fits: the largest is above it)
+        low, high = high, 2 * high
+    while high - low > 1:  # fits(low), not fits(high)
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+def model_sizes(cfg) -> ModelSizes:
+    """Sizes from the config of ``model.path`` (a folder, hub id or GGUF file; or the embedded default), read
+    without its weights."""
+    from longqa.model.load import ModelError, load_model_config
+
     try:
-        config = AutoConfig.from_pretrained(path)
-    except (OSError, ValueError) as e:  # (offline, a missing folder, or no config.json in it)
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ConfigError(f"cannot read the model config of model.path={path} ({reason}): give a local model folder, "
-                          f"or size a Qwen3 shape instead with longqa plan --shape") from None
+        config = load_model_config(cfg.model.path, cfg.model.gguf_file)
+    except ModelError as e:
+        raise ConfigError(f"{e}: give a local model folder, or size a Qwen3 shape instead with longqa plan "
+                          f"--shape") from None
     return ModelSizes.from_config(config)
 
 
-def check_run(cfg, world_size: int, gpu_bytes: int) -> MemoryPlan | None:
+def check_data_parallel(cfg, world: int) -> None:
+    """What data parallelism over ``world`` ranks needs: checked by the trainer before anything loads, and by
+    ``longqa plan`` for its ``--gpus``, so that a plan that fits is one the trainer runs."""
+    for key, value in (("data.train_batch_size", cfg.data.train_batch_size),
+                       ("actor.ppo_mini_batch_size", cfg.actor.ppo_mini_batch_size)):
+        if value % world:
+            raise ConfigError(f"{key}={value} must be a multiple of the {world} ranks: each rank owns whole groups")
+    unsupported = {"rollout.engine=hf": cfg.rollout.engine == "hf",
+                   "algo.dynamic_sampling=true": cfg.algo.dynamic_sampling,
+                   # each rank runs its own vLLM engine on its own device; a tensor-parallel group spanning
+                   # ranks would need every rank of the group to sample the same prompts
+                   f"rollout.engine=vllm with rollout.tensor_model_parallel_size="
+                   f"{cfg.rollout.tensor_model_parallel_size}": (cfg.rollout.engine == "vllm"
+                                                                 and cfg.rollout.tensor_model_parallel_size > 1)}
+    for what, present in unsupported.items():
+        if present:
+            raise ConfigError(f"{what} is not supported with {world} ranks yet")
+
+
+def check_run(cfg, world_size: int, gpu_bytes: int) -> MemoryPlan:
     """The trainer's check before it reads any weight: refuse a config that cannot fit on these GPUs."""
     sizes = model_sizes(cfg)
-    if sizes is None:
-        return None
     plan = plan_config(cfg, sizes, world_size, gpu_bytes)
-    check_config(cfg, plan)
+    check_config(cfg, plan, sizes)
     return plan
+
+
+SFT_STATE_BYTES = 16  # longqa sft: float32 weights, their gradients and AdamW's two moments, per parameter
+SFT_COMPUTE = Compute(dtype_bytes=2, param_bytes=4, autocast=True)  # float32 weights under bf16 autocast (CUDA)
+
+
+def sft_bytes(sizes: ModelSizes, batch_tokens: int, longest: int) -> int:
+    """Bytes ``longqa sft`` needs on its GPU: its training state, one batch's activations (``activations.py``,
+    the count the GRPO update's plan uses) and the margin."""
+    activations = sft_activations(sizes, SFT_COMPUTE, batch_tokens=batch_tokens, longest=longest)
+    return SFT_STATE_BYTES * sizes.params + activations.total + MARGIN_BYTES
+
+
+def check_sft(sizes: ModelSizes, *, gpu_bytes: int, batch_tokens: int, longest: int) -> int:
+    """The bytes ``longqa sft`` needs on its GPU; refused, in one line, where its batches cannot fit, naming the
+    largest ``--batch-tokens`` that does. ``longest``: the longest example, which a batch holds whatever the
+    budget."""
+    need = sft_bytes(sizes, batch_tokens, longest)
+    if need <= gpu_bytes:
+        return need
+    where = (f"longqa sft needs about {need / GIB:.1f} GiB at --batch-tokens {batch_tokens} but the GPU has "
+             f"{gpu_bytes / GIB:.1f} GiB")
+    if sft_bytes(sizes, longest, longest) > gpu_bytes:
+        raise PlanError(f"{where}, and even a batch of the longest example alone ({longest} tokens) does not fit: "
+                        f"lower --max-prompt-length, or train a smaller model")
+    low, high = longest, batch_tokens  # fits at low, not at high
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if sft_bytes(sizes, middle, longest) <= gpu_bytes else (low, middle)
+    raise PlanError(f"{where}: use --batch-tokens {low} or lower, the largest that fits")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from longqa.config import Config, ConfigError, load_config_dict, to_dict
@@ -40,12 +41,23 @@ def _absolute(cfg: Config) -> Config:
 
 
 def _worker_loop(loop_config: dict) -> None:
-    from longqa.train.trainer import train
-
-    train(load_config_dict(loop_config["config"]), stop_file=loop_config["stop_file"])
+    loop_config["train"](load_config_dict(loop_config["config"]), stop_file=loop_config["stop_file"])
 
 
-def run_with_ray(cfg: Config) -> dict:
+def _scaling(scaling_config: type, workers: int, use_gpu: bool):
+    """``workers`` workers, and Ray Train's coordinator on no CPU of its own. Ray Train's first API (Ray 2.40 to
+    about 2.50) reserves one CPU for its coordinator by default, so a cluster with exactly one CPU per worker
+    waits forever for it; the coordinator only coordinates. Its second API runs the coordinator on none and
+    refuses the setting (raising DeprecationWarning), so there it is left out."""
+    try:
+        return scaling_config(num_workers=workers, use_gpu=use_gpu, trainer_resources={"CPU": 0})
+    except DeprecationWarning:
+        return scaling_config(num_workers=workers, use_gpu=use_gpu)
+
+
+def run_with_ray(cfg: Config, train: Callable[..., dict]) -> dict:
+    """Run ``train(cfg, stop_file=...)``, the one-process training function (passed in, so this module
+    does not import the trainer that launches it), on Ray Train workers."""
     try:
         import ray
         from ray.train import FailureConfig, RunConfig, ScalingConfig
@@ -63,8 +75,8 @@ def run_with_ray(cfg: Config) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     stop_file = run_dir / ".stop-request"  # one driver per run folder, as one process saves into it
     trainer = TorchTrainer(
-        _worker_loop, train_loop_config={"config": to_dict(local), "stop_file": str(stop_file)},
-        scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu),
+        _worker_loop, train_loop_config={"config": to_dict(local), "stop_file": str(stop_file), "train": train},
+        scaling_config=_scaling(ScalingConfig, workers, use_gpu),
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         run_config=RunConfig(name="longqa", storage_path=str(run_dir / "ray"),
                              failure_config=FailureConfig(max_failures=cfg.trainer.max_failures)))

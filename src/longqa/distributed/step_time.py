@@ -35,8 +35,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from longqa.bench import H200_BF16_PEAK, decode_floor_s, group_flops
+from longqa.distributed.activations import saved_activation_widths
 from longqa.distributed.planner import (DTYPE_BYTES, MemoryPlan, ModelSizes, master_bytes, offload_fraction,
-                                       offloads, recomputed_fraction, saved_activation_widths)
+                                       offloads, recomputed_fraction)
 
 # Fast engine, 16 groups x 8, Qwen3-1.7B, 8,192-token prompts, 1,024 new tokens: 79.5% (8cd9084), 80.0% and
 # 79.5% (a7e656b) and 73.7% (4317a29) of the HBM floor.

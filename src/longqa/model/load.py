@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from longqa.model.tokenizer import load_tokenizer
+from longqa.model.tokenizer import TokenizerError, load_tokenizer
 
 EMBEDDED_MODEL = Path(__file__).resolve().parent.parent / "assets" / "longqa-tiny"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -55,35 +55,74 @@ def _source(path: str | None, gguf_file: str | None) -> tuple[str, str | None]:
     source = resolve_model_path(path)
     if gguf_file is None and source.endswith(".gguf"):  # model.path may name the GGUF file itself
         source, gguf_file = str(Path(source).parent), Path(source).name
+    if gguf_file and Path(source).is_dir() and not (Path(source) / gguf_file).is_file():
+        raise ModelError(f"model.gguf_file={gguf_file} is not a file in the model folder {source}")
     return source, gguf_file
+
+
+def load_model_config(path: str | None = None, gguf_file: str | None = None):
+    """The model's transformers config, without its weights: a folder's (or hub id's) ``config.json``, or a GGUF
+    file's metadata. The memory planner sizes a run from it before any weight is read."""
+    from transformers import AutoConfig
+
+    source, file = _source(path, gguf_file)
+    try:
+        return AutoConfig.from_pretrained(source, **({"gguf_file": file} if file else {}))
+    except (OSError, ValueError) as e:  # (offline, a missing folder, no config.json in it, an unreadable file)
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ModelError(f"cannot read the model config of model.path={path or source}"
+                         f"{' / ' + gguf_file if gguf_file else ''} ({reason})") from None
 
 
 def load_model_tokenizer(path: str | None = None, gguf_file: str | None = None):
     """The model's tokenizer alone: cheap, so data problems surface before the weights are read."""
-    source, gguf_file = _source(path, gguf_file)
-    return load_tokenizer(source) if not gguf_file else _gguf_tokenizer(source, gguf_file)
+    return load_tokenizer(*_source(path, gguf_file))
+
+
+def config_tokenizer(model_cfg):
+    """The tokenizer a config's ``model`` section names: ``tokenizer_path``, else ``path``'s (the embedded
+    default's when that is unset too)."""
+    if model_cfg.tokenizer_path:
+        return load_model_tokenizer(model_cfg.tokenizer_path)
+    return load_model_tokenizer(model_cfg.path, model_cfg.gguf_file)
 
 
 def load_model(path: str | None = None, *, gguf_file: str | None = None, dtype: str = "float32",
                attn_implementation: str = "sdpa", gradient_checkpointing: bool = False,
                checkpoint_fraction: float = 1.0, activation_offload: float = 0.0,
                device: str | torch.device = "cpu", tokenizer=None):
-    """(model, tokenizer) ready for training: any transformers causal LM (Qwen3, Qwen2, Llama, ...)."""
+    """(model, tokenizer) ready for training: any transformers causal LM (Qwen3, Qwen2, Llama, ...), from a folder,
+    a hub id or a GGUF file. A GGUF's weights are dequantized as they load, into an ordinary dense model: it
+    trains, checkpoints and saves as safetensors like any other."""
     from transformers import AutoModelForCausalLM
 
     source, gguf_file = _source(path, gguf_file)
-    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype],
-                                                     attn_implementation=attn_implementation, **kwargs)
+                                                     attn_implementation=attn_implementation,
+                                                     **(_dense_gguf(gguf_file) if gguf_file else {}))
         tokenizer = tokenizer or load_model_tokenizer(source, gguf_file)
-    except ModelError:
+    except (ModelError, TokenizerError):
         raise
     except Exception as e:  # transformers raises many kinds; the user needs the path and the cause
         raise ModelError(f"cannot load a causal LM from {source}{' / ' + gguf_file if gguf_file else ''}: "
                          f"{type(e).__name__}: {e}") from None
     arrange_layer_memory(model, checkpoint_fraction if gradient_checkpointing else 0.0, activation_offload)
     return model.to(device), tokenizer
+
+
+def _dense_gguf(gguf_file: str) -> dict:
+    """``from_pretrained``'s arguments that read ``gguf_file`` into plain dense weights.
+
+    Newer transformers releases can keep a GGUF's weights in their quantized blocks, and even when they unpack
+    them they leave the model marked quantized, which ``save_pretrained`` refuses; ``GgufConfig(dequantize=True)``
+    asks for dense weights and for the mark to be removed once they are in. Releases without ``GgufConfig``
+    always dequantize and mark nothing."""
+    try:
+        from transformers import GgufConfig
+    except ImportError:
+        return {"gguf_file": gguf_file}
+    return {"gguf_file": gguf_file, "quantization_config": GgufConfig(dequantize=True)}
 
 
 def checkpoint_layers(model, fraction: float = 1.0, first: int = 0) -> int:
@@ -118,14 +157,18 @@ def arrange_layer_memory(model, checkpoint_fraction: float = 0.0, offload_fracti
 
 
 def set_max_positions(model, positions: int) -> None:
-    """Declare that the model takes sequences of up to ``positions`` tokens.
+    """Declare that the model takes sequences of up to ``positions`` tokens (``raise_position_limit``)."""
+    raise_position_limit(model.config, positions)
+
+
+def raise_position_limit(config, positions: int) -> None:
+    """Declare in a model's config that the model takes sequences of up to ``positions`` tokens.
 
     Plain rotary embeddings compute each position's rotation from its index, so for them the limit is a
     declaration rather than a table: raising it changes no output, and training on longer sequences
     teaches the model to use the new positions. Scaled RoPE variants (linear, dynamic, YaRN, ...) derive
     their frequencies from the old limit, and learned position embeddings are a table of that size, so
     both are refused rather than silently changed."""
-    config = model.config
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
     kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
     if kind != "default":
@@ -135,15 +178,6 @@ def set_max_positions(model, positions: int) -> None:
     if positions < 1:
         raise ModelError(f"the position limit must be at least 1, got {positions}")
     config.max_position_embeddings = positions
-
-
-def _gguf_tokenizer(folder: str, gguf_file: str):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
-    if not tokenizer.chat_template:
-        raise ModelError(f"the tokenizer inside {gguf_file} has no chat template")
-    return tokenizer
 
 
 def pick_device(name: str = "auto", setting: str = "trainer.device") -> torch.device:

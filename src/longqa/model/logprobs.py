@@ -59,12 +59,13 @@ def chunked_head(model, states: torch.Tensor, targets: torch.Tensor, temperature
     return torch.cat(logp_parts), torch.cat(ent_parts)
 
 
-def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, target_mask: torch.Tensor,
+def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, target_mask: torch.Tensor,
                    temperature: float = 1.0, chunk_size: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logp, entropy)``, both ``[B, L]``: at every position ``j`` with ``target_mask[:, j]``, the
     log-prob of ``input_ids[:, j]`` given the tokens before it (and the entropy of that distribution);
     zeros elsewhere. Differentiable when grad is enabled. ``temperature`` divides the logits, as the
-    sampler did, so these are the sampling distribution's log-probs.
+    sampler did, so these are the sampling distribution's log-probs. ``attention_mask`` may be None for
+    right-padded rows, whose real tokens causal attention keeps from the padding anyway.
     """
     hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
     rows, cols = target_mask[:, 1:].nonzero(as_tuple=True)  # predicted position j = cols + 1, read at cols

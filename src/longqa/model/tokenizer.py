@@ -11,25 +11,35 @@ class TokenizerError(ValueError):
     """The tokenizer cannot be loaded or cannot prepare chat prompts."""
 
 
-def load_tokenizer(path: str | os.PathLike):
-    """A fast (Rust-backed) Hugging Face tokenizer with a chat template.
+def load_tokenizer(path: str | os.PathLike, gguf_file: str | None = None):
+    """A fast (Rust-backed) Hugging Face tokenizer with a chat template and a pad token, from a folder or hub
+    id, or from the GGUF file ``gguf_file`` inside it.
 
     Prompt preparation tokenizes hundreds of millions of tokens, so the slow Python tokenizers are
-    refused rather than silently used.
+    refused rather than silently used. A tokenizer that names no pad token pads with its EOS token, as verl
+    and TRL do: padding only fills places that the attention mask and the loss leave out (the right end of a
+    training batch, the left of a greedy one), so which id it is never reaches a loss, a sample or a reward.
     """
     from transformers import AutoTokenizer
 
     local = Path(os.path.expanduser(str(path)))
     if not local.exists() and (str(path).startswith((".", "/", "~")) or str(path).count("/") != 1):
         raise TokenizerError(f"tokenizer path {path} does not exist")
+    where = f"{path}/{gguf_file}" if gguf_file else str(path)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(local) if local.exists() else str(path))
+        tokenizer = AutoTokenizer.from_pretrained(str(local) if local.exists() else str(path),
+                                                  **({"gguf_file": gguf_file} if gguf_file else {}))
     except Exception as e:
-        raise TokenizerError(f"cannot load a tokenizer from {path}: {type(e).__name__}: {e}") from None
+        raise TokenizerError(f"cannot load a tokenizer from {where}: {type(e).__name__}: {e}") from None
     if getattr(tokenizer, "backend_tokenizer", None) is None:
-        raise TokenizerError(f"the tokenizer at {path} has no fast (tokenizers) backend")
+        raise TokenizerError(f"the tokenizer at {where} has no fast (tokenizers) backend")
     if not tokenizer.chat_template:
-        raise TokenizerError(f"the tokenizer at {path} has no chat template; prompts cannot be rendered")
+        raise TokenizerError(f"the tokenizer at {where} has no chat template; prompts cannot be rendered")
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token_id is None:
+            raise TokenizerError(f"the tokenizer at {where} has neither a pad nor an EOS token: add a pad token "
+                                 f"to its tokenizer_config.json")
+        tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 

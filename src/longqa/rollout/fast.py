@@ -65,6 +65,9 @@ from longqa.rollout.speculative import Speculation, verify
 
 MASK32 = 0xFFFFFFFF
 VOCAB_CHUNKS = 64
+# A decode step reads the KV stores through views of the longest prompt and response still running,
+# rounded up to these steps (tokens), so that a few shapes (and CUDA graphs) serve every batch.
+PROMPT_VIEW_STEP, RESPONSE_VIEW_STEP = 256, 64
 
 
 class KVBudgetError(ValueError):
@@ -168,8 +171,9 @@ class SharedPrefixKV:
         self.query_rows = self.rows.repeat_interleave(queries) if queries > 1 else self.rows
         self.query_at = torch.zeros(rows * queries, dtype=torch.long, device=device) if queries > 1 else self.write_at
         self.query_offset = torch.arange(queries, device=device)
-        # The prompt length the Triton decode attention reads: 0 once all the group's samples finished,
-        # so a slot whose group is done costs no KV reads while the others go on (its outputs are ignored).
+        # The prompt length a decode step reads (the Triton decode attention, drafts): 0 once all the group's
+        # samples finished, so a slot whose group is done costs no KV reads while the others go on (its
+        # outputs are ignored).
         self.prompt_read = torch.ones(groups, dtype=torch.long, device=device)
         self.mode = "decode"
         self.prefill_slot = self.prefill_start = 0
@@ -504,8 +508,8 @@ class FastRolloutEngine(RolloutEngine):
             for _ in range(self.sync_every):
                 # own keys a step reads: the fed tokens' (from the row's last one on) and all before them
                 longest_response = max(slot_reach[g] for g in occupied) + self.queries - 1
-                kv.prompt_view = _bucket(longest_prompt, 256, kv.prompt_cap)
-                kv.response_view = _bucket(longest_response, 64, kv.own_cap)
+                kv.prompt_view = _bucket(longest_prompt, PROMPT_VIEW_STEP, kv.prompt_cap)
+                kv.response_view = _bucket(longest_response, RESPONSE_VIEW_STEP, kv.own_cap)
                 self._decode_step(params, state, stops)
                 self.last_run["decode_steps"] += 1
                 slot_age = [age + 1 for age in slot_age]
@@ -590,8 +594,10 @@ class FastRolloutEngine(RolloutEngine):
         feed = state.last[:, None]
         if self.speculation:
             spec = self.speculation
-            text, length = row_text(kv.prompt_ids[:, :kv.prompt_view], kv.prefix_len,
-                                    state.tokens[:, :kv.response_view], index, n)
+            # Drafts come from the text the step reads: the prompts of groups still running and the tokens of
+            # live rows. A finished group's slot keeps its text, which can be longer than the views.
+            text, length = row_text(kv.prompt_ids[:, :kv.prompt_view], kv.prompt_read,
+                                    state.tokens[:, :kv.response_view], torch.where(state.active, index, 0), n)
             drafts, draft_len = propose(text, length, spec.tokens, spec.min_match, spec.max_match)
             feed = torch.cat([feed, drafts], 1)
             positions = positions[:, None] + kv.query_offset

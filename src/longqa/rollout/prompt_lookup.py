@@ -27,7 +27,8 @@ def row_text(prompt_ids: torch.Tensor, prefix_len: torch.Tensor, own_ids: torch.
              n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's text, ``[rows, P + S]``: its group's prompt (``prompt_ids`` ``[groups, P]``, the first
     ``prefix_len[g]`` valid) then its own tokens (``own_ids`` ``[rows, S]``, the first ``own_len[row]``
-    valid), ``NO_TOKEN`` after; and each text's length. Rows are group-major, ``n`` per group."""
+    valid), ``NO_TOKEN`` after; and each text's length. Rows are group-major, ``n`` per group. The lengths
+    must fit the widths (``prefix_len <= P``, ``own_len <= S``): a text never reaches past what it is given."""
     rows, S = own_ids.shape
     P = prompt_ids.shape[1]
     prompt_len = prefix_len.repeat_interleave(n)[:, None]

@@ -142,9 +142,22 @@ class Actor:
             self.optimizer = torch.optim.AdamW(self.scorer.parameters(), lr=a.lr, betas=tuple(a.betas),
                                                weight_decay=a.weight_decay)
         self.updates_per_step = a.ppo_epochs * math.ceil(cfg.data.train_batch_size / a.ppo_mini_batch_size)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(cfg, max(1, total_steps * self.updates_per_step)))
+        self.lr_factor = lr_lambda(cfg, max(1, total_steps * self.updates_per_step))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.lr_factor)
         self.bad_steps = 0  # consecutive non-finite updates
+
+    def follow_config(self) -> None:
+        """After a checkpoint is restored: the optimizer's settings and the learning-rate schedule of this run's
+        config, continued at the restored update. A restored optimizer and scheduler carry the learning rate,
+        betas and weight decay of the run that saved them; a resumed run that changes them (or the schedule, or
+        the number of steps it is laid over) means its own from here on. Unchanged, the rate is the one the
+        saving run would have used next, to the bit."""
+        a = self.cfg.actor
+        for group in self.optimizer.param_groups:
+            group.update(initial_lr=a.lr, betas=tuple(a.betas), weight_decay=a.weight_decay)
+        # (a scheduler built at the restored update takes each group's initial_lr as its base)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.lr_factor,
+                                                           last_epoch=self.scheduler.last_epoch - 1)
 
     def micro_batches(self, samples: Samples, indices: list[int]) -> list[MicroBatch]:
         """``indices`` (whole groups, group-contiguous) cut to ``actor.max_tokens_per_micro_batch``."""
@@ -295,14 +308,17 @@ class Actor:
             self._backward(loss * weight, boundary=k == rounds - 1)
             if weight == 0:
                 continue
-            share = int(response.sum()) / max(1, denominators["num_tokens"])  # token-weighted averages
+            # Summed on the device and read once at the end: reading a value here would make the host wait for
+            # this micro-batch's backward before it could queue the next forward, leaving the device idle.
+            share = response.sum() / max(1, denominators["num_tokens"])  # token-weighted averages
             for key, value in {**pg_stats, **loss_stats}.items():
                 summed = key in loss_stats  # already divided by the mini-batch denominators
-                stats[key] = stats.get(key, 0.0) + float(value) * (1.0 if summed else share)
+                stats[key] = stats.get(key, 0.0) + (value if summed else value * share)
+        keys = sorted(stats)
+        values = torch.stack([stats[k].float() for k in keys]).tolist() if keys else []
         if world > 1:  # each rank holds its share of every average: the sum is the global value
-            keys = sorted(stats)
-            stats = dict(zip(keys, all_reduce([stats[k] for k in keys], "sum", self.device)))
-        return stats
+            values = all_reduce(values, "sum", self.device)
+        return dict(zip(keys, values))
 
     def _backward(self, loss: torch.Tensor, boundary: bool) -> None:
         """Add ``loss``'s gradient; ``boundary``: the last micro-batch of the mini-batch."""

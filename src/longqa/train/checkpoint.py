@@ -58,6 +58,7 @@ __all__ = [
     "latest_checkpoint",
     "load_checkpoint",
     "load_model_weights",
+    "read_trainer_state",
     "resolve_resume",
     "rng_state",
     "save_checkpoint",
@@ -408,7 +409,13 @@ def load_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module, optimize
     if scheduler is not None:
         scheduler.load_state_dict(_load(path / SCHEDULER))
     set_rng_state(json.loads((path / RNG).read_text()))
-    return json.loads((path / TRAINER_STATE).read_text())
+    return read_trainer_state(path)
+
+
+def read_trainer_state(path: str | os.PathLike) -> dict:
+    """The trainer_state dict of checkpoint ``path`` alone (the config it was written with, its step), read
+    before anything is loaded into a model."""
+    return json.loads((Path(path) / TRAINER_STATE).read_text())
 
 
 def export_hf(checkpoint_path_or_model: str | os.PathLike | torch.nn.Module, tokenizer: Any,

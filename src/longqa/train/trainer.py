@@ -21,22 +21,26 @@ import torch
 
 from longqa import algo, reward
 from longqa.config import Config, ConfigError, to_dict
-from longqa.data.prompts import PromptOptions, PromptSet, prepare_prompts
+from longqa.data.prompts import (BAD_ROW, GROUPS, TRUNCATED, PromptOptions, PromptSet, describe_losses,
+                                 prepare_prompts, tally)
 from longqa.distributed.deepspeed import check_deepspeed
 from longqa.distributed.env import DistEnv, all_reduce, gather_objects, leave_group
-from longqa.distributed.planner import check_run
+from longqa.distributed.planner import check_data_parallel, check_run
 from longqa.evaluate import evaluate, stop_token_ids
 from longqa.lengths import draw_response_lengths
-from longqa.model.load import (compile_decoder_layers, compiled_graphs, load_model, load_model_tokenizer,
-                               pick_device, resolve_model_path)
+from longqa.model.load import (compile_decoder_layers, compiled_graphs, config_tokenizer, load_model, pick_device,
+                               resolve_model_path)
 from longqa.report import LENGTH_ACCURACY, MetricsLogger, write_report
 from longqa.rollout import HFRolloutEngine, SamplingParams
 from longqa.rollout.base import bump_weights_version
 from longqa.rollout.fast import FastRolloutEngine
 from longqa.rollout.vllm_engine import VLLMRolloutEngine, import_vllm, logprobs_mode_for
-from longqa.train.actor import Actor, Samples
-from longqa.train.checkpoint import load_checkpoint, resolve_resume, rng_state, save_checkpoint, set_rng_state
+from longqa.support import check_machine
+from longqa.train.actor import Actor, Samples, TrainingError
+from longqa.train.checkpoint import (load_checkpoint, read_trainer_state, resolve_resume, rng_state, save_checkpoint,
+                                     set_rng_state)
 from longqa.train.preemption import StopRequest, preempted_message
+from longqa.train.resume import CHANGES_KEY, change_history, check_resume, describe_changes
 
 
 def reward_function(cfg: Config):
@@ -49,11 +53,30 @@ def reward_function(cfg: Config):
     return functools.partial(reward.score_detailed, mode=cfg.reward.mode)
 
 
-def load_prompts(cfg: Config, tokenizer) -> tuple[PromptSet, PromptSet | None]:
+def check_reward_calls(cfg: Config, calls: int, errors: int, last_error: str | None, where: str) -> None:
+    """Stop when every reward call of a step (or a validation) failed: every advantage is then 0, so the run
+    would learn nothing and still finish with status 0. A function that fails on a few answers only costs
+    those (``reward_errors`` in the metrics and on the console line)."""
+    if not calls or errors < calls:
+        return
+    r = cfg.reward
+    scorer = f"reward.path={r.path} ({r.name})" if r.path else f"reward.mode={r.mode}"
+    raise TrainingError(f"every one of the {calls} reward calls of {where} failed"
+                        + (f", the last with {last_error}" if last_error else "") + f": fix {scorer}")
+
+
+def load_prompts(cfg: Config, tokenizer, say=print) -> tuple[PromptSet, PromptSet | None]:
+    """The training and validation prompts; what preparing them dropped or cut is said (``say``) first."""
     d = cfg.data
     options = PromptOptions.from_config(d)
     train = prepare_prompts(d.train_files, tokenizer, options, cache_dir=d.cache_dir)
     val = prepare_prompts(d.val_files, tokenizer, options, cache_dir=d.cache_dir) if d.val_files else None
+    for name, prompts in (("training prompts", train), ("validation prompts", val)):
+        if prompts is not None:
+            for line in describe_losses(prompts, name, options):
+                say(line)
+    if val is not None and cfg.trainer.test_freq:  # (a validation that never runs is only said)
+        check_validation_losses(val, options)
     if d.train_batch_size > len(train):
         raise ConfigError(f"data.train_batch_size={d.train_batch_size} is larger than the {len(train)} training "
                           f"prompts left after filtering")
@@ -63,22 +86,29 @@ def load_prompts(cfg: Config, tokenizer) -> tuple[PromptSet, PromptSet | None]:
     return train, val
 
 
-def check_data_parallel(cfg: Config, world: int) -> None:
-    """What data parallelism needs, checked before anything loads."""
-    for key, value in (("data.train_batch_size", cfg.data.train_batch_size),
-                       ("actor.ppo_mini_batch_size", cfg.actor.ppo_mini_batch_size)):
-        if value % world:
-            raise ConfigError(f"{key}={value} must be a multiple of the {world} ranks: each rank owns whole groups")
-    unsupported = {"rollout.engine=hf": cfg.rollout.engine == "hf",
-                   "algo.dynamic_sampling=true": cfg.algo.dynamic_sampling,
-                   # each rank runs its own vLLM engine on its own device; a tensor-parallel group spanning
-                   # ranks would need every rank of the group to sample the same prompts
-                   f"rollout.engine=vllm with rollout.tensor_model_parallel_size="
-                   f"{cfg.rollout.tensor_model_parallel_size}": (cfg.rollout.engine == "vllm"
-                                                                 and cfg.rollout.tensor_model_parallel_size > 1)}
-    for what, present in unsupported.items():
-        if present:
-            raise ConfigError(f"{what} is not supported with {world} ranks yet")
+def check_validation_losses(val: PromptSet, options: PromptOptions) -> None:
+    """Validation scores the same questions at every step and in every run it is compared with, and its metrics
+    are named by data_source and context length only. A source that lost rows would be scored on the others
+    (or vanish from the metrics, having lost them all), with nothing in ``val/<source>/...`` to say so; a
+    context length (``target_tokens``) that lost or cut rows would be scored on its shorter, easier ones, and
+    ``val/accuracy@<length>`` compares like with like only while every length keeps all its questions whole.
+    So a validation set that would drop a row, or cut one at a context length, is refused before any work,
+    naming each source and length with its counts and a limit that keeps them."""
+    cut_lengths = {length for length, t in tally(val, "target_tokens").items() if t.truncated}
+    entries = [e for e in val.stats.lost if e["reason"] != TRUNCATED or e["target_tokens"] in cut_lengths]
+    if not entries:
+        return
+    buckets = [f"by {group}: " + "; ".join(t.describe(key) for key, t in tallies.items() if t.lost)
+               for group in GROUPS if (tallies := tally(val, group)) and any(t.lost for t in tallies.values())]
+    fixes = []
+    if longest := max((e["tokens"] for e in entries if e["tokens"]), default=None):
+        fixes.append(f"set data.max_prompt_length to {longest} or more (the longest of those prompts)")
+    if any(e["reason"] == BAD_ROW for e in entries):
+        fixes.append("fix the bad rows")
+    raise ConfigError(f"validation would not score every prompt whole under data.max_prompt_length="
+                      f"{options.max_prompt_length} ({' | '.join(buckets)}): val/ metrics are named by data_source "
+                      f"and context length and compare the same questions at every step, so none may lose any; "
+                      f"{' and '.join(fixes)}, or leave those rows out of data.val_files")
 
 
 def check_groups(cfg: Config) -> None:
@@ -184,10 +214,17 @@ class Trainer:
             self.device = self.env.device(cfg.trainer.device)
         else:
             self.device = pick_device(cfg.trainer.device)
+        check_machine(cfg, self.device.type)
         check_vllm(cfg, self.device)
         check_deepspeed(cfg, self.device)
         check_layer_memory(cfg, self.device)
         check_offload(cfg)
+        # The checkpoint to resume from, and what differs from the config it was written with: refused now, before
+        # anything loads, where the difference changes what the run computes.
+        self.resume_from = resolve_resume(self.run_dir, cfg.trainer.resume)
+        self.resume_changes = [] if self.resume_from is None else check_resume(
+            self.resume_from, read_trainer_state(self.resume_from)["config"], cfg)
+        self.changes_on_resume: list[dict] = []  # this timeline's record of them, saved in every checkpoint
         # One process still shards in a group of its own when something must leave the device: ZeRO-3
         # partitions even one rank's weights, and FSDP2's CPU offload moves the shards to host memory.
         sharded_alone = deepspeed or cfg.actor.cpu_offload
@@ -198,8 +235,8 @@ class Trainer:
         random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
         m = cfg.model
         self.score = reward_function(cfg)  # bad input fails first, before the weights are read
-        self.tokenizer = load_model_tokenizer(m.tokenizer_path or m.path, None if m.tokenizer_path else m.gguf_file)
-        self.train_set, self.val_set = load_prompts(cfg, self.tokenizer)
+        self.tokenizer = config_tokenizer(m)
+        self.train_set, self.val_set = load_prompts(cfg, self.tokenizer, say=self._say)
         if self.device.type == "cuda":  # refuse a plan that cannot fit before reading any weight
             check_run(cfg, self.env.world_size, torch.cuda.get_device_properties(self.device).total_memory)
         self.model, _ = load_model(m.path, gguf_file=m.gguf_file, dtype=m.dtype, attn_implementation=m.attn_implementation,
@@ -210,7 +247,6 @@ class Trainer:
         self.steps_per_epoch = len(self.train_set) // cfg.data.train_batch_size
         total = cfg.trainer.total_epochs * self.steps_per_epoch
         self.total_steps = min(total, cfg.trainer.max_steps or total)
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         r = cfg.rollout
         # Built before the actor shards the model: under data parallelism (or a group of one, above) the fast
         # engine keeps an unsharded copy, and vLLM loads the unsharded weights (later syncs gather them).
@@ -232,7 +268,7 @@ class Trainer:
                 logprobs_mode=logprobs_mode or "processed_logprobs", seed=seed)
         else:
             self.engine = HFRolloutEngine(self.model, self.tokenizer)
-        self.actor = Actor(self.model, cfg, self.total_steps, self.device, pad)
+        self.actor = Actor(self.model, cfg, self.total_steps, self.device, self.tokenizer.pad_token_id)
         if (cfg.actor.compile_layers and self.device.type == "cuda" and isinstance(self.engine, FastRolloutEngine)
                 and self.engine.decode_step is not None):
             compile_decoder_layers(self.model, with_hooks=not deepspeed)  # DeepSpeed's hooks cannot be traced
@@ -275,7 +311,7 @@ class Trainer:
         prompts = [self.train_set.ids(i).tolist() for i in indices]
         if isinstance(self.engine, (FastRolloutEngine, VLLMRolloutEngine)):  # samples depend on (seed, step, prompt)
             base = self.cfg.trainer.seed * 1_000_003 + step * 101 + round_
-            seeds = [base * 2_147_483_659 + i for i in indices]
+            seeds = [(base * 2_147_483_659 + i) % 2**63 for i in indices]  # an int64 for any trainer.seed
             outputs = self.engine.generate(prompts, self.params, seeds=seeds,
                                            **self._drawn_lengths(indices, step, round_))
         else:
@@ -349,12 +385,16 @@ class Trainer:
         local = {"rewards": rewards.tolist(), "lengths": [len(s.token_ids) for s in samples],
                  "truncated": [s.finish_reason == "length" for s in samples],
                  "reasons": [r.reason for r in results if r.reason], "zero_var": zero_var,
-                 "tokens": sum(batch.length(i) for i in range(len(batch)))}
+                 "tokens": sum(batch.length(i) for i in range(len(batch))),
+                 "reward_error": getattr(self.score, "last_error", None)}
         every = gather_objects(local)  # one entry per rank
         rewards = torch.tensor([x for part in every for x in part["rewards"]])
         lengths = np.array([x for part in every for x in part["lengths"]])
         truncated = [x for part in every for x in part["truncated"]]
         reasons = Counter(x for part in every for x in part["reasons"])
+        reward_errors = sum(v for k, v in reasons.items() if k.startswith("error"))
+        check_reward_calls(cfg, len(rewards), reward_errors,
+                           next((p["reward_error"] for p in every if p["reward_error"]), None), f"step {step + 1}")
         zero_var, tokens = sum(p["zero_var"] for p in every), sum(p["tokens"] for p in every)
         # Each phase's time and the compilations and graph captures (0 once warm): the most of any rank.
         compiled, captured = compiled_graphs() - compiled, getattr(self.engine, "graph_captures", 0) - captured
@@ -366,7 +406,7 @@ class Trainer:
             "accuracy": float((rewards >= 1.0).float().mean()),
             "response_length/mean": float(lengths.mean()), "response_length/max": int(lengths.max()),
             "response/truncated": float(np.mean(truncated)),
-            "zero_variance_groups": zero_var, "reward_errors": sum(v for k, v in reasons.items() if k.startswith("error")),
+            "zero_variance_groups": zero_var, "reward_errors": reward_errors,
             **{f"reward_reason/{k}": v for k, v in sorted(reasons.items())},
             "time/rollout_s": most["rollout_s"], "time/reward_s": most["reward_s"],
             "time/update_s": most["update_s"], "perf/tokens_per_s": tokens / (end - start),
@@ -392,9 +432,13 @@ class Trainer:
         eager = engine is None or (isinstance(engine, FastRolloutEngine) and engine.decode_step is None)
         with torch.compiler.set_stance("force_eager" if eager else "default"):
             result = evaluate(self.model, self.tokenizer, self.val_set, self.cfg.data.max_response_length,
-                              mode=self.cfg.reward.mode, engine=engine, shard=shard)
+                              reward_fn=self.score, engine=engine, shard=shard)
+        check_reward_calls(self.cfg, result["all"]["n"], result["reward_errors"],
+                           getattr(self.score, "last_error", None), "the validation")
         out = {"val/accuracy": result["all"]["accuracy"], "val/f1": result["all"]["f1"],
                "val/seconds": result["seconds"]}
+        if result["reward_errors"]:  # a reward function failing on some answers, not scoring them 0
+            out["val/reward_errors"] = result["reward_errors"]
         out.update({f"val/{source}/accuracy": r["accuracy"] for source, r in result.items()
                     if isinstance(r, dict) and source != "all"})
         # A validation set of one set of questions at several lengths (synth --context-lengths) gives the
@@ -422,17 +466,27 @@ class Trainer:
             return {"steps": self.total_steps, "report": str(report), "preempted": None}
 
     def _resume(self) -> tuple[int, Path | None]:
-        """The step to start from and the checkpoint it was restored from (None: a fresh start)."""
-        resume = resolve_resume(self.run_dir, self.cfg.trainer.resume)
+        """The step to start from and the checkpoint it was restored from (None: a fresh start). The settings
+        that changed since the checkpoint (``resume``) take effect here and are said."""
+        resume = self.resume_from
         if resume is None:
             return 0, None
         state = load_checkpoint(resume, model=self.model, optimizer=self.actor.optimizer,
                                 scheduler=self.actor.scheduler, engine=self.actor.engine)
+        self.actor.follow_config()  # this run's learning rate, optimizer settings and schedule, at the restored step
         self.actor.bad_steps = state["bad_steps"]
         bump_weights_version(self.model)  # new weights: an engine holding a copy must load them
         self.engine.sync_weights()
-        print(f"resumed from {resume} at step {state['step']}", flush=True)
-        return state["step"], resume
+        step = state["step"]
+        self.changes_on_resume = change_history(state, step, self.resume_changes)
+        for line in [f"resumed from {resume} at step {step}", *describe_changes(self.resume_changes, step)]:
+            self._say(line)
+        return step, resume
+
+    def _say(self, line: str) -> None:
+        """A line for the user, from one rank (the others would say the same)."""
+        if self.env.is_main:
+            print(line, flush=True)
 
     def _logger(self, start_step: int, resumed: Path | None):
         if not self.env.is_main:  # the other ranks compute the same (reduced) metrics; rank 0 writes them
@@ -477,7 +531,8 @@ class Trainer:
         path = save_checkpoint(self.run_dir, done, model=self.model, optimizer=self.actor.optimizer,
                                scheduler=self.actor.scheduler, engine=self.actor.engine,
                                keep_last=cfg.trainer.keep_last,
-                               trainer_state={"step": done, "bad_steps": self.actor.bad_steps, "config": to_dict(cfg)})
+                               trainer_state={"step": done, "bad_steps": self.actor.bad_steps, "config": to_dict(cfg),
+                                              CHANGES_KEY: self.changes_on_resume})
         self.seconds["save"] = time.perf_counter() - start
         self.saved = (done, path)
         return path
@@ -540,7 +595,7 @@ def train(cfg: Config, stop_file: str | None = None) -> dict:
     if cfg.trainer.launcher == "ray":
         from longqa.distributed.ray_launcher import run_with_ray
 
-        return run_with_ray(cfg)
+        return run_with_ray(cfg, train)
     trainer = Trainer(cfg, stop_file)
     result = trainer.run()
     if trainer.owns_group:

@@ -1,0 +1,384 @@
+"""The typed config tree: every key declared once, with its type, its allowed values and a line of help, and
+the check of one key's value against that declaration.
+
+Key names follow the seed recipe (verl) where one exists, so a recipe's command line reads the same
+here: ``data.train_files=... data.max_prompt_length=16384 rollout.n=8 algo.clip_ratio=0.2``.
+A wrong key (with the closest one suggested), a wrong type or a bad value is refused with one message that
+names the key, because a typo found after an hour of sampling is an hour lost. Loading files and overrides
+(``longqa.config``) and reading verl's launch-line keys (``longqa.verl_keys``) both build on this module.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import math
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config file or override names an unknown key or holds a bad value."""
+
+
+def opt(default: Any, help: str, check: typing.Callable[[Any], bool] | None = None, rule: str = "") -> Any:
+    """A config field: its default, one line of help, and an optional value check described by ``rule``."""
+    factory = (lambda: list(default)) if isinstance(default, list) else None
+    meta = {"help": help, "check": check, "rule": rule}
+    if factory:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+positive = (lambda v: v > 0, "> 0")
+non_negative = (lambda v: v >= 0, ">= 0")
+unit_open = (lambda v: 0 < v < 1, "in (0, 1)")
+unit_closed = (lambda v: 0 <= v <= 1, "in [0, 1]")
+# numpy's generators take no negative seed; the trainer derives each prompt's seed from it in 64-bit integers
+seed_range = (lambda v: 0 <= v < 2**32, "in [0, 2**32)")
+device_name = (lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?", v) is not None, "auto, cpu, cuda or cuda:<index>")
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = opt(None, "local Hugging Face model folder, hub id or GGUF file; none: the embedded default")
+    tokenizer_path: Optional[str] = opt(None, "tokenizer folder when it differs from model.path")
+    gguf_file: Optional[str] = opt(None, "GGUF file name inside model.path (transformers dequantizes it)")
+    dtype: Literal["float32", "bfloat16", "float16"] = opt("float32", "parameter dtype for training and sampling")
+    attn_implementation: Literal["sdpa", "eager", "flex_attention", "flash_attention_2"] = opt(
+        "sdpa", "transformers attention backend")
+    gradient_checkpointing: bool = opt(False, "recompute activations in the backward pass to save memory")
+    checkpoint_fraction: float = opt(1.0, "with gradient_checkpointing: the fraction of decoder layers recomputed "
+                                     "(the first ones); below 1 spends free memory to recompute less",
+                                     lambda v: 0 < v <= 1, "in (0, 1]")
+    activation_offload: float = opt(0.0, "the fraction of decoder layers (the first ones, before any recomputed) "
+                                    "whose activations wait in pinned host memory between forward and backward "
+                                    "instead of on the GPU: memory freed like recomputing them, for copies that "
+                                    "overlap compute instead of a second forward pass (CUDA only)", *unit_closed)
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = opt([], "parquet/jsonl files in verl's schema used for training")
+    val_files: list[str] = opt([], "held-out files for validation")
+    max_prompt_length: int = opt(16384, "longest prompt in tokens, chat template included", *positive)
+    max_response_length: int = opt(4096, "longest sampled response in tokens", *positive)
+    filter_overlong_prompts: bool = opt(True, "drop (and count) prompts over max_prompt_length")
+    truncation: Literal["error", "left", "right"] = opt(
+        "left", "when not filtering: cut overlong prompts on the left or right, or stop with an error")
+    skip_bad_rows: bool = opt(False, "skip and count rows that break the schema instead of stopping")
+    train_batch_size: int = opt(256, "prompts per training step", *positive)
+    shuffle: bool = opt(True, "shuffle the training prompts every epoch")
+    cache_dir: str = opt("~/.cache/longqa", "where tokenized prompts are cached between runs")
+
+
+@dataclass
+class RolloutConfig:
+    engine: Literal["fast", "hf", "vllm"] = opt(
+        "fast", "sampling engine: fast (shared-prefix KV, CUDA graphs on a GPU), hf (the transformers reference) "
+        "or vllm (an in-process vLLM engine per rank: pip install 'longqa[vllm]')")
+    kv_cache_bytes: Optional[int] = opt(None, "fast and vllm engines: KV cache size in bytes (default: fast 40% of "
+                                        "free GPU memory, vllm from gpu_memory_utilization; 2 GiB on a CPU)",
+                                        *positive)
+    tensor_model_parallel_size: int = opt(1, "vllm engine: GPUs one vLLM engine spans (tensor parallel; 1 on a "
+                                          "CPU and under several ranks)", *positive)
+    gpu_memory_utilization: float = opt(0.5, "vllm engine: fraction of the GPU's memory vLLM may take for its "
+                                        "weights, activations and KV cache (when kv_cache_bytes is unset)",
+                                        lambda v: 0 < v <= 1, "in (0, 1]")
+    free_cache_engine: bool = opt(True, "vllm engine: put vLLM to sleep during each update (frees its weights and "
+                                  "KV cache for training) and wake it at the weight sync; skipped where the "
+                                  "platform has no sleep mode (the CPU)")
+    enforce_eager: bool = opt(False, "vllm engine: run eagerly (no torch.compile, no CUDA graphs): faster startup, "
+                              "slower sampling")
+    cuda_graphs: bool = opt(True, "fast engine: replay the decode step as CUDA graphs on a GPU")
+    speculative: Literal["off", "prompt_lookup"] = opt(
+        "off", "fast engine: prompt_lookup drafts each sample's next tokens from its own text (the continuation "
+        "of its latest tokens' earlier occurrence in the prompt or response) and verifies them in one decode "
+        "step; the samples and log-probs are those without it, in fewer steps where drafts are right")
+    num_speculative_tokens: int = opt(4, "speculative: most drafted tokens per sample and decode step (k; each "
+                                      "step then computes k + 1 tokens per sample)", *positive)
+    prompt_lookup_min: int = opt(2, "speculative=prompt_lookup: fewest latest tokens that must match to draft",
+                                 *positive)
+    prompt_lookup_max: int = opt(8, "speculative=prompt_lookup: most latest tokens matched (the longest match "
+                                 "up to this wins)", *positive)
+    n: int = opt(8, "responses sampled per prompt (the GRPO group size)", *positive)
+    temperature: float = opt(1.0, "sampling temperature; 0 means greedy", *non_negative)
+    top_p: float = opt(1.0, "nucleus sampling mass", lambda v: 0 < v <= 1, "in (0, 1]")
+    top_k: int = opt(-1, "sample from the k most likely tokens; -1 for all", lambda v: v == -1 or v > 0, "-1 or > 0")
+    stop: list[str] = opt([], "extra stop strings (EOS always stops)", lambda v: all(v), "a list of non-empty strings")
+    # For benchmarking random-weight models, whose responses never stop on their own: without a drawn
+    # length every response runs to data.max_response_length and a run measures only the worst case.
+    response_lengths: Literal["model", "lognormal"] = opt(
+        "model", "model: the model's own EOS ends each response; lognormal (fast engine only, for benchmarking "
+        "random-weight models, which never sample EOS): each response also ends at a length drawn from a "
+        "log-normal clipped to data.max_response_length (mean about 40% of it), seeded by (seed, step, prompt)")
+
+
+@dataclass
+class AlgoConfig:
+    adv_estimator: Literal["grpo", "drgrpo", "rloo"] = opt("grpo", "how advantages are formed within a prompt group")
+    norm_adv_by_std: bool = opt(True, "GRPO: divide by the group's reward std (the recipe's setting)")
+    clip_ratio: float = opt(0.2, "PPO clip range", *unit_open)
+    clip_ratio_high: Optional[float] = opt(None, "upper clip range (clip-higher): the ratio is clipped to at most "
+                                           "1 + clip_ratio_high; default clip_ratio", *positive)
+    kl_coef: float = opt(0.0, "KL penalty to a frozen reference; 0 loads no reference model", *non_negative)
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = opt(
+        "token-mean", "how token losses are aggregated")
+    entropy_coeff: float = opt(0.0, "entropy bonus coefficient", *non_negative)
+    dual_clip_c: Optional[float] = opt(None, "dual-clip bound for negative advantages (e.g. 3.0); null: off",
+                                       lambda v: v > 1, "> 1")
+    kl_type: Literal["low_var_kl", "kl", "abs", "mse"] = opt("low_var_kl", "KL estimator when kl_coef > 0")
+    dynamic_sampling: bool = opt(False, "drop groups whose rewards are all equal and sample more to fill the batch")
+    max_sampling_rounds: int = opt(3, "dynamic sampling: most extra rounds per step", *positive)
+
+
+@dataclass
+class ActorConfig:
+    lr: float = opt(1e-6, "AdamW learning rate", *positive)
+    betas: list[float] = opt([0.9, 0.95], "AdamW betas: the decay rates of the gradient's mean and square",
+                             lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two numbers in [0, 1)")
+    weight_decay: float = opt(0.0, "AdamW weight decay", *non_negative)
+    warmup_ratio: float = opt(0.05, "fraction of steps spent warming the learning rate up", *unit_closed)
+    lr_schedule: Literal["constant", "cosine"] = opt("constant", "learning rate after warmup")
+    min_lr_ratio: float = opt(0.0, "cosine: final learning rate as a fraction of lr", *unit_closed)
+    ppo_mini_batch_size: int = opt(64, "prompts per optimizer step, over all ranks (each rank takes its share)", *positive)
+    ppo_epochs: int = opt(1, "passes over each step's samples", *positive)
+    max_tokens_per_micro_batch: int = opt(16384, "token budget of one forward/backward (packed tokens when "
+                                          "shared_prompt)", *positive)
+    strategy: Literal["fsdp2", "deepspeed"] = opt(
+        "fsdp2", "how the model is sharded over the ranks: fsdp2 (PyTorch's FSDP2) or deepspeed (DeepSpeed ZeRO-3, "
+        "any number of ranks; pip install 'longqa[deepspeed]')")
+    cpu_offload: bool = opt(False, "fsdp2, with several ranks: keep the weight shards, their gradients and the AdamW "
+                            "step on the CPU; deepspeed: offload the optimizer and step it with DeepSpeed's CPU Adam "
+                            "(ZeRO-3 + CPU optimizer offload)")
+    cpu_offload_ratio: float = opt(
+        1.0, "deepspeed with cpu_offload: the fraction of the optimizer (its float32 weights, gradients and AdamW "
+        "moments, in whole sub-groups of zero_optimization.sub_group_size parameters) kept in host memory and stepped "
+        "by CPU Adam; torch's AdamW steps the rest on the GPU (DeepSpeed's partial offload), for a model whose "
+        "optimizer fits in neither memory alone", *unit_closed)
+    master_weights: Literal["float32", "model"] = opt(
+        "float32", "fsdp2, sharded on GPUs (several ranks, or cpu_offload): the dtype of the weight shards the "
+        "optimizer steps, computed in bfloat16 either way. float32 (verl's default): an update of lr 1e-6 "
+        "survives; model: model.dtype itself, half the training state's memory, but bfloat16 keeps 8 "
+        "significant bits and rounds away any update under a 256th of its weight")
+    deepspeed_config: Optional[str] = opt(None, "strategy=deepspeed: a DeepSpeed config file (JSON or YAML) merged "
+                                          "over the one longqa generates (e.g. zero_optimization.offload_param)")
+    shared_prompt: bool = opt(True, "pack each prompt once with its n responses (false: the naive padded "
+                              "layout, one row per sample)")
+    attention_backend: Literal["auto", "dense", "flex", "split"] = opt(
+        "auto", "shared-prompt attention: dense (SDPA per pack, the reference), flex (flex_attention block "
+        "mask, any model), split (prompt and own halves as cuDNN attentions: plain causal models in bf16/fp16; "
+        "each new shape costs a cuDNN plan), auto (flex on CUDA, dense otherwise)")
+    compile_layers: bool = opt(True, "on a GPU with the fast engine: torch.compile each decoder layer for "
+                               "training (norms, rotary and activations fuse; the engine never calls the layers)")
+    grad_clip: float = opt(1.0, "max gradient norm", *positive)
+    max_bad_steps: int = opt(3, "stop after this many non-finite steps in a row", *positive)
+
+
+@dataclass
+class RewardConfig:
+    mode: Literal["hardened", "pure_exact_match", "format_exact_match", "format_f1_score"] = opt(
+        "hardened", "scoring mode of longqa.reward; the last three are the recipe's (gameable) modes. The recipe's "
+        "environment variable REWARD_CALC_TYPE, when set, replaces the default")
+    path: Optional[str] = opt(None, "Python file holding a custom reward function (training and validation score "
+                              "with it instead of reward.mode)")
+    name: str = opt("compute_score", "function name inside reward.path", str.isidentifier, "a Python identifier")
+
+
+@dataclass
+class TrainerConfig:
+    total_epochs: int = opt(20, "passes over the training data", *positive)
+    max_steps: Optional[int] = opt(None, "stop after this many steps (before total_epochs ends)", *positive)
+    test_freq: int = opt(10, "validate every this many steps (0: never)", *non_negative)
+    save_freq: int = opt(10, "checkpoint every this many steps (0: never)", *non_negative)
+    keep_last: int = opt(2, "checkpoints kept on disk", *positive)
+    resume: str = opt("auto", "auto (latest checkpoint in output_dir), none, or a checkpoint path")
+    resume_allow_changes: bool = opt(False, "resume even where settings that change what the run computes (model, "
+                                     "data, batch, rollout.n, sampling, algo, reward, seed) differ from the "
+                                     "checkpoint's; others (lr, schedule, steps, logging, memory) always apply")
+    output_dir: str = opt("runs/longqa", "run folder: checkpoints, metrics and report")
+    logger: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = opt(
+        ["console", "jsonl"], "metric sinks: console, jsonl, tensorboard (pip install tensorboard), wandb "
+        "(pip install wandb); the report is drawn from jsonl's file")
+    device: str = opt("auto", "auto (cuda when present), cpu or cuda[:i]", *device_name)
+    seed: int = opt(42, "seed for data order and sampling", *seed_range)
+    launcher: Literal["local", "ray"] = opt("local", "local: this process, or one per rank under torchrun; ray: "
+                                            "Ray Train workers on the cluster at RAY_ADDRESS (one per GPU slot)")
+    ray_workers: Optional[int] = opt(None, "launcher=ray: number of workers (default: the cluster's GPUs)", *positive)
+    max_failures: int = opt(0, "launcher=ray: restarts from the last checkpoint after a worker dies",
+                            *non_negative)
+    preemption_grace_s: float = opt(30.0, "seconds your cluster leaves between SIGTERM and SIGKILL: on SIGTERM or "
+                                    "SIGINT the step in flight is finished if that fits in them, else dropped; the "
+                                    "last finished step is saved and the run exits 75 (rerun to resume)",
+                                    *non_negative)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """A section's declared types (resolved once: every value checked looks them up)."""
+    return typing.get_type_hints(cls)
+
+
+def _sections() -> dict[str, type]:
+    return _hints(Config)
+
+
+def all_keys() -> list[str]:
+    return [f"{section}.{f.name}" for section, cls in _sections().items() for f in dataclasses.fields(cls)]
+
+
+def unknown_key(key: str) -> ConfigError:
+    close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.6)
+    hint = f"; did you mean '{close[0]}'?" if close else f"; see `longqa config show` for the {len(all_keys())} keys"
+    return ConfigError(f"unknown config key '{key}'{hint}")
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(c) for c in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        return f"{_describe(inner[0])} or null"
+    if origin is list:
+        item = typing.get_args(tp)[0]
+        if typing.get_origin(item) is Literal:
+            *first, last = (repr(c) for c in typing.get_args(item))
+            return f"a list of {', '.join(first)} or {last}"
+        return f"a list of {_describe(item)}s"
+    return {bool: "true or false", int: "an integer", float: "a finite number", str: "a string"}[tp]
+
+
+def _coerce(key: str, tp: Any, value: Any) -> Any:
+    """Check ``value`` against the declared type, converting only where no information is lost."""
+    bad = ConfigError(f"config key '{key}' must be {_describe(tp)}, got {value!r}")
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise bad
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None:
+            return None
+        inner = [a for a in typing.get_args(tp) if a is not type(None)][0]
+        try:
+            return _coerce(key, inner, value)
+        except ConfigError:
+            raise bad from None
+    if origin is list:
+        item = typing.get_args(tp)[0]
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            value = [value]  # a single file is a list of one
+        if not isinstance(value, (list, tuple)):
+            raise bad
+        try:
+            return [_coerce(key, item, v) for v in value]
+        except ConfigError:
+            raise bad from None
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise bad
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+            raise bad
+        return int(value)
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 5e-4 (no dot) as a string
+            try:
+                number = float(value)
+            except ValueError:
+                raise bad from None
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad
+        else:
+            number = float(value)
+        if not math.isfinite(number):  # nan passes every comparison a rule makes, and no setting means inf
+            raise bad
+        return number
+    if tp is str:
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise bad
+        return str(value)
+    raise TypeError(f"unsupported config type {tp!r}")  # a programming error in this file
+
+
+def is_key(key: str) -> bool:
+    section, _, name = key.partition(".")
+    cls = _sections().get(section)
+    return cls is not None and name in {f.name for f in dataclasses.fields(cls)}
+
+
+def checked(key: str, value: Any) -> Any:
+    """``value`` as ``key`` declares it (type, then rule); a ConfigError naming the key when it cannot be."""
+    if not is_key(key):
+        raise unknown_key(key)
+    section, _, name = key.partition(".")
+    cls = _sections()[section]
+    value = _coerce(key, _hints(cls)[name], value)
+    meta = next(f.metadata for f in dataclasses.fields(cls) if f.name == name)
+    if meta.get("check") is not None and value is not None and not meta["check"](value):
+        raise ConfigError(f"config key '{key}' must be {meta['rule']}, got {value!r}")
+    return value
+
+
+def _set(cfg: Config, key: str, value: Any) -> None:
+    section, _, name = key.partition(".")
+    setattr(getattr(cfg, section), name, checked(key, value))
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        raise ConfigError(f"config section '{prefix.rstrip('.')}' must be a mapping, got {tree!r}")
+    flat = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if "." not in key and isinstance(v, dict):
+            flat.update(_flatten(v, key + "."))
+        elif "." not in key:
+            raise unknown_key(key)
+        else:
+            flat[key] = v
+    return flat
+
+
+def split_override(text: str) -> tuple[str, str]:
+    """``key=value`` as the key and the value's text."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {text!r} must look like key=value, e.g. rollout.n=8")
+    return key.strip(), raw
+
+
+def parse_value(key: str, raw: str) -> Any:
+    """An override's text read as YAML (numbers, booleans, lists), except for keys declared as strings."""
+    section, _, name = key.partition(".")
+    cls = _sections().get(section)
+    if cls is not None and _hints(cls).get(name) in (str, Optional[str]) and raw not in ("null", "~"):
+        return raw  # keep "001" or "1e5" a string where a string is declared
+    try:
+        return yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        return raw
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``key=value``; the value is read as YAML (numbers, booleans, lists), except for string keys."""
+    key, raw = split_override(text)
+    return key, parse_value(key, raw)

@@ -1,0 +1,156 @@
+"""What a resumed run may change from the checkpoint it continues, and what it may not.
+
+A checkpoint records the whole config it was written with (``trainer_state.json``). Resuming with other
+values is one of two things:
+
+- applied (``APPLIED_ON_RESUME``): how long the run goes, the optimizer's step size and schedule, what is
+  validated, saved and logged, and how the work is done (devices, memory, speed, launcher), which leaves
+  the numbers as they were up to float rounding. Changing these is a decision about the rest of the run:
+  the new values hold from the resumed step on, and the run says which changed.
+- refused (``REFUSED_ON_RESUME``): what the run computes: the model, the data and its filtering, the batch,
+  the group size and sampling, the objective, the reward, the seed. A resumed run with another value would
+  match neither the run it continues nor any uninterrupted run, so it is refused, naming every such
+  difference at once, unless ``trainer.resume_allow_changes=true`` says the change is meant.
+
+Either way the new checkpoints record the config that ran after the resume, and ``CHANGES_KEY`` in their
+trainer state keeps, step by step, every change made on resuming.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from longqa.config import Config, ConfigError, to_dict
+
+APPLIED_ON_RESUME = frozenset({
+    # the optimizer's step size and schedule: put on the restored optimizer at the resumed update
+    "actor.lr", "actor.betas", "actor.weight_decay", "actor.warmup_ratio", "actor.lr_schedule",
+    "actor.min_lr_ratio", "actor.grad_clip",
+    # how long the run goes (the schedule is laid over the new length) and when it gives up
+    "trainer.total_epochs", "trainer.max_steps", "actor.max_bad_steps",
+    # what is validated, saved and logged, and where
+    "trainer.test_freq", "trainer.save_freq", "trainer.keep_last", "trainer.output_dir", "trainer.logger",
+    "trainer.resume", "trainer.resume_allow_changes",
+    # how the work is done: the same samples and updates up to float rounding
+    "model.attn_implementation", "model.gradient_checkpointing", "model.checkpoint_fraction",
+    "model.activation_offload", "data.cache_dir", "rollout.kv_cache_bytes", "rollout.tensor_model_parallel_size",
+    "rollout.gpu_memory_utilization", "rollout.free_cache_engine", "rollout.enforce_eager", "rollout.cuda_graphs",
+    "rollout.speculative", "rollout.num_speculative_tokens", "rollout.prompt_lookup_min",
+    "rollout.prompt_lookup_max", "actor.max_tokens_per_micro_batch", "actor.cpu_offload", "actor.deepspeed_config",
+    "actor.shared_prompt", "actor.attention_backend", "actor.compile_layers", "trainer.device", "trainer.launcher",
+    "trainer.ray_workers", "trainer.max_failures", "trainer.preemption_grace_s",
+})
+
+REFUSED_ON_RESUME = frozenset({
+    # the model and the numbers it computes in
+    "model.path", "model.tokenizer_path", "model.gguf_file", "model.dtype", "actor.master_weights",
+    # the prompts, their order and each step's share of them
+    "data.train_files", "data.val_files", "data.max_prompt_length", "data.filter_overlong_prompts",
+    "data.truncation", "data.skip_bad_rows", "data.train_batch_size", "data.shuffle", "trainer.seed",
+    # the samples
+    "rollout.engine", "rollout.n", "rollout.temperature", "rollout.top_p", "rollout.top_k", "rollout.stop",
+    "rollout.response_lengths", "data.max_response_length",
+    # the objective and the updates it makes per step
+    "algo.adv_estimator", "algo.norm_adv_by_std", "algo.clip_ratio", "algo.clip_ratio_high", "algo.kl_coef",
+    "algo.loss_agg_mode", "algo.entropy_coeff", "algo.dual_clip_c", "algo.kl_type", "algo.dynamic_sampling",
+    "algo.max_sampling_rounds", "actor.ppo_mini_batch_size", "actor.ppo_epochs",
+    # the reward
+    "reward.mode", "reward.path", "reward.name",
+    # the layout of the optimizer's state in the checkpoint (DeepSpeed's, and its part kept on the accelerator)
+    "actor.strategy", "actor.cpu_offload_ratio",
+})
+
+CHANGES_KEY = "resumed_with_changes"  # in trainer_state.json: [{"step": N, "changes": {key: [old, new]}}, ...]
+
+
+# Keys naming files: the same file given relative to the working folder or absolute (as the Ray launcher gives
+# its workers) is the same setting.
+PATH_KEYS = frozenset({"model.path", "model.tokenizer_path", "data.train_files", "data.val_files", "reward.path"})
+
+
+def _compared(key: str, value: Any) -> Any:
+    if key not in PATH_KEYS or value is None:
+        return value
+    absolute = lambda path: os.path.abspath(os.path.expanduser(path))  # noqa: E731
+    return [absolute(v) for v in value] if isinstance(value, list) else absolute(value)
+
+
+def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and not prefix:
+            flat.update(_flat(value, f"{key}."))
+        else:
+            flat[prefix + key] = value
+    return flat
+
+
+def _shown(value: Any) -> str:
+    return json.dumps(value)
+
+
+@dataclass(frozen=True)
+class Change:
+    """One key whose value differs from the checkpoint's."""
+
+    key: str
+    recorded: Any
+    now: Any
+
+    @property
+    def refused(self) -> bool:
+        """Whether it changes what the run computes (a key not yet classified counts as such)."""
+        return self.key not in APPLIED_ON_RESUME
+
+    def __str__(self) -> str:
+        return f"{self.key} {_shown(self.recorded)} -> {_shown(self.now)}"
+
+
+def config_changes(recorded: dict, cfg: Config) -> list[Change]:
+    """Every key whose value in ``cfg`` differs from ``recorded`` (the checkpoint's config, nested as ``to_dict``
+    gives it), in the config's key order. A key the checkpoint does not record (it was written before the key
+    existed) is compared with the key's default, which is how that version ran."""
+    then = {**_flat(to_dict(Config())), **_flat(recorded)}
+    return [Change(key, then[key], value) for key, value in _flat(to_dict(cfg)).items()
+            if _compared(key, then[key]) != _compared(key, value)]
+
+
+def check_resume(checkpoint: Path, recorded: dict, cfg: Config) -> list[Change]:
+    """The changes resuming from ``checkpoint`` with ``cfg`` makes; a ConfigError naming every change that
+    alters what the run computes, unless ``trainer.resume_allow_changes`` allows them."""
+    changes = config_changes(recorded, cfg)
+    refused = [c for c in changes if c.refused]
+    if refused and not cfg.trainer.resume_allow_changes:
+        applied = [c for c in changes if not c.refused]
+        also = f" (these would apply: {'; '.join(map(str, applied))})" if applied else ""
+        raise ConfigError(
+            f"checkpoint {checkpoint} was written with other settings that change what the run computes: "
+            f"{'; '.join(map(str, refused))}{also}; resume with the checkpoint's values, set "
+            f"trainer.resume_allow_changes=true to go on with the new ones, or start a new run in another "
+            f"trainer.output_dir")
+    return changes
+
+
+def describe_changes(changes: list[Change], step: int) -> list[str]:
+    """Lines saying what a resume at ``step`` changed, those that alter what the run computes apart."""
+    applied = [str(c) for c in changes if not c.refused]
+    allowed = [str(c) for c in changes if c.refused]
+    lines = []
+    if applied:
+        lines.append(f"  changed since the checkpoint, applied from step {step + 1} on: {'; '.join(applied)}")
+    if allowed:
+        lines.append(f"  changed since the checkpoint, altering what the run computes (trainer.resume_allow_changes"
+                     f"=true): {'; '.join(allowed)}")
+    return lines
+
+
+def change_history(state: dict, step: int, changes: list[Change]) -> list[dict]:
+    """The checkpoint's record of changes made on resuming, with this resume's added (when it made any)."""
+    history = list(state.get(CHANGES_KEY, []))
+    if changes:
+        history.append({"step": step, "changes": {c.key: [c.recorded, c.now] for c in changes}})
+    return history

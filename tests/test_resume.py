@@ -1,0 +1,124 @@
+"""What a resumed run may change from its checkpoint's config: every key applied or refused, never silent.
+
+The end-to-end checks (a changed learning rate in metrics.jsonl after a resume, a refused resume that trains
+nothing) are in test_train.py; here each key is changed alone and all at once, on the comparison itself."""
+
+import json
+import typing
+from pathlib import Path
+
+import pytest
+
+from longqa.config import Config, ConfigError, all_keys, checked, load_config, to_dict
+from longqa.train.resume import APPLIED_ON_RESUME, REFUSED_ON_RESUME, check_resume, config_changes, describe_changes
+
+CHECKPOINT = Path("run/checkpoints/step_00000003")
+
+
+def test_every_config_key_is_either_applied_or_refused_on_resume():
+    """A new key must be put in one class or the other: whether a resumed run may change it is a decision."""
+    keys = set(all_keys())
+    assert not APPLIED_ON_RESUME & REFUSED_ON_RESUME
+    assert APPLIED_ON_RESUME | REFUSED_ON_RESUME == keys, (
+        f"unclassified: {sorted(keys - APPLIED_ON_RESUME - REFUSED_ON_RESUME)}; "
+        f"not keys: {sorted((APPLIED_ON_RESUME | REFUSED_ON_RESUME) - keys)}")
+
+
+def default_of(key: str):
+    section, _, name = key.partition(".")
+    return getattr(getattr(Config(), section), name)
+
+
+def another_value(key: str):
+    """A valid value of ``key`` other than its default."""
+    section, _, name = key.partition(".")
+    kind = typing.get_type_hints(type(getattr(Config(), section)))[name]
+    default = default_of(key)
+    candidates = [*typing.get_args(kind), not default if isinstance(default, bool) else None]
+    if isinstance(default, (int, float)) and not isinstance(default, bool):
+        candidates += [default * 2, default + 1, default / 2]
+    candidates += ["other", ["other"], ["jsonl"], "cpu", [0.8, 0.9], 3, 0.5]
+    for value in candidates:
+        try:
+            value = checked(key, value)
+        except (ConfigError, TypeError):
+            continue
+        if value is not None and value != default:
+            return value
+    raise AssertionError(f"no other value found for {key}")
+
+
+def shown(value) -> str:
+    return json.dumps(value)
+
+
+def with_value(key: str, value) -> Config:
+    cfg = Config()
+    section, _, name = key.partition(".")
+    setattr(getattr(cfg, section), name, value)
+    return cfg
+
+
+@pytest.mark.parametrize("key", all_keys())
+def test_each_key_changed_alone_is_applied_or_refused_as_classified(key):
+    recorded = to_dict(Config())
+    new = another_value(key)
+    cfg = with_value(key, new)
+    difference = f"{key} {shown(default_of(key))} -> {shown(new)}"
+    if key in APPLIED_ON_RESUME:
+        changes = check_resume(CHECKPOINT, recorded, cfg)
+        assert [str(c) for c in changes] == [difference] and not changes[0].refused
+        assert describe_changes(changes, 3) == [f"  changed since the checkpoint, applied from step 4 on: {difference}"]
+    else:
+        with pytest.raises(ConfigError) as e:
+            check_resume(CHECKPOINT, recorded, cfg)
+        message = str(e.value)
+        assert "\n" not in message and f"checkpoint {CHECKPOINT} was written with other settings" in message
+        assert f"what the run computes: {difference}; resume with" in message
+        assert "trainer.resume_allow_changes=true" in message
+        allowed = with_value(key, new)
+        allowed.trainer.resume_allow_changes = True
+        changes = check_resume(CHECKPOINT, recorded, allowed)
+        assert [str(c) for c in changes if c.refused] == [difference]
+        assert f"(trainer.resume_allow_changes=true): {difference}" in describe_changes(changes, 3)[-1]
+
+
+def test_every_refused_difference_is_named_at_once_beside_those_that_would_apply():
+    recorded = to_dict(Config())
+    cfg = Config()
+    for key in all_keys():
+        section, _, name = key.partition(".")
+        setattr(getattr(cfg, section), name, another_value(key))
+    cfg.trainer.resume_allow_changes = False
+    with pytest.raises(ConfigError) as e:
+        check_resume(CHECKPOINT, recorded, cfg)
+    message = str(e.value)
+    refused, _, applied = message.partition(" (these would apply: ")
+    for key in REFUSED_ON_RESUME:
+        assert f"{key} {shown(default_of(key))} -> " in refused, key
+    for key in APPLIED_ON_RESUME - {"trainer.resume_allow_changes"}:
+        assert f"{key} {shown(default_of(key))} -> " in applied, key
+
+
+def test_an_unchanged_config_resumes_without_a_word():
+    cfg = load_config(None, ["rollout.n=4", "actor.lr=1e-4", "data.train_files=[a.parquet, b.parquet]"])
+    assert check_resume(CHECKPOINT, json.loads(json.dumps(to_dict(cfg))), cfg) == []
+
+
+def test_a_file_given_relative_or_absolute_is_the_same_setting(tmp_path, monkeypatch):
+    """The Ray launcher hands its workers absolute paths: their checkpoints resume under a plain run."""
+    monkeypatch.chdir(tmp_path)
+    relative = load_config(None, ["data.train_files=d/train.parquet", "model.path=models/m"])
+    absolute = load_config(None, [f"data.train_files={tmp_path}/d/train.parquet", f"model.path={tmp_path}/models/m"])
+    assert config_changes(to_dict(absolute), relative) == []
+    assert [c.key for c in config_changes(to_dict(relative), load_config(None, ["data.train_files=e/train.parquet"]))
+            ] == ["model.path", "data.train_files"]
+
+
+def test_a_key_the_checkpoint_does_not_record_is_compared_with_its_default():
+    """A checkpoint written before a key existed ran as its default."""
+    recorded = to_dict(Config())
+    del recorded["rollout"]["speculative"], recorded["rollout"]["n"]
+    assert check_resume(CHECKPOINT, recorded, Config()) == []
+    with pytest.raises(ConfigError, match="rollout.n 8 -> 4"):
+        check_resume(CHECKPOINT, recorded, load_config(None, ["rollout.n=4"]))
