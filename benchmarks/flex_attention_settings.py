@@ -2,11 +2,15 @@
 
 The update packs each prompt once with its n responses; attention is causal within the prompt and each
 response, and every response also reads the whole prompt. This times flex_attention forward and
-forward+backward on that mask (Qwen3-1.7B heads: 16 query, 8 key/value, 128 dims; bfloat16) for
-Inductor's default launch settings and a few given ones, then under max-autotune, and prints one JSON
+forward+backward on that mask (by default Qwen3-1.7B's heads: 16 query, 8 key/value, 128 dims; bfloat16)
+for Inductor's default launch settings and a few given ones, then under max-autotune, and prints one JSON
 line per setting:
 
     python benchmarks/flex_attention_settings.py --prompt 8192 --response 1024 -n 8
+    python benchmarks/flex_attention_settings.py --prompt 8192 --response 384 -n 8 --heads 9 --kv-heads 3 --dim 64
+
+(the second is SmolLM2-135M's heads, whose 64-dimension heads leave Inductor's defaults far from the
+matrix units' rate).
 
 Needs a CUDA GPU (pick it with CUDA_VISIBLE_DEVICES).
 """
@@ -26,6 +30,15 @@ SETTINGS = {
                                             "bwd_num_warps": 8, "bwd_num_stages": 3},
     "bwd 32/128/128/32, 4 warps, 3 stages": {"BLOCK_M1": 32, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 32,
                                             "bwd_num_warps": 4, "bwd_num_stages": 3},
+    "fwd 128/128, 8 warps, 3 stages": {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 128, "fwd_num_warps": 8,
+                                       "fwd_num_stages": 3},
+    "fwd 128/64, 4 warps, 3 stages": {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "fwd_num_warps": 4, "fwd_num_stages": 3},
+    "fwd 128/128 8w 3s, bwd 64/128/128/64 8w 3s": {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 128, "fwd_num_warps": 8,
+                                                   "fwd_num_stages": 3, "BLOCK_M1": 64, "BLOCK_N1": 128,
+                                                   "BLOCK_M2": 128, "BLOCK_N2": 64, "bwd_num_warps": 8,
+                                                   "bwd_num_stages": 3},
+    "bwd 64/64/64/64, 4 warps, 3 stages": {"BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64,
+                                          "bwd_num_warps": 4, "bwd_num_stages": 3},
 }
 
 
@@ -81,12 +94,18 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=8192)
     parser.add_argument("--response", type=int, default=1024)
     parser.add_argument("-n", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=16, help="query heads")
+    parser.add_argument("--kv-heads", type=int, default=8, help="key/value heads")
+    parser.add_argument("--dim", type=int, default=128, help="head dimension")
+    parser.add_argument("--only", nargs="*", help="run only these settings (names as printed)")
     args = parser.parse_args()
     mask, length = group_mask(args.prompt, args.response, args.n)
     runs = [(name, options, None) for name, options in SETTINGS.items()] + [("max-autotune", {}, "max-autotune-no-cudagraphs")]
     for name, options, mode in runs:
+        if args.only and name not in args.only:
+            continue
         try:
-            row = {"setting": name, **time_setting(mask, length, options, mode)}
+            row = {"setting": name, **time_setting(mask, length, options, mode, args.heads, args.kv_heads, args.dim)}
         except Exception as err:  # a setting Triton cannot build: say so and go on
             row = {"setting": name, "error": repr(err)[:300]}
         print(json.dumps(row), flush=True)

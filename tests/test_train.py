@@ -573,11 +573,11 @@ def test_a_resume_that_would_compute_something_else_is_refused_naming_every_diff
     assert state["resumed_with_changes"][0]["changes"]["rollout.n"] == [2, 4]
 
 
-def test_train_says_what_it_dropped_and_refuses_a_validation_length_that_loses_prompts(tiny_model_dir, data_dir,
+def test_train_says_what_it_dropped_and_validation_names_the_buckets_that_lost_prompts(tiny_model_dir, data_dir,
                                                                                     tmp_path, capsys, tokenizer):
     """Overlong prompts dropped are counted at the start of the run, per data_source, for training and
-    validation alike; a validation set that would lose prompts (of a source, of a context length) stops a run
-    that validates before any step, naming each source and length, its count and a limit that keeps them."""
+    validation alike; a validation source or context length that lost prompts logs its accuracy under a name
+    that says how many of its rows it scores (none when it lost them all), and the others keep their names."""
     from collections import Counter
 
     from longqa.data.prompts import PromptOptions, prepare_prompts
@@ -608,19 +608,26 @@ def test_train_says_what_it_dropped_and_refuses_a_validation_length_that_loses_p
     val = prepare_prompts([by_length / "merged" / "test.parquet"], tokenizer, PromptOptions(100_000))
     at = {length: [int(n) for m, n in zip(val.meta, val.lengths) if m["extra_info"]["target_tokens"] == length]
           for length in (256, 512)}
+    by_source = Counter(m["data_source"] for m in val.meta)
     limit = sorted(val.lengths)[-3]  # the two longest prompts dropped
     over = {length: [n for n in lengths if n > limit] for length, lengths in at.items()}
+    over_by_source = Counter(m["data_source"] for m, n in zip(val.meta, val.lengths) if n > limit)
     extra.update({"data.max_prompt_length": limit, "data.val_files": f"{by_length}/merged/test.parquet",
                   "trainer.test_freq": 1})
-    refused = tmp_path / "refused"
-    assert main(["train", *overrides(tiny_model_dir, data_dir, refused, **extra)]) == 2
-    err = capsys.readouterr().err.strip().splitlines()[-1]
+    run = tmp_path / "partial"
+    assert main(["train", *overrides(tiny_model_dir, data_dir, run, **extra)]) == 0
     lost = [f"{length}: {len(o)} of {len(at[length])} dropped" + (", none left" if len(o) == len(at[length]) else "")
             for length, o in over.items() if o]
-    assert f"validation would not score every prompt whole under data.max_prompt_length={limit} (" in err
-    assert f"by target_tokens: {'; '.join(lost)})" in err
-    assert f"set data.max_prompt_length to {max(val.lengths)} or more" in err
-    assert not (refused / "metrics.jsonl").exists()
+    assert f"  by target_tokens: {'; '.join(lost)}\n" in capsys.readouterr().out
+    expected = {f"val/accuracy@{length}" + (f"_whole_{len(n) - len(over[length])}_of_{len(n)}" if over[length] else "")
+                for length, n in at.items() if len(n) > len(over[length])}
+    expected |= {f"val/{source}/accuracy" + (f"_whole_{n - over_by_source[source]}_of_{n}" if over_by_source[source]
+                                              else "")
+                 for source, n in by_source.items() if n > over_by_source[source]}
+    for record in records(run):
+        logged = {k for k in record if k.startswith("val/") and "accuracy" in k and k != "val/accuracy"}
+        assert logged == expected
+        assert record["val/lost_prompts"] == 2
 
 
 def test_disk_full_while_checkpointing_keeps_the_last_checkpoint(tiny_model_dir, data_dir, tmp_path, monkeypatch,

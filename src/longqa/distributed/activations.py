@@ -6,7 +6,7 @@ to be an upper bound that is not far above: a check that lets a run through whic
 out-of-memory costs the run, one that refuses too much costs only a smaller micro-batch. Its parts:
 
 - each kept decoder layer's saved tensors, per token (``layer_bytes_per_token``). Compiled layers keep the
-  nine widths of ``saved_activation_widths``, measured on an H200; eager layers keep what the Llama-family
+  fourteen 16-bit widths of ``saved_activation_widths`` and a few float32 per-head values, listed on an H200; eager layers keep what the Llama-family
   modeling code (Llama, Qwen2, Qwen3, Mistral) hands autograd, counted from that code (``eager_layer_bytes``):
   RMSNorm computes in float32 and keeps its float32 input and its normalised tensor, the projections keep
   their inputs, attention its rotated queries and keys, values, output and log-sum-exp, the MLP its gate,
@@ -70,13 +70,21 @@ class Compute:
 
 
 def saved_activation_widths(sizes) -> list[int]:
-    """The widths of the tensors a compiled decoder layer saves per token for its backward pass: six of
-    the hidden size (the input, its norm, q, k and v, attention's output, the second norm) and three of the
-    MLP's (gate, up, their product). Measured: a packed group's peak memory on one H200, weights + gradients
-    + these + one LM-head chunk, is 36.6 GiB at Qwen3-1.7B (16,384 tokens, 28 layers kept; this count says
-    36.1) and 133.0 GiB at Qwen3-8B (32,768 tokens, 27 layers kept; 135.2) (benchmarks/RESULTS.md, packed
-    training)."""
-    return [sizes.hidden] * 6 + [sizes.intermediate] * 3
+    """The widths of the 16-bit tensors a compiled decoder layer saves per token for its backward pass, as
+    listed by a saved-tensors hook on one H200 (SmolLM2-135M's, Qwen3-0.6B's and Qwen3-1.7B's shapes under
+    flex attention): three of the MLP's (gate, up, their product); four of the hidden size (the input, its
+    norm, the residual after attention, the second norm); three of the queries' width and three of the
+    keys' (rotated queries and keys, values, in the attention kernel's layout and flat, and attention's
+    output); and one more of the wider of hidden and queries. That is exact for Qwen3-0.6B and 6% over the
+    other two; the float32 per-head tensors are ``layer_float32_bytes``."""
+    queries, keys = sizes.heads * sizes.head_dim, sizes.kv_heads * sizes.head_dim
+    return [sizes.intermediate] * 3 + [sizes.hidden] * 4 + [queries] * 3 + [keys] * 3 + [max(sizes.hidden, queries)]
+
+
+def layer_float32_bytes(sizes) -> int:
+    """A compiled layer's float32 tensors per token: attention's log-sum-exp and a per-query-head and a
+    per-key-head factor, and the two norms' reciprocal roots."""
+    return 4 * (2 * sizes.heads + sizes.kv_heads + 2)
 
 
 def rms_norm_bytes(width: int, input_bytes: int) -> int:
@@ -108,7 +116,7 @@ def eager_layer_bytes(sizes, compute: Compute, packed: bool = False) -> int:
 def layer_bytes_per_token(sizes, compute: Compute, packed: bool = False) -> int:
     """Bytes per token one kept decoder layer saves for its backward pass, compiled or eager."""
     if compute.compiled:
-        return compute.dtype_bytes * sum(saved_activation_widths(sizes))
+        return compute.dtype_bytes * sum(saved_activation_widths(sizes)) + layer_float32_bytes(sizes)
     return eager_layer_bytes(sizes, compute, packed)
 
 

@@ -21,8 +21,7 @@ import torch
 
 from longqa import algo, reward
 from longqa.config import Config, ConfigError, to_dict
-from longqa.data.prompts import (BAD_ROW, GROUPS, TRUNCATED, PromptOptions, PromptSet, describe_losses,
-                                 prepare_prompts, tally)
+from longqa.data.prompts import GROUPS, PromptOptions, PromptSet, describe_losses, prepare_prompts, tally
 from longqa.distributed.deepspeed import check_deepspeed
 from longqa.distributed.env import DistEnv, all_reduce, gather_objects, leave_group
 from longqa.distributed.planner import check_data_parallel, check_run
@@ -75,8 +74,10 @@ def load_prompts(cfg: Config, tokenizer, say=print) -> tuple[PromptSet, PromptSe
         if prompts is not None:
             for line in describe_losses(prompts, name, options):
                 say(line)
-    if val is not None and cfg.trainer.test_freq:  # (a validation that never runs is only said)
-        check_validation_losses(val, options)
+    if val is not None and (suffixes := lost_row_suffixes(val)):
+        names = [validation_metric(group, key, suffix) for (group, key), suffix in suffixes.items()]
+        say(f"  validation logs a source or length that lost some rows under a name saying how many it scores "
+            f"whole: {', '.join(names[:2])}{', ...' if len(names) > 2 else ''}")
     if d.train_batch_size > len(train):
         raise ConfigError(f"data.train_batch_size={d.train_batch_size} is larger than the {len(train)} training "
                           f"prompts left after filtering")
@@ -86,29 +87,22 @@ def load_prompts(cfg: Config, tokenizer, say=print) -> tuple[PromptSet, PromptSe
     return train, val
 
 
-def check_validation_losses(val: PromptSet, options: PromptOptions) -> None:
-    """Validation scores the same questions at every step and in every run it is compared with, and its metrics
-    are named by data_source and context length only. A source that lost rows would be scored on the others
-    (or vanish from the metrics, having lost them all), with nothing in ``val/<source>/...`` to say so; a
-    context length (``target_tokens``) that lost or cut rows would be scored on its shorter, easier ones, and
-    ``val/accuracy@<length>`` compares like with like only while every length keeps all its questions whole.
-    So a validation set that would drop a row, or cut one at a context length, is refused before any work,
-    naming each source and length with its counts and a limit that keeps them."""
-    cut_lengths = {length for length, t in tally(val, "target_tokens").items() if t.truncated}
-    entries = [e for e in val.stats.lost if e["reason"] != TRUNCATED or e["target_tokens"] in cut_lengths]
-    if not entries:
-        return
-    buckets = [f"by {group}: " + "; ".join(t.describe(key) for key, t in tallies.items() if t.lost)
-               for group in GROUPS if (tallies := tally(val, group)) and any(t.lost for t in tallies.values())]
-    fixes = []
-    if longest := max((e["tokens"] for e in entries if e["tokens"]), default=None):
-        fixes.append(f"set data.max_prompt_length to {longest} or more (the longest of those prompts)")
-    if any(e["reason"] == BAD_ROW for e in entries):
-        fixes.append("fix the bad rows")
-    raise ConfigError(f"validation would not score every prompt whole under data.max_prompt_length="
-                      f"{options.max_prompt_length} ({' | '.join(buckets)}): val/ metrics are named by data_source "
-                      f"and context length and compare the same questions at every step, so none may lose any; "
-                      f"{' and '.join(fixes)}, or leave those rows out of data.val_files")
+def lost_row_suffixes(val: PromptSet) -> dict[tuple[str, object], str]:
+    """``(group, key) -> suffix`` for each data_source and context length (``target_tokens``) of the validation
+    set that lost rows (dropped as overlong or bad, or truncated) but not all of them.
+
+    Validation is compared across steps and runs by metric name: ``val/musique/accuracy`` or
+    ``val/accuracy@2048`` computed on the questions that happened to fit would sit beside the same names from a
+    run that scored them all, and a length whose long questions were dropped looks easier than it is. So a
+    bucket that lost rows logs under a name that says how many of its rows it scores whole
+    (``val/accuracy@2048_whole_4_of_9``); a bucket that lost every row logs nothing ("none left" at the start)."""
+    return {(group, key): f"_whole_{t.rows - t.dropped - t.truncated}_of_{t.rows}"
+            for group in GROUPS for key, t in tally(val, group).items() if t.lost and t.dropped < t.rows}
+
+
+def validation_metric(group: str, key, suffix: str = "") -> str:
+    """The name validation logs a bucket's accuracy under (``lost_row_suffixes`` gives the suffix)."""
+    return f"val/{key}/accuracy{suffix}" if group == "data_source" else f"{LENGTH_ACCURACY}{key}{suffix}"
 
 
 def check_groups(cfg: Config) -> None:
@@ -439,11 +433,18 @@ class Trainer:
                "val/seconds": result["seconds"]}
         if result["reward_errors"]:  # a reward function failing on some answers, not scoring them 0
             out["val/reward_errors"] = result["reward_errors"]
-        out.update({f"val/{source}/accuracy": r["accuracy"] for source, r in result.items()
+        if self.val_set.stats.lost:
+            out["val/lost_prompts"] = len(self.val_set.stats.lost)
+        lost = lost_row_suffixes(self.val_set)
+
+        def name(group: str, key) -> str:
+            return validation_metric(group, key, lost.get((group, key), ""))
+
+        out.update({name("data_source", source): r["accuracy"] for source, r in result.items()
                     if isinstance(r, dict) and source != "all"})
         # A validation set of one set of questions at several lengths (synth --context-lengths) gives the
         # accuracy at each: what longer contexts cost, and whether training closes the gap.
-        out.update({f"{LENGTH_ACCURACY}{g['target_tokens']}": g["accuracy"] for g in result.get("by_length", ())})
+        out.update({name("target_tokens", g["target_tokens"]): g["accuracy"] for g in result.get("by_length", ())})
         return out
 
     # ------------------------------------------------------------------------------------------ the run
