@@ -7,7 +7,8 @@ The trainer logs a flat dict per step. These keys are the ones the console line 
 ``accuracy``                            fraction of responses that were right (train)
 ``val/<name>``                          validation metrics, on the steps that ran validation
 ``val/accuracy@<length>``               validation accuracy at one context length, when the validation rows
-                                        carry one (``longqa data synth --context-lengths``)
+                                        carry one (``longqa data synth --context-lengths``); a source or
+                                        length that lost rows to the length limit ends in ``_whole_<k>_of_<n>``
 ``response_length/mean``, ``/max``      response lengths in tokens
 ``perf/tokens_per_s``                   throughput of the step
 ``perf/recompiles``, ``/graph_captures`` graphs compiled / decode steps captured in the step (0 once warm)
