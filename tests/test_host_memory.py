@@ -34,11 +34,13 @@ def test_the_offloaded_state_of_a_real_shape_lies_between_its_bytes_and_twice_it
 
 
 def test_offloaded_activations_are_the_offloaded_layers_tensors_each_rounded():
-    tiny = sizes("qwen3-tiny")  # hidden 64, MLP 128, 2 layers
-    # one layer of two: six tensors of 1,000 tokens x 64 in bf16 (128,000 bytes -> 131,072) and three of
-    # 1,000 x 128 (256,000 -> 262,144)
-    assert offloaded_activations(tiny, 1000, 0.5) == 6 * 131072 + 3 * 262144
-    assert offloaded_activations(tiny, 1000, 1.0) == 2 * (6 * 131072 + 3 * 262144)
+    tiny = sizes("qwen3-tiny")  # hidden 64, MLP 128, 4 query heads and 2 key/value heads of 16, 2 layers
+    # one layer of two, in bf16: eight tensors of 1,000 tokens x 64 (hidden and queries; 128,000 bytes ->
+    # 131,072), three of 1,000 x 128 (the MLP's; 256,000 -> 262,144), three of 1,000 x 32 (keys and values;
+    # 64,000 -> 65,536)
+    one_layer = 8 * 131072 + 3 * 262144 + 3 * 65536
+    assert offloaded_activations(tiny, 1000, 0.5) == one_layer
+    assert offloaded_activations(tiny, 1000, 1.0) == 2 * one_layer
     assert offloaded_activations(tiny, 1000, 0.0) == 0
 
 
@@ -48,7 +50,7 @@ def test_the_node_peak_is_its_ranks_times_the_larger_phase_plus_margins_and_the_
                             micro_batch_tokens=1000, cpu_offload=True, activation_offload=0.5, prompt_tokens=1000)
     assert plan.loading == 4 * tiny.params
     assert plan.offloaded_state == fsdp2_offloaded_state(tiny, 8, 4)
-    assert plan.offloaded_activations == 6 * 131072 + 3 * 262144
+    assert plan.offloaded_activations == 8 * 131072 + 3 * 262144 + 3 * 65536  # one layer's, as above
     assert plan.peak == 4 * (max(plan.loading, plan.training) + HOST_MARGIN_BYTES) + 4 * 1000
     zero3 = plan_host_memory(tiny, world_size=8, ranks_per_node=4, host_bytes=64 * GIB, param_bytes=2,
                              micro_batch_tokens=1000, cpu_offload=True, strategy="deepspeed", prompt_tokens=0)
