@@ -174,6 +174,73 @@ def test_the_trainer_check_names_the_largest_micro_batch_budget_that_fits(tmp_pa
                   world_size=1, gpu_bytes=H200)
 
 
+@pytest.mark.parametrize("config, prompt, mini_batch", [
+    ("configs/gpu-long.yaml", 2048, 64),  # float32 dense: masks and scores bound it far below a mini-batch
+    ("configs/gpu-long.yaml", 4352, 64),
+    ("configs/gpu-long.yaml", 8192, 64),  # not even one sample: refused as a number would be
+    ("configs/demo.yaml", 1024, 16),  # a small float32 run: the whole mini-batch share fits
+    ("configs/loongrl-qwen3-8b.yaml", 16384, None),  # the recipe's shape, its own model (Qwen3's config)
+])
+@pytest.mark.parametrize("gpu_gib", [24, 80, 141])
+def test_auto_micro_batch_budget_is_the_largest_that_fits_in_steps(tmp_path, config, prompt, mini_batch, gpu_gib):
+    """actor.max_tokens_per_micro_batch=auto on a GPU: a multiple of the step whose plan fits where one step
+    more does not, or the whole mini-batch share when that fits (more saves nothing), or one sample's when not
+    even that fits, which the check then refuses; what it chose is said, and a number given is left alone."""
+    from longqa.config import load_config
+    from longqa.distributed.planner import (BUDGET_STEP, GIB, check_run, mini_batch_share_tokens, one_sample_tokens,
+                                            plan_config)
+
+    gpu_bytes = gpu_gib * GIB
+    overrides = ["actor.max_tokens_per_micro_batch=auto", f"data.max_prompt_length={prompt}"]
+    if config != "configs/loongrl-qwen3-8b.yaml":
+        LlamaConfig(**SMOLLM2).save_pretrained(tmp_path)
+        overrides += [f"model.path={tmp_path}", f"actor.ppo_mini_batch_size={mini_batch}",
+                      f"data.train_batch_size={mini_batch}"]
+    else:
+        from transformers import Qwen3Config
+
+        from longqa.bench import SHAPES
+        Qwen3Config(**SHAPES["qwen3-8b"]).save_pretrained(tmp_path)
+        overrides.append(f"model.path={tmp_path}")
+    cfg = load_config(config, overrides)
+    said = []
+    try:
+        check_run(cfg, world_size=1, gpu_bytes=gpu_bytes, say=said.append)
+        refused = None
+    except PlanError as e:
+        refused = str(e)
+    chosen = cfg.actor.max_tokens_per_micro_batch
+    assert isinstance(chosen, int) and len(said) == 1 and f"auto: {chosen:,} tokens" in said[0] or "not even" in said[0]
+    sizes = model_sizes_of(cfg)
+
+    def fits(tokens):
+        plan = plan_config(cfg, sizes, 1, gpu_bytes, micro_batch_tokens=tokens)
+        return plan.total <= gpu_bytes and plan.loading <= gpu_bytes
+
+    ceiling = mini_batch_share_tokens(cfg, 1)
+    if not fits(one_sample_tokens(cfg)):
+        assert chosen == one_sample_tokens(cfg) and refused is not None and "not even one sample" in said[0]
+    elif chosen == ceiling:
+        assert fits(ceiling) and refused is None and "a whole mini-batch share" in said[0]
+    else:
+        assert refused is None and fits(chosen) and not fits((chosen // BUDGET_STEP + 1) * BUDGET_STEP)
+        assert chosen % BUDGET_STEP == 0 or chosen == one_sample_tokens(cfg)  # (a step below one sample saves nothing)
+        assert chosen < ceiling and f"the largest the memory plan fits in {gpu_gib} GiB" in said[0]
+    numbered = load_config(config, [*overrides, "actor.max_tokens_per_micro_batch=4096"])
+    said.clear()
+    try:
+        check_run(numbered, world_size=1, gpu_bytes=gpu_bytes, say=said.append)
+    except PlanError:
+        pass
+    assert numbered.actor.max_tokens_per_micro_batch == 4096 and not said
+
+
+def model_sizes_of(cfg) -> ModelSizes:
+    from longqa.distributed.planner import model_sizes
+
+    return model_sizes(cfg)
+
+
 def test_longqa_sft_refuses_on_a_gpu_before_building_the_model(tmp_path, monkeypatch, capsys):
     """The command's own path on a (pretended) GPU too small for its default batch budget: one line on stderr,
     status 2, naming the largest --batch-tokens that fits, and no model built or written."""

@@ -630,6 +630,21 @@ def test_train_says_what_it_dropped_and_validation_names_the_buckets_that_lost_p
         assert record["val/lost_prompts"] == 2
 
 
+def test_auto_micro_batch_budget_on_the_cpu_is_said_and_recorded(tiny_model_dir, data_dir, tmp_path, capsys):
+    """On the CPU, whose memory the plan does not size, actor.max_tokens_per_micro_batch=auto is 16,384 tokens:
+    said at the start, and what the checkpoint records (so a resume with auto again changes nothing)."""
+    run = tmp_path / "run"
+    extra = {"trainer.max_steps": 1, "trainer.test_freq": 0, "actor.max_tokens_per_micro_batch": "auto"}
+    assert main(["train", *overrides(tiny_model_dir, data_dir, run, **extra)]) == 0
+    said = capsys.readouterr().out
+    assert "actor.max_tokens_per_micro_batch=auto: 16,384 tokens a micro-batch (no GPU memory to size it by)" in said
+    state = json.loads((run / "checkpoints" / "step_00000001" / "trainer_state.json").read_text())
+    assert state["config"]["actor"]["max_tokens_per_micro_batch"] == 16384
+    assert main(["train", *overrides(tiny_model_dir, data_dir, run, **{**extra, "trainer.max_steps": 2})]) == 0
+    said = capsys.readouterr().out
+    assert "resumed from" in said and "actor.max_tokens_per_micro_batch" not in said.split("resumed from")[1]
+
+
 def test_disk_full_while_checkpointing_keeps_the_last_checkpoint(tiny_model_dir, data_dir, tmp_path, monkeypatch,
                                                                  capsys):
     import errno

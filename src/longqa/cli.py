@@ -377,7 +377,8 @@ def cmd_cluster(args: argparse.Namespace) -> None:
 def cmd_plan(args: argparse.Namespace) -> None:
     from longqa.distributed.fit import Machine, check_run_plan, largest_shape, plan_run, shape_sizes
     from longqa.distributed.host_memory import HOST_GIB_PER_GPU
-    from longqa.distributed.planner import GIB, check_data_parallel, describe_training, model_sizes
+    from longqa.distributed.planner import (GIB, check_data_parallel, describe_training, model_sizes,
+                                            resolve_micro_batch_tokens)
     from longqa.distributed.step_time import step_time_config
 
     if args.largest and args.shape:
@@ -401,6 +402,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
                                       f"{attempt.host.peak / GIB:.1f} GiB per node)"))
         return
     sizes = shape_sizes(args.shape) if args.shape else model_sizes(cfg)
+    if line := resolve_micro_batch_tokens(cfg, args.gpus, machine.gpu_bytes, sizes):
+        print(line)
     gpu, host = plan_run(cfg, sizes, machine)
     step = step_time_config(cfg, sizes, gpu, per_node, args.response_length)
     print(f"{_count(sizes.params)} parameters on {where}, {describe_training(cfg)}:\n"

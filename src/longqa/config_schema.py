@@ -148,8 +148,10 @@ class ActorConfig:
     min_lr_ratio: float = opt(0.0, "cosine: final learning rate as a fraction of lr", *unit_closed)
     ppo_mini_batch_size: int = opt(64, "prompts per optimizer step, over all ranks (each rank takes its share)", *positive)
     ppo_epochs: int = opt(1, "passes over each step's samples", *positive)
-    max_tokens_per_micro_batch: int = opt(16384, "token budget of one forward/backward (packed tokens when "
-                                          "shared_prompt)", *positive)
+    max_tokens_per_micro_batch: int | Literal["auto"] = opt(
+        "auto", "token budget of one forward/backward (packed tokens when shared_prompt); auto: on a GPU the "
+        "largest the memory plan fits, up to a whole mini-batch share, on the CPU 16384",
+        lambda v: v == "auto" or v > 0, "> 0 or auto")
     strategy: Literal["fsdp2", "deepspeed"] = opt(
         "fsdp2", "how the model is sharded over the ranks: fsdp2 (PyTorch's FSDP2) or deepspeed (DeepSpeed ZeRO-3, "
         "any number of ranks; pip install 'longqa[deepspeed]')")
@@ -254,8 +256,8 @@ def _describe(tp: Any) -> str:
     if origin is Literal:
         return "one of " + ", ".join(repr(c) for c in typing.get_args(tp))
     if origin in (typing.Union, types.UnionType):
-        inner = [a for a in typing.get_args(tp) if a is not type(None)]
-        return f"{_describe(inner[0])} or null"
+        args = typing.get_args(tp)
+        return " or ".join([_describe(a) for a in args if a is not type(None)] + ["null"] * (type(None) in args))
     if origin is list:
         item = typing.get_args(tp)[0]
         if typing.get_origin(item) is Literal:
@@ -274,13 +276,15 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
             raise bad
         return value
     if origin in (typing.Union, types.UnionType):
-        if value is None:
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
             return None
-        inner = [a for a in typing.get_args(tp) if a is not type(None)][0]
-        try:
-            return _coerce(key, inner, value)
-        except ConfigError:
-            raise bad from None
+        for alternative in (a for a in args if a is not type(None)):  # the first that takes the value
+            try:
+                return _coerce(key, alternative, value)
+            except ConfigError:
+                pass
+        raise bad
     if origin is list:
         item = typing.get_args(tp)[0]
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):

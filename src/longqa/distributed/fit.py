@@ -12,7 +12,8 @@ import copy
 from dataclasses import dataclass
 
 from longqa.distributed.host_memory import HostPlan, check_host_plan, fitting_offload_ratio, plan_host_config
-from longqa.distributed.planner import DTYPE_BYTES, MemoryPlan, ModelSizes, PlanError, check_config, plan_config
+from longqa.distributed.planner import (DTYPE_BYTES, MemoryPlan, ModelSizes, PlanError, check_config, plan_config,
+                                        resolve_micro_batch_tokens)
 
 
 @dataclass
@@ -28,7 +29,9 @@ class Machine:
 
 
 def plan_run(cfg, sizes: ModelSizes, machine: Machine) -> tuple[MemoryPlan, HostPlan]:
-    """The GPU plan and the node's host plan of a config."""
+    """The GPU plan and the node's host plan of a config (its ``actor.max_tokens_per_micro_batch=auto`` set for
+    this model and machine first, as the trainer sets it)."""
+    resolve_micro_batch_tokens(cfg, machine.gpus, machine.gpu_bytes, sizes)
     return (plan_config(cfg, sizes, machine.gpus, machine.gpu_bytes),
             plan_host_config(cfg, sizes, machine.gpus, machine.ranks_per_node, machine.host_bytes))
 

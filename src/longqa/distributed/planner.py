@@ -384,24 +384,70 @@ def check_config(cfg, plan: MemoryPlan, sizes: ModelSizes | None = None) -> None
                backend=update_backend(cfg))
 
 
-def largest_micro_batch_tokens(cfg, sizes: ModelSizes, world_size: int, gpu_bytes: int) -> int | None:
-    """The largest ``actor.max_tokens_per_micro_batch`` at which the config's plan fits (None: not even one
-    sample's, prompt and response, under which a smaller budget saves nothing: a sample never splits). The plan
-    grows with the budget, so a bisection finds it."""
+def largest_micro_batch_tokens(cfg, sizes: ModelSizes, world_size: int, gpu_bytes: int,
+                               ceiling: int | None = None) -> int | None:
+    """The largest ``actor.max_tokens_per_micro_batch`` at which the config's plan fits, up to ``ceiling`` if
+    given (None: not even one sample's, prompt and response, under which a smaller budget saves nothing: a
+    sample never splits). The plan grows with the budget, so a bisection finds it."""
     def fits(tokens: int) -> bool:
         plan = plan_config(cfg, sizes, world_size, gpu_bytes, micro_batch_tokens=tokens)
         return plan.loading <= gpu_bytes and plan.total <= gpu_bytes
 
-    low = cfg.data.max_prompt_length + cfg.data.max_response_length
+    low = one_sample_tokens(cfg)
     if not fits(low):
         return None
-    high = max(low, cfg.actor.max_tokens_per_micro_batch)
+    budget = cfg.actor.max_tokens_per_micro_batch
+    high = max(low, budget if isinstance(budget, int) else low)
     while fits(high):  # (the config's own budget fits: the largest is above it)
+        if ceiling is not None and high >= ceiling:
+            return ceiling
         low, high = high, 2 * high
     while high - low > 1:  # fits(low), not fits(high)
         middle = (low + high) // 2
         low, high = (middle, high) if fits(middle) else (low, middle)
-    return low
+    return low if ceiling is None else min(low, ceiling)
+
+
+AUTO = "auto"
+CPU_MICRO_BATCH_TOKENS = 16384  # auto's budget where no device memory sizes it (the CPU)
+BUDGET_STEP = 1024  # auto's budgets are multiples of this (a few packed lengths, few compiled shapes)
+
+
+def one_sample_tokens(cfg) -> int:
+    return cfg.data.max_prompt_length + cfg.data.max_response_length
+
+
+def mini_batch_share_tokens(cfg, world_size: int) -> int:
+    """The most tokens one rank's share of a mini-batch packs: no micro-batch needs more."""
+    groups = max(1, cfg.actor.ppo_mini_batch_size // world_size)
+    d, n = cfg.data, cfg.rollout.n
+    per_group = d.max_prompt_length + n * d.max_response_length if cfg.actor.shared_prompt else n * one_sample_tokens(cfg)
+    return groups * per_group
+
+
+def resolve_micro_batch_tokens(cfg, world_size: int, gpu_bytes: int | None, sizes: ModelSizes | None = None) -> str | None:
+    """Set ``actor.max_tokens_per_micro_batch=auto`` to a number, and say which and why (None: the config gave
+    one). On a GPU (``gpu_bytes``, with the model's ``sizes``) it is the largest budget the memory plan fits,
+    in steps of ``BUDGET_STEP``, up to a whole mini-batch share (more saves nothing); where not even one sample
+    fits it is one sample's, which the memory check then refuses with what to change. On the CPU, whose
+    memory the plan does not size, it is ``CPU_MICRO_BATCH_TOKENS``."""
+    actor = cfg.actor
+    if actor.max_tokens_per_micro_batch != AUTO:
+        return None
+    key = "actor.max_tokens_per_micro_batch=auto"
+    if gpu_bytes is None:
+        actor.max_tokens_per_micro_batch = CPU_MICRO_BATCH_TOKENS
+        return f"{key}: {CPU_MICRO_BATCH_TOKENS:,} tokens a micro-batch (no GPU memory to size it by)"
+    ceiling, one_sample = mini_batch_share_tokens(cfg, world_size), one_sample_tokens(cfg)
+    actor.max_tokens_per_micro_batch = one_sample  # where the search starts
+    largest = largest_micro_batch_tokens(cfg, sizes, world_size, gpu_bytes, ceiling=ceiling)
+    if largest is None:
+        return f"{key}: not even one sample ({one_sample:,} tokens) fits"
+    chosen = largest if largest == ceiling else max(one_sample, largest // BUDGET_STEP * BUDGET_STEP)
+    actor.max_tokens_per_micro_batch = chosen
+    why = ("a whole mini-batch share" if chosen == ceiling
+           else f"the largest the memory plan fits in {gpu_bytes / GIB:.0f} GiB")
+    return f"{key}: {chosen:,} tokens a micro-batch ({why})"
 
 
 def model_sizes(cfg) -> ModelSizes:
@@ -436,9 +482,14 @@ def check_data_parallel(cfg, world: int) -> None:
             raise ConfigError(f"{what} is not supported with {world} ranks yet")
 
 
-def check_run(cfg, world_size: int, gpu_bytes: int) -> MemoryPlan:
-    """The trainer's check before it reads any weight: refuse a config that cannot fit on these GPUs."""
-    sizes = model_sizes(cfg)
+def check_run(cfg, world_size: int, gpu_bytes: int | None, say=print) -> MemoryPlan | None:
+    """The trainer's check before it reads any weight: ``actor.max_tokens_per_micro_batch=auto`` resolved (and
+    said), then on GPUs (``gpu_bytes``) a config that cannot fit refused."""
+    sizes = model_sizes(cfg) if gpu_bytes is not None else None
+    if line := resolve_micro_batch_tokens(cfg, world_size, gpu_bytes, sizes):
+        say(line)
+    if gpu_bytes is None:
+        return None
     plan = plan_config(cfg, sizes, world_size, gpu_bytes)
     check_config(cfg, plan, sizes)
     return plan

@@ -213,6 +213,10 @@ class Trainer:
         check_deepspeed(cfg, self.device)
         check_layer_memory(cfg, self.device)
         check_offload(cfg)
+        # the micro-batch budget set where it is auto, and a plan that cannot fit refused, before anything loads
+        # (and before the resume compares the config with the checkpoint's, which records the budget that ran)
+        gpu_bytes = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else None
+        check_run(cfg, self.env.world_size, gpu_bytes, say=self._say)
         # The checkpoint to resume from, and what differs from the config it was written with: refused now, before
         # anything loads, where the difference changes what the run computes.
         self.resume_from = resolve_resume(self.run_dir, cfg.trainer.resume)
@@ -231,8 +235,6 @@ class Trainer:
         self.score = reward_function(cfg)  # bad input fails first, before the weights are read
         self.tokenizer = config_tokenizer(m)
         self.train_set, self.val_set = load_prompts(cfg, self.tokenizer, say=self._say)
-        if self.device.type == "cuda":  # refuse a plan that cannot fit before reading any weight
-            check_run(cfg, self.env.world_size, torch.cuda.get_device_properties(self.device).total_memory)
         self.model, _ = load_model(m.path, gguf_file=m.gguf_file, dtype=m.dtype, attn_implementation=m.attn_implementation,
                                    gradient_checkpointing=m.gradient_checkpointing,
                                    checkpoint_fraction=m.checkpoint_fraction,
