@@ -421,11 +421,13 @@ def mini_batch_share_tokens(cfg, world_size: int) -> int:
     """The most tokens one rank's share of a mini-batch packs: no micro-batch needs more."""
     groups = max(1, cfg.actor.ppo_mini_batch_size // world_size)
     d, n = cfg.data, cfg.rollout.n
-    per_group = d.max_prompt_length + n * d.max_response_length if cfg.actor.shared_prompt else n * one_sample_tokens(cfg)
+    shared = d.max_prompt_length + n * d.max_response_length  # the prompt packed once with its n responses
+    per_group = shared if cfg.actor.shared_prompt else n * one_sample_tokens(cfg)
     return groups * per_group
 
 
-def resolve_micro_batch_tokens(cfg, world_size: int, gpu_bytes: int | None, sizes: ModelSizes | None = None) -> str | None:
+def resolve_micro_batch_tokens(cfg, world_size: int, gpu_bytes: int | None,
+                               sizes: ModelSizes | None = None) -> str | None:
     """Set ``actor.max_tokens_per_micro_batch=auto`` to a number, and say which and why (None: the config gave
     one). On a GPU (``gpu_bytes``, with the model's ``sizes``) it is the largest budget the memory plan fits,
     in steps of ``BUDGET_STEP``, up to a whole mini-batch share (more saves nothing); where not even one sample

@@ -100,7 +100,7 @@ def lost_row_suffixes(val: PromptSet) -> dict[tuple[str, object], str]:
             for group in GROUPS for key, t in tally(val, group).items() if t.lost and t.dropped < t.rows}
 
 
-def validation_metric(group: str, key, suffix: str = "") -> str:
+def validation_metric(group: str, key, suffix: str) -> str:
     """The name validation logs a bucket's accuracy under (``lost_row_suffixes`` gives the suffix)."""
     return f"val/{key}/accuracy{suffix}" if group == "data_source" else f"{LENGTH_ACCURACY}{key}{suffix}"
 
