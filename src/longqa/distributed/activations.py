@@ -7,11 +7,12 @@ out-of-memory costs the run, one that refuses too much costs only a smaller micr
 
 - each kept decoder layer's saved tensors, per token (``layer_bytes_per_token``). Compiled layers keep the
   fourteen 16-bit widths of ``saved_activation_widths`` and a few float32 per-head values, as listed on an
-  H200; eager layers keep what the Llama-family modeling code (Llama, Qwen2, Qwen3, Mistral) hands
-  autograd, counted from that code (``eager_layer_bytes``): RMSNorm computes in float32 and keeps its
-  float32 input and its normalised tensor, the projections keep their inputs, attention its rotated queries and keys, values, output and log-sum-exp, the MLP its gate,
-  activation, up projection and their product. Under autocast (``longqa sft`` on a GPU) the weights and the
-  residual stream stay float32 and every projection keeps its own bfloat16 copy of its input;
+  H200; eager layers keep what the Llama-family modeling code (Llama, Qwen2, Qwen3, Mistral) hands autograd,
+  counted from that code (``eager_layer_bytes``): RMSNorm computes in float32 and keeps its float32 input and
+  its normalised tensor, the projections keep their inputs, attention its rotated queries and keys, values,
+  output and log-sum-exp, the MLP its gate, activation, up projection and their product. Under autocast
+  (``longqa sft`` on a GPU) the weights and the residual stream stay float32 and every projection keeps its
+  own bfloat16 copy of its input;
 - attention masks: a boolean mask handed to SDPA (the dense packed backend, one per pack; a padded batch's in
   the naive layout) is turned into an additive mask in the queries' dtype, a new one in
   every layer, which the kernel keeps for its backward pass: ``L x L`` per pack and layer, the last dimension
