@@ -115,6 +115,20 @@ def test_recipe_reasons(solution, truth, mode, reason):
     assert score_detailed("hotpotqa", solution, truth, mode=mode).reason == reason
 
 
+@pytest.mark.parametrize("answer, truth, expected", [
+    ("import os as o\nLondon", "Paris London", 1.0),  # the line deleted: "london" is in the answer
+    ("import os as o London", "Paris London", 0.0),  # no newline, no deletion
+    ("import os.path as p\nLondon", "Paris London", 0.0),  # the dot became a space first: no module name
+    ("London", "import os as o\nParis London", 1.0),  # the answer's side too
+    ("IMPORT OS AS O\nLondon", "Paris London", 1.0),  # after lower-casing
+])
+@pytest.mark.parametrize("mode", ["pure_exact_match", "format_exact_match"])
+def test_recipe_modes_delete_an_import_as_line_as_the_recipe_does(answer, truth, expected, mode):
+    """The recipe's normalisation (its reward.py's normalize_text) deletes `import X as Y` followed by a newline,
+    after turning punctuation into spaces; its exact-match modes then compare by two-way substring."""
+    assert compute_score("hotpotqa", answered(answer), truth, mode=mode) == expected
+
+
 def test_recipe_strips_before_counting_text_after_answer():
     padded = answered("Paris") + " " * 100
     assert compute_score("hotpotqa", padded, "Paris", mode="format_exact_match") == 1.0
