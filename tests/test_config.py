@@ -124,3 +124,24 @@ def test_every_shipped_config_loads():
     assert {p.name for p in shipped} >= {"demo.yaml", "loongrl-qwen3-32b.yaml", "loongrl-qwen3-8b.yaml"}
     for path in shipped:
         load_config(path)
+
+
+@pytest.mark.parametrize("argv, environment, expected", [
+    (["train"], "pure_exact_match", 1.0),  # the demo config names no mode: the environment's
+    (["train"], None, 0.0),  # longqa's hardened default refuses the empty box
+    (["train", "configs/loongrl-qwen3-32b.yaml"], None, 1.0),  # the recipe config: the recipe's mode
+    (["train", "configs/loongrl-qwen3-32b.yaml", "reward.mode=hardened"], "pure_exact_match", 0.0),  # a key wins
+])
+def test_reward_calc_type_decides_what_train_scores_as_the_recipe_does(monkeypatch, argv, environment, expected):
+    """What `longqa train` scores with (its config and reward function, before any model loads): the recipe's
+    pure_exact_match finds any answer in an empty \\boxed{} (its two-way substring), as the recipe's reward.py
+    does under REWARD_CALC_TYPE=pure_exact_match; longqa's hardened mode gives it 0."""
+    from longqa.cli import build_parser, run_config
+    from longqa.train.trainer import reward_function
+
+    if environment:
+        monkeypatch.setenv("REWARD_CALC_TYPE", environment)
+    else:
+        monkeypatch.delenv("REWARD_CALC_TYPE", raising=False)
+    score = reward_function(run_config(build_parser().parse_args(argv)))
+    assert score("hotpotqa", "<think>it is</think> The answer is \\boxed{}.", "Paris").score == expected

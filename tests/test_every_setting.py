@@ -147,6 +147,8 @@ VERL_KEYS_READ_BY_NO_ONE = {
     "actor_rollout_ref.actor.kl_loss_coef",  # read only with use_kl_loss=True
     "algorithm.kl_penalty", "algorithm.kl_ctrl.type", "algorithm.kl_ctrl.kl_coef", "algorithm.kl_ctrl.horizon",
     "algorithm.kl_ctrl.target_kl", "trainer.resume_from_path",
+    # a speculative model's name: any names one (longqa speculates by prompt lookup whichever it is)
+    "remote_backend.rollout.speculative_decoding.model",
 }
 
 

@@ -75,8 +75,8 @@ def test_cli_prints_host_memory_and_step_time_beside_the_gpu_table(capsys):
     assert "rollout engine (weights, KV on the GPU)         0.0 GiB" in out
     # float32 master shards, their gradients and moments: 16 bytes a parameter, half of them on each rank
     assert "per rank, training: offloaded state" in out and "(2 ranks)                           151.1 GiB" in out
-    assert "step time per GRPO step (256 prompts x 8, responses of 800 tokens" in out
-    for phase in ("rollout: prefill", "rollout: decode", "old log-probs (forward)", "update (", "optimizer (4 steps)",
+    assert "step time per GRPO step (16 prompts x 4, responses of 800 tokens" in out
+    for phase in ("rollout: prefill", "rollout: decode", "old log-probs (forward)", "update (", "optimizer (2 steps)",
                   "weight refresh (engine's copy)", "step  "):
         assert f"\n  {phase}" in out
     assert main(["plan", "configs/loongrl-qwen3-32b.yaml", "--gpus", "32", "--shape", "qwen3-32b"]) == 0

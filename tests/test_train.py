@@ -630,6 +630,18 @@ def test_train_says_what_it_dropped_and_validation_names_the_buckets_that_lost_p
         assert record["val/lost_prompts"] == 2
 
 
+@pytest.mark.parametrize("before", [True, False])
+def test_val_before_train_decides_the_baseline_validation(tiny_model_dir, data_dir, tmp_path, before):
+    """trainer.val_before_train=false (verl's key, the recipe's value) skips the validation before the first step;
+    the validations every test_freq steps run either way."""
+    out = tmp_path / "run"
+    extra = {"trainer.max_steps": 2, "trainer.test_freq": 2, "trainer.save_freq": 0,
+             "trainer.val_before_train": str(before).lower()}
+    assert main(["train", *overrides(tiny_model_dir, data_dir, out, **extra)]) == 0
+    validated = [r["step"] for r in records(out) if "val/accuracy" in r]
+    assert validated == ([0, 2] if before else [2])
+
+
 def test_auto_micro_batch_budget_on_the_cpu_is_said_and_recorded(tiny_model_dir, data_dir, tmp_path, capsys):
     """On the CPU, whose memory the plan does not size, actor.max_tokens_per_micro_batch=auto is 16,384 tokens:
     said at the start, and what the checkpoint records (so a resume with auto again changes nothing)."""

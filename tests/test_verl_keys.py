@@ -7,8 +7,9 @@ import pytest
 import yaml
 
 from longqa.cli import main
-from longqa.config import ConfigError, all_keys, load_config
-from longqa.verl_keys import FIXED, GROUPS, RENAMED, is_verl_line, verl_key_table
+from longqa.config import ConfigError, all_keys, load_config, to_yaml
+from longqa.train.resume import REFUSED_ON_RESUME
+from longqa.verl_keys import FIXED, GROUPS, NOTED, RENAMED, VERL_DEFAULTS, is_verl_line, verl_key_table, verl_notes
 from tiny_models import save_tiny_qwen3
 
 # The reference recipe's verl launch (Qwen3-32B on LoongRL, 4 nodes of 8 GPUs), values filled in: the keys
@@ -56,20 +57,33 @@ RECIPE_IN_LONGQA_KEYS = [
     "trainer.logger=[console]", "trainer.launcher=ray", "trainer.ray_workers=32", "trainer.save_freq=0",
     "trainer.test_freq=10", "trainer.total_epochs=20",
 ]
-# ... and the keys longqa has no setting for, or a value it cannot run.
-RECIPE_REFUSED = [
-    "data.filter_overlong_prompts_workers=8", "actor_rollout_ref.actor.data_loader_seed=42",
-    "actor_rollout_ref.model.use_liger=True",
-    "+actor_rollout_ref.model.override_config.attn_implementation=flash_attention_3",
-    "actor_rollout_ref.actor.use_torch_compile=True", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
-    "actor_rollout_ref.actor.fsdp_config.forward_prefetch=True", "actor_rollout_ref.rollout.calculate_log_probs=False",
+# ... the keys of verl's machinery with no longqa counterpart, which change no result (taken, and said) ...
+RECIPE_NOTED = [
+    "data.filter_overlong_prompts_workers=8", "actor_rollout_ref.model.use_liger=True",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
+    "actor_rollout_ref.actor.fsdp_config.forward_prefetch=True",
     "actor_rollout_ref.rollout.max_num_seqs=256", "actor_rollout_ref.rollout.max_num_batched_tokens=40960",
     "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=4096",
+    "actor_rollout_ref.rollout.agent.num_workers=1",
     "actor_rollout_ref.ref.fsdp_config.param_offload=True", "actor_rollout_ref.nccl_timeout=1800",
     "trainer.use_legacy_worker_impl=disable", "trainer.balance_batch=False",
-    "trainer.project_name=arctic_rl_long_context",
-    "trainer.experiment_name=longcontext_grpo", "trainer.val_before_train=False",
 ]
+# ... keys that are longqa settings under another name or value ...
+RECIPE_MAPPED = {
+    "actor_rollout_ref.actor.data_loader_seed=42": ("trainer.seed", 42),
+    "+actor_rollout_ref.model.override_config.attn_implementation=flash_attention_3": ("model.attn_implementation",
+                                                                                      "sdpa"),
+    "actor_rollout_ref.actor.use_torch_compile=False": ("actor.compile_layers", False),
+    "actor_rollout_ref.rollout.calculate_log_probs=False": None,  # longqa recomputes them: the only value
+    "trainer.project_name=arctic_rl_long_context": ("trainer.project_name", "arctic_rl_long_context"),
+    "trainer.experiment_name=longcontext_grpo": ("trainer.experiment_name", "longcontext_grpo"),
+    "trainer.val_before_train=False": ("trainer.val_before_train", False),
+}
+# ... and a value longqa cannot run.
+RECIPE_REFUSED = ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+                  "actor_rollout_ref.rollout.calculate_log_probs=True"]
 
 
 def test_the_recipe_launch_maps_to_the_same_run_in_longqa_keys():
@@ -79,9 +93,35 @@ def test_the_recipe_launch_maps_to_the_same_run_in_longqa_keys():
     assert cfg.model.attn_implementation == "sdpa"  # what the line leaves out keeps longqa's default
 
 
+def test_keys_without_a_counterpart_are_taken_and_each_said_once():
+    """Every key of verl's machinery that changes no result is taken at any value, changes no setting, and
+    gets one line saying why; the mapped ones land on their longqa settings."""
+    plain = load_config(None, RECIPE_TAKEN)
+    cfg = load_config(None, RECIPE_TAKEN + RECIPE_NOTED + list(RECIPE_MAPPED))
+    changed = {key for key in all_keys() if _get(cfg, key) != _get(plain, key)}
+    assert changed == {key for key, value in filter(None, RECIPE_MAPPED.values()) if _get(plain, key) != value}
+    for text, mapped in RECIPE_MAPPED.items():
+        if mapped:
+            assert _get(cfg, mapped[0]) == mapped[1], text
+    notes = verl_notes(RECIPE_TAKEN + RECIPE_NOTED + list(RECIPE_MAPPED))
+    for text in RECIPE_NOTED:
+        assert sum(line.startswith(f"{text}: ") for line in notes) == 1, text
+    assert any(line.startswith("actor_rollout_ref.model.override_config.attn_implementation=flash_attention_3: "
+                               "runs as sdpa") for line in notes)
+    assert len(notes) == len(RECIPE_NOTED) + 1
+    assert set(NOTED) >= {text.partition("=")[0] for text in RECIPE_NOTED}
+    for key in NOTED:  # any value at all
+        assert load_config(None, [f"{key}=not_a_value"]) == load_config(None, [])
+
+
+def _get(cfg, key: str):
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
 def test_every_refused_key_of_the_recipe_is_named_in_one_error():
     with pytest.raises(ConfigError) as e:
-        load_config(None, RECIPE_TAKEN + RECIPE_REFUSED)
+        load_config(None, RECIPE_TAKEN + RECIPE_NOTED + RECIPE_REFUSED)
     message = str(e.value)
     assert message.startswith(f"{len(RECIPE_REFUSED)} overrides cannot be used")
     problems = message.splitlines()[1:]
@@ -89,10 +129,9 @@ def test_every_refused_key_of_the_recipe_is_named_in_one_error():
     for text in RECIPE_REFUSED:
         key = text.partition("=")[0]
         assert sum(key in line for line in problems) == 1, key
-    for text in RECIPE_TAKEN:
+    for text in RECIPE_TAKEN + RECIPE_NOTED:
         assert not any(f"{text.partition('=')[0]}'" in line or f"{text}:" in line for line in problems), text
-    assert "longqa validates before the first step" in message  # a fixed key says what longqa does
-    assert "'model.attn_implementation' must be one of" in message and "flash_attention_3" in message
+    assert "recomputes the samples' log-probs" in message  # a fixed key says what longqa does
 
 
 def test_a_mixed_line_takes_both_vocabularies():
@@ -158,7 +197,7 @@ def test_values_verl_spells_differently(line, key, value):
 
 
 @pytest.mark.parametrize("line, says", [
-    (["actor_rollout_ref.rollout.name=sglang"], "rollout.engine=fast (its own engine), hf or vllm"),
+    (["actor_rollout_ref.rollout.name=sglang"], "rollout.engine=fast (its own engine; verl's arctic), hf or vllm"),
     (["actor_rollout_ref.actor.strategy=megatron"], "actor_rollout_ref.actor.strategy=megatron: longqa shards the "
                                                     "actor with FSDP2 (fsdp, fsdp2) or DeepSpeed ZeRO-3 (deepspeed)"),
     (["actor_rollout_ref.actor.fsdp_config.strategy=zero3"], "longqa's FSDP is FSDP2"),
@@ -207,7 +246,10 @@ def test_the_table_uses_verl_s_own_key_names():
         return True
 
     free_form = "actor_rollout_ref.model.override_config."  # a mapping handed to the model config as it is
-    keys = [key for key, _ in verl_key_table() if not key.startswith(free_form)]
+    # the Arctic remote backend's keys are Snowflake's verl fork's (the reference recipe runs it), not upstream's
+    fork = {"trainer.remote_backend", "trainer.use_legacy_worker_impl"}
+    keys = [key for key, _ in verl_key_table() if not key.startswith(free_form)
+            and key.split(".")[0] != "remote_backend" and key not in fork]
     assert [key for key in keys if not exists(key)] == []
     assert exists(free_form.rstrip("."))
 
@@ -234,3 +276,53 @@ def test_a_verl_launch_line_trains(tmp_path, tokenizer, data_dir, capsys):
     assert main(["train", *line]) == 0
     assert "step 1/1" in capsys.readouterr().out
     assert not (out / "checkpoints").exists() and not (out / "report").exists()
+
+
+LAUNCH_LINE = Path(__file__).parent / "data" / "recipe_verl_launch_line.txt"
+
+
+def recipe_launch_line(**values: str) -> list[str]:
+    """The reference recipe's own verl launch line, 89 arguments (tests/data), with paths filled in."""
+    lines = [line for line in LAUNCH_LINE.read_text().splitlines() if line and not line.startswith("#")]
+    return [line.format(**values) for line in lines]
+
+
+def test_the_recipe_s_own_launch_line_runs_as_it_is(capsys):
+    """Given to longqa unchanged, nothing is refused: each key becomes a longqa setting or is said, on stderr,
+    with why it changes nothing; under the Arctic remote backend the GPUs are its 32 training GPUs (ZeRO-3,
+    the optimizer on the CPU, the packed shared-prompt update, the shared-prefix fast engine)."""
+    line = recipe_launch_line(data="/data", model="Qwen/Qwen3-32B", reward="/recipe/reward.py", output="/ckpt/run")
+    assert len(line) == 89
+    assert main(["config", "show", *line]) == 0
+    captured = capsys.readouterr()
+    cfg = load_config(None, line, base=VERL_DEFAULTS)
+    assert yaml.safe_load(captured.out) == yaml.safe_load(to_yaml(cfg))
+    notes = [text.removeprefix("note: ") for text in captured.err.splitlines()]
+    assert notes[0].startswith("a verl launch line starts from verl's defaults")
+    assert notes[1:] == verl_notes(line)
+    said = {note.partition("=")[0] for note in notes[1:]}
+    applied = {text.lstrip("+").partition("=")[0] for text in line} - said
+    assert len(said) == 24 and len(applied) == 89 - 24
+    assert (cfg.trainer.launcher, cfg.trainer.ray_workers) == ("ray", 32)  # not verl's driver's 1 x 1
+    assert (cfg.actor.strategy, cfg.actor.cpu_offload, cfg.actor.shared_prompt) == ("deepspeed", True, True)
+    assert (cfg.rollout.engine, cfg.rollout.speculative) == ("fast", "prompt_lookup")
+    assert (cfg.trainer.val_before_train, cfg.trainer.project_name) == (False, "arctic_rl_long_context")
+    assert (cfg.algo.dual_clip_c, cfg.actor.weight_decay, cfg.actor.betas) == (3.0, 0.01, [0.9, 0.95])
+
+
+def test_the_recipe_config_computes_what_the_recipe_s_launch_line_does():
+    """configs/loongrl-qwen3-32b.yaml against the recipe's launch line on every setting that changes what a run
+    computes (those a resume refuses to change), but the files it reads and where the optimizer's state
+    lives: the reward is the recipe's reward.py in its default mode (pure_exact_match, which longqa's mode of
+    that name reproduces), and ZeRO-3 versus FSDP2 is the same update."""
+    line = recipe_launch_line(data="data/loongrl", model="Qwen/Qwen3-32B", reward="/recipe/reward.py",
+                              output="runs/x")
+    recipe = load_config(None, line, base=VERL_DEFAULTS)
+    ours = load_config("configs/loongrl-qwen3-32b.yaml")
+    where = {"reward.path", "reward.name", "reward.mode", "actor.strategy", "model.dtype", "actor.cpu_offload_ratio"}
+    differ = {key for key in REFUSED_ON_RESUME - where if _get(recipe, key) != _get(ours, key)}
+    assert differ == set()
+    assert (recipe.reward.path, recipe.reward.name) == ("/recipe/reward.py", "compute_score")
+    assert (ours.reward.mode, ours.reward.path) == ("pure_exact_match", None)
+    # the bf16 the recipe samples and trains in: longqa loads bf16 and steps float32 masters, as verl does
+    assert (ours.model.dtype, ours.actor.master_weights) == ("bfloat16", "float32")

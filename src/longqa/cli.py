@@ -103,12 +103,21 @@ def _split_config_args(args: argparse.Namespace) -> tuple[str | None, list[str]]
 def run_config(args: argparse.Namespace) -> Config:
     """The config ``longqa train`` runs for these arguments, which ``config show``, ``plan`` and ``data prepare``
     read as well: CONFIG with the overrides; without CONFIG, the embedded demo adjusted by them, unless they are
-    a verl launch line (a whole run of its own, on longqa's defaults)."""
+    a verl launch line (a whole run of its own, on longqa's defaults with verl's where results differ). What the
+    verl keys without a counterpart are is said on stderr."""
     from longqa.demo import DEMO_CONFIG
-    from longqa.verl_keys import is_verl_line
+    from longqa.verl_keys import VERL_DEFAULTS, is_verl_line, verl_notes
 
     path, overrides = _split_config_args(args)
-    return load_config(path or (None if is_verl_line(overrides) else DEMO_CONFIG), overrides)
+    if path is None and is_verl_line(overrides):  # a whole run of its own, from verl's defaults
+        cfg = load_config(None, overrides, base=VERL_DEFAULTS)
+        notes = ["a verl launch line starts from verl's defaults where they differ from longqa's: "
+                 + ", ".join(f"{key}={value}" for key, value in VERL_DEFAULTS.items()), *verl_notes(overrides)]
+    else:
+        cfg, notes = load_config(path or DEMO_CONFIG, overrides), verl_notes(overrides)
+    for note in notes:  # (on stderr: config show's YAML stays clean)
+        print(f"note: {note}", file=sys.stderr)
+    return cfg
 
 
 def cmd_config_show(args: argparse.Namespace) -> None:

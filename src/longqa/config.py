@@ -39,13 +39,17 @@ def environment_reward_mode() -> str | None:
     return value
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Defaults (``reward.mode``'s from ``REWARD_CALC_TYPE`` when set), then the YAML file, then the overrides
-    (longqa's keys or verl's launch-line keys, see ``longqa.verl_keys``); each value checked as it is applied,
-    every bad override named in one error."""
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = (),
+                base: dict[str, Any] | None = None) -> Config:
+    """Defaults (``reward.mode``'s from ``REWARD_CALC_TYPE`` when set) with ``base`` over them (longqa keys, e.g.
+    verl's defaults for a verl launch line), then the YAML file, then the overrides (longqa's keys or verl's
+    launch-line keys, see ``longqa.verl_keys``); each value checked as it is applied, every bad override named
+    in one error."""
     cfg = Config()
     if mode := environment_reward_mode():
         cfg.reward.mode = mode
+    for key, value in (base or {}).items():
+        _set(cfg, key, value)
     if path is not None:
         path = Path(path)
         if not path.is_file():

@@ -197,6 +197,7 @@ class TrainerConfig:
     total_epochs: int = opt(20, "passes over the training data", *positive)
     max_steps: Optional[int] = opt(None, "stop after this many steps (before total_epochs ends)", *positive)
     test_freq: int = opt(10, "validate every this many steps (0: never)", *non_negative)
+    val_before_train: bool = opt(True, "with test_freq > 0, also validate before the first step (the baseline)")
     save_freq: int = opt(10, "checkpoint every this many steps (0: never)", *non_negative)
     keep_last: int = opt(2, "checkpoints kept on disk", *positive)
     resume: str = opt("auto", "auto (latest checkpoint in output_dir), none, or a checkpoint path")
@@ -207,6 +208,9 @@ class TrainerConfig:
     logger: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = opt(
         ["console", "jsonl"], "metric sinks: console, jsonl, tensorboard (pip install tensorboard), wandb "
         "(pip install wandb); the report is drawn from jsonl's file")
+    project_name: str = opt("longqa", "the W&B project the run logs to", lambda v: bool(v.strip()), "not empty")
+    experiment_name: Optional[str] = opt(None, "the run's name in W&B (default: the output folder's name)",
+                                         lambda v: bool(v.strip()), "not empty")
     device: str = opt("auto", "auto (cuda when present), cpu or cuda[:i]", *device_name)
     seed: int = opt(42, "seed for data order and sampling", *seed_range)
     launcher: Literal["local", "ray"] = opt("local", "local: this process, or one per rank under torchrun; ray: "

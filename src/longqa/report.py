@@ -140,11 +140,12 @@ class MetricsLogger:
     ``resume_step``: the step of the checkpoint the run resumed from, None for a fresh run. Records after it
     are dropped from metrics.jsonl (all records for a fresh run) and from TensorBoard, so the steps that are
     redone after a crash appear once; W&B continues the run whose id is stored in the run folder.
-    ``project``: the W&B project.
+    ``project`` and ``name``: the W&B project and the run's name there.
     """
 
     def __init__(self, run_dir: str | os.PathLike, sinks: list[str], total_steps: int | None,
-                 config: dict | None = None, *, resume_step: int | None = None, project: str = "longqa"):
+                 config: dict | None = None, *, resume_step: int | None = None, project: str = "longqa",
+                 name: str | None = None):
         unknown = [s for s in sinks if s not in SINKS]
         if unknown:
             raise ValueError(f"unknown logger sink(s) {', '.join(unknown)}; allowed: {', '.join(SINKS)}")
@@ -166,7 +167,7 @@ class MetricsLogger:
             self.tensorboard = summary_writer(log_dir=str(self.run_dir / "tensorboard"), purge_step=purge_step)
         self.wandb = None
         if wandb is not None:
-            self.wandb = wandb.init(project=project, config=config, dir=str(self.run_dir),
+            self.wandb = wandb.init(project=project, name=name, config=config, dir=str(self.run_dir),
                                     id=self._wandb_id(resume_step), resume="allow")
 
     def _wandb_id(self, resume_step: int | None) -> str:

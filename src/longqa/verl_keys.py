@@ -10,14 +10,21 @@ their launch scripts. Each verl key is one of:
   (``actor_rollout_ref.model.use_remove_padding=True``: longqa never pads);
 - grouped: read together with the keys it only makes sense with, with verl's defaults for those not given
   (``use_kl_loss`` and ``kl_loss_coef`` make ``algo.kl_coef``; ``trainer.n_gpus_per_node`` times
-  ``trainer.nnodes`` Ray workers, as verl runs through Ray).
+  ``trainer.nnodes`` Ray workers, as verl runs through Ray; the Arctic remote backend's ``remote_backend.*``
+  keys, the reference recipe's, make ZeRO-3 with the optimizer offloaded, the packed shared-prompt update,
+  the shared-prefix fast engine and its GPU count);
+- noted: a setting of verl's machinery with no longqa counterpart whose value changes no result (a timeout,
+  a worker implementation, a scheduler's or kernel's tuning): taken at any value, and ``verl_notes`` gives
+  one line for each saying why, which the command prints.
 
 Nothing is dropped quietly: every override that longqa cannot take, verl's or its own, is named in one
 ConfigError, so a launch script is fixed in one pass rather than one key per run; and a setting given twice
-under different names (a verl key and its longqa key, or two verl keys) must have one value. Only the keys
-given are translated: the settings a line leaves out keep longqa's defaults, not verl's (verl's dual-clip
-bound of 3, its AdamW betas (0.9, 0.999) and weight decay 0.01 do not come along). Key names are those of
-verl's ``trainer/config/ppo_trainer.yaml``; hydra's ``+``/``++`` prefixes are accepted.
+under different names (a verl key and its longqa key, or two verl keys) must have one value. A verl launch
+line run on its own (no longqa config file) starts from verl's defaults where they change results and
+longqa's differ (``VERL_DEFAULTS``: the dual-clip bound of 3, AdamW's betas (0.9, 0.999) and weight decay
+0.01, no warmup, 30 epochs, no validation or checkpoints unless asked), so that it trains as verl would.
+Key names are those of verl's ``trainer/config/ppo_trainer.yaml``; hydra's ``+``/``++`` prefixes are
+accepted.
 """
 
 from __future__ import annotations
@@ -32,7 +39,8 @@ from longqa.config_schema import ConfigError, all_keys, checked, is_key, parse_v
 ACTOR, ROLLOUT, MODEL = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.", "actor_rollout_ref.model."
 # Top-level sections only verl has: a key under one of them is verl's, whatever its name.
 VERL_SECTIONS = ("actor_rollout_ref", "algorithm", "critic", "reward_model", "custom_reward_function",
-                 "ray_kwargs", "ray_init", "global_profiler", "transfer_queue", "sandbox_fusion")
+                 "ray_kwargs", "ray_init", "global_profiler", "transfer_queue", "sandbox_fusion", "remote_backend")
+REMOTE = "remote_backend."  # the Arctic remote backend of the reference recipe (Snowflake's verl)
 SHARED_SECTIONS = ("data", "trainer", "reward")  # verl's and longqa's alike
 
 
@@ -73,7 +81,15 @@ RENAMED: dict[str, Renamed] = {
     MODEL + "path": Renamed("model.path"),
     MODEL + "tokenizer_path": Renamed("model.tokenizer_path"),
     MODEL + "enable_gradient_checkpointing": Renamed("model.gradient_checkpointing"),
-    MODEL + "override_config.attn_implementation": Renamed("model.attn_implementation"),
+    # FlashAttention 3 is a kernel of the same attention: longqa's own kernels compute the update and the
+    # rollout (actor.attention_backend), and transformers' SDPA the rest (said, VALUE_NOTES).
+    MODEL + "override_config.attn_implementation": Renamed("model.attn_implementation", _spelled(
+        {"sdpa": "sdpa", "eager": "eager", "flex_attention": "flex_attention", "flash_attention_2": "flash_attention_2",
+         "flash_attention_3": "sdpa"}, "longqa's attention implementations are sdpa, eager, flex_attention, "
+                                       "flash_attention_2 (and flash_attention_3, run as sdpa)")),
+    # verl compiles its actor's log-prob computation; longqa compiles the decoder layers of the update
+    ACTOR + "use_torch_compile": Renamed("actor.compile_layers"),
+    ACTOR + "data_loader_seed": Renamed("trainer.seed"),  # the shuffle's seed, which data.seed also sets
     ACTOR + "optim.lr": Renamed("actor.lr"),
     ACTOR + "optim.betas": Renamed("actor.betas"),
     ACTOR + "optim.weight_decay": Renamed("actor.weight_decay"),
@@ -104,8 +120,10 @@ RENAMED: dict[str, Renamed] = {
     ACTOR + "kl_loss_type": Renamed("algo.kl_type", _spelled(
         {"low_var_kl": "low_var_kl", "k3": "low_var_kl", "kl": "kl", "k1": "kl", "abs": "abs", "mse": "mse",
          "k2": "mse"}, "longqa's KL estimators are low_var_kl (k3), kl (k1), abs and mse (k2)")),
+    # Arctic's inference engine shares each prompt's KV among its samples and speculates: longqa's fast engine
     ROLLOUT + "name": Renamed("rollout.engine", _spelled(
-        {"vllm": "vllm", "hf": "hf"}, "longqa samples with rollout.engine=fast (its own engine), hf or vllm")),
+        {"vllm": "vllm", "hf": "hf", "arctic": "fast"},
+        "longqa samples with rollout.engine=fast (its own engine; verl's arctic), hf or vllm")),
     ROLLOUT + "n": Renamed("rollout.n"),
     ROLLOUT + "temperature": Renamed("rollout.temperature"),
     ROLLOUT + "top_p": Renamed("rollout.top_p"),
@@ -154,7 +172,75 @@ FIXED: dict[str, Fixed] = {
     "reward_model.reward_manager": Fixed(("naive",), _ONE_RESPONSE_AT_A_TIME),
     "reward.reward_manager.name": Fixed(("naive",), _ONE_RESPONSE_AT_A_TIME),
     "trainer.critic_warmup": Fixed((0,), "longqa trains no critic"),
-    "trainer.val_before_train": Fixed((True,), "longqa validates before the first step whenever trainer.test_freq > 0"),
+    ACTOR + "ulysses_sequence_parallel_size": Fixed((1,), "longqa runs no sequence parallelism: each rank holds "
+                                                          "whole sequences (packed)"),
+    ROLLOUT + "calculate_log_probs": Fixed((False,), "longqa recomputes the samples' log-probs with the training "
+                                                     "model before the update"),
+}
+
+_TOKEN_BUDGET = ("with use_dynamic_bsz=True verl reads the token budget (ppo_max_token_len_per_gpu) instead, as "
+                 "longqa always does (actor.max_tokens_per_micro_batch)")
+_WEIGHT_REFRESH = "how weights reach the sampler; longqa refreshes its engine's copy in place after each update"
+NOTED: dict[str, str] = {
+    "data.filter_overlong_prompts_workers": "longqa tokenizes each file once and caches the prompts "
+                                            "(data.cache_dir): workers change no prompt",
+    ACTOR + "ppo_micro_batch_size_per_gpu": _TOKEN_BUDGET,
+    ACTOR + "ppo_micro_batch_size": _TOKEN_BUDGET,
+    ROLLOUT + "log_prob_micro_batch_size_per_gpu": _TOKEN_BUDGET,
+    ROLLOUT + "log_prob_micro_batch_size": _TOKEN_BUDGET,
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": _TOKEN_BUDGET,
+    "actor_rollout_ref.ref.log_prob_micro_batch_size": _TOKEN_BUDGET,
+    "actor_rollout_ref.ref.fsdp_config.param_offload": "placement of the reference model, which exists only with "
+                                                       "a KL penalty (algo.kl_coef > 0); results are the same",
+    MODEL + "use_liger": "Liger's fused kernels: longqa's LM head computes log-probs and entropy in chunks "
+                         "without keeping the logits, the same values",
+    ACTOR + "fsdp_config.forward_prefetch": "FSDP's prefetch order: speed only",
+    ROLLOUT + "checkpoint_engine.update_weights_bucket_megabytes": _WEIGHT_REFRESH,
+    ROLLOUT + "agent.num_workers": "verl's agent loop workers; longqa samples single-turn answers",
+    ROLLOUT + "max_num_seqs": "vLLM's scheduler limit: speed and memory only (the fast engine fits its batch to "
+                              "rollout.kv_cache_bytes)",
+    ROLLOUT + "max_num_batched_tokens": "vLLM's scheduler limit: speed and memory only (the fast engine fits its "
+                                        "batch to rollout.kv_cache_bytes)",
+    "actor_rollout_ref.nccl_timeout": "a collective's timeout; longqa's are torch.distributed's defaults",
+    "trainer.use_legacy_worker_impl": "which of verl's worker classes runs; longqa has one",
+    "trainer.balance_batch": "verl reorders a step's samples over the ranks by length for speed; longqa's ranks "
+                             "each own whole prompt groups, and the gradient is the same",
+    REMOTE + "sampling_tp_size": "the fast engine holds the whole model on each GPU (no tensor parallelism): "
+                                 "speed and memory only, the samples are the same",
+    REMOTE + "weight_sync.cuda_ipc": _WEIGHT_REFRESH,
+    REMOTE + "weight_sync.low_memory": _WEIGHT_REFRESH,
+    REMOTE + "train.logits.optimization": "longqa's LM head never keeps a whole batch's logits (chunked)",
+    REMOTE + "train.zorro_train.max_rollouts": "longqa packs each prompt once with all its rollout.n responses",
+}
+# verl's own actor and rollout settings, which the Arctic remote backend replaces with its own (its keys say
+# what runs): with a remote_backend key in the line they are taken and said, not applied.
+SUPERSEDED_BY_REMOTE = (ACTOR + "strategy", ACTOR + "fsdp_config.param_offload", ACTOR + "fsdp_config.optimizer_offload",
+                        ROLLOUT + "tensor_model_parallel_size")
+_SUPERSEDED = ("verl's own actor or rollout setting, replaced by the Arctic remote backend's (remote_backend.*), "
+               "which says what runs")
+
+
+def uses_remote_backend(overrides: Sequence[str]) -> bool:
+    keys = [split_override(text)[0].lstrip("+") for text in overrides]
+    return any(key == "remote_backend" or key.startswith(REMOTE) or key == "trainer.remote_backend" for key in keys)
+
+
+# Values of renamed keys that run as another value, said the way NOTED keys are.
+VALUE_NOTES: dict[tuple[str, Any], str] = {
+    (MODEL + "override_config.attn_implementation", "flash_attention_3"):
+        "runs as sdpa: the update and the rollout use longqa's own attention kernels (actor.attention_backend)",
+}
+
+# verl's defaults (trainer/config/ppo_trainer.yaml) where longqa's differ and results would: the base of a verl
+# launch line run without a longqa config file.
+VERL_DEFAULTS: dict[str, Any] = {
+    "algo.dual_clip_c": 3.0,  # actor.clip_ratio_c
+    "actor.weight_decay": 0.01,  # actor.optim.weight_decay
+    "actor.betas": [0.9, 0.999],  # actor.optim.betas
+    "actor.warmup_ratio": 0.0,  # actor.optim.lr_warmup_steps_ratio
+    "trainer.total_epochs": 30,
+    "trainer.test_freq": 0,  # -1: never
+    "trainer.save_freq": 0,  # -1: never
 }
 
 # longqa keys verl shares, where verl has a value longqa spells differently: -1 is verl's "never".
@@ -193,12 +279,61 @@ def _offload(given: dict[str, Any]) -> list[tuple[str, Any]]:
     return [("actor.cpu_offload", params)]
 
 
+def _count(given: dict[str, Any], key: str, default: int) -> int:
+    value = given.get(key, default)
+    if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        raise Unsupported(f"{key} must be an integer >= 0")
+    return value
+
+
 def _workers(given: dict[str, Any]) -> list[tuple[str, Any]]:
-    """verl starts its workers through Ray, n_gpus_per_node on each of nnodes nodes: longqa's Ray launcher."""
+    """verl starts its workers through Ray, n_gpus_per_node on each of nnodes nodes: longqa's Ray launcher.
+    Under the Arctic remote backend those are verl's driver and the GPUs that train and sample are the
+    backend's: colocated, as longqa's are, with the old log-probs recomputed by the training engine."""
+    if any(key.startswith(REMOTE) for key in given):
+        if not _flag(given, REMOTE + "colocate", True):
+            raise Unsupported("longqa trains and samples on the same GPUs (remote_backend.colocate=True)")
+        if _count(given, REMOTE + "log_prob_gpus", 0):
+            raise Unsupported("longqa recomputes the old log-probs with the training engine "
+                              "(remote_backend.log_prob_gpus=0)")
+        training = _count(given, REMOTE + "training_gpus", 0)
+        sampling = _count(given, REMOTE + "sampling_gpus", training)
+        if not training or sampling != training:
+            raise Unsupported("longqa trains and samples on the same GPUs: remote_backend.training_gpus and "
+                              "sampling_gpus must be the same count > 0")
+        return [("trainer.launcher", "ray"), ("trainer.ray_workers", training)]
     per_node, nodes = given.get("trainer.n_gpus_per_node", 8), given.get("trainer.nnodes", 1)
     if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (per_node, nodes)):
         raise Unsupported("trainer.n_gpus_per_node and trainer.nnodes must be integers > 0")
     return [("trainer.launcher", "ray"), ("trainer.ray_workers", per_node * nodes)]
+
+
+_ZERO = REMOTE + "train.deepspeed.zero_optimization."
+
+
+def _arctic(given: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The Arctic remote backend: DeepSpeed ZeRO-3 (the optimizer on the CPU, or not), Zorro's prompt
+    de-duplication in training (longqa's packed shared-prompt update) and in inference (the fast engine's
+    shared prompt KV), and speculative decoding (longqa's prompt lookup: the same samples, faster)."""
+    for key in ("trainer.remote_backend", "remote_backend"):
+        if given.get(key, "arctic") != "arctic":
+            raise Unsupported(f"{key}: longqa takes the arctic remote backend's keys (its own engines run them)")
+    if given.get(_ZERO + "stage", 3) != 3:
+        raise Unsupported("longqa's DeepSpeed is ZeRO-3 (stage 3)")
+    devices = {"cpu": True, "none": False, None: False}
+    optimizer, params = given.get(_ZERO + "offload_optimizer.device"), given.get(_ZERO + "offload_param.device")
+    if optimizer not in devices or params not in devices:
+        raise Unsupported("offload devices are cpu or none")
+    if devices[params]:
+        raise Unsupported("parameter offload: give actor.deepspeed_config a file with zero_optimization."
+                          "offload_param.device: cpu")
+    settings = [("actor.strategy", "deepspeed"), ("actor.cpu_offload", devices[optimizer]),
+                ("actor.shared_prompt", _flag(given, REMOTE + "train.zorro_train.enable", True))]
+    if _flag(given, REMOTE + "rollout.zorro_inference.enable", False):
+        settings.append(("rollout.engine", "fast"))
+    if given.get(REMOTE + "rollout.speculative_decoding.model"):
+        settings.append(("rollout.speculative", "prompt_lookup"))
+    return settings
 
 
 def _resume(given: dict[str, Any]) -> list[tuple[str, Any]]:
@@ -221,13 +356,21 @@ GROUPS: tuple[Group, ...] = (
           "use_kl_in_reward=False only; the kl_ctrl and kl_penalty keys are then read by neither"),
     Group((ACTOR + "fsdp_config.param_offload", ACTOR + "fsdp_config.optimizer_offload"), _offload,
           "actor.cpu_offload: both true or both false"),
-    Group(("trainer.n_gpus_per_node", "trainer.nnodes"), _workers,
-          "trainer.launcher=ray with n_gpus_per_node x nnodes trainer.ray_workers"),
+    Group(("trainer.n_gpus_per_node", "trainer.nnodes", REMOTE + "training_gpus", REMOTE + "sampling_gpus",
+           REMOTE + "colocate", REMOTE + "log_prob_gpus"), _workers,
+          "trainer.launcher=ray with n_gpus_per_node x nnodes trainer.ray_workers; under the Arctic remote backend "
+          "remote_backend.training_gpus of them (colocated with sampling, log_prob_gpus 0)"),
+    Group(("trainer.remote_backend", "remote_backend", _ZERO + "stage", _ZERO + "offload_optimizer.device",
+           _ZERO + "offload_param.device", REMOTE + "train.zorro_train.enable",
+           REMOTE + "rollout.zorro_inference.enable", REMOTE + "rollout.speculative_decoding.model"), _arctic,
+          "actor.strategy=deepspeed (stage 3), actor.cpu_offload (offload_optimizer cpu), actor.shared_prompt "
+          "(zorro_train), rollout.engine=fast (zorro_inference), rollout.speculative=prompt_lookup (a "
+          "speculative model)"),
     Group(("trainer.resume_mode", "trainer.resume_from_path"), _resume,
           "trainer.resume: auto, none (disable) or the resume_from_path of resume_path"),
 )
 _GROUP_OF = {key: group for group in GROUPS for key in group.keys}
-_TAKEN = {*RENAMED, *FIXED, *_GROUP_OF}
+_TAKEN = {*RENAMED, *FIXED, *_GROUP_OF, *NOTED}
 
 
 def verl_key_table() -> list[tuple[str, str]]:
@@ -236,7 +379,24 @@ def verl_key_table() -> list[tuple[str, str]]:
     rows += [(key, f"only {' or '.join(map(repr, fixed.values))}: {fixed.behaviour}") for key, fixed in FIXED.items()]
     rows += [(key, group.becomes) for group in GROUPS for key in group.keys]
     rows += [(key, f"{key} (verl's -1 is 0, never)") for key in SHARED_VALUES]
+    rows += [(key, f"any value, changes nothing: {why}") for key, why in NOTED.items()]
     return rows
+
+
+def verl_notes(overrides: Sequence[str]) -> list[str]:
+    """One line for each verl override taken without a longqa counterpart (``NOTED``, ``VALUE_NOTES``): what
+    it is in verl and why it changes nothing here, for the command to say."""
+    notes, remote = [], uses_remote_backend(overrides)
+    for text in overrides:
+        key, raw = split_override(text)
+        key = key.lstrip("+")
+        if remote and key in SUPERSEDED_BY_REMOTE:
+            notes.append(f"{key}={raw}: {_SUPERSEDED}")
+        elif key in NOTED:
+            notes.append(f"{key}={raw}: {NOTED[key]}")
+        elif any(key == noted for noted, _ in VALUE_NOTES) and (key, parse_value(key, raw)) in VALUE_NOTES:
+            notes.append(f"{key}={raw}: {VALUE_NOTES[key, parse_value(key, raw)]}")
+    return notes
 
 
 def is_verl_line(overrides: Sequence[str]) -> bool:
@@ -283,6 +443,7 @@ def _conflicts(settings: list[_Setting]) -> list[str]:
 def _translate(overrides: Sequence[str]) -> tuple[list[_Setting], list[str]]:
     """Every override as longqa settings (values not yet checked), and the overrides longqa cannot take."""
     settings, problems, grouped = [], [], {}
+    remote = uses_remote_backend(overrides)
     for text in overrides:
         key, raw = split_override(text)
         given_as = f"{key}={raw}"
@@ -294,6 +455,8 @@ def _translate(overrides: Sequence[str]) -> tuple[list[_Setting], list[str]]:
             settings.append(_Setting(key, value, given_as, False))
             continue
         value = parse_value(key, raw)  # YAML, as hydra reads it
+        if key in NOTED or (remote and key in SUPERSEDED_BY_REMOTE):  # (verl_notes says why)
+            continue
         if key in RENAMED:
             rename = RENAMED[key]
             try:

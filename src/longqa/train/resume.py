@@ -33,7 +33,8 @@ APPLIED_ON_RESUME = frozenset({
     # how long the run goes (the schedule is laid over the new length) and when it gives up
     "trainer.total_epochs", "trainer.max_steps", "actor.max_bad_steps",
     # what is validated, saved and logged, and where
-    "trainer.test_freq", "trainer.save_freq", "trainer.keep_last", "trainer.output_dir", "trainer.logger",
+    "trainer.test_freq", "trainer.val_before_train", "trainer.project_name", "trainer.experiment_name",
+    "trainer.save_freq", "trainer.keep_last", "trainer.output_dir", "trainer.logger",
     "trainer.resume", "trainer.resume_allow_changes",
     # how the work is done: the same samples and updates up to float rounding
     "model.attn_implementation", "model.gradient_checkpointing", "model.checkpoint_fraction",

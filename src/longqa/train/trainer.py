@@ -458,7 +458,8 @@ class Trainer:
             start_step, resumed = self._resume()
             self.saved = (start_step, resumed) if resumed is not None else None
             with self._logger(start_step, resumed) as logger:
-                if start_step == 0 and self.cfg.trainer.test_freq and self.val_set is not None:
+                t = self.cfg.trainer
+                if start_step == 0 and t.test_freq and t.val_before_train and self.val_set is not None:
                     logger.log(0, self._validate_timed())
                 done = self._train(start_step, logger)
             if self.stopping and done < self.total_steps:
@@ -494,8 +495,10 @@ class Trainer:
     def _logger(self, start_step: int, resumed: Path | None):
         if not self.env.is_main:  # the other ranks compute the same (reduced) metrics; rank 0 writes them
             return _Silent()
-        return MetricsLogger(self.run_dir, self.cfg.trainer.logger, self.total_steps, to_dict(self.cfg),
-                             resume_step=start_step if resumed is not None else None)
+        t = self.cfg.trainer
+        return MetricsLogger(self.run_dir, t.logger, self.total_steps, to_dict(self.cfg),
+                             resume_step=start_step if resumed is not None else None, project=t.project_name,
+                             name=t.experiment_name or self.run_dir.name)
 
     def _train(self, start_step: int, logger) -> int:
         """The steps from ``start_step`` until the last or an agreed stop; returns the last finished step."""
