@@ -24,6 +24,7 @@ import pytest
 
 from longqa.cli import _split_config_args, build_parser, main
 from longqa.config import load_config
+from longqa.distributed.planner import check_data_parallel
 
 ROOT = Path(__file__).resolve().parent.parent
 GUIDE = ROOT / "docs" / "recipe-on-a-cluster.md"
@@ -88,7 +89,9 @@ def check_in_process(argv: list[str]) -> None:
     except SystemExit:
         raise AssertionError(f"longqa {shlex.join(argv)}: {err.getvalue().strip()}") from None
     if hasattr(args, "overrides"):
-        load_config(*_split_config_args(args))  # unknown keys and bad values raise ConfigError
+        cfg = load_config(*_split_config_args(args))  # unknown keys and bad values raise ConfigError
+        if args.group == "train" and cfg.trainer.launcher == "ray" and (cfg.trainer.ray_workers or 1) > 1:
+            check_data_parallel(cfg, cfg.trainer.ray_workers)  # what its workers check before anything loads
     if args.group == "plan" or getattr(args, "dry_run", False):
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
             code = main(argv)
@@ -155,6 +158,8 @@ def test_guide_commands_run_through_the_entry_point(guide_workdir):
     ("ray start --head", "not a longqa command"),
     ("torchrun --nproc_per_node 8 train.py", "must run -m longqa.cli"),
     ("pip install -e '.[ray,tensorbord]'", "tensorbord"),
+    ("longqa train actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.tensor_model_parallel_size=2 "
+     "trainer.n_gpus_per_node=8 trainer.nnodes=4", "not supported with 32 ranks"),
 ])
 def test_the_check_fails_on_what_does_not_exist(command, complaint, guide_workdir):
     with pytest.raises(Exception) as failure:
@@ -208,3 +213,12 @@ def test_no_file_speaks_of_how_the_work_was_organised():
             continue
         hits += [f"{name}:{i}: {line.strip()}" for i, line in enumerate(text.splitlines(), 1) if ORGANISATION.search(line)]
     assert not hits, "\n".join(hits)
+
+
+def test_the_launch_line_table_is_the_code_s():
+    """docs/verl-launch-line.md's table is what the code does with each argument of the recipe's line."""
+    from longqa.verl_keys import launch_line_table
+
+    line = [text for text in (ROOT / "tests" / "data" / "recipe_verl_launch_line.txt").read_text().splitlines()
+            if text and not text.startswith("#")]
+    assert launch_line_table(line) in (ROOT / "docs" / "verl-launch-line.md").read_text()

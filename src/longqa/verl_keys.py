@@ -370,6 +370,7 @@ GROUPS: tuple[Group, ...] = (
           "trainer.resume: auto, none (disable) or the resume_from_path of resume_path"),
 )
 _GROUP_OF = {key: group for group in GROUPS for key in group.keys}
+VALUE_NOTES_KEYS = {key for key, _ in VALUE_NOTES}
 _TAKEN = {*RENAMED, *FIXED, *_GROUP_OF, *NOTED}
 
 
@@ -383,6 +384,26 @@ def verl_key_table() -> list[tuple[str, str]]:
     return rows
 
 
+def launch_line_table(overrides: Sequence[str]) -> str:
+    """A markdown table of a launch line: each argument and what longqa does with it (docs/verl-launch-line.md
+    holds the reference recipe's)."""
+    remote, described = uses_remote_backend(overrides), dict(verl_key_table())
+    rows = ["| argument | in longqa |", "| --- | --- |"]
+    for text in overrides:
+        key, raw = split_override(text)
+        key = key.lstrip("+")
+        if remote and key in SUPERSEDED_BY_REMOTE:
+            does = f"taken, changes nothing: {_SUPERSEDED}"
+        elif key in VALUE_NOTES_KEYS and (key, parse_value(key, raw)) in VALUE_NOTES:
+            does = f"{described[key]}; {VALUE_NOTES[key, parse_value(key, raw)]}"
+        elif key in described:
+            does = described[key]
+        else:
+            does = "the same longqa setting" if is_key(key) else "not taken: " + _not_taken(key)
+        rows.append(f"| `{text}` | {does.replace('|', '/')} |")
+    return "\n".join(rows) + "\n"
+
+
 def verl_notes(overrides: Sequence[str]) -> list[str]:
     """One line for each verl override taken without a longqa counterpart (``NOTED``, ``VALUE_NOTES``): what
     it is in verl and why it changes nothing here, for the command to say."""
@@ -394,7 +415,7 @@ def verl_notes(overrides: Sequence[str]) -> list[str]:
             notes.append(f"{key}={raw}: {_SUPERSEDED}")
         elif key in NOTED:
             notes.append(f"{key}={raw}: {NOTED[key]}")
-        elif any(key == noted for noted, _ in VALUE_NOTES) and (key, parse_value(key, raw)) in VALUE_NOTES:
+        elif key in VALUE_NOTES_KEYS and (key, parse_value(key, raw)) in VALUE_NOTES:
             notes.append(f"{key}={raw}: {VALUE_NOTES[key, parse_value(key, raw)]}")
     return notes
 
