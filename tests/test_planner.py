@@ -266,3 +266,31 @@ def test_a_kl_penalty_s_reference_model_is_counted_on_each_gpu():
         assert with_kl.total - without.total == with_kl.reference_weights
         assert with_kl.loading - without.loading == 2 * qwen3_8b.params
     assert "reference model (algo.kl_coef)" in plans[0.001]["fsdp2"].table()
+
+
+def test_plan_takes_the_gpu_count_a_ray_config_runs_and_refuses_another(capsys):
+    """Under trainer.launcher=ray the config says how many GPUs it runs (trainer.ray_workers, a verl line's
+    nnodes x n_gpus_per_node): plan sizes that many, and a different --gpus is refused, never planned quietly."""
+    line = ["configs/loongrl-qwen3-32b.yaml", "trainer.launcher=ray", "trainer.ray_workers=32", "--shape", "qwen3-32b"]
+    assert main(["plan", *line]) == 0
+    assert "on 32 GPU(s) of 141 GiB" in capsys.readouterr().out
+    assert main(["plan", *line, "--gpus", "32"]) == 0
+    capsys.readouterr()
+    assert main(["plan", *line, "--gpus", "8"]) == 2
+    assert "--gpus 8, but the config runs trainer.ray_workers=32 Ray workers" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("workers, gpus, use_gpu, expected", [
+    (None, 8, True, 8), (8, 8, True, 8), (4, 8, True, 4), (32, 8, True, None), (None, 0, False, None),
+    (2, 0, False, 2),  # CPU workers on a cluster without GPUs
+])
+def test_ray_workers_are_never_more_than_the_cluster_s_gpus(workers, gpus, use_gpu, expected):
+    from longqa.config import ConfigError, load_config
+    from longqa.distributed.ray_launcher import ray_worker_count
+
+    cfg = load_config(None, [f"trainer.ray_workers={workers}"] if workers else [])
+    if expected is None:
+        with pytest.raises(ConfigError):
+            ray_worker_count(cfg, gpus, use_gpu)
+    else:
+        assert ray_worker_count(cfg, gpus, use_gpu) == expected

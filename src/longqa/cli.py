@@ -393,6 +393,11 @@ def cmd_plan(args: argparse.Namespace) -> None:
     if args.largest and args.shape:
         raise ConfigError("--largest tries every known shape, --shape sizes one: give either")
     cfg = run_config(args)
+    workers = cfg.trainer.ray_workers if cfg.trainer.launcher == "ray" else None
+    if args.gpus and workers and args.gpus != workers:
+        raise ConfigError(f"--gpus {args.gpus}, but the config runs trainer.ray_workers={workers} Ray workers, one per "
+                          f"GPU: plan for --gpus {workers}, or set trainer.ray_workers={args.gpus}")
+    args.gpus = args.gpus or workers or 1
     if args.gpus > 1:  # as the trainer checks it under torchrun or Ray, one rank per GPU
         check_data_parallel(cfg, args.gpus)
     per_node = args.gpus_per_node or min(args.gpus, 8)
@@ -691,7 +696,8 @@ def _add_scale_out_commands(groups: argparse._SubParsersAction) -> None:
                           "offloaded state and activations); and the time of one GRPO step by phase. Exits 2 with "
                           "the settings to change when either memory cannot hold it.")
     _add_config_args(p)
-    p.add_argument("--gpus", type=COUNT, default=1, help="GPUs the model is sharded over (default 1)")
+    p.add_argument("--gpus", type=COUNT, help="GPUs the model is sharded over (default: the config's "
+                   "trainer.ray_workers under trainer.launcher=ray, else 1)")
     p.add_argument("--gpu-memory-gib", type=_within(1, kind=float), default=141.0,
                    help="memory of one GPU (default 141, an H200)")
     p.add_argument("--gpus-per-node", type=COUNT, help="GPUs of one node (default: --gpus, at most 8)")

@@ -21,8 +21,9 @@ Nothing is dropped quietly: every override that longqa cannot take, verl's or it
 ConfigError, so a launch script is fixed in one pass rather than one key per run; and a setting given twice
 under different names (a verl key and its longqa key, or two verl keys) must have one value. A verl launch
 line run on its own (no longqa config file) starts from verl's defaults where they change results and
-longqa's differ (``VERL_DEFAULTS``: the dual-clip bound of 3, AdamW's betas (0.9, 0.999) and weight decay
-0.01, no warmup, 30 epochs, no validation or checkpoints unless asked), so that it trains as verl would.
+longqa's differ (``VERL_DEFAULTS``: sampling in bf16 beside float32 masters, the dual-clip bound of 3, AdamW's
+betas (0.9, 0.999) and weight decay 0.01, no warmup, 30 epochs, no validation or checkpoints unless asked), so
+that it trains as verl would.
 Key names are those of verl's ``trainer/config/ppo_trainer.yaml``; hydra's ``+``/``++`` prefixes are
 accepted.
 """
@@ -234,6 +235,9 @@ VALUE_NOTES: dict[tuple[str, Any], str] = {
 # verl's defaults (trainer/config/ppo_trainer.yaml) where longqa's differ and results would: the base of a verl
 # launch line run without a longqa config file.
 VERL_DEFAULTS: dict[str, Any] = {
+    # verl samples in the model's bf16 (vLLM) and trains bf16 compute on float32 masters (fsdp_config.model_dtype,
+    # actor.master_weights): longqa's bf16 model with float32 masters
+    "model.dtype": "bfloat16",
     "algo.dual_clip_c": 3.0,  # actor.clip_ratio_c
     "actor.weight_decay": 0.01,  # actor.optim.weight_decay
     "actor.betas": [0.9, 0.999],  # actor.optim.betas

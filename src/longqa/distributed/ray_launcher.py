@@ -44,6 +44,19 @@ def _worker_loop(loop_config: dict) -> None:
     loop_config["train"](load_config_dict(loop_config["config"]), stop_file=loop_config["stop_file"])
 
 
+def ray_worker_count(cfg, cluster_gpus: int, use_gpu: bool) -> int:
+    """``trainer.ray_workers``, or one worker per GPU of the cluster. More workers than GPUs, one GPU each, would
+    wait for GPUs that never come: refused, never quietly fewer (the run's batches are split by that count)."""
+    workers = cfg.trainer.ray_workers or cluster_gpus
+    if workers < 1:
+        raise ConfigError("the Ray cluster has no GPUs: set trainer.ray_workers to the number of CPU workers")
+    if use_gpu and workers > cluster_gpus:
+        raise ConfigError(f"trainer.ray_workers={workers} asks for one GPU each but the Ray cluster has {cluster_gpus}: "
+                          f"add nodes to the cluster, or set trainer.ray_workers (a verl line's trainer.nnodes x "
+                          f"n_gpus_per_node, or remote_backend.training_gpus) to the GPUs there are")
+    return workers
+
+
 def _scaling(scaling_config: type, workers: int, use_gpu: bool):
     """``workers`` workers, and Ray Train's coordinator on no CPU of its own. Ray Train's first API (Ray 2.40 to
     about 2.50) reserves one CPU for its coordinator by default, so a cluster with exactly one CPU per worker
@@ -67,9 +80,7 @@ def run_with_ray(cfg: Config, train: Callable[..., dict]) -> dict:
     ray.init(address=os.environ.get("RAY_ADDRESS"), ignore_reinit_error=True, log_to_driver=True)
     gpus = int(ray.cluster_resources().get("GPU", 0))
     use_gpu = gpus > 0 and cfg.trainer.device != "cpu"
-    workers = cfg.trainer.ray_workers or gpus
-    if workers < 1:
-        raise ConfigError("the Ray cluster has no GPUs: set trainer.ray_workers to the number of CPU workers")
+    workers = ray_worker_count(cfg, gpus, use_gpu)
     local = _absolute(cfg)
     run_dir = Path(local.trainer.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
