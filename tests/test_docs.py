@@ -222,3 +222,12 @@ def test_the_launch_line_table_is_the_code_s():
     line = [text for text in (ROOT / "tests" / "data" / "recipe_verl_launch_line.txt").read_text().splitlines()
             if text and not text.startswith("#")]
     assert launch_line_table(line) in (ROOT / "docs" / "verl-launch-line.md").read_text()
+
+
+def test_the_8b_translation_table_is_the_tested_one():
+    """docs/verl-launch-line.md's SkyRL 8B table lists exactly the settings tests/test_config.py checks."""
+    from test_config import RECIPE_8B
+
+    doc = (ROOT / "docs" / "verl-launch-line.md").read_text()
+    for name, key, value in RECIPE_8B:
+        assert f"| {name} | `{key}={value}` |" in doc

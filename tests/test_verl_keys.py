@@ -1,6 +1,7 @@
 """verl launch lines on longqa's command line: translated where longqa has the setting, refused in one error."""
 
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -326,3 +327,18 @@ def test_the_recipe_config_computes_what_the_recipe_s_launch_line_does():
     assert (ours.reward.mode, ours.reward.path) == ("pure_exact_match", None)
     # the bf16 the recipe samples and trains in, on float32 masters, as verl does
     assert (recipe.model.dtype, recipe.actor.master_weights) == ("bfloat16", "float32")
+
+
+def test_the_recipe_s_launch_line_plans_on_its_32_gpus(capsys):
+    """`longqa plan` with the line sizes its 32 GPUs (the remote backend's, not verl's driver's one). Its token
+    budget (Arctic's) is over longqa's packed micro-batch on an H200: refused naming the largest that fits;
+    with the budget left to longqa (auto) it fits."""
+    line = recipe_launch_line(data="/data", model="Qwen/Qwen3-32B", reward="/recipe/reward.py", output="/ckpt/run")
+    assert main(["plan", *line, "--shape", "qwen3-32b"]) == 2
+    captured = capsys.readouterr()
+    assert "on 32 GPU(s) of 141 GiB" in captured.out
+    assert re.search(r"set actor.max_tokens_per_micro_batch=\d+, the largest that fits \(now 81920\)", captured.err)
+    auto = [text.replace("ppo_max_token_len_per_gpu=81920", "ppo_max_token_len_per_gpu=auto") for text in line]
+    assert main(["plan", *auto, "--shape", "qwen3-32b"]) == 0
+    out = capsys.readouterr().out
+    assert "actor.max_tokens_per_micro_batch=auto: " in out and out.rstrip().endswith("fits")
