@@ -49,7 +49,7 @@ RECIPE_IN_LONGQA_KEYS = [
     "data.max_response_length=4096", "data.filter_overlong_prompts=true", "data.truncation=left", "trainer.seed=42",
     "reward.path=/recipe/reward.py", "reward.name=compute_score", "model.path=Qwen/Qwen3-32B",
     "model.gradient_checkpointing=true", "actor.strategy=fsdp2", "actor.ppo_mini_batch_size=64",
-    "actor.max_tokens_per_micro_batch=40960",
+    "actor.max_tokens_per_micro_batch=auto",
     "algo.clip_ratio=0.2", "algo.kl_type=low_var_kl", "algo.entropy_coeff=0", "actor.lr=1e-6",
     "actor.warmup_ratio=0.05", "actor.betas=[0.9, 0.95]", "actor.cpu_offload=true",
     "rollout.tensor_model_parallel_size=2", "rollout.engine=vllm", "rollout.gpu_memory_utilization=0.7",
@@ -109,7 +109,7 @@ def test_keys_without_a_counterpart_are_taken_and_each_said_once():
         assert sum(line.startswith(f"{text}: ") for line in notes) == 1, text
     assert any(line.startswith("actor_rollout_ref.model.override_config.attn_implementation=flash_attention_3: "
                                "runs as sdpa") for line in notes)
-    assert len(notes) == len(RECIPE_NOTED) + 1
+    assert len(notes) == len(RECIPE_NOTED) + 2  # and the FlashAttention 3 and token budget values
     assert set(NOTED) >= {text.partition("=")[0] for text in RECIPE_NOTED}
     for key in NOTED:  # any value at all
         assert load_config(None, [f"{key}=not_a_value"]) == load_config(None, [])
@@ -302,8 +302,10 @@ def test_the_recipe_s_own_launch_line_runs_as_it_is(capsys):
     assert notes[0].startswith("a verl launch line starts from verl's defaults")
     assert notes[1:] == verl_notes(line)
     said = {note.partition("=")[0] for note in notes[1:]}
-    applied = {text.lstrip("+").partition("=")[0] for text in line} - said
-    assert len(said) == 24 and len(applied) == 89 - 24
+    run_as_another_value = {"actor_rollout_ref.model.override_config.attn_implementation",  # FlashAttention 3
+                            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"}  # a budget counted verl's way
+    without_effect = said - run_as_another_value
+    assert len(said) == 25 and run_as_another_value <= said and len(without_effect) == 23
     assert (cfg.trainer.launcher, cfg.trainer.ray_workers) == ("ray", 32)  # not verl's driver's 1 x 1
     assert (cfg.actor.strategy, cfg.actor.cpu_offload, cfg.actor.shared_prompt) == ("deepspeed", True, True)
     assert (cfg.rollout.engine, cfg.rollout.speculative) == ("fast", "prompt_lookup")
@@ -331,14 +333,14 @@ def test_the_recipe_config_computes_what_the_recipe_s_launch_line_does():
 
 def test_the_recipe_s_launch_line_plans_on_its_32_gpus(capsys):
     """`longqa plan` with the line sizes its 32 GPUs (the remote backend's, not verl's driver's one). Its token
-    budget (Arctic's) is over longqa's packed micro-batch on an H200: refused naming the largest that fits;
-    with the budget left to longqa (auto) it fits."""
+    budget (Arctic's, counted its way) becomes longqa's auto, said: the largest packed micro-batch that fits."""
     line = recipe_launch_line(data="/data", model="Qwen/Qwen3-32B", reward="/recipe/reward.py", output="/ckpt/run")
-    assert main(["plan", *line, "--shape", "qwen3-32b"]) == 2
+    assert main(["plan", *line, "--shape", "qwen3-32b"]) == 0
     captured = capsys.readouterr()
-    assert "on 32 GPU(s) of 141 GiB" in captured.out
-    assert re.search(r"set actor.max_tokens_per_micro_batch=\d+, the largest that fits \(now 81920\)", captured.err)
-    auto = [text.replace("ppo_max_token_len_per_gpu=81920", "ppo_max_token_len_per_gpu=auto") for text in line]
-    assert main(["plan", *auto, "--shape", "qwen3-32b"]) == 0
-    out = capsys.readouterr().out
-    assert "actor.max_tokens_per_micro_batch=auto: " in out and out.rstrip().endswith("fits")
+    assert "on 32 GPU(s) of 141 GiB" in captured.out and captured.out.rstrip().endswith("fits")
+    assert re.search(r"actor.max_tokens_per_micro_batch=auto: [\d,]+ tokens a micro-batch \(the largest", captured.out)
+    assert "note: actor_rollout_ref.actor.ppo_max_token_len_per_gpu=81920: verl's budget counts" in captured.err
+    with pytest.raises(ConfigError, match="given different values"):  # one budget: verl's key or longqa's
+        load_config(None, [*line, "actor.max_tokens_per_micro_batch=20480"])
+    assert load_config(None, [text for text in line if "ppo_max_token_len" not in text]
+                       + ["actor.max_tokens_per_micro_batch=20480"]).actor.max_tokens_per_micro_batch == 20480

@@ -59,6 +59,13 @@ def _spelled(values: dict, instead: str) -> Callable[[Any], Any]:
     return convert
 
 
+def _auto_budget(value: Any) -> str:
+    """A verl token budget (a positive integer, or auto) as longqa's: auto, see ppo_max_token_len_per_gpu."""
+    if value != "auto" and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        raise Unsupported("a token budget is an integer > 0 (or auto)")
+    return "auto"
+
+
 @dataclass(frozen=True)
 class Renamed:
     key: str
@@ -110,8 +117,10 @@ RENAMED: dict[str, Renamed] = {
         "longqa's FSDP2 shards are float32 (fp32) or model.dtype (bf16)")),
     ACTOR + "ppo_mini_batch_size": Renamed("actor.ppo_mini_batch_size"),
     ACTOR + "ppo_epochs": Renamed("actor.ppo_epochs"),
-    # Both are token budgets of one forward/backward; longqa's counts a prompt once for its group (packed).
-    ACTOR + "ppo_max_token_len_per_gpu": Renamed("actor.max_tokens_per_micro_batch"),
+    # Both are token budgets of one forward/backward, for speed and memory alone, counted differently: verl's
+    # counts each response's prompt (Arctic's its tiles), longqa packs a prompt once for its group. So a verl
+    # budget becomes longqa's auto (the largest its memory plan fits), said (VALUE_NOTES).
+    ACTOR + "ppo_max_token_len_per_gpu": Renamed("actor.max_tokens_per_micro_batch", _auto_budget),
     ACTOR + "clip_ratio": Renamed("algo.clip_ratio"),
     ACTOR + "clip_ratio_low": Renamed("algo.clip_ratio"),
     ACTOR + "clip_ratio_high": Renamed("algo.clip_ratio_high"),
@@ -227,9 +236,15 @@ def uses_remote_backend(overrides: Sequence[str]) -> bool:
 
 
 # Values of renamed keys that run as another value, said the way NOTED keys are.
+# ``ANY_VALUE``: said whatever the value.
+ANY_VALUE = ...
 VALUE_NOTES: dict[tuple[str, Any], str] = {
     (MODEL + "override_config.attn_implementation", "flash_attention_3"):
         "runs as sdpa: the update and the rollout use longqa's own attention kernels (actor.attention_backend)",
+    (ACTOR + "ppo_max_token_len_per_gpu", ANY_VALUE):
+        "verl's budget counts each response's prompt; longqa packs a prompt once with its responses and takes the "
+        "largest budget its memory plan fits (actor.max_tokens_per_micro_batch=auto; to choose one, give that key "
+        "a number instead of this one): micro-batching changes no result",
 }
 
 # verl's defaults (trainer/config/ppo_trainer.yaml) where longqa's differ and results would: the base of a verl
@@ -375,6 +390,13 @@ GROUPS: tuple[Group, ...] = (
 )
 _GROUP_OF = {key: group for group in GROUPS for key in group.keys}
 VALUE_NOTES_KEYS = {key for key, _ in VALUE_NOTES}
+
+
+def _value_note(key: str, raw: str) -> str | None:
+    """What VALUE_NOTES says of ``key=raw``, if anything."""
+    if key not in VALUE_NOTES_KEYS:
+        return None
+    return VALUE_NOTES.get((key, ANY_VALUE)) or VALUE_NOTES.get((key, parse_value(key, raw)))
 _TAKEN = {*RENAMED, *FIXED, *_GROUP_OF, *NOTED}
 
 
@@ -398,8 +420,8 @@ def launch_line_table(overrides: Sequence[str]) -> str:
         key = key.lstrip("+")
         if remote and key in SUPERSEDED_BY_REMOTE:
             does = f"taken, changes nothing: {_SUPERSEDED}"
-        elif key in VALUE_NOTES_KEYS and (key, parse_value(key, raw)) in VALUE_NOTES:
-            does = f"{described[key]}; {VALUE_NOTES[key, parse_value(key, raw)]}"
+        elif why := _value_note(key, raw):
+            does = f"{described[key]}; {why}"
         elif key in described:
             does = described[key]
         else:
@@ -419,8 +441,8 @@ def verl_notes(overrides: Sequence[str]) -> list[str]:
             notes.append(f"{key}={raw}: {_SUPERSEDED}")
         elif key in NOTED:
             notes.append(f"{key}={raw}: {NOTED[key]}")
-        elif key in VALUE_NOTES_KEYS and (key, parse_value(key, raw)) in VALUE_NOTES:
-            notes.append(f"{key}={raw}: {VALUE_NOTES[key, parse_value(key, raw)]}")
+        elif why := _value_note(key, raw):
+            notes.append(f"{key}={raw}: {why}")
     return notes
 
 
