@@ -124,10 +124,11 @@ def test_wandb_gets_config_numbers_and_keeps_its_run_id_across_a_resume(tmp_path
     calls = []
     monkeypatch.setitem(sys.modules, "wandb", fake_wandb(calls))
     config = {"trainer": {"seed": 1}}
-    with MetricsLogger(tmp_path, ["wandb"], total_steps=5, config=config, project="p") as logger:
+    with MetricsLogger(tmp_path, ["wandb"], total_steps=5, config=config, project="p", name="run-1") as logger:
         logger.log(1, {"reward/mean": 0.5, "note": "text is not sent", "time/step_s": 1.0})
     (_, init), log, finish = calls
-    assert init == {"project": "p", "config": config, "dir": str(tmp_path), "id": init["id"], "resume": "allow"}
+    assert init == {"project": "p", "name": "run-1", "config": config, "dir": str(tmp_path), "id": init["id"],
+                    "resume": "allow"}
     assert log == ("log", 1, {"time/step_s": 1.0, "reward/mean": 0.5}) and finish == ("finish",)
 
     calls.clear()
