@@ -642,6 +642,30 @@ def test_val_before_train_decides_the_baseline_validation(tiny_model_dir, data_d
     assert validated == ([0, 2] if before else [2])
 
 
+@pytest.mark.parametrize("names, expected", [
+    ({}, ("longqa", "run")),  # the run folder's name
+    ({"trainer.project_name": "arctic_rl_long_context", "trainer.experiment_name": "grpo-32b"},
+     ("arctic_rl_long_context", "grpo-32b")),
+])
+def test_the_run_logs_to_its_wandb_project_under_its_name(tiny_model_dir, data_dir, tmp_path, monkeypatch, names,
+                                                          expected):
+    """trainer.project_name and trainer.experiment_name (verl's keys of the same names) reach W&B."""
+    import importlib.machinery
+    import sys
+    import types
+
+    inits = []
+    fake = types.ModuleType("wandb")  # (a module with a spec: the start-up check finds it installed)
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    fake.init = lambda **kw: inits.append(kw) or types.SimpleNamespace(log=lambda data, step: None,
+                                                                      finish=lambda: None)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    extra = {"trainer.max_steps": 1, "trainer.test_freq": 0, "trainer.save_freq": 0, "trainer.logger": "[wandb]",
+             **names}
+    assert main(["train", *overrides(tiny_model_dir, data_dir, tmp_path / "run", **extra)]) == 0
+    assert [(init["project"], init["name"]) for init in inits] == [expected]
+
+
 def test_auto_micro_batch_budget_on_the_cpu_is_said_and_recorded(tiny_model_dir, data_dir, tmp_path, capsys):
     """On the CPU, whose memory the plan does not size, actor.max_tokens_per_micro_batch=auto is 16,384 tokens:
     said at the start, and what the checkpoint records (so a resume with auto again changes nothing)."""
