@@ -253,6 +253,23 @@ def test_data_prepare_reads_the_embedded_model_s_tokenizer_as_train_does(data_di
     assert "train: 18 prompts from 18 rows" in capsys.readouterr().out
 
 
+def test_data_prepare_says_what_it_dropped_per_source_as_train_does(data_dir, tmp_path, capsys):
+    """At a limit that drops some prompts, data prepare prints the same per-source lines train prints."""
+    from longqa.config import load_config
+    from longqa.data.prompts import PromptOptions, describe_losses, prepare_prompts
+    from longqa.model.load import config_tokenizer
+
+    files = [f"{data_dir}/merged/train.parquet"]
+    tokenizer = config_tokenizer(load_config("configs/demo.yaml").model)  # the embedded model's, as prepare reads
+    whole = prepare_prompts(files, tokenizer, PromptOptions(100_000))
+    limit = int(sorted(whole.lengths)[len(whole) // 2])
+    assert main(["data", "prepare", "configs/demo.yaml", f"data.train_files={files[0]}", "data.val_files=[]",
+                 f"data.max_prompt_length={limit}", f"data.cache_dir={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    lost = describe_losses(prepare_prompts(files, tokenizer, PromptOptions(limit)), "train", PromptOptions(limit))
+    assert len(lost) > 1 and all(line in out for line in lost[1:])
+
+
 @pytest.mark.parametrize("argv, complaint", [
     (["eval", "--data", "x.parquet", "--mode", "foo"], "argument --mode: invalid choice: 'foo'"),
     (["config", "show", "algo.clip_ratio_high=-0.5"], "config key 'algo.clip_ratio_high' must be > 0"),

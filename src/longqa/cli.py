@@ -159,7 +159,7 @@ def cmd_data_synth(args: argparse.Namespace) -> None:
 
 
 def cmd_data_prepare(args: argparse.Namespace) -> None:
-    from longqa.data.prompts import PromptOptions, prepare_prompts
+    from longqa.data.prompts import PromptOptions, describe_losses, prepare_prompts
     from longqa.model.load import config_tokenizer
 
     cfg = run_config(args)
@@ -169,6 +169,8 @@ def cmd_data_prepare(args: argparse.Namespace) -> None:
         if files:
             prompts = prepare_prompts(files, tokenizer, options, cache_dir=cfg.data.cache_dir)
             print(f"{name}: {prompts.stats.summary()}\n  cache: {prompts.stats.cache_path}")
+            for line in describe_losses(prompts, name, options)[1:]:  # what it lost, per source and length
+                print(line)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
