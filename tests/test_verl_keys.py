@@ -304,8 +304,10 @@ def test_the_recipe_s_own_launch_line_runs_as_it_is(capsys):
     said = {note.partition("=")[0] for note in notes[1:]}
     run_as_another_value = {"actor_rollout_ref.model.override_config.attn_implementation",  # FlashAttention 3
                             "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"}  # a budget counted verl's way
-    without_effect = said - run_as_another_value
-    assert len(said) == 25 and run_as_another_value <= said and len(without_effect) == 23
+    read_by_vllm_alone = {"actor_rollout_ref.rollout." + key for key in  # and this line samples with the fast engine
+                          ("gpu_memory_utilization", "free_cache_engine", "enforce_eager")}
+    without_effect = said - run_as_another_value - read_by_vllm_alone
+    assert len(said) == 28 and (run_as_another_value | read_by_vllm_alone) <= said and len(without_effect) == 23
     assert (cfg.trainer.launcher, cfg.trainer.ray_workers) == ("ray", 32)  # not verl's driver's 1 x 1
     assert (cfg.actor.strategy, cfg.actor.cpu_offload, cfg.actor.shared_prompt) == ("deepspeed", True, True)
     assert (cfg.rollout.engine, cfg.rollout.speculative) == ("fast", "prompt_lookup")
@@ -344,3 +346,12 @@ def test_the_recipe_s_launch_line_plans_on_its_32_gpus(capsys):
         load_config(None, [*line, "actor.max_tokens_per_micro_batch=20480"])
     assert load_config(None, [text for text in line if "ppo_max_token_len" not in text]
                        + ["actor.max_tokens_per_micro_batch=20480"]).actor.max_tokens_per_micro_batch == 20480
+
+
+@pytest.mark.parametrize("engine, said", [("vllm", False), ("hf", True), ("arctic", True), (None, True)])
+def test_vllm_settings_are_said_unread_when_another_engine_samples(engine, said):
+    line = ["actor_rollout_ref.rollout.gpu_memory_utilization=0.7", "actor_rollout_ref.rollout.enforce_eager=True"]
+    line += [f"actor_rollout_ref.rollout.name={engine}"] if engine else []
+    notes = verl_notes(line)
+    assert len(notes) == (2 if said else 0) and all("does not read it" in note for note in notes)
+    assert load_config(None, line).rollout.gpu_memory_utilization == 0.7  # the setting itself is taken either way

@@ -230,6 +230,16 @@ _SUPERSEDED = ("verl's own actor or rollout setting, replaced by the Arctic remo
                "which says what runs")
 
 
+# Renamed keys only rollout.engine=vllm reads: said when the line samples with another engine.
+VLLM_ONLY = (ROLLOUT + "gpu_memory_utilization", ROLLOUT + "free_cache_engine", ROLLOUT + "enforce_eager")
+_VLLM_ONLY = "vLLM's setting (rollout.engine=vllm); this line samples with another engine, which does not read it"
+
+
+def _samples_with_vllm(overrides: Sequence[str]) -> bool:
+    engines = {split_override(text)[0].lstrip("+"): split_override(text)[1] for text in overrides}
+    return "vllm" in (engines.get(ROLLOUT + "name"), engines.get("rollout.engine"))
+
+
 def uses_remote_backend(overrides: Sequence[str]) -> bool:
     keys = [split_override(text)[0].lstrip("+") for text in overrides]
     return any(key == "remote_backend" or key.startswith(REMOTE) or key == "trainer.remote_backend" for key in keys)
@@ -414,12 +424,15 @@ def launch_line_table(overrides: Sequence[str]) -> str:
     """A markdown table of a launch line: each argument and what longqa does with it (docs/verl-launch-line.md
     holds the reference recipe's)."""
     remote, described = uses_remote_backend(overrides), dict(verl_key_table())
+    vllm = _samples_with_vllm(overrides)
     rows = ["| argument | in longqa |", "| --- | --- |"]
     for text in overrides:
         key, raw = split_override(text)
         key = key.lstrip("+")
         if remote and key in SUPERSEDED_BY_REMOTE:
             does = f"taken, changes nothing: {_SUPERSEDED}"
+        elif key in VLLM_ONLY and not vllm:
+            does = f"{described[key]}; {_VLLM_ONLY}"
         elif why := _value_note(key, raw):
             does = f"{described[key]}; {why}"
         elif key in described:
@@ -433,12 +446,14 @@ def launch_line_table(overrides: Sequence[str]) -> str:
 def verl_notes(overrides: Sequence[str]) -> list[str]:
     """One line for each verl override taken without a longqa counterpart (``NOTED``, ``VALUE_NOTES``): what
     it is in verl and why it changes nothing here, for the command to say."""
-    notes, remote = [], uses_remote_backend(overrides)
+    notes, remote, vllm = [], uses_remote_backend(overrides), _samples_with_vllm(overrides)
     for text in overrides:
         key, raw = split_override(text)
         key = key.lstrip("+")
         if remote and key in SUPERSEDED_BY_REMOTE:
             notes.append(f"{key}={raw}: {_SUPERSEDED}")
+        elif key in VLLM_ONLY and not vllm:
+            notes.append(f"{key}={raw}: {_VLLM_ONLY}")
         elif key in NOTED:
             notes.append(f"{key}={raw}: {NOTED[key]}")
         elif why := _value_note(key, raw):
