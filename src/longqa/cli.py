@@ -115,8 +115,9 @@ def run_config(args: argparse.Namespace) -> Config:
                  + ", ".join(f"{key}={value}" for key, value in VERL_DEFAULTS.items()), *verl_notes(overrides)]
     else:
         cfg, notes = load_config(path or DEMO_CONFIG, overrides), verl_notes(overrides)
-    for note in notes:  # (on stderr: config show's YAML stays clean)
-        print(f"note: {note}", file=sys.stderr)
+    if os.environ.get("RANK", "0") == "0":  # once under torchrun; on stderr, so config show's YAML stays clean
+        for note in notes:
+            print(f"note: {note}", file=sys.stderr)
     return cfg
 
 
