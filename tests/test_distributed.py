@@ -190,6 +190,42 @@ def test_sharded_bf16_models_step_float32_master_weights(tmp_path, master_weight
     for name, weight in got["copy"].items():
         assert torch.equal(weight, got["after"][name].to(torch.bfloat16)), name
 
+@pytest.mark.parametrize("master_weights", ["float32", "model"])
+def test_one_process_steps_float32_masters_of_a_bf16_model(master_weights):
+    """One process trains as several do: a model loaded in bf16 is sharded in a process group of its own (as
+    `longqa train` makes it) with float32 shards, so one update at the recipe's lr 1e-6 moves nearly every
+    weight by about that much; with actor.master_weights=model the bf16 weights are stepped and nearly every
+    update rounds away."""
+    import os
+
+    import torch.distributed as dist
+
+    from longqa.distributed.fsdp import full_state_dict
+    from longqa.distributed.planner import float32_masters
+
+    cfg = config("true", "token-mean", 40)
+    cfg.model.dtype, cfg.actor.master_weights = "bfloat16", master_weights
+    assert float32_masters(cfg) == (master_weights == "float32")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        actor = Actor(tiny_lm().to(torch.bfloat16), cfg, 1, torch.device("cpu"))
+        shards = {p.dtype for p in actor.scorer.parameters()}
+        full = (lambda t: t.full_tensor()) if master_weights == "float32" else (lambda t: t)
+        state = (lambda: full_state_dict(actor.scorer)) if master_weights == "float32" else actor.scorer.state_dict
+        before = {k: v.float().clone() for k, v in state().items()}
+        step(actor, global_samples(), full)
+        moved = torch.cat([(v.float() - before[k]).flatten() for k, v in state().items()])
+    finally:
+        dist.destroy_process_group()
+    if master_weights == "float32":
+        assert shards == {torch.float32}
+        assert (moved != 0).float().mean() > 0.95 and moved.abs().max() <= 1.1e-6
+    else:
+        assert shards == {torch.bfloat16}
+        assert (moved != 0).float().mean() < 0.05
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("shared,mode,offload", [("true", "token-mean", False), ("false", "seq-mean-token-mean", False),
                                                  ("true", "seq-mean-token-sum-norm", True)])

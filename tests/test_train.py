@@ -758,21 +758,31 @@ def test_budget_batches_count_padded_tokens():
 
 def test_training_half_precision_weights_warns_where_updates_round_away():
     """An AdamW update is about the learning rate: bf16 weights (8 significant bits) lose it above 256 times
-    that, which at the recipe's 1e-6 is most weights. The warning says so and names the ways out."""
+    that, which at the recipe's 1e-6 is most weights. Stepping them is a choice (actor.master_weights=model),
+    warned of; FSDP2's float32 masters (on any number of ranks) and DeepSpeed's keep the updates."""
     import torch
 
     from longqa.config import load_config
     from longqa.train.trainer import rounding_warning
 
-    cpu, gpu = torch.device("cpu"), torch.device("cuda")
     bf16 = ["model.dtype=bfloat16", "actor.lr=1e-6"]
-    for device, sharded in ((cpu, False), (gpu, False), (cpu, True)):  # the bf16 weights themselves are stepped
-        message = rounding_warning(load_config(None, bf16), device, sharded)
-        assert "rounded away on any weight above 0.00026" in message and "model.dtype=float32" in message
+    message = rounding_warning(load_config(None, [*bf16, "actor.master_weights=model"]))
+    assert "rounded away on any weight above 0.00026" in message and "actor.master_weights=float32" in message
     weight = torch.tensor(0.001, dtype=torch.bfloat16)  # above 0.00026: the update is lost
     assert weight + torch.tensor(1e-6, dtype=torch.bfloat16) == weight
-    message = rounding_warning(load_config(None, [*bf16, "actor.master_weights=model"]), gpu, True)
-    assert "actor.master_weights=float32" in message
-    assert rounding_warning(load_config(None, bf16), gpu, True) is None  # FSDP2's float32 masters
-    assert rounding_warning(load_config(None, ["model.dtype=float32"]), cpu, False) is None
-    assert rounding_warning(load_config(None, [*bf16, "actor.strategy=deepspeed"]), gpu, False) is None
+    assert rounding_warning(load_config(None, bf16)) is None  # float32 masters, one process too
+    assert rounding_warning(load_config(None, ["model.dtype=float32", "actor.master_weights=model"])) is None
+    assert rounding_warning(load_config(None, [*bf16, "actor.strategy=deepspeed"])) is None
+
+
+def test_one_process_trains_a_bf16_model_on_float32_masters(tiny_model_dir, data_dir, tmp_path, capsys):
+    """`longqa train model.dtype=bfloat16` in one process: no rounding warning, the shards in a group of its own,
+    and the run resumes from its checkpoint as any run does."""
+    out = tmp_path / "run"
+    extra = {"model.dtype": "bfloat16", "actor.lr": 1e-6, "trainer.max_steps": 1, "trainer.test_freq": 0,
+             "trainer.save_freq": 1}
+    assert main(["train", *overrides(tiny_model_dir, data_dir, out, **extra)]) == 0
+    assert "rounded away" not in capsys.readouterr().out
+    assert main(["train", *overrides(tiny_model_dir, data_dir, out, **{**extra, "trainer.max_steps": 2})]) == 0
+    assert "resumed from" in capsys.readouterr().out
+    assert [r["step"] for r in records(out)] == [1, 2]

@@ -164,10 +164,11 @@ class ActorConfig:
         "by CPU Adam; torch's AdamW steps the rest on the GPU (DeepSpeed's partial offload), for a model whose "
         "optimizer fits in neither memory alone", *unit_closed)
     master_weights: Literal["float32", "model"] = opt(
-        "float32", "fsdp2, sharded on GPUs (several ranks, or cpu_offload): the dtype of the weight shards the "
-        "optimizer steps, computed in bfloat16 either way. float32 (verl's default): an update of lr 1e-6 "
-        "survives; model: model.dtype itself, half the training state's memory, but bfloat16 keeps 8 "
-        "significant bits and rounds away any update under a 256th of its weight")
+        "float32", "fsdp2 (several ranks, cpu_offload, or a 16-bit model.dtype in one process, sharded in a group of "
+        "its own): the dtype of the weight shards the optimizer steps, computed in model.dtype's 16 bits either "
+        "way. float32 (verl's default): an update of lr 1e-6 survives; model: model.dtype itself, half the "
+        "training state's memory, but bfloat16 keeps 8 significant bits and rounds away any update under a 256th "
+        "of its weight")
     deepspeed_config: Optional[str] = opt(None, "strategy=deepspeed: a DeepSpeed config file (JSON or YAML) merged "
                                           "over the one longqa generates (e.g. zero_optimization.offload_param)")
     shared_prompt: bool = opt(True, "pack each prompt once with its n responses (false: the naive padded "

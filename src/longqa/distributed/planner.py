@@ -6,9 +6,9 @@ sharded over ``world_size`` ranks (FSDP2, ZeRO-3 style):
 
 - training state: the weights, their gradients and AdamW's two moments, divided by the ranks. FSDP2 keeps
   the reduced gradients in the shards' dtype and torch's AdamW makes its moments like the parameters, so
-  all four are in the shards' dtype: float32 master weights when sharded (``actor.master_weights``, 16
-  bytes per parameter), ``model.dtype`` in one process or with ``actor.master_weights=model`` (8 bytes in
-  bf16). DeepSpeed ZeRO-3 (``actor.strategy=deepspeed``) keeps fp32 master weights, gradients and moments
+  all four are in the shards' dtype: float32 master weights (``actor.master_weights``, 16 bytes per
+  parameter; a 16-bit model in one process is sharded in a group of its own for them), ``model.dtype`` with
+  ``actor.master_weights=model`` (8 bytes in bf16) or when the model is float32 anyway. DeepSpeed ZeRO-3 (``actor.strategy=deepspeed``) keeps fp32 master weights, gradients and moments
   (16 bytes) and a bf16 partition of the weights beside them, 18 bytes in all, of which the 2 stay on the
   GPU when the optimizer is offloaded (and leave it too when the parameters are). Offloaded
   (``actor.cpu_offload``), the rest is in host memory (``host_memory.py``); what differs is who steps it:
@@ -296,16 +296,25 @@ def update_backend(cfg) -> str:
 
 def master_bytes(cfg, world_size: int) -> int:
     """Bytes of one parameter of the weights the optimizer steps under FSDP2 or in one process: sharded (GPUs
-    compute in bf16), float32 masters unless ``actor.master_weights=model``; otherwise ``model.dtype``."""
+    compute in bf16; a 16-bit model in one process too), float32 masters unless ``actor.master_weights=model``;
+    otherwise ``model.dtype``."""
     if is_sharded(cfg, world_size) and cfg.actor.master_weights == "float32":
         return 4
     return DTYPE_BYTES[cfg.model.dtype]
 
 
 def is_sharded(cfg, world_size: int) -> bool:
-    """Whether the model is sharded: over several ranks, by ZeRO-3 even on one, or to offload it (in a process
-    group of one, as ``longqa bench step`` runs it). Then the rollout engine keeps its own copy."""
-    return world_size > 1 or cfg.actor.strategy == "deepspeed" or cfg.actor.cpu_offload
+    """Whether the model is sharded: over several ranks, by ZeRO-3 even on one, or to offload it or keep float32
+    masters of a 16-bit model (in a process group of one, as ``longqa bench step`` runs it). Then the rollout
+    engine keeps its own copy."""
+    return world_size > 1 or cfg.actor.strategy == "deepspeed" or cfg.actor.cpu_offload or float32_masters(cfg)
+
+
+def float32_masters(cfg) -> bool:
+    """Whether FSDP2 keeps float32 master weights of a model loaded in 16 bits (``actor.master_weights=float32``,
+    the default), as it does on any number of ranks: one process shards in a group of its own for them, since an
+    update of the recipe's lr 1e-6 rounds away on most bf16 weights."""
+    return cfg.actor.strategy == "fsdp2" and cfg.model.dtype != "float32" and cfg.actor.master_weights == "float32"
 
 
 def offloads(cfg) -> tuple[bool, bool]:

@@ -23,7 +23,7 @@ from longqa.config import Config
 from longqa.distributed import deepspeed
 from longqa.distributed.env import all_reduce, world_size
 from longqa.distributed.fsdp import shard_model
-from longqa.distributed.planner import AUTO, ModelSizes, resolve_micro_batch_tokens
+from longqa.distributed.planner import AUTO, ModelSizes, float32_masters, resolve_micro_batch_tokens
 from longqa.model.attention import PADDED_BACKENDS, length_step, resolve_backend, use_longqa_attention
 from longqa.model.logprobs import packed_logprobs, token_logprobs
 from longqa.model.packing import build_packed_batch, plan_packs
@@ -120,9 +120,10 @@ class Actor:
             resolve_micro_batch_tokens(cfg, world_size(), gpu_bytes, ModelSizes.from_config(model.config))
         temperature = cfg.rollout.temperature or 1.0
         self.backend = None
-        # Parameters become shards over several ranks, or in a process group of one to offload them to the CPU
-        # (`longqa train` makes no group for one process otherwise).
-        sharded = world_size() > 1 or (a.cpu_offload and torch.distributed.is_initialized())
+        # Parameters become shards over several ranks, or in a process group of one to offload them to the CPU or
+        # to keep float32 masters of a 16-bit model (`longqa train` makes no group for one process otherwise).
+        sharded = world_size() > 1 or ((a.cpu_offload or float32_masters(cfg)) and torch.distributed.is_initialized())
+        masters = next(model.parameters()).dtype != torch.float32  # FSDP2's mixed precision keeps float32 shards
         if a.shared_prompt:
             # Sharded by FSDP2 on a GPU, the layers compute in bfloat16 whatever the shards' dtype (shard_model).
             compute = torch.bfloat16 if sharded and a.strategy == "fsdp2" and device.type == "cuda" \
@@ -142,6 +143,7 @@ class Actor:
                 for scorer in (self.scorer, self.reference):
                     if scorer is not None:  # (the frozen reference takes no step: it keeps the loaded dtype)
                         shard_model(scorer, scorer.model.base_model.layers, device, a.cpu_offload,
+                                    mixed_precision=device.type == "cuda" or masters,
                                     master_weights=a.master_weights if scorer is self.scorer else "model")
             self.optimizer = torch.optim.AdamW(self.scorer.parameters(), lr=a.lr, betas=tuple(a.betas),
                                                weight_decay=a.weight_decay)

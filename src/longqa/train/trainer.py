@@ -24,7 +24,7 @@ from longqa.config import Config, ConfigError, to_dict
 from longqa.data.prompts import GROUPS, PromptOptions, PromptSet, describe_losses, prepare_prompts, tally
 from longqa.distributed.deepspeed import check_deepspeed
 from longqa.distributed.env import DistEnv, all_reduce, gather_objects, leave_group
-from longqa.distributed.planner import check_data_parallel, check_run
+from longqa.distributed.planner import check_data_parallel, check_run, float32_masters
 from longqa.evaluate import evaluate, stop_token_ids
 from longqa.lengths import draw_response_lengths
 from longqa.model.load import (compile_decoder_layers, compiled_graphs, config_tokenizer, load_model, pick_device,
@@ -133,10 +133,15 @@ def check_speculative(cfg: Config) -> None:
 
 
 def check_offload(cfg: Config) -> None:
-    """Offloaded shards need an engine with weights of its own."""
+    """Shards (offloaded, or float32 masters in one process) need an engine with weights of its own."""
     if cfg.actor.cpu_offload and cfg.rollout.engine == "hf":
         raise ConfigError("actor.cpu_offload=true needs rollout.engine=fast or vllm: the hf engine generates with the "
                           "training model itself, whose weights are then shards in host memory")
+    if float32_masters(cfg) and cfg.rollout.engine == "hf":
+        raise ConfigError(f"model.dtype={cfg.model.dtype} steps float32 master weights (actor.master_weights=float32), "
+                          f"sharded in a process group of their own, which rollout.engine=hf cannot sample from (it "
+                          f"generates with the training model itself): use rollout.engine=fast or vllm, or "
+                          f"actor.master_weights=model")
     a = cfg.actor
     if a.cpu_offload_ratio != 1 and (a.strategy != "deepspeed" or not a.cpu_offload):
         raise ConfigError(f"actor.cpu_offload_ratio={a.cpu_offload_ratio:g} needs actor.strategy=deepspeed and "
@@ -144,21 +149,17 @@ def check_offload(cfg: Config) -> None:
                           f"actor.strategy={a.strategy}, actor.cpu_offload={str(a.cpu_offload).lower()})")
 
 
-def rounding_warning(cfg: Config, device: torch.device, sharded: bool) -> str | None:
+def rounding_warning(cfg: Config) -> str | None:
     """The weights the optimizer steps in bf16/fp16 keep 8 (11) significant bits, so an AdamW update, about the
-    learning rate, is rounded away wherever it is under a 256th (2048th) of the weight. One process steps the
-    parameters in ``model.dtype``; FSDP2 sharded on GPUs steps float32 masters unless
-    ``actor.master_weights=model``; DeepSpeed's bf16 mode keeps float32 masters."""
+    learning rate, is rounded away wherever it is under a 256th (2048th) of the weight. FSDP2 steps float32
+    masters of a 16-bit model on any number of ranks (one process in a group of its own) and DeepSpeed's bf16
+    mode keeps float32 masters; ``actor.master_weights=model`` steps the 16-bit weights themselves."""
     bits = {"bfloat16": 8, "float16": 11}.get(cfg.model.dtype)
-    mixed_precision = sharded and device.type == "cuda"  # FSDP2's (shard_model)
-    if bits is None or cfg.actor.strategy == "deepspeed" or (mixed_precision and cfg.actor.master_weights == "float32"):
+    if bits is None or cfg.actor.strategy == "deepspeed" or cfg.actor.master_weights == "float32":
         return None
-    fix = ("actor.master_weights=float32 keeps float32 master weights" if mixed_precision else
-           "model.dtype=float32 keeps float32 weights (sharded on GPUs, model.dtype=bfloat16 with float32 master "
-           "weights computes in bfloat16), or actor.strategy=deepspeed keeps float32 master weights")
-    return (f"warning: model.dtype={cfg.model.dtype} trains the {cfg.model.dtype} weights themselves: an update of "
-            f"about actor.lr={cfg.actor.lr:g} is rounded away on any weight above {cfg.actor.lr * 2 ** bits:.2g}. "
-            f"{fix}")
+    return (f"warning: model.dtype={cfg.model.dtype} with actor.master_weights=model trains the {cfg.model.dtype} "
+            f"weights themselves: an update of about actor.lr={cfg.actor.lr:g} is rounded away on any weight above "
+            f"{cfg.actor.lr * 2 ** bits:.2g}. actor.master_weights=float32 keeps float32 master weights")
 
 
 def check_layer_memory(cfg: Config, device: torch.device) -> None:
@@ -225,9 +226,9 @@ class Trainer:
         self.changes_on_resume: list[dict] = []  # this timeline's record of them, saved in every checkpoint
         # One process still shards in a group of its own when something must leave the device: ZeRO-3
         # partitions even one rank's weights, and FSDP2's CPU offload moves the shards to host memory.
-        sharded_alone = deepspeed or cfg.actor.cpu_offload
+        sharded_alone = deepspeed or cfg.actor.cpu_offload or float32_masters(cfg)
         self.owns_group = self.env.init(self.device, alone=sharded_alone)
-        if (warning := rounding_warning(cfg, self.device, self.env.distributed or sharded_alone)) and self.env.is_main:
+        if (warning := rounding_warning(cfg)) and self.env.is_main:
             print(warning, flush=True)  # said before the weights load, not after
         seed = cfg.trainer.seed
         random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
