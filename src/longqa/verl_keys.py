@@ -420,23 +420,33 @@ def verl_key_table() -> list[tuple[str, str]]:
     return rows
 
 
-def launch_line_table(overrides: Sequence[str]) -> str:
-    """A markdown table of a launch line: each argument and what longqa does with it (docs/verl-launch-line.md
-    holds the reference recipe's)."""
-    remote, described = uses_remote_backend(overrides), dict(verl_key_table())
-    vllm = _samples_with_vllm(overrides)
-    rows = ["| argument | in longqa |", "| --- | --- |"]
+def _said(overrides: Sequence[str]) -> list[tuple[str, str, str | None]]:
+    """``(text, key, why)`` for each override: ``why`` is what the command says of it (a key the remote backend
+    supersedes, a vLLM setting another engine does not read, a NOTED key, a VALUE_NOTES value), else None."""
+    remote, vllm, said = uses_remote_backend(overrides), _samples_with_vllm(overrides), []
     for text in overrides:
         key, raw = split_override(text)
         key = key.lstrip("+")
         if remote and key in SUPERSEDED_BY_REMOTE:
-            does = f"taken, changes nothing: {_SUPERSEDED}"
+            why = _SUPERSEDED
         elif key in VLLM_ONLY and not vllm:
-            does = f"{described[key]}; {_VLLM_ONLY}"
-        elif why := _value_note(key, raw):
-            does = f"{described[key]}; {why}"
-        elif key in described:
-            does = described[key]
+            why = _VLLM_ONLY
+        else:
+            why = NOTED.get(key) or _value_note(key, raw)
+        said.append((text, key, why))
+    return said
+
+
+def launch_line_table(overrides: Sequence[str]) -> str:
+    """A markdown table of a launch line: each argument and what longqa does with it (docs/verl-launch-line.md
+    holds the reference recipe's)."""
+    described = dict(verl_key_table())
+    rows = ["| argument | in longqa |", "| --- | --- |"]
+    for text, key, why in _said(overrides):
+        if why == _SUPERSEDED:
+            does = f"taken, changes nothing: {why}"
+        elif key in described:  # (a NOTED key's row says why already)
+            does = described[key] if why is None or key in NOTED else f"{described[key]}; {why}"
         else:
             does = "the same longqa setting" if is_key(key) else "not taken: " + _not_taken(key)
         rows.append(f"| `{text}` | {does.replace('|', '/')} |")
@@ -444,21 +454,9 @@ def launch_line_table(overrides: Sequence[str]) -> str:
 
 
 def verl_notes(overrides: Sequence[str]) -> list[str]:
-    """One line for each verl override taken without a longqa counterpart (``NOTED``, ``VALUE_NOTES``): what
-    it is in verl and why it changes nothing here, for the command to say."""
-    notes, remote, vllm = [], uses_remote_backend(overrides), _samples_with_vllm(overrides)
-    for text in overrides:
-        key, raw = split_override(text)
-        key = key.lstrip("+")
-        if remote and key in SUPERSEDED_BY_REMOTE:
-            notes.append(f"{key}={raw}: {_SUPERSEDED}")
-        elif key in VLLM_ONLY and not vllm:
-            notes.append(f"{key}={raw}: {_VLLM_ONLY}")
-        elif key in NOTED:
-            notes.append(f"{key}={raw}: {NOTED[key]}")
-        elif why := _value_note(key, raw):
-            notes.append(f"{key}={raw}: {why}")
-    return notes
+    """One line for each verl override taken without a longqa counterpart, or run otherwise than it says
+    (``_said``): what it is in verl and why, for the command to say."""
+    return [f"{key}={split_override(text)[1]}: {why}" for text, key, why in _said(overrides) if why]
 
 
 def is_verl_line(overrides: Sequence[str]) -> bool:
