@@ -450,9 +450,9 @@ def resolve_micro_batch_tokens(cfg, world_size: int, gpu_bytes: int | None,
         actor.max_tokens_per_micro_batch = CPU_MICRO_BATCH_TOKENS
         return f"{key}: {CPU_MICRO_BATCH_TOKENS:,} tokens a micro-batch (no GPU memory to size it by)"
     ceiling, one_sample = mini_batch_share_tokens(cfg, world_size), one_sample_tokens(cfg)
-    actor.max_tokens_per_micro_batch = one_sample  # where the search starts
     largest = largest_micro_batch_tokens(cfg, sizes, world_size, gpu_bytes, ceiling=ceiling)
-    if largest is None:
+    if largest is None:  # (the memory check then refuses one sample's budget, saying what to change)
+        actor.max_tokens_per_micro_batch = one_sample
         return f"{key}: not even one sample ({one_sample:,} tokens) fits"
     chosen = largest if largest == ceiling else max(one_sample, largest // BUDGET_STEP * BUDGET_STEP)
     actor.max_tokens_per_micro_batch = chosen

@@ -236,6 +236,7 @@ class Trainer:
         self.score = reward_function(cfg)  # bad input fails first, before the weights are read
         self.tokenizer = config_tokenizer(m)
         self.train_set, self.val_set = load_prompts(cfg, self.tokenizer, say=self._say)
+        self.val_suffixes = lost_row_suffixes(self.val_set) if self.val_set is not None else {}  # (fixed for the run)
         self.model, _ = load_model(m.path, gguf_file=m.gguf_file, dtype=m.dtype, attn_implementation=m.attn_implementation,
                                    gradient_checkpointing=m.gradient_checkpointing,
                                    checkpoint_fraction=m.checkpoint_fraction,
@@ -438,10 +439,9 @@ class Trainer:
             out["val/reward_errors"] = result["reward_errors"]
         if self.val_set.stats.lost:
             out["val/lost_prompts"] = len(self.val_set.stats.lost)
-        lost = lost_row_suffixes(self.val_set)
 
         def name(group: str, key) -> str:
-            return validation_metric(group, key, lost.get((group, key), ""))
+            return validation_metric(group, key, self.val_suffixes.get((group, key), ""))
 
         out.update({name("data_source", source): r["accuracy"] for source, r in result.items()
                     if isinstance(r, dict) and source != "all"})
