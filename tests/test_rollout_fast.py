@@ -24,9 +24,11 @@ def hf_greedy(model, prompt, max_new):
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
-@pytest.mark.parametrize("n,groups,chunk", [(1, None, 8192), (3, 2, 4)])
+@pytest.mark.parametrize("n,groups,chunk", [(1, None, 8192), (3, 2, 4), (2, None, 8)])
 def test_greedy_equals_transformers_generate(family, n, groups, chunk):
-    """Several prompt lengths, chunked prefill, fewer slots than prompts (groups stream through)."""
+    """Several prompt lengths, chunked prefill, fewer slots than prompts (groups stream through); several
+    prompts in one prefill forward (all of them at 8,192 tokens; at 8, a prompt's last piece beside the
+    next prompt's first)."""
     model = tiny_lm(family)
     engine = FastRolloutEngine(model, max_groups=groups, prefill_chunk=chunk, sync_every=3)
     params = SamplingParams(n=n, temperature=0, max_new_tokens=12, stop_token_ids=(STOP,))

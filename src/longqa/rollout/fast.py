@@ -43,6 +43,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
+import itertools
 import math
 import numbers
 from collections import deque
@@ -68,6 +69,18 @@ VOCAB_CHUNKS = 64
 # A decode step reads the KV stores through views of the longest prompt and response still running,
 # rounded up to these steps (tokens), so that a few shapes (and CUDA graphs) serve every batch.
 PROMPT_VIEW_STEP, RESPONSE_VIEW_STEP = 256, 64
+PREFILL_ACTIVATION_BYTES = 1 << 30
+
+
+def prefill_tokens(model) -> int:
+    """Tokens of one prefill forward by default: as many as keep its widest activation (the MLP's gate
+    and up products, two intermediate widths) within ``PREFILL_ACTIVATION_BYTES``, between 8,192 and
+    65,536. A small model then prefills several prompts per forward (SmolLM2-135M: eight of 8,192 tokens),
+    a 32B model one 8,192-token chunk at a time."""
+    config = model.config
+    width = 2 * (getattr(config, "intermediate_size", None) or 4 * config.hidden_size)
+    size = next(model.parameters()).element_size()
+    return max(8192, min(65536, PREFILL_ACTIVATION_BYTES // (width * size)))
 
 
 class KVBudgetError(ValueError):
@@ -176,7 +189,9 @@ class SharedPrefixKV:
         # outputs are ignored).
         self.prompt_read = torch.ones(groups, dtype=torch.long, device=device)
         self.mode = "decode"
-        self.prefill_slot = self.prefill_start = 0
+        # A prefill forward's tokens, in order: (slot, start, length) pieces, each a prompt's tokens from
+        # ``start`` on (several prompts per forward; a prompt longer than a forward comes in several pieces).
+        self.prefill_pieces: list[tuple[int, int, int]] = []
         self.prompt_view = prompt_cap  # how much of the stores a decode step reads (length buckets)
         self.response_view = self.own_cap
 
@@ -205,9 +220,18 @@ class SharedPrefixKV:
         return self._decode(layer, q, k, v, scaling, spec)
 
     def _prefill(self, layer, q, k, v, scaling, spec: AttentionSpec):
-        """One chunk of one prompt: store its keys/values, attend causally to the prompt so far."""
-        g, start, length = self.prefill_slot, self.prefill_start, q.shape[2]
-        end = start + length
+        """A prefill forward's pieces (``prefill_pieces``), each stored and attended on its own."""
+        outputs, offset = [], 0
+        for g, start, length in self.prefill_pieces:
+            piece = slice(offset, offset + length)
+            outputs.append(self._prefill_piece(layer, g, start, q[:, :, piece], k[:, :, piece], v[:, :, piece],
+                                               scaling, spec))
+            offset += length
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, 1)
+
+    def _prefill_piece(self, layer, g, start, q, k, v, scaling, spec: AttentionSpec):
+        """One piece of one prompt: store its keys/values, attend causally to the prompt so far."""
+        end = start + q.shape[2]
         self.prefix_k[layer, g, :, start:end] = k[0]
         self.prefix_v[layer, g, :, start:end] = v[0]
         keys, values = self.prefix_k[layer, g, :, :end][None], self.prefix_v[layer, g, :, :end][None]
@@ -308,6 +332,20 @@ def _compiled_decode_attention():
     return torch.compile(decode_attention, dynamic=True)
 
 
+def _fill(pieces: list[tuple[int, int, int]], tokens: int) -> list[list[tuple[int, int, int]]]:
+    """Consecutive ``(slot, start, length)`` pieces (each at most ``tokens`` long) grouped into forwards of at
+    most ``tokens`` tokens, in order: a prompt's later piece always comes in a later forward than its
+    earlier ones, whose keys and values it reads."""
+    forwards, width = [], tokens
+    for piece in pieces:
+        if width + piece[2] > tokens:
+            forwards.append([])
+            width = 0
+        forwards[-1].append(piece)
+        width += piece[2]
+    return forwards
+
+
 def _bucket(length: int, step: int, cap: int) -> int:
     return min(cap, max(step, math.ceil(length / step) * step))
 
@@ -316,7 +354,8 @@ class FastRolloutEngine(RolloutEngine):
     """Shared-prefix sampling on the training model's own weights.
 
     ``kv_cache_bytes`` bounds the KV stores (default: 40% of free GPU memory, 2 GiB on a CPU); as many
-    groups run at once as fit. ``prefill_chunk`` bounds the tokens of one prefill forward.
+    groups run at once as fit. ``prefill_chunk`` bounds the tokens of one prefill forward, which holds
+    several prompts where they fit (default: ``prefill_tokens(model)``).
     ``cuda_graphs`` captures the decode step per length bucket (CUDA only). ``fused_decode`` runs the
     decode step of Llama-family models as a few compiled kernels per layer (``decode_step.py``; compiled
     on a GPU only); ``None`` uses it wherever the model is supported, ``False`` runs the model's modules.
@@ -328,7 +367,7 @@ class FastRolloutEngine(RolloutEngine):
     in fewer steps where drafts are right.
     """
 
-    def __init__(self, model, tokenizer=None, kv_cache_bytes: int | None = None, prefill_chunk: int = 8192,
+    def __init__(self, model, tokenizer=None, kv_cache_bytes: int | None = None, prefill_chunk: int | None = None,
                  sync_every: int = 16, cuda_graphs: bool = True, max_groups: int | None = None, dtype=None,
                  own_copy: bool = False, fused_decode: bool | None = None, decode_kernel: str = "auto",
                  speculative: str | None = None, num_speculative_tokens: int = 4, prompt_lookup_min: int = 2,
@@ -346,7 +385,8 @@ class FastRolloutEngine(RolloutEngine):
         self.speculation = (Speculation(num_speculative_tokens, prompt_lookup_min, prompt_lookup_max)
                             if speculative else None)
         self.queries = self.speculation.queries if self.speculation else 1  # tokens a decode step feeds per row
-        self.kv_cache_bytes, self.prefill_chunk, self.sync_every = kv_cache_bytes, prefill_chunk, sync_every
+        self.kv_cache_bytes, self.sync_every = kv_cache_bytes, sync_every
+        self.prefill_chunk = prefill_chunk or prefill_tokens(model)
         self.max_groups = max_groups
         first = next(self.model.parameters())
         self.device, self.dtype = first.device, first.dtype
@@ -484,13 +524,15 @@ class FastRolloutEngine(RolloutEngine):
         results: list[list[Sample] | None] = [None] * len(prompts)
         self.last_run = {"decode_steps": 0, "busy_slot_steps": 0, "live_row_steps": 0, "slots": kv.groups, "n": n}
         while True:
+            admitted = []
             for g in range(kv.groups):
                 if slot_prompt[g] is None and pending:
                     i = pending.popleft()
-                    self._admit(g, prompts[i], params, keys[i * n:(i + 1) * n], row_limits[i * n:(i + 1) * n],
-                                state, stops)
+                    admitted.append((g, i))
                     slot_prompt[g], slot_prompt_len[g], slot_age[g] = i, len(prompts[i]), 0
                     slot_done_at[g] = max(limits[i]) - 1  # the first token came with the prefill
+            if admitted:
+                self._admit(admitted, prompts, params, keys, row_limits, state, stops)
             active, slot_reach = torch.stack([state.active.view(kv.groups, n).any(1).long(),
                                               state.length.view(kv.groups, n).max(1).values]).tolist()
             freed = False
@@ -530,30 +572,53 @@ class FastRolloutEngine(RolloutEngine):
         self.last_run["busy_slot_steps"] += max(steps)
         self.last_run["live_row_steps"] += sum(steps)
 
-    def _admit(self, g: int, prompt: list[int], params, keys, limits, state: "DecodeState", stops) -> None:
-        """Prefill ``prompt`` into slot ``g`` (in chunks) and sample each of its rows' first token."""
-        kv, n = self.kv, params.n
-        ids = torch.as_tensor(prompt, device=self.device)
-        kv.mode, kv.prefill_slot = "prefill", g
-        for start in range(0, len(prompt), self.prefill_chunk):
-            chunk = ids[start:start + self.prefill_chunk]
-            kv.prefill_start = start
-            positions = torch.arange(start, start + len(chunk), device=self.device)
-            if self.decode_step is not None:
-                hidden = self.decode_step.prefill(chunk, positions, kv)
-            else:
-                hidden = self.model.base_model(input_ids=chunk[None], position_ids=positions[None],
-                                               attention_mask=NO_MASK.to(self.device), use_cache=False,
-                                               longqa_kv=kv).last_hidden_state[0]
+    def _admit(self, admitted: list[tuple[int, int]], prompts, params, keys, limits, state: "DecodeState",
+               stops) -> None:
+        """Prefill the prompts of ``admitted`` (slot, prompt index) pairs into their slots and sample each of
+        their rows' first token (``keys`` and ``limits`` are per row of every prompt). A forward holds up to
+        ``prefill_chunk`` tokens of several prompts: one prompt per forward leaves a small model's GPU
+        waiting on the host's launches (SmolLM2-135M: 27 ms a prompt of 8,192 tokens for 10 ms of kernels)."""
+        kv, n, dev = self.kv, params.n, self.device
+        lengths = [len(prompts[i]) for _, i in admitted]
+        pieces = [(g, start, min(self.prefill_chunk, length - start))
+                  for (g, _), length in zip(admitted, lengths) for start in range(0, length, self.prefill_chunk)]
+        ids = torch.as_tensor([t for _, i in admitted for t in prompts[i]], device=dev)  # one copy to the device
+        total, first = len(ids), torch.as_tensor([0, *itertools.accumulate(lengths)][:-1], device=dev)
+        positions = torch.arange(total, device=dev) - first.repeat_interleave(
+            torch.as_tensor(lengths, device=dev), output_size=total)
+        ends = []  # where each prompt's last token sits in its forward's output, forward by forward
+        kv.mode, offset = "prefill", 0
+        for forward in _fill(pieces, self.prefill_chunk):
+            width = sum(length for _, _, length in forward)
+            kv.prefill_pieces = forward
+            hidden = self._prefill_forward(ids[offset:offset + width], positions[offset:offset + width], kv)
+            end = 0
+            for g, start, length in forward:
+                end += length
+                if start + length == lengths[len(ends)]:
+                    ends.append(hidden[end - 1])
+            offset += width
         kv.mode = "decode"
-        logits = self._logits(hidden[-1:]).expand(n, -1)
-        rows = slice(g * n, (g + 1) * n)
-        kv.prefix_len[g] = len(prompt)
-        kv.prompt_ids[g, :len(prompt)] = ids
-        state.keys[rows] = keys
-        tokens, logp = sample_rows(logits, params, keys, torch.zeros(n, dtype=torch.long, device=self.device),
+        logits = self._logits(torch.stack(ends)).repeat_interleave(n, 0)  # [admitted * n, vocab]
+        rows = torch.cat([torch.arange(i * n, (i + 1) * n) for _, i in admitted]).to(dev)
+        tokens, logp = sample_rows(logits, params, keys[rows], torch.zeros(len(rows), dtype=torch.long, device=dev),
                                    self.vocab_terms)
-        state.start(rows, tokens, logp, stops, limits)
+        offset = 0
+        for j, ((g, i), length) in enumerate(zip(admitted, lengths)):
+            slot_rows, picked = slice(g * n, (g + 1) * n), slice(j * n, (j + 1) * n)
+            kv.prefix_len[g] = length
+            kv.prompt_ids[g, :length] = ids[offset:offset + length]
+            state.keys[slot_rows] = keys[i * n:(i + 1) * n]
+            state.start(slot_rows, tokens[picked], logp[picked], stops, limits[i * n:(i + 1) * n])
+            offset += length
+
+    def _prefill_forward(self, ids: torch.Tensor, positions: torch.Tensor, kv: SharedPrefixKV) -> torch.Tensor:
+        """Final hidden states ``[tokens, hidden]`` of one prefill forward (``kv.prefill_pieces`` says whose)."""
+        if self.decode_step is not None:
+            return self.decode_step.prefill(ids, positions, kv)
+        return self.model.base_model(input_ids=ids[None], position_ids=positions[None],
+                                     attention_mask=NO_MASK.to(self.device), use_cache=False,
+                                     longqa_kv=kv).last_hidden_state[0]
 
     def _decode_step(self, params, state: "DecodeState", stops) -> None:
         if not self.cuda_graphs:
