@@ -205,6 +205,47 @@ def test_layout_positions_and_prediction_sites():
     assert mask[4].tolist() == [True, True, True, True, True, False]
 
 
+def token_by_token(packs, responses, pad_to):
+    """The layout written out one token at a time, as the module docstring states it."""
+    rows = {"ids": [], "positions": [], "pack": [], "segment": [], "predict_at": [], "targets": []}
+    for p, pack in enumerate(packs):
+        start, plen = len(rows["ids"]), len(pack.prompt)
+        for t, token in enumerate(pack.prompt):
+            for key, value in zip(("ids", "positions", "pack", "segment"), (token, t, p, 0)):
+                rows[key].append(value)
+        for r, i in enumerate(pack.samples):
+            for t, token in enumerate(responses[i]):
+                rows["predict_at"].append(start + plen - 1 if t == 0 else len(rows["ids"]) - 1)
+                rows["targets"].append(token)
+                for key, value in zip(("ids", "positions", "pack", "segment"), (token, plen + t, p, r + 1)):
+                    rows[key].append(value)
+    for t in range((-len(rows["ids"])) % pad_to):
+        for key, value in zip(("ids", "positions", "pack", "segment"), (0, t, len(packs), 0)):
+            rows[key].append(value)
+    return rows
+
+
+def test_the_layout_equals_the_token_by_token_one():
+    """Random packs (empty responses, one-token prompts, several packs, every padding) against the layout
+    built token by token."""
+    rng = torch.Generator().manual_seed(3)
+    pick = lambda options: options[int(torch.randint(len(options), (1,), generator=rng))]  # noqa: E731
+    for _ in range(200):
+        responses = [torch.randint(1, VOCAB, (pick([0, 1, 2, 5, 17]),), generator=rng).tolist() for _ in range(12)]
+        packs, used = [], 0
+        for _ in range(pick([1, 2, 4])):
+            members = list(range(used, used + pick([1, 3])))
+            used += len(members)
+            prompt = torch.randint(1, VOCAB, (pick([1, 7, 20]),), generator=rng).tolist()
+            packs.append(Pack(prompt, members, [len(responses[i]) for i in members]))
+        pad_to = pick([1, 4, 128])
+        pack, expected = build_packed_batch(packs, responses, pad_to=pad_to), token_by_token(packs, responses, pad_to)
+        assert pack.input_ids[0].tolist() == expected["ids"] and pack.position_ids[0].tolist() == expected["positions"]
+        assert pack.pack_id.tolist() == expected["pack"] and pack.segment_id.tolist() == expected["segment"]
+        assert pack.predict_at.tolist() == expected["predict_at"] and pack.targets.tolist() == expected["targets"]
+        assert pack.length % pad_to == 0
+
+
 def test_block_mask_classifies_every_block_exactly():
     """Each (query block, key block) is skipped, full or partial exactly as the token mask says, and
     the mask_mod reproduces the token mask."""

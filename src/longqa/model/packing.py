@@ -97,8 +97,14 @@ class PackedBatch:
         self.length = self.input_ids.shape[1]
 
     def to(self, device) -> "PackedBatch":
+        """Onto ``device``; to a GPU from page-locked copies, so the transfers do not wait for the kernels
+        already queued (a copy from pageable memory would, leaving the GPU idle while the host packs the next
+        micro-batch)."""
+        pinned = torch.device(device).type == "cuda"
         for name in ("input_ids", "position_ids", "pack_id", "segment_id", "predict_at", "targets"):
-            setattr(self, name, getattr(self, name).to(device, non_blocking=True))
+            tensor = getattr(self, name)
+            setattr(self, name, (tensor.pin_memory() if pinned and tensor.device.type == "cpu" else tensor)
+                    .to(device, non_blocking=True))
         return self
 
     def response_mask(self) -> torch.Tensor:
@@ -110,46 +116,42 @@ class PackedBatch:
 
 def build_packed_batch(packs: list[Pack], response_ids: Sequence[Sequence[int]], pad_to: int = 1) -> PackedBatch:
     """Lay packs back to back in one row (padded at the end to a multiple of ``pad_to`` with a dummy
-    pack of token 0, which attends only to itself and is never read)."""
-    ids: list[int] = []
-    positions: list[int] = []
-    pack_id: list[int] = []
-    segment_id: list[int] = []
-    predict_at: list[int] = []
-    targets: list[int] = []
-    segments = []
-    samples, lengths = [], []
+    pack of token 0, which attends only to itself and is never read).
+
+    Built with tensor operations over whole sequences, not token by token: a micro-batch of four
+    8,192-token groups took 25 ms of Python per token loop, during which the GPU waited."""
+    sequences, pack_of, segment_of, position_from = [], [], [], []  # per sequence: a prompt or a response
+    samples, lengths, segments = [], [], []
+    start = 0
     for p, pack in enumerate(packs):
-        start, plen = len(ids), len(pack.prompt)
+        plen = len(pack.prompt)
         if plen == 0:
             raise ValueError("a pack needs a prompt of at least one token")
-        ids.extend(int(t) for t in pack.prompt)
-        positions.extend(range(plen))
-        pack_id.extend([p] * plen)
-        segment_id.extend([0] * plen)
+        sequences.append(pack.prompt)
+        pack_of.append(p), segment_of.append(0), position_from.append(0)
         for r, i in enumerate(pack.samples):
-            response = [int(t) for t in response_ids[i]]
-            first = len(ids)
-            ids.extend(response)
-            positions.extend(range(plen, plen + len(response)))
-            pack_id.extend([p] * len(response))
-            segment_id.extend([r + 1] * len(response))
-            if response:
-                predict_at.append(start + plen - 1)
-                predict_at.extend(range(first, first + len(response) - 1))
-                targets.extend(response)
+            sequences.append(response_ids[i])
+            pack_of.append(p), segment_of.append(r + 1), position_from.append(plen)
             samples.append(i)
-            lengths.append(len(response))
+            lengths.append(len(response_ids[i]))
         segments.append((start, plen, list(pack.response_lengths)))
-    pad = (-len(ids)) % pad_to
-    if pad:
-        ids.extend([0] * pad)
-        positions.extend(range(pad))
-        pack_id.extend([len(packs)] * pad)
-        segment_id.extend([0] * pad)
-    as_long = lambda xs: torch.as_tensor(xs, dtype=torch.long)  # noqa: E731
-    return PackedBatch(input_ids=as_long(ids)[None], position_ids=as_long(positions)[None], samples=samples,
-                       response_lengths=lengths, segments=segments,
-                       pack_id=torch.as_tensor(pack_id, dtype=torch.int32),
-                       segment_id=torch.as_tensor(segment_id, dtype=torch.int32),
-                       predict_at=as_long(predict_at), targets=as_long(targets), pad_to=pad_to)
+        start += plen + sum(len(response_ids[i]) for i in pack.samples)
+    pad = (-start) % pad_to
+    sizes = torch.as_tensor([len(x) for x in sequences] + [pad], dtype=torch.long)
+    total = start + pad
+    long = dict(dtype=torch.long)
+    ids = torch.cat([torch.as_tensor(x, **long).view(-1) for x in sequences] + [torch.zeros(pad, **long)])
+    first = torch.cumsum(sizes, 0) - sizes  # each sequence's first row
+    offset = torch.arange(total) - first.repeat_interleave(sizes, output_size=total)  # index within its sequence
+    positions = offset + torch.as_tensor(position_from + [0], **long).repeat_interleave(sizes, output_size=total)
+    pack_id = torch.as_tensor(pack_of + [len(packs)], dtype=torch.int32).repeat_interleave(sizes, output_size=total)
+    segment_id = torch.as_tensor(segment_of + [0], dtype=torch.int32).repeat_interleave(sizes, output_size=total)
+    # Response token k is predicted by the row before it; a response's first token by its prompt's last row.
+    response_rows = torch.nonzero(segment_id > 0).view(-1)
+    predict_at = response_rows - 1
+    prompt_last = torch.as_tensor([segment[0] + segment[1] - 1 for segment in segments], **long)
+    opens = offset[response_rows] == 0
+    predict_at[opens] = prompt_last[pack_id[response_rows[opens]].long()]
+    return PackedBatch(input_ids=ids[None], position_ids=positions[None], samples=samples, response_lengths=lengths,
+                       segments=segments, pack_id=pack_id, segment_id=segment_id, predict_at=predict_at,
+                       targets=ids[response_rows], pad_to=pad_to)
