@@ -52,6 +52,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from longqa.compile_cache import use_user_cache
 from longqa.distributed.gather import full_parameters
 from longqa.model.attention import NO_MASK, masked_attention, use_longqa_attention
 from longqa.model.attention_spec import AttentionSpec, UnsupportedModelError
@@ -410,6 +411,8 @@ class FastRolloutEngine(RolloutEngine):
         if fused_decode and reason:
             raise ValueError(f"fused_decode=True but {reason}")
         compiled = self.device.type == "cuda"
+        if compiled:
+            use_user_cache()  # what it compiles is kept for the next start
         # A copy only the engine holds may have its projections re-bound as views of stacked matrices.
         self.decode_step = (DecodeStep(self.model, compiled, views=self.model is not self.source)
                             if fused_decode is not False and not reason else None)

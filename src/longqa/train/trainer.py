@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from longqa import algo, reward
+from longqa.compile_cache import load_run_cache, save_run_cache, use_user_cache
 from longqa.config import Config, ConfigError, to_dict
 from longqa.data.prompts import GROUPS, PromptOptions, PromptSet, describe_losses, prepare_prompts, tally
 from longqa.distributed.deepspeed import check_deepspeed
@@ -246,6 +247,10 @@ class Trainer:
         total = cfg.trainer.total_epochs * self.steps_per_epoch
         self.total_steps = min(total, cfg.trainer.max_steps or total)
         r = cfg.rollout
+        # Compiled graphs from earlier starts (this machine's cache, or the run folder's copy) before any compiling.
+        use_user_cache()
+        load_run_cache(self.run_dir)
+        self.compiled_when_cached = compiled_graphs()
         # Built before the actor shards the model: under data parallelism (or a group of one, above) the fast
         # engine keeps an unsharded copy, and vLLM loads the unsharded weights (later syncs gather them).
         logprobs_mode = logprobs_mode_for(r.temperature, r.top_k, r.top_p)
@@ -540,6 +545,9 @@ class Trainer:
                                keep_last=cfg.trainer.keep_last,
                                trainer_state={"step": done, "bad_steps": self.actor.bad_steps, "config": to_dict(cfg),
                                               CHANGES_KEY: self.changes_on_resume})
+        if self.env.is_main and compiled_graphs() > self.compiled_when_cached:  # something new to keep
+            save_run_cache(self.run_dir)
+            self.compiled_when_cached = compiled_graphs()
         self.seconds["save"] = time.perf_counter() - start
         self.saved = (done, path)
         return path
