@@ -106,6 +106,14 @@ class RolloutConfig:
                                  *positive)
     prompt_lookup_max: int = opt(8, "speculative=prompt_lookup: most latest tokens matched (the longest match "
                                  "up to this wins)", *positive)
+    mode: Literal["sync", "one_step_off"] = opt(
+        "sync", "sync: each step samples with the weights it then updates; one_step_off: the next step's prompts "
+        "are sampled before this step's update, with weights one update old (as verl's one-step-off-policy "
+        "trainer), and the PPO ratio is taken against the sampling log-probs; sampling and training share the "
+        "ranks and run one after the other")
+    max_staleness: int = opt(1, "one_step_off: most updates between the weights that sampled a step and the "
+                             "update that uses it; 0 samples each step just before its update (the sync run "
+                             "exactly); the pipeline holds one step, so above 1 is 1", *non_negative)
     n: int = opt(8, "responses sampled per prompt (the GRPO group size)", *positive)
     temperature: float = opt(1.0, "sampling temperature; 0 means greedy", *non_negative)
     top_p: float = opt(1.0, "nucleus sampling mass", lambda v: 0 < v <= 1, "in (0, 1]")

@@ -442,7 +442,9 @@ class FastRolloutEngine(RolloutEngine):
         return 2 << 30
 
     def _ensure_kv(self, prompts: list[list[int]], params: SamplingParams) -> SharedPrefixKV:
-        prompt_cap = max(len(p) for p in prompts)
+        # Rounded up to the view step, so a decode step reads the same views whatever earlier calls allocated (an
+        # exact cap would make the widths, and so the float rounding of the log-probs, depend on the history).
+        prompt_cap = _bucket(max(len(p) for p in prompts), PROMPT_VIEW_STEP, 1 << 62)
         response_cap = params.max_new_tokens
         kv = self.kv
         if (kv is not None and kv.n == params.n and kv.prompt_cap >= prompt_cap and kv.response_cap >= response_cap

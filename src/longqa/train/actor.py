@@ -42,6 +42,9 @@ class Samples:
     response_ids: list[list[int]]
     advantages: torch.Tensor  # [N], float32
     group_size: int
+    # Each response's log-probs under the policy that sampled it, when that is not the one being updated (one-step-off
+    # sampling): the PPO ratio's denominator. None: the update's own weights sampled them.
+    old_logprobs: list[list[float]] | None = None
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -240,7 +243,10 @@ class Actor:
         minis = [list(range(g * samples.group_size, min(groups, g + per_mini) * samples.group_size))
                  for g in range(0, groups, per_mini)]
         on_policy = cfg.actor.ppo_epochs == 1 and len(minis) == 1
-        old = None if on_policy else self.logprobs(samples)
+        if samples.old_logprobs is not None:  # sampled by older weights: their log-probs, not a recompute
+            old = [torch.tensor(lp, dtype=torch.float32) for lp in samples.old_logprobs]
+        else:
+            old = None if on_policy else self.logprobs(samples)
         self.model.train()
         totals: dict[str, float] = {}
         for _ in range(cfg.actor.ppo_epochs):

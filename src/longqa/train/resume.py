@@ -54,7 +54,7 @@ REFUSED_ON_RESUME = frozenset({
     "data.truncation", "data.skip_bad_rows", "data.train_batch_size", "data.shuffle", "trainer.seed",
     # the samples
     "rollout.engine", "rollout.n", "rollout.temperature", "rollout.top_p", "rollout.top_k", "rollout.stop",
-    "rollout.response_lengths", "data.max_response_length",
+    "rollout.response_lengths", "data.max_response_length", "rollout.mode", "rollout.max_staleness",
     # the objective and the updates it makes per step
     "algo.adv_estimator", "algo.norm_adv_by_std", "algo.clip_ratio", "algo.clip_ratio_high", "algo.kl_coef",
     "algo.loss_agg_mode", "algo.entropy_coeff", "algo.dual_clip_c", "algo.kl_type", "algo.dynamic_sampling",

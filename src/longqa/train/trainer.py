@@ -32,7 +32,7 @@ from longqa.model.load import (compile_decoder_layers, compiled_graphs, config_t
                                resolve_model_path)
 from longqa.report import LENGTH_ACCURACY, MetricsLogger, write_report
 from longqa.rollout import HFRolloutEngine, SamplingParams
-from longqa.rollout.base import bump_weights_version
+from longqa.rollout.base import Sample, bump_weights_version
 from longqa.rollout.fast import FastRolloutEngine
 from longqa.rollout.vllm_engine import VLLMRolloutEngine, import_vllm, logprobs_mode_for
 from longqa.support import check_machine
@@ -41,6 +41,8 @@ from longqa.train.checkpoint import (load_checkpoint, read_trainer_state, resolv
                                      set_rng_state)
 from longqa.train.preemption import StopRequest, preempted_message
 from longqa.train.resume import CHANGES_KEY, change_history, check_resume, describe_changes
+
+AHEAD_KEY = "sampled_ahead"  # in trainer_state.json: rollout.mode=one_step_off's groups for the next step
 
 
 def reward_function(cfg: Config):
@@ -133,6 +135,17 @@ def check_speculative(cfg: Config) -> None:
                           f"rollout.prompt_lookup_max={r.prompt_lookup_max}")
 
 
+def check_one_step_off(cfg: Config) -> None:
+    """One-step-off sampling takes the PPO ratio against the log-probs the engine returns with each sample: vLLM
+    has none that are exactly the trainer's under a tempered *and* top-k/top-p-filtered distribution."""
+    r = cfg.rollout
+    if r.mode == "one_step_off" and r.max_staleness and r.engine == "vllm" and not logprobs_mode_for(
+            r.temperature, r.top_k, r.top_p):
+        raise ConfigError(f"rollout.mode=one_step_off takes the PPO ratio against the sampling log-probs, which vLLM "
+                          f"cannot return for rollout.temperature={r.temperature} with top_k={r.top_k} / "
+                          f"top_p={r.top_p}: use rollout.engine=fast, a temperature of 1, or no top-k/top-p")
+
+
 def check_offload(cfg: Config) -> None:
     """Shards (offloaded, or float32 masters in one process) need an engine with weights of its own."""
     if cfg.actor.cpu_offload and cfg.rollout.engine == "hf":
@@ -200,9 +213,12 @@ class Trainer:
         self.stopping = False  # every rank agreed to stop after the step in flight (or before it)
         self.saved: tuple[int, Path] | None = None  # the last checkpoint on disk of this timeline, by step
         self.seconds = {"update": None, "validate": None, "save": None}  # this process's last ones, for the grace
+        # rollout.mode=one_step_off: the groups of step ``ahead["step"]``, sampled before the previous update
+        self.ahead: dict | None = None
         check_groups(cfg)
         check_response_lengths(cfg)
         check_speculative(cfg)
+        check_one_step_off(cfg)
         self.env = DistEnv.from_environment()
         deepspeed = cfg.actor.strategy == "deepspeed"
         if self.env.distributed:
@@ -325,7 +341,7 @@ class Trainer:
             meta = self.train_set.meta[i]
             texts = self.tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
             results = [self.score(meta["data_source"], t, meta["ground_truth"], meta.get("extra_info")) for t in texts]
-            groups.append({"prompt": prompt, "samples": samples, "results": results})
+            groups.append({"index": i, "prompt": prompt, "samples": samples, "results": results})
         times["rollout_s"] = times.get("rollout_s", 0.0) + t1 - t0
         times["reward_s"] = times.get("reward_s", 0.0) + time.perf_counter() - t1
         return groups
@@ -365,24 +381,50 @@ class Trainer:
             kept += good
         return (kept[:cfg.data.train_batch_size] or groups), stats
 
+    def _step_groups(self, step: int) -> tuple[list[dict], dict, int]:
+        """The step's groups, their sampling statistics, and the step whose weights sampled them (the weights
+        after that many steps): sampled ahead, during the previous step, or now."""
+        ahead = self.ahead  # kept until the update: a step dropped before it resumes from these very groups
+        if ahead is not None and ahead["step"] == step:
+            stats = {**ahead["stats"], "rollout_s": 0.0, "reward_s": 0.0}  # the time went to the previous step
+            return ahead["groups"], stats, ahead["sampled_with"]
+        groups, stats = self._collect(step)
+        return groups, stats, step
+
+    def _sample_ahead(self, step: int, stats: dict) -> dict | None:
+        """rollout.mode=one_step_off: the next step's groups, sampled now with the weights this step updates, its
+        sampling time counted in this step's ``stats``; None when the run is synchronous or this is its last step."""
+        r = self.cfg.rollout
+        if r.mode != "one_step_off" or not r.max_staleness or step + 1 >= self.total_steps:
+            return None
+        before = {key: stats.get(key, 0.0) for key in ("rollout_s", "reward_s")}
+        groups, ahead_stats = self._collect(step + 1)
+        for key, seconds in before.items():
+            stats[key] = seconds + ahead_stats.pop(key, 0.0)
+        return {"step": step + 1, "groups": groups, "stats": ahead_stats, "sampled_with": step}
+
     def train_step(self, step: int) -> dict | None:
         """The step's metrics; None when a stop request dropped it before its update (nothing changed)."""
         cfg, n = self.cfg, self.cfg.rollout.n
         start = time.perf_counter()
         compiled, captured = compiled_graphs(), getattr(self.engine, "graph_captures", 0)
-        groups, stats = self._collect(step)
+        groups, stats, sampled_with = self._step_groups(step)
+        ahead = self._sample_ahead(step, stats)
         if self._drop_before_update(step):
             return None
         results = [r for g in groups for r in g["results"]]
         samples = [s for g in groups for s in g["samples"]]
         rewards = torch.tensor([r.score for r in results], dtype=torch.float32)
         advantages, zero_var = algo.group_advantages(rewards, n, cfg.algo.adv_estimator, cfg.algo.norm_adv_by_std)
+        stale = sampled_with < step  # sampled before an earlier update: the ratio's denominator is the sampler's
         batch = Samples(prompt_ids=[g["prompt"] for g in groups for _ in range(n)],
-                        response_ids=[s.token_ids for s in samples], advantages=advantages, group_size=n)
+                        response_ids=[s.token_ids for s in samples], advantages=advantages, group_size=n,
+                        old_logprobs=[s.logprobs for s in samples] if stale else None)
         t_update = time.perf_counter()
         self.engine.sleep()  # a colocated engine frees its memory for the update ...
         update = self.actor.update(batch)
         self.engine.sync_weights()  # ... and gets it back with the new weights
+        self.ahead = ahead
         end = time.perf_counter()
         self.seconds["update"] = end - t_update
         local = {"rewards": rewards.tolist(), "lengths": [len(s.token_ids) for s in samples],
@@ -416,6 +458,8 @@ class Trainer:
             "perf/recompiles": int(most["recompiles"]), "perf/graph_captures": int(most["graph_captures"]),
             **update,
         }
+        if cfg.rollout.mode == "one_step_off":
+            metrics["rollout/staleness"] = step - sampled_with
         if cfg.algo.dynamic_sampling:
             metrics.update({"dynamic/dropped_groups": stats["dropped_groups"],
                             "dynamic/rounds": stats["sampling_rounds"], "dynamic/groups": len(groups)})
@@ -488,10 +532,35 @@ class Trainer:
         bump_weights_version(self.model)  # new weights: an engine holding a copy must load them
         self.engine.sync_weights()
         step = state["step"]
+        self.ahead = self._restored_ahead(state.get(AHEAD_KEY))
         self.changes_on_resume = change_history(state, step, self.resume_changes)
         for line in [f"resumed from {resume} at step {step}", *describe_changes(self.resume_changes, step)]:
             self._say(line)
         return step, resume
+
+    def _ahead_state(self) -> dict | None:
+        """The groups sampled ahead (rollout.mode=one_step_off) for a checkpoint: what a resume needs to update on
+        the very samples the uninterrupted run would, since the weights that drew them are gone by then. Every
+        rank's groups, in rank order (a collective)."""
+        mine = None if self.ahead is None else [
+            {"index": g["index"], "samples": [[s.token_ids, s.finish_reason, s.logprobs] for s in g["samples"]],
+             "results": [[r.score, r.reason] for r in g["results"]]} for g in self.ahead["groups"]]
+        every = gather_objects(mine)
+        if self.ahead is None:
+            return None
+        return {"step": self.ahead["step"], "sampled_with": self.ahead["sampled_with"], "stats": self.ahead["stats"],
+                "groups": [g for part in every for g in part]}
+
+    def _restored_ahead(self, saved: dict | None) -> dict | None:
+        """``_ahead_state``'s groups back, this rank's contiguous share of them."""
+        if saved is None:
+            return None
+        share = len(saved["groups"]) // self.env.world_size
+        mine = saved["groups"][self.env.rank * share:(self.env.rank + 1) * share]
+        groups = [{"index": g["index"], "prompt": self.train_set.ids(g["index"]).tolist(),
+                   "samples": [Sample(tokens, finish, logprobs) for tokens, finish, logprobs in g["samples"]],
+                   "results": [reward.RewardResult(score, why) for score, why in g["results"]]} for g in mine]
+        return {"step": saved["step"], "sampled_with": saved["sampled_with"], "stats": saved["stats"], "groups": groups}
 
     def _say(self, line: str) -> None:
         """A line for the user, from one rank (the others would say the same)."""
@@ -544,7 +613,7 @@ class Trainer:
                                scheduler=self.actor.scheduler, engine=self.actor.engine,
                                keep_last=cfg.trainer.keep_last,
                                trainer_state={"step": done, "bad_steps": self.actor.bad_steps, "config": to_dict(cfg),
-                                              CHANGES_KEY: self.changes_on_resume})
+                                              CHANGES_KEY: self.changes_on_resume, AHEAD_KEY: self._ahead_state()})
         if self.env.is_main and compiled_graphs() > self.compiled_when_cached:  # something new to keep
             save_run_cache(self.run_dir)
             self.compiled_when_cached = compiled_graphs()

@@ -1,0 +1,88 @@
+"""rollout.mode=one_step_off: each step's prompts are sampled before the previous step's update, with weights
+exactly one update old, the PPO ratio taken against the log-probs of those weights; with max_staleness=0 the
+mode is the synchronous run; a resumed run updates on the very samples the uninterrupted one did."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from longqa.cli import main
+from longqa.config import ConfigError, load_config
+from longqa.rollout.base import weights_version
+from longqa.rollout.fast import FastRolloutEngine
+from longqa.train.actor import Actor
+from test_train import overrides, records, same_weights, tiny_model_dir  # noqa: F401 - a fixture
+
+STEPS = {"trainer.max_steps": 4, "trainer.test_freq": 0, "trainer.keep_last": 4, "trainer.total_epochs": 2}
+OFF = {"rollout.mode": "one_step_off"}
+
+
+def without(rows: list[dict], key: str) -> list[dict]:
+    return [{k: v for k, v in r.items() if k != key} for r in rows]
+
+
+def test_with_max_staleness_0_the_mode_is_the_synchronous_run(tiny_model_dir, data_dir, tmp_path):
+    sync, off = tmp_path / "sync", tmp_path / "off"
+    assert main(["train", *overrides(tiny_model_dir, data_dir, sync, **STEPS)]) == 0
+    assert main(["train", *overrides(tiny_model_dir, data_dir, off, **STEPS, **OFF,
+                                     **{"rollout.max_staleness": 0})]) == 0
+    logged = records(off)
+    assert [r["rollout/staleness"] for r in logged] == [0] * 4
+    assert without(logged, "rollout/staleness") == records(sync)
+    assert same_weights(off / "checkpoints" / "step_00000004", sync / "checkpoints" / "step_00000004")
+
+
+def test_every_update_is_on_samples_of_the_weights_one_update_old(tiny_model_dir, data_dir, tmp_path, monkeypatch):
+    """Each sample is traced from the engine call that drew it (its weights' version then) to the update that
+    uses it (the weights' version then): the first step's are the weights it updates, every later one's the
+    weights before the previous update, and the ratio's denominator is the log-probs they were drawn with."""
+    generate, update = FastRolloutEngine.generate, Actor.update
+    drawn, updates = {}, []
+
+    def traced_generate(self, prompts, params, *args, **kwargs):
+        out = generate(self, prompts, params, *args, **kwargs)
+        for group in out:
+            for sample in group:
+                drawn[tuple(sample.token_ids), tuple(sample.logprobs)] = weights_version(self.source)
+        return out
+
+    def traced_update(self, samples):
+        versions = [drawn[tuple(r), tuple(lp)] for r, lp in zip(samples.response_ids, samples.old_logprobs)] \
+            if samples.old_logprobs is not None else None
+        updates.append({"version": weights_version(self.model), "sampled_with": versions})
+        return update(self, samples)
+
+    monkeypatch.setattr(FastRolloutEngine, "generate", traced_generate)
+    monkeypatch.setattr(Actor, "update", traced_update)
+    run = tmp_path / "run"
+    assert main(["train", *overrides(tiny_model_dir, data_dir, run, **STEPS, **OFF)]) == 0
+    assert [r["rollout/staleness"] for r in records(run)] == [0, 1, 1, 1]
+    assert updates[0]["sampled_with"] is None  # the weights it updates drew them: recomputed, ratio 1 at first
+    for before, now in zip(updates, updates[1:]):
+        assert now["version"] > before["version"]
+        assert set(now["sampled_with"]) == {before["version"]}  # every sample: exactly one update old
+
+
+def test_a_resumed_run_updates_on_the_samples_the_uninterrupted_run_did(tiny_model_dir, data_dir, tmp_path):
+    """The checkpoint after step 2 holds step 3's groups, sampled with weights no checkpoint keeps; a new process
+    resuming from it ends where the uninterrupted run did, metrics and weights alike."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert main(["train", *overrides(tiny_model_dir, data_dir, straight, **STEPS, **OFF)]) == 0
+    state = json.loads((straight / "checkpoints" / "step_00000002" / "trainer_state.json").read_text())
+    assert state["sampled_ahead"]["step"] == 2 and state["sampled_ahead"]["sampled_with"] == 1
+    middle = straight / "checkpoints" / "step_00000002"
+    assert main(["train", *overrides(tiny_model_dir, data_dir, resumed, **STEPS, **OFF,
+                                     **{"trainer.resume": middle})]) == 0
+    assert records(resumed) == records(straight)[2:]
+    assert same_weights(resumed / "checkpoints" / "step_00000004", straight / "checkpoints" / "step_00000004")
+
+
+def test_a_mode_without_the_sampling_log_probs_is_refused(tiny_model_dir, data_dir, tmp_path):
+    from longqa.train.trainer import check_one_step_off
+
+    cfg = load_config(None, overrides(tiny_model_dir, data_dir, tmp_path, **OFF, **{
+        "rollout.engine": "vllm", "rollout.temperature": 0.7, "rollout.top_k": 20}))
+    with pytest.raises(ConfigError, match="rollout.mode=one_step_off takes the PPO ratio against the sampling"):
+        check_one_step_off(cfg)
+    check_one_step_off(load_config(None, overrides(tiny_model_dir, data_dir, Path(tmp_path), **OFF)))
