@@ -318,6 +318,23 @@ def test_checkpoints_resume_on_another_number_of_ranks(run_inputs, tmp_path):
 
 
 
+
+@pytest.mark.slow
+def test_one_step_off_under_two_ranks_is_the_single_process_run_and_resumes_on_one(run_inputs, tmp_path):
+    """rollout.mode=one_step_off under torchrun: each rank samples its share of the next step before the update,
+    as one process samples the whole; the checkpoint two ranks write after step 2 holds both ranks' groups sampled
+    ahead, and one process resuming from it ends where the uninterrupted run did."""
+    off = {"rollout.mode": "one_step_off", "trainer.max_steps": 3, "trainer.test_freq": 0}
+    one = launch(run_inputs, tmp_path / "one", 1, **off)
+    two = launch(run_inputs, tmp_path / "two", 2, **off, **{"trainer.save_freq": 1})
+    assert [r["rollout/staleness"] for r in one] == [0, 1, 1]
+    for a, b in zip(one, two):
+        assert_same_records(a, b)
+    middle = tmp_path / "two" / "checkpoints" / "step_00000002"
+    resumed = launch(run_inputs, tmp_path / "resumed", 1, **off, **{"trainer.resume": middle})
+    assert [r["step"] for r in resumed] == [3]
+    assert_same_records(one[-1], resumed[-1])
+
 STOP_AFTER_STEP_1 = '''
 import os
 import signal
