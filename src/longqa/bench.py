@@ -58,6 +58,7 @@ def random_model(shape: str, device, dtype=torch.bfloat16, gradient_checkpointin
 class GroupFlops:
     tokens: int  # tokens the layout computes
     flops: float  # model FLOPs of forward + backward (recompute excluded)
+    attention: float = 0.0  # the part of ``flops`` that attention's (query, key) pairs make
 
 
 def group_flops(config, prompt: int, responses: list[int], shared: bool) -> GroupFlops:
@@ -75,8 +76,8 @@ def group_flops(config, prompt: int, responses: list[int], shared: bool) -> Grou
     else:
         tokens = sum(prompt + r for r in responses)
         pairs = sum((prompt + r) * (prompt + r + 1) // 2 for r in responses)
-    flops = 6 * linear * tokens + 6 * head * sum(responses) + 12 * head_dim * heads * layers * pairs
-    return GroupFlops(tokens, flops)
+    attention = 12 * head_dim * heads * layers * pairs
+    return GroupFlops(tokens, 6 * linear * tokens + 6 * head * sum(responses) + attention, attention)
 
 
 def _time(fn, device, repeat: int) -> float:

@@ -9,7 +9,10 @@ Every rank does the same work on its own share of the step's groups, so a step t
   ``DECODE_FRACTION_OF_FLOOR``;
 - old log-probs: when a step has several mini-batches (or epochs), one forward pass over all samples;
 - update: the packed micro-batches' training FLOPs (``longqa.bench.group_flops`` on the packs
-  ``plan_packs`` makes, plus a third of the forward for each recomputed layer) at ``UPDATE_MFU``. A
+  ``plan_packs`` makes, plus a third of the forward for each recomputed layer): the matrix products at
+  ``UPDATE_MFU``, attention's (query, key) pairs at ``attention_mfu(head_dim)``, since the attention
+  kernels' rate falls with the head dimension (a small model at long prompts spends most of its update
+  there). A
   sharded micro-batch also moves its weights and gradients: FSDP2 all-gathers bf16 weights for the forward
   and again for the backward and reduce-scatters fp32 gradients (8 bytes a parameter over the GPUs'
   link), and offloaded activations (``model.activation_offload``) go out over PCIe and come back. Those
@@ -44,10 +47,17 @@ from longqa.distributed.planner import (DTYPE_BYTES, MemoryPlan, ModelSizes, mas
 DECODE_FRACTION_OF_FLOOR = 0.77
 # Two 8,192-token prompts prefilled in 0.124 s at Qwen3-1.7B (8cd9084): 50% of the bf16 peak.
 PREFILL_MFU = 0.50
-# The packed Qwen3-8B group, 16,384 + 8 x 2,048 tokens, nothing recomputed: 50.1% (cc8cfbd) and 48.9% (4a14c8a).
-# Recomputation is extra work at the same rate: 36 / 18 / 9 layers recomputed measured 37.5 / 42.4 / 45.3%
-# (1cc1aea), where this rate predicts 36.8 / 42.0 / 45.2%.
-UPDATE_MFU = 0.49
+# The packed update's two rates (RESULTS.md, packed training and realistic steps, one H200, compiled layers,
+# flex attention). Attention, as model FLOPs (12 x head_dim x heads per pair) over its kernels' time inside the
+# update: 2.3 + 6.3 ms forward and backward a layer for Qwen3-1.7B's group, 8,192 + 8 x 1,024 at head dim 128
+# (30.3% of the peak); 3.10 s over SmolLM2-135M's 64 groups x 30 layers, 8,192 + 8 x 157 at head dim 64 (19.1%).
+ATTENTION_MFU = {64: 0.191, 128: 0.303}
+# The matrix products (with the norms and activations fused around them): the flex Qwen3-1.7B group's 0.509 s
+# (096ba9b) less its attention at the rate above. With these two rates the model gives 0.99x that group, 0.95x
+# the 16 x 8 step's update at 1.7B (8.46 s, 8cd9084), 0.83x SmolLM2-135M's 64 x 8 update at 8,192-token prompts
+# (4.55-4.60 s, 3026ca7; one rate for everything gave 0.44x) and 1.08x the flex Qwen3-8B group with a quarter of
+# its layers recomputed (4.93 s, 096ba9b).
+UPDATE_MFU = 0.59
 # AdamW and clipping of Qwen3-1.7B's 1.72B parameters in 0.05 s on one H200 (b2faf3d).
 GPU_ADAM_S_PER_PARAM = 0.05 / 1.72e9
 # The offloaded optimizer's step of float32 master weights on the host of one H200 (16 cores; a rank of a
@@ -91,17 +101,29 @@ class StepTime:
         return "\n".join(f"  {name:<40} {value:8.1f} s" for name, value in rows)
 
 
-def micro_batch_flops(config, prompt_length: int, response_lengths: list[int], groups: int, budget: int) -> list[float]:
+def attention_mfu(head_dim: int) -> float:
+    """The packed update's attention rate at ``head_dim`` (``ATTENTION_MFU``, linear between the measured head
+    dimensions and held at the nearest outside them)."""
+    (low, slow), (high, fast) = sorted(ATTENTION_MFU.items())
+    share = min(1.0, max(0.0, (head_dim - low) / (high - low)))
+    return slow + share * (fast - slow)
+
+
+def micro_batch_flops(config, prompt_length: int, response_lengths: list[int], groups: int,
+                      budget: int) -> list[tuple[float, float]]:
     """Forward+backward FLOPs of each micro-batch the actor packs ``groups`` groups into (``plan_packs``:
-    a group over the budget is cut into packs that each carry the prompt)."""
+    a group over the budget is cut into packs that each carry the prompt): (the matrix products', attention's)."""
     from longqa.model.packing import plan_packs
 
     n = len(response_lengths)
     prompts = [range(prompt_length)] * (groups * n)
     responses = [range(length) for _ in range(groups) for length in response_lengths]
     members = [list(range(g * n, (g + 1) * n)) for g in range(groups)]
-    return [sum(group_flops(config, prompt_length, pack.response_lengths, True).flops for pack in micro)
-            for micro in plan_packs(prompts, responses, members, budget)]
+    out = []
+    for micro in plan_packs(prompts, responses, members, budget):
+        counts = [group_flops(config, prompt_length, pack.response_lengths, True) for pack in micro]
+        out.append((sum(c.flops - c.attention for c in counts), sum(c.attention for c in counts)))
+    return out
 
 
 def plan_step_time(sizes: ModelSizes, plan: MemoryPlan, *, gpus_per_node: int, prompt_length: int,
@@ -134,6 +156,7 @@ def plan_step_time(sizes: ModelSizes, plan: MemoryPlan, *, gpus_per_node: int, p
     minis = [min(own, groups - start) for start in range(0, groups, own)]
     flops = [f for size in minis for f in micro_batch_flops(config, prompt_length, [response_length] * n, size,
                                                              micro_batch_tokens)]
+    attention_rate = attention_mfu(config.head_dim)
 
     def pass_time(work: float, offloaded: float, activation_bytes: float, link_bytes: int) -> float:
         """One pass over the micro-batches: ``work`` times their training FLOPs, against ``offloaded`` bytes of the
@@ -141,7 +164,8 @@ def plan_step_time(sizes: ModelSizes, plan: MemoryPlan, *, gpus_per_node: int, p
         (sharded), whichever takes longest."""
         transfers = offloaded / offload_rate + activation_bytes / PCIE_BYTES_PER_S
         comm = link_bytes * params / link if world > 1 else 0.0
-        return sum(max(work * f / (peak * UPDATE_MFU), transfers, comm) for f in flops)
+        return sum(max(work * (dense / (peak * UPDATE_MFU) + attention / (peak * attention_rate)), transfers, comm)
+                   for dense, attention in flops)
 
     # a forward: its offloaded weights in once, one gather of bf16 weights
     old = pass_time(1 / 3, weights_in, 0.0, 2) if epochs > 1 or len(minis) > 1 else 0.0
