@@ -63,6 +63,25 @@ def test_bench_step_profiles_the_last_step_phase_by_phase(tmp_path):
                for k in last["profile"]["update"]["top"])
 
 
+def test_bench_step_samples_beside_the_update_on_the_same_work(tmp_path, capsys):
+    """--overlap: each next step is sampled while this step's update runs (weights one update old); the steps
+    work on the prompts and drawn lengths of the run that samples first, and say so."""
+    rows = {}
+    for overlap in (False, True):
+        out = tmp_path / f"{overlap}.json"
+        assert main(["bench", "step", "--shape", "qwen3-tiny", "--prompt", "24", "--response", "5", "-n", "3",
+                     "--prompts", "2", "--steps", "3", "--device", "cpu", "--json", str(out),
+                     *(["--overlap"] if overlap else [])]) == 0
+        rows[overlap] = json.loads(out.read_text())
+    assert [r["overlap"] for r in rows[True]] == [True] * 3 and [r["overlap"] for r in rows[False]] == [False] * 3
+    for key in ("new_tokens", "response_length_max", "response_length_mean"):
+        assert [r[key] for r in rows[True]] == [r[key] for r in rows[False]], key
+    assert all(r["rollout_s"] > 0 and r["update_s"] > 0 for r in rows[True])
+    capsys.readouterr()
+    assert main(["bench", "step", "--shape", "qwen3-tiny", "--device", "cpu", "--overlap", "--profile"]) == 2
+    assert "--overlap runs them at once" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_bench_step_runs_each_training_backend_on_the_same_work(tmp_path):
     """FSDP2's CPU offload and DeepSpeed ZeRO-3 in a process group of one, beside the unsharded default: the same

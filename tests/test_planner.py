@@ -294,3 +294,18 @@ def test_ray_workers_are_never_more_than_the_cluster_s_gpus(workers, gpus, use_g
             ray_worker_count(cfg, gpus, use_gpu)
     else:
         assert ray_worker_count(cfg, gpus, use_gpu) == expected
+
+
+def test_sampling_beside_the_update_counts_the_engine_s_copy_of_the_weights():
+    """rollout.overlap=true: one process whose engine would share the model's tensors keeps a copy of them instead
+    (the update changes the model's while the engine samples), and the plan counts it."""
+    from longqa.config import load_config
+    from longqa.distributed.planner import plan_config
+
+    smollm2 = sizes("smollm2-135m")
+    plans = {overlap: plan_config(load_config(None, [
+        "model.dtype=float32", "rollout.mode=one_step_off", f"rollout.overlap={str(overlap).lower()}",
+        "rollout.kv_cache_bytes=1000000000", "actor.max_tokens_per_micro_batch=8192"]), smollm2, 1, H200)
+        for overlap in (False, True)}
+    assert plans[False].rollout_weights == 0 and plans[True].rollout_weights == 4 * smollm2.params
+    assert plans[True].total - plans[False].total == 4 * smollm2.params

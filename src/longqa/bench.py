@@ -367,30 +367,40 @@ def bench_grpo_step(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int
                     prompts_per_step: int = 16, steps: int = 2, device: str = "auto",
                     engine_options: dict | None = None, gradient_checkpointing: bool = False,
                     lengths: str = "lognormal", strategy: str = "fsdp2", cpu_offload: bool = False,
-                    budget: int | None = None, backend: str = "auto", profile: bool = False) -> list[dict]:
+                    budget: int | None = None, backend: str = "auto", profile: bool = False,
+                    overlap: bool = False) -> list[dict]:
     """Seconds per phase of whole GRPO steps: fast-engine rollout of ``prompts_per_step`` x ``n``, each
     response ending at its drawn length (at most ``response``), group advantages, one packed
     shared-prompt update (on-policy: no old log-prob pass). A random-weight model cannot answer, so
-    rewards are random coin flips (scoring text costs milliseconds anyway).
+    rewards are random coin flips (scoring text costs milliseconds anyway). Each step's prompts and rewards
+    are drawn from a generator seeded by the step, so runs with other settings work on the same data.
     Gradient checkpointing is off by default, as in ``longqa train`` (``model.gradient_checkpointing``).
     ``budget`` is the update's micro-batch token budget (``actor.max_tokens_per_micro_batch``; default one
     group of the longest responses): a small model needs several groups per micro-batch to keep a GPU busy.
     ``backend`` is the update's packed attention (``actor.attention_backend``). ``profile`` runs the last step
     under torch's profiler and adds, per phase, the kernels' busy time against the wall time and the costliest
     kernels: a phase whose device sits idle is paying for launches and host synchronisation, not arithmetic.
+    ``overlap`` samples each next step's prompts while the step's update runs (``rollout.mode=one_step_off
+    rollout.overlap=true``: a thread of its own on a CUDA stream of its own, from the engine's copy of the weights
+    one update old); a step's ``rollout_s`` is then the sampling of its groups, done beside the previous update
+    (before it in step 0), and ``step_s`` its update with the wait for the next step's sampling.
 
     By default the bf16 model trains unsharded and the engine shares its weights. ``strategy="deepspeed"``
     (ZeRO-3) or ``cpu_offload`` (FSDP2's offload, or ZeRO-3's with DeepSpeed's CPU Adam) shard it in a
     process group of one, as ``actor.strategy`` and ``actor.cpu_offload`` do: fp32 master weights with bf16
     compute on a GPU, sampled from the engine's bf16 copy, refreshed within the update's time."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from longqa import algo
     from longqa.config import load_config
     from longqa.distributed.env import DistEnv, leave_group
     from longqa.model.load import compile_decoder_layers, compiled_graphs, pick_device
-    from longqa.rollout.base import SamplingParams
+    from longqa.rollout.base import SamplingParams, weights_version
     from longqa.rollout.fast import FastRolloutEngine
     from longqa.train.actor import Actor, Samples
 
+    if overlap and profile:
+        raise ValueError("profile times the phases one after the other: it cannot run with overlap")
     dev = pick_device(device, "--device")
     sharded = strategy == "deepspeed" or cpu_offload
     began = time.perf_counter()
@@ -401,7 +411,7 @@ def bench_grpo_step(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int
     own_group = DistEnv().init(dev, alone=sharded)
     bf16 = dev.type == "cuda"
     model = random_model(shape, dev, torch.float32 if sharded or not bf16 else torch.bfloat16, gradient_checkpointing)
-    engine = FastRolloutEngine(model, own_copy=sharded, dtype=torch.bfloat16 if sharded and bf16 else None,
+    engine = FastRolloutEngine(model, own_copy=sharded or overlap, dtype=torch.bfloat16 if sharded and bf16 else None,
                                **(engine_options or {}))  # a copy is made before the actor shards the model
     cfg = load_config(None, [f"rollout.n={n}", f"data.train_batch_size={prompts_per_step}",
                              f"actor.ppo_mini_batch_size={prompts_per_step}", f"data.max_response_length={response}",
@@ -415,31 +425,54 @@ def bench_grpo_step(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int
         compile_decoder_layers(model, with_hooks=strategy != "deepspeed")
         done(f"update compiled for {actor.compile_length_buckets()} packed lengths")
     params = SamplingParams(n=n, temperature=1.0, max_new_tokens=response)
-    g = torch.Generator().manual_seed(0)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    results = []
-    for step in range(steps):
+    beside = ThreadPoolExecutor(1, "longqa-sampling") if overlap else None
+    side = torch.cuda.Stream(dev) if overlap and dev.type == "cuda" else None
+
+    def sample(step: int, at_version: int | None = None):
+        """Step ``step``'s prompts and their groups, and the seconds sampling them took."""
+        g = torch.Generator().manual_seed(step)
         prompts = [torch.randint(0, model.config.vocab_size, (prompt,), generator=g).tolist()
                    for _ in range(prompts_per_step)]
+        stop_at = [draw_response_lengths(lengths, n, response, (step, i)) for i in range(prompts_per_step)]
+        start = time.perf_counter()
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            groups = engine.generate(prompts, params, seeds=[step * 1000 + i for i in range(prompts_per_step)],
+                                     stop_at=stop_at, at_version=at_version)
+        side.synchronize() if side is not None else sync()  # (beside an update: its own stream, not the device)
+        return prompts, groups, time.perf_counter() - start
+
+    results, ahead = [], None
+    for step in range(steps):
         sync()
         compiled, captured = compiled_graphs(), engine.graph_captures
         phases = PhaseProfiler(dev) if profile and step == steps - 1 else None
         t0 = time.perf_counter()
-        stop_at = [draw_response_lengths(lengths, n, response, (step, i)) for i in range(prompts_per_step)]
-        with phases.phase("rollout") if phases else contextlib.nullcontext():
-            groups = engine.generate(prompts, params, seeds=[step * 1000 + i for i in range(prompts_per_step)],
-                                     stop_at=stop_at)
-            sync()
+        if ahead is None:
+            with phases.phase("rollout") if phases else contextlib.nullcontext():
+                prompts, groups, rollout_s = sample(step)
+        else:  # sampled beside the previous step's update
+            prompts, groups, rollout_s = ahead
         t1 = time.perf_counter()
         if step == 0:
             done("first rollout sampled")
-        rewards = torch.randint(0, 2, (prompts_per_step * n,), generator=g).float()
+        rewards = torch.randint(0, 2, (prompts_per_step * n,), generator=torch.Generator().manual_seed(step)).float()
         advantages, _ = algo.group_advantages(rewards, n)
         samples = Samples([p for p in prompts for _ in range(n)], [s.token_ids for grp in groups for s in grp],
                           advantages, n)
         t2 = time.perf_counter()
+        pending = None
+        if beside is not None and step + 1 < steps:
+            if side is not None:
+                side.wait_stream(torch.cuda.current_stream(dev))
+            pending = beside.submit(sample, step + 1, weights_version(model))
         with phases.phase("update") if phases else contextlib.nullcontext():
             actor.update(samples)
+            sync()
+            t_updated = time.perf_counter()
+            ahead = pending.result() if pending is not None else None
+            if side is not None:
+                torch.cuda.current_stream(dev).wait_stream(side)
             engine.sync_weights()
             sync()
         t3 = time.perf_counter()
@@ -450,19 +483,22 @@ def bench_grpo_step(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int
                "budget": cfg.actor.max_tokens_per_micro_batch,
                "prompts": prompts_per_step, "n": n, "prompt": prompt,
                "response": response, "lengths": lengths, "gradient_checkpointing": gradient_checkpointing,
-               "rollout_s": round(t1 - t0, 3), "reward_and_advantages_s": round(t2 - t1, 3),
-               "update_s": round(t3 - t2, 3), "step_s": round(t3 - t0, 3), "new_tokens": new_tokens,
-               **_length_stats(made),
+               "overlap": overlap, "rollout_s": round(rollout_s, 3),
+               "reward_and_advantages_s": round(t2 - t1, 3),
+               "update_s": round((t_updated if overlap else t3) - t2, 3), "step_s": round(t3 - t0, 3),
+               "new_tokens": new_tokens, **_length_stats(made),
                "recompiles": compiled_graphs() - compiled, "graph_captures": engine.graph_captures - captured,
                "rollout_floor_s": round(floor["rollout"], 3), "update_floor_s": round(floor["update"], 3),
                "fraction_of_floor": round((floor["rollout"] + floor["update"]) / (t3 - t0), 3),
-               "update_mfu": round(floor["update"] / (t3 - t2), 3),
-               "rollout_new_tokens_per_s": round(new_tokens / (t1 - t0)),
+               "update_mfu": round(floor["update"] / ((t_updated if overlap else t3) - t2), 3),
+               "rollout_new_tokens_per_s": round(new_tokens / rollout_s),
                "update_tokens_per_s": round((prompts_per_step * prompt + new_tokens) / (t3 - t2)),
                "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if dev.type == "cuda" else None,
                "backend": actor.backend, **({"profile": phases.phases} if phases else {})}
         results.append(row)
         print(json.dumps(row), flush=True)
+    if beside is not None:
+        beside.shutdown()
     if own_group:
         leave_group()
     return results

@@ -368,9 +368,13 @@ def cmd_bench_step(args: argparse.Namespace) -> None:
     from longqa.bench import bench_grpo_step
 
     _check_bench(args, args.backend)
+    if args.overlap and args.profile:
+        raise ConfigError("--profile times a step's phases one after the other; --overlap runs them at once: "
+                          "choose one")
     _save_results(args, bench_grpo_step(args.shape, args.prompt, args.response, args.n, args.prompts, args.steps,
                                         args.device, _engine_options(args), args.gradient_checkpointing, args.lengths,
-                                        args.strategy, args.cpu_offload, args.budget, args.backend, args.profile))
+                                        args.strategy, args.cpu_offload, args.budget, args.backend, args.profile,
+                                        args.overlap))
 
 
 def cmd_cluster(args: argparse.Namespace) -> None:
@@ -663,6 +667,9 @@ def _add_bench_commands(groups: argparse._SubParsersAction) -> None:
                    help="the update's packed attention, as actor.attention_backend (default auto)")
     p.add_argument("--profile", action="store_true",
                    help="profile the last step: per phase, the device's busy time and its costliest kernels")
+    p.add_argument("--overlap", action="store_true",
+                   help="sample each next step while this step's update runs, from weights one update old, as "
+                   "rollout.mode=one_step_off rollout.overlap=true (not with --profile)")
     p.add_argument("--strategy", choices=["fsdp2", "deepspeed"], default="fsdp2",
                    help="as actor.strategy; deepspeed: ZeRO-3 in a process group of one (default fsdp2: unsharded "
                    "unless --cpu-offload)")

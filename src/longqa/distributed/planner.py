@@ -23,10 +23,11 @@ sharded over ``world_size`` ranks (FSDP2, ZeRO-3 style):
   layer's recompute; on the dense attention backend an additive mask per pack in every kept layer, which
   grows with the square of a pack's length; the chunked LM head's backward pass and its weight's gradient;
 - the rollout engine: a full copy of the weights in ``model.dtype`` (gathered after each update) when
-  the model is sharded (several ranks, ZeRO-3 or an offload), none when one process shares its model
-  with the engine; and its KV cache, which stays allocated through the update: as many groups (the
-  prompt once, n responses) as ``rollout.kv_cache_bytes`` holds, or by default as 40% of the memory
-  free when the first rollout starts holds, at most the rank's groups of a step;
+  the model is sharded (several ranks, ZeRO-3 or an offload) or the engine samples beside the update
+  (``rollout.overlap``), none when one process shares its model with the engine; and its KV cache,
+  which stays allocated through the update: as many groups (the prompt once, n responses) as
+  ``rollout.kv_cache_bytes`` holds, or by default as 40% of the memory free when the first rollout
+  starts holds, at most the rank's groups of a step;
 - with a KL penalty (``algo.kl_coef``), the frozen reference model's weights (sharded like the policy's
   under FSDP2).
 
@@ -167,7 +168,8 @@ def plan_memory(sizes: ModelSizes, *, world_size: int, gpu_bytes: int, micro_bat
                 activation_offload: float = 0.0, strategy: str = "fsdp2", offload_params: bool = False,
                 param_bytes: int = 4, sharded: bool = True, groups_per_rank: int = 1,
                 state_bytes: int | None = None, offload_fraction: float = 1.0, compute: Compute | None = None,
-                backend: str = "flex", shared_prompt: bool = True, reference_model: bool = False) -> MemoryPlan:
+                backend: str = "flex", shared_prompt: bool = True, reference_model: bool = False,
+                engine_copy: bool | None = None) -> MemoryPlan:
     """Per-GPU bytes of a plan (see the module docstring for what is counted); ``gradient_checkpointing`` is
     the fraction of decoder layers recomputed (True: all), ``activation_offload`` the fraction whose
     activations wait in host memory (none of theirs stays on the GPU); ``offload_params``: ZeRO-3's
@@ -177,7 +179,8 @@ def plan_memory(sizes: ModelSizes, *, world_size: int, gpu_bytes: int, micro_bat
     optimizer steps (default ``param_bytes``); ``offload_fraction``: see ``training_state``; ``compute``: how the
     layers compute (default: compiled, in bf16), ``backend``: the packed attention backend, ``shared_prompt``:
     the packed layout (else one padded row per sample); ``reference_model``: a frozen copy of the starting weights
-    for a KL penalty (``algo.kl_coef``), in ``model.dtype``, sharded like the policy under FSDP2."""
+    for a KL penalty (``algo.kl_coef``), in ``model.dtype``, sharded like the policy under FSDP2; ``engine_copy``:
+    whether the engine keeps a copy of the weights (default: when sharded)."""
     bf16 = 2
     state, host = training_state(sizes.params, world_size, strategy, cpu_offload, offload_params,
                                  param_bytes if state_bytes is None else state_bytes, offload_fraction)
@@ -186,7 +189,7 @@ def plan_memory(sizes: ModelSizes, *, world_size: int, gpu_bytes: int, micro_bat
                                      prompt_length=prompt_length, response_length=response_length, n=n,
                                      backend=backend, recomputed=float(gradient_checkpointing),
                                      offloaded=activation_offload, shared_prompt=shared_prompt)
-    copy = param_bytes * sizes.params if sharded else 0
+    copy = param_bytes * sizes.params if (sharded if engine_copy is None else engine_copy) else 0
     reference = 0  # (copied whole from the loaded model, then sharded)
     if reference_model:
         reference = param_bytes * sizes.params // (world_size if sharded and strategy != "deepspeed" else 1)
@@ -276,7 +279,8 @@ def plan_config(cfg, sizes: ModelSizes, world_size: int, gpu_bytes: int,
                        state_bytes=master_bytes(cfg, world_size),
                        offload_fraction=offload_fraction(cfg, world_size, sizes.params),
                        compute=update_compute(cfg, sizes, world_size), backend=update_backend(cfg),
-                       shared_prompt=cfg.actor.shared_prompt, reference_model=cfg.algo.kl_coef > 0)
+                       shared_prompt=cfg.actor.shared_prompt, reference_model=cfg.algo.kl_coef > 0,
+                       engine_copy=is_sharded(cfg, world_size) or cfg.rollout.overlap)
 
 
 def update_compute(cfg, sizes: ModelSizes, world_size: int) -> Compute:

@@ -473,9 +473,14 @@ class FastRolloutEngine(RolloutEngine):
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                  generator: torch.Generator | None = None, seeds: Sequence[int] | None = None,
-                 stop_at: Sequence[Sequence[int]] | None = None) -> list[list[Sample]]:
+                 stop_at: Sequence[Sequence[int]] | None = None,
+                 at_version: int | None = None) -> list[list[Sample]]:
         """``params.n`` samples per prompt. ``seeds`` (one per prompt) make each prompt's samples a
         function of its seed alone; without them seeds are drawn from ``generator``.
+
+        ``at_version``: the training model's weights version the caller means to sample (default: its version
+        now). A caller that samples from the engine's copy while an update runs beside it (``rollout.overlap``)
+        names the version it took before starting the update, so the check cannot race the optimizer step.
 
         ``stop_at[i][j]`` (in ``[1, max_new_tokens]``) ends sample j of prompt i after that many tokens as
         if it had sampled EOS there: its tokens and log-probs are the first ``stop_at[i][j]`` it would
@@ -490,9 +495,10 @@ class FastRolloutEngine(RolloutEngine):
         limits = _check_stop_at(stop_at, len(prompts), params)
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer: pass one to FastRolloutEngine")
-        if self.model is not self.source and self.version != weights_version(self.source):
+        expected = weights_version(self.source) if at_version is None else at_version
+        if self.model is not self.source and self.version != expected:
             raise StaleWeightsError(f"the engine's weights copy is version {self.version} but the training model is "
-                                    f"at {weights_version(self.source)}: call sync_weights() after each update")
+                                    f"at {expected}: call sync_weights() after each update")
         seeds = prompt_seeds(len(prompts), generator, seeds)
         with eval_mode(self.model):
             if self.decode_step is not None:
@@ -645,7 +651,9 @@ class FastRolloutEngine(RolloutEngine):
                 state.restore(snapshot)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: another thread's CUDA calls meanwhile (an update running beside the sampling,
+        # rollout.overlap) are not part of the capture and do not invalidate it
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             self._step(params, state, stops)
         state.restore(snapshot)  # capturing ran nothing; the first replay does the step
         return graph

@@ -9,11 +9,13 @@ finished step (``preemption``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import random
 import time
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +34,7 @@ from longqa.model.load import (compile_decoder_layers, compiled_graphs, config_t
                                resolve_model_path)
 from longqa.report import LENGTH_ACCURACY, MetricsLogger, write_report
 from longqa.rollout import HFRolloutEngine, SamplingParams
-from longqa.rollout.base import Sample, bump_weights_version
+from longqa.rollout.base import Sample, bump_weights_version, weights_version
 from longqa.rollout.fast import FastRolloutEngine
 from longqa.rollout.vllm_engine import VLLMRolloutEngine, import_vllm, logprobs_mode_for
 from longqa.support import check_machine
@@ -137,8 +139,18 @@ def check_speculative(cfg: Config) -> None:
 
 def check_one_step_off(cfg: Config) -> None:
     """One-step-off sampling takes the PPO ratio against the log-probs the engine returns with each sample: vLLM
-    has none that are exactly the trainer's under a tempered *and* top-k/top-p-filtered distribution."""
+    has none that are exactly the trainer's under a tempered *and* top-k/top-p-filtered distribution. Overlapped
+    sampling needs a step sampled ahead to overlap, and the fast engine, whose copy of the weights it samples from
+    while the update changes the model's."""
     r = cfg.rollout
+    if r.overlap and (r.mode != "one_step_off" or not r.max_staleness):
+        raise ConfigError(f"rollout.overlap=true samples the next step during this step's update: it needs "
+                          f"rollout.mode=one_step_off with rollout.max_staleness=1 (got rollout.mode={r.mode}, "
+                          f"rollout.max_staleness={r.max_staleness})")
+    if r.overlap and r.engine != "fast":
+        raise ConfigError(f"rollout.overlap=true needs rollout.engine=fast (got rollout.engine={r.engine}): the "
+                          f"sampling beside the update runs in the trainer's process, from the fast engine's copy "
+                          f"of the weights")
     if r.mode == "one_step_off" and r.max_staleness and r.engine == "vllm" and not logprobs_mode_for(
             r.temperature, r.top_k, r.top_p):
         raise ConfigError(f"rollout.mode=one_step_off takes the PPO ratio against the sampling log-probs, which vLLM "
@@ -215,6 +227,9 @@ class Trainer:
         self.seconds = {"update": None, "validate": None, "save": None}  # this process's last ones, for the grace
         # rollout.mode=one_step_off: the groups of step ``ahead["step"]``, sampled before the previous update
         self.ahead: dict | None = None
+        # rollout.overlap: the thread (and on a GPU the CUDA stream) that samples beside the update
+        self.sampling_thread = ThreadPoolExecutor(1, "longqa-sampling") if cfg.rollout.overlap else None
+        self.sampling_stream = None
         check_groups(cfg)
         check_response_lengths(cfg)
         check_speculative(cfg)
@@ -272,7 +287,8 @@ class Trainer:
         logprobs_mode = logprobs_mode_for(r.temperature, r.top_k, r.top_p)
         if r.engine == "fast":
             self.engine = FastRolloutEngine(self.model, self.tokenizer, kv_cache_bytes=r.kv_cache_bytes,
-                                            cuda_graphs=r.cuda_graphs, own_copy=self.env.distributed or sharded_alone,
+                                            cuda_graphs=r.cuda_graphs,
+                                            own_copy=self.env.distributed or sharded_alone or r.overlap,
                                             speculative=None if r.speculative == "off" else r.speculative,
                                             num_speculative_tokens=r.num_speculative_tokens,
                                             prompt_lookup_min=r.prompt_lookup_min,
@@ -324,15 +340,18 @@ class Trainer:
     def _generator(self, step: int, round_: int) -> torch.Generator:
         return torch.Generator(self.device).manual_seed(self.cfg.trainer.seed * 1_000_003 + step * 101 + round_)
 
-    def _sample_groups(self, indices: list[int], step: int, round_: int, times: dict) -> list[dict]:
-        """Sample and score n responses for each prompt; one dict per group. Adds to ``times``."""
+    def _sample_groups(self, indices: list[int], step: int, round_: int, times: dict,
+                       at_version: int | None = None) -> list[dict]:
+        """Sample and score n responses for each prompt; one dict per group. Adds to ``times``. ``at_version``:
+        the weights version sampled while an update runs beside (``FastRolloutEngine.generate``)."""
         t0 = time.perf_counter()
         prompts = [self.train_set.ids(i).tolist() for i in indices]
         if isinstance(self.engine, (FastRolloutEngine, VLLMRolloutEngine)):  # samples depend on (seed, step, prompt)
             base = self.cfg.trainer.seed * 1_000_003 + step * 101 + round_
             seeds = [(base * 2_147_483_659 + i) % 2**63 for i in indices]  # an int64 for any trainer.seed
+            pinned = {} if at_version is None else {"at_version": at_version}
             outputs = self.engine.generate(prompts, self.params, seeds=seeds,
-                                           **self._drawn_lengths(indices, step, round_))
+                                           **self._drawn_lengths(indices, step, round_), **pinned)
         else:
             outputs = self.engine.generate(prompts, self.params, self._generator(step, round_))
         t1 = time.perf_counter()
@@ -360,11 +379,11 @@ class Trainer:
         keep = algo.keep_informative_groups(rewards, self.cfg.rollout.n).tolist()
         return [g for g, k in zip(groups, keep) if k]
 
-    def _collect(self, step: int) -> tuple[list[dict], dict]:
+    def _collect(self, step: int, at_version: int | None = None) -> tuple[list[dict], dict]:
         """The step's groups; with dynamic sampling, only groups whose rewards differ, topped up from
         more prompts (drawn from a stream seeded by the step) for at most ``max_sampling_rounds`` rounds."""
         cfg, stats = self.cfg, {}
-        groups = self._sample_groups(self.step_prompts(step), step, 0, stats)
+        groups = self._sample_groups(self.step_prompts(step), step, 0, stats, at_version)
         if not cfg.algo.dynamic_sampling:
             return groups, stats
         kept = self._informative(groups)
@@ -374,7 +393,7 @@ class Trainer:
             if len(kept) >= cfg.data.train_batch_size:
                 break
             more = rng.choice(len(self.train_set), cfg.data.train_batch_size, replace=False).tolist()
-            extra = self._sample_groups(more, step, round_, stats)
+            extra = self._sample_groups(more, step, round_, stats, at_version)
             good = self._informative(extra)
             stats["dropped_groups"] += len(extra) - len(good)
             stats["sampling_rounds"] += 1
@@ -391,17 +410,44 @@ class Trainer:
         groups, stats = self._collect(step)
         return groups, stats, step
 
-    def _sample_ahead(self, step: int, stats: dict) -> dict | None:
+    def _sample_ahead(self, step: int, stats: dict, at_version: int | None = None) -> dict | None:
         """rollout.mode=one_step_off: the next step's groups, sampled now with the weights this step updates, its
         sampling time counted in this step's ``stats``; None when the run is synchronous or this is its last step."""
         r = self.cfg.rollout
         if r.mode != "one_step_off" or not r.max_staleness or step + 1 >= self.total_steps:
             return None
         before = {key: stats.get(key, 0.0) for key in ("rollout_s", "reward_s")}
-        groups, ahead_stats = self._collect(step + 1)
+        groups, ahead_stats = self._collect(step + 1, at_version)
         for key, seconds in before.items():
             stats[key] = seconds + ahead_stats.pop(key, 0.0)
         return {"step": step + 1, "groups": groups, "stats": ahead_stats, "sampled_with": step}
+
+    def _sample_ahead_beside(self, step: int) -> Future:
+        """rollout.overlap: ``_sample_ahead`` started in a thread of its own (on a GPU, on a CUDA stream of its own)
+        to run while this step's update does: the engine samples from its copy of the weights, which the update
+        leaves alone until ``sync_weights``. The version sampled is pinned now, before the update's optimizer step
+        moves the model's on. The future gives the groups and their sampling times."""
+        version = weights_version(self.model)
+        stream = None
+        if self.device.type == "cuda":
+            stream = self.sampling_stream = self.sampling_stream or torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))  # (the copy refreshed after the last update)
+
+        def sample() -> tuple[dict | None, dict]:
+            times: dict = {}
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                return self._sample_ahead(step, times, at_version=version), times
+        return self.sampling_thread.submit(sample)
+
+    def _join_sampling(self, pending: Future, stats: dict) -> dict | None:
+        """The groups sampled beside the update, their times added to this step's ``stats``; on a GPU the default
+        stream then waits for the sampling stream, so the engine's copy is refreshed only after its last read."""
+        ahead, times = pending.result()
+        for key, seconds in times.items():
+            stats[key] = stats.get(key, 0.0) + seconds
+        if self.sampling_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.sampling_stream)
+        return ahead
 
     def train_step(self, step: int) -> dict | None:
         """The step's metrics; None when a stop request dropped it before its update (nothing changed)."""
@@ -409,7 +455,8 @@ class Trainer:
         start = time.perf_counter()
         compiled, captured = compiled_graphs(), getattr(self.engine, "graph_captures", 0)
         groups, stats, sampled_with = self._step_groups(step)
-        ahead = self._sample_ahead(step, stats)
+        overlap = cfg.rollout.overlap
+        ahead = None if overlap else self._sample_ahead(step, stats)
         if self._drop_before_update(step):
             return None
         results = [r for g in groups for r in g["results"]]
@@ -421,8 +468,17 @@ class Trainer:
                         response_ids=[s.token_ids for s in samples], advantages=advantages, group_size=n,
                         old_logprobs=[s.logprobs for s in samples] if stale else None)
         t_update = time.perf_counter()
-        self.engine.sleep()  # a colocated engine frees its memory for the update ...
-        update = self.actor.update(batch)
+        pending = self._sample_ahead_beside(step) if overlap else None  # the next step sampled beside the update
+        if pending is None:
+            self.engine.sleep()  # a colocated engine frees its memory for the update ...
+        try:
+            update = self.actor.update(batch)
+            update_s = time.perf_counter() - t_update
+        finally:  # (an update that fails still waits for the sampling to let go of the engine)
+            if pending is not None:
+                wait([pending])
+        if pending is not None:
+            ahead = self._join_sampling(pending, stats)
         self.engine.sync_weights()  # ... and gets it back with the new weights
         self.ahead = ahead
         end = time.perf_counter()
@@ -444,7 +500,8 @@ class Trainer:
         # Each phase's time and the compilations and graph captures (0 once warm): the most of any rank.
         compiled, captured = compiled_graphs() - compiled, getattr(self.engine, "graph_captures", 0) - captured
         most = dict(zip(("rollout_s", "reward_s", "update_s", "recompiles", "graph_captures"), all_reduce(
-            [stats["rollout_s"], stats["reward_s"], end - t_update, compiled, captured], "max", self.device)))
+            [stats["rollout_s"], stats["reward_s"], update_s if overlap else end - t_update, compiled, captured],
+            "max", self.device)))
         metrics = {
             "epoch": step // self.steps_per_epoch,
             "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
@@ -504,6 +561,13 @@ class Trainer:
     def run(self) -> dict:
         """Train to the last step, or until SIGTERM/SIGINT asks for a stop: then the result's ``preempted``
         names the step and checkpoint, and no report is written (the resumed run writes it)."""
+        try:
+            return self._run()
+        finally:
+            if self.sampling_thread is not None:
+                self.sampling_thread.shutdown()
+
+    def _run(self) -> dict:
         with self.stop_request:
             start_step, resumed = self._resume()
             self.saved = (start_step, resumed) if resumed is not None else None
