@@ -439,7 +439,10 @@ def bench_grpo_step(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             groups = engine.generate(prompts, params, seeds=[step * 1000 + i for i in range(prompts_per_step)],
                                      stop_at=stop_at, at_version=at_version)
-        side.synchronize() if side is not None else sync()  # (beside an update: its own stream, not the device)
+        if side is not None:  # (beside an update: its own stream, not the device)
+            side.synchronize()
+        else:
+            sync()
         return prompts, groups, time.perf_counter() - start
 
     results, ahead = [], None
@@ -468,7 +471,8 @@ def bench_grpo_step(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int
             pending = beside.submit(sample, step + 1, weights_version(model))
         with phases.phase("update") if phases else contextlib.nullcontext():
             actor.update(samples)
-            sync()
+            if dev.type == "cuda":  # (the update's stream: a device-wide wait would wait for the sampling too)
+                torch.cuda.current_stream(dev).synchronize()
             t_updated = time.perf_counter()
             ahead = pending.result() if pending is not None else None
             if side is not None:
