@@ -3,6 +3,7 @@
 import pytest
 from transformers import Qwen3Config
 
+from longqa.bench import decode_floor_s
 from longqa.distributed.planner import GIB, ModelSizes, plan_memory
 from longqa.distributed.step_time import (DECODE_FRACTION_OF_FLOOR, GPU_ADAM_S_PER_PARAM, HOST_ADAM_S_PER_PARAM,
                                           NVLINK_BYTES_PER_S, OFFLOAD_BYTES_PER_S, PCIE_BYTES_PER_S, PREFILL_MFU,
@@ -121,3 +122,29 @@ def test_a_small_model_s_update_at_long_prompts_is_counted_with_its_slower_atten
     sizes = ModelSizes.from_config(Qwen3Config(**SHAPES["smollm2-135m"]))
     t = step(sizes, batch=64, mini=64, n=8, prompt=8192, response=157, budget=45056)
     assert t.update + t.optimizer == pytest.approx(4.57, rel=0.2)
+
+
+def test_drawn_lengths_hold_each_group_until_its_longest_sample():
+    """rollout.response_lengths=lognormal: the plan decodes the drawn lengths, each group for as many steps as its
+    longest sample, which takes longer than every sample at their mean length."""
+    from longqa.config import load_config
+    from longqa.distributed.step_time import planned_lengths
+    from longqa.lengths import draw_response_lengths
+
+    sizes = tiny()
+    cfg = load_config(None, ["rollout.response_lengths=lognormal", "rollout.n=8", "data.train_batch_size=6",
+                             "data.max_response_length=64", "trainer.seed=3"])
+    lengths = planned_lengths(cfg, world_size=2)
+    assert lengths == [draw_response_lengths("lognormal", 8, 64, (3, 0, g, 0)) for g in range(3)]
+    assert planned_lengths(cfg, world_size=2, response_length=40) == 40
+    assert planned_lengths(load_config(None, ["data.max_response_length=64"]), world_size=2) == 64
+    flat = [length for group in lengths for length in group]
+    mean = round(sum(flat) / len(flat))
+    plan = plan_memory(sizes, world_size=1, gpu_bytes=141 * GIB, micro_batch_tokens=1000, prompt_length=100,
+                       response_length=64, n=8, param_bytes=2, sharded=False, groups_per_rank=3)
+    drawn, averaged = (plan_step_time(sizes, plan, gpus_per_node=8, prompt_length=100, response_length=r, n=8,
+                                      batch_size=3, mini_batch_size=3, epochs=1, micro_batch_tokens=1000,
+                                      recomputed=0.0, cpu_offload=False) for r in (lengths, mean))
+    floor = decode_floor_s(sizes.config, 100, lengths, in_flight=plan.kv_groups)
+    assert drawn.decode == pytest.approx(floor / DECODE_FRACTION_OF_FLOOR)
+    assert drawn.decode > averaged.decode and max(flat) > mean

@@ -395,7 +395,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     from longqa.distributed.host_memory import HOST_GIB_PER_GPU
     from longqa.distributed.planner import (GIB, check_data_parallel, describe_training, model_sizes,
                                             resolve_micro_batch_tokens)
-    from longqa.distributed.step_time import step_time_config
+    from longqa.distributed.step_time import planned_lengths, step_time_config
 
     if args.largest and args.shape:
         raise ConfigError("--largest tries every known shape, --shape sizes one: give either")
@@ -427,10 +427,17 @@ def cmd_plan(args: argparse.Namespace) -> None:
         print(line)
     gpu, host = plan_run(cfg, sizes, machine)
     step = step_time_config(cfg, sizes, gpu, per_node, args.response_length)
+    lengths = planned_lengths(cfg, args.gpus, args.response_length)
+    if isinstance(lengths, int):
+        responses = f"responses of {lengths} tokens"
+    else:
+        flat = [length for group in lengths for length in group]
+        responses = (f"responses of drawn lengths, mean {sum(flat) / len(flat):.0f} and longest {max(flat)} of "
+                     f"{cfg.data.max_response_length} tokens (rollout.response_lengths={cfg.rollout.response_lengths})")
     print(f"{_count(sizes.params)} parameters on {where}, {describe_training(cfg)}:\n"
           f"GPU memory per GPU:\n{gpu.table()}\nhost memory per node:\n{host.table()}\n"
-          f"step time per GRPO step ({cfg.data.train_batch_size} prompts x {cfg.rollout.n}, responses of "
-          f"{args.response_length or cfg.data.max_response_length} tokens; H200s, the fast engine):\n{step.table()}")
+          f"step time per GRPO step ({cfg.data.train_batch_size} prompts x {cfg.rollout.n}, {responses}; H200s, the "
+          f"fast engine):\n{step.table()}")
     check_run_plan(cfg, gpu, host, sizes)
     print("fits")
 

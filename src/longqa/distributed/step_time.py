@@ -3,10 +3,11 @@
 Every rank does the same work on its own share of the step's groups, so a step takes one rank's time:
 
 - rollout: the rank's prompts prefilled once each (forward FLOPs at ``PREFILL_MFU``), then decode steps
-  (``max_response_length`` tokens each, or a mean response length if given, with as many groups in
-  flight as the GPU plan's KV cache holds), each at the HBM floor of ``longqa.bench.decode_floor_s``
-  (the weights once per step, each group's prompt KV once, each sample's own KV) over
-  ``DECODE_FRACTION_OF_FLOOR``;
+  (``max_response_length`` tokens each, a mean response length if given, or under
+  ``rollout.response_lengths=lognormal`` each sample's drawn length, a group holding its slot until its
+  longest sample ends; with as many groups in flight as the GPU plan's KV cache holds), each at the HBM
+  floor of ``longqa.bench.decode_floor_s`` (the weights once per step, each group's prompt KV once, each
+  sample's own KV) over ``DECODE_FRACTION_OF_FLOOR``;
 - old log-probs: when a step has several mini-batches (or epochs), one forward pass over all samples;
 - update: the packed micro-batches' training FLOPs (``longqa.bench.group_flops`` on the packs
   ``plan_packs`` makes, plus a third of the forward for each recomputed layer): the matrix products at
@@ -37,10 +38,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from longqa.bench import H200_BF16_PEAK, decode_floor_s, group_flops
+from longqa.bench import H200_BF16_PEAK, decode_floor_s, group_flops, per_sample_lengths
 from longqa.distributed.activations import saved_activation_widths
 from longqa.distributed.planner import (DTYPE_BYTES, MemoryPlan, ModelSizes, master_bytes, offload_fraction,
                                        offloads, recomputed_fraction)
+from longqa.lengths import draw_response_lengths
 
 # Fast engine, 16 groups x 8, Qwen3-1.7B, 8,192-token prompts, 1,024 new tokens: 79.5% (8cd9084), 80.0% and
 # 79.5% (a7e656b) and 73.7% (4317a29) of the HBM floor.
@@ -109,16 +111,16 @@ def attention_mfu(head_dim: int) -> float:
     return slow + share * (fast - slow)
 
 
-def micro_batch_flops(config, prompt_length: int, response_lengths: list[int], groups: int,
-                      budget: int) -> list[tuple[float, float]]:
-    """Forward+backward FLOPs of each micro-batch the actor packs ``groups`` groups into (``plan_packs``:
-    a group over the budget is cut into packs that each carry the prompt): (the matrix products', attention's)."""
+def micro_batch_flops(config, prompt_length: int, lengths: list[list[int]], budget: int) -> list[tuple[float, float]]:
+    """Forward+backward FLOPs of each micro-batch the actor packs these groups into (``lengths``: each group's
+    response lengths; ``plan_packs``: a group over the budget is cut into packs that each carry the prompt):
+    (the matrix products', attention's)."""
     from longqa.model.packing import plan_packs
 
-    n = len(response_lengths)
-    prompts = [range(prompt_length)] * (groups * n)
-    responses = [range(length) for _ in range(groups) for length in response_lengths]
-    members = [list(range(g * n, (g + 1) * n)) for g in range(groups)]
+    n = len(lengths[0])
+    prompts = [range(prompt_length)] * (len(lengths) * n)
+    responses = [range(length) for group in lengths for length in group]
+    members = [list(range(g * n, (g + 1) * n)) for g in range(len(lengths))]
     out = []
     for micro in plan_packs(prompts, responses, members, budget):
         counts = [group_flops(config, prompt_length, pack.response_lengths, True) for pack in micro]
@@ -127,18 +129,20 @@ def micro_batch_flops(config, prompt_length: int, response_lengths: list[int], g
 
 
 def plan_step_time(sizes: ModelSizes, plan: MemoryPlan, *, gpus_per_node: int, prompt_length: int,
-                   response_length: int, n: int, batch_size: int, mini_batch_size: int, epochs: int,
+                   response_length: int | list[list[int]], n: int, batch_size: int, mini_batch_size: int, epochs: int,
                    micro_batch_tokens: int, recomputed: float, cpu_offload: bool, strategy: str = "fsdp2",
                    param_bytes: int = 2, activation_offload: float = 0.0,
                    state_bytes: int | None = None, offloaded: float = 1.0) -> StepTime:
-    """One rank's seconds per phase of a GRPO step under ``plan`` (the module docstring says how); ``offloaded``:
-    the share of an offloaded optimizer on the host (ZeRO-3's partial offload)."""
+    """One rank's seconds per phase of a GRPO step under ``plan`` (the module docstring says how); ``response_length``:
+    every sample's, or each of the rank's groups' list of its samples' lengths; ``offloaded``: the share of an
+    offloaded optimizer on the host (ZeRO-3's partial offload)."""
     config, world, params = sizes.config, plan.world_size, sizes.params
     groups = max(1, batch_size // world)
+    lengths = per_sample_lengths(response_length, n, groups)
     peak = H200_BF16_PEAK
     prefill = groups * group_flops(config, prompt_length, [], True).flops / 3 / (peak * PREFILL_MFU)
-    floor = decode_floor_s(config, prompt_length, response_length, n=n, groups=groups,
-                           in_flight=min(groups, plan.kv_groups), dtype_bytes=param_bytes)
+    floor = decode_floor_s(config, prompt_length, lengths, in_flight=min(groups, plan.kv_groups),
+                           dtype_bytes=param_bytes)
     decode = floor / DECODE_FRACTION_OF_FLOOR
 
     link = NVLINK_BYTES_PER_S if world <= gpus_per_node else NETWORK_BYTES_PER_S
@@ -153,9 +157,8 @@ def plan_step_time(sizes: ModelSizes, plan: MemoryPlan, *, gpus_per_node: int, p
     activations = (round(activation_offload * sizes.layers) * 2 * micro_batch_tokens
                    * sum(saved_activation_widths(sizes)))
     own = max(1, mini_batch_size // world)  # the rank's share of each mini-batch
-    minis = [min(own, groups - start) for start in range(0, groups, own)]
-    flops = [f for size in minis for f in micro_batch_flops(config, prompt_length, [response_length] * n, size,
-                                                             micro_batch_tokens)]
+    minis = [lengths[start:start + own] for start in range(0, groups, own)]
+    flops = [f for mini in minis for f in micro_batch_flops(config, prompt_length, mini, micro_batch_tokens)]
     attention_rate = attention_mfu(config.head_dim)
 
     def pass_time(work: float, offloaded: float, activation_bytes: float, link_bytes: int) -> float:
@@ -185,12 +188,27 @@ def plan_step_time(sizes: ModelSizes, plan: MemoryPlan, *, gpus_per_node: int, p
                     refresh=refresh, micro_batches=len(flops), optimizer_steps=steps)
 
 
+def planned_lengths(cfg, world_size: int, response_length: int | None = None) -> int | list[list[int]]:
+    """The response lengths a step is planned for: ``response_length`` for every sample if given; under
+    ``rollout.response_lengths=lognormal`` a draw of a rank's groups' lengths from the trainer's distribution (seeded
+    by ``trainer.seed`` and the group), since a group holds its slot until its longest sample ends, which a mean
+    length misses; else every response at ``data.max_response_length``."""
+    if response_length:
+        return response_length
+    top = cfg.data.max_response_length
+    if cfg.rollout.response_lengths == "model":
+        return top
+    groups = max(1, cfg.data.train_batch_size // world_size)
+    return [draw_response_lengths(cfg.rollout.response_lengths, cfg.rollout.n, top, (cfg.trainer.seed, 0, g, 0))
+            for g in range(groups)]
+
+
 def step_time_config(cfg, sizes: ModelSizes, plan: MemoryPlan, gpus_per_node: int,
                      response_length: int | None = None) -> StepTime:
     """The step time of a longqa config under its memory plan; ``response_length``: the mean response
-    length to plan for (default ``data.max_response_length``, every response at the limit)."""
+    length to plan for (default: ``planned_lengths``)."""
     return plan_step_time(sizes, plan, gpus_per_node=gpus_per_node, prompt_length=cfg.data.max_prompt_length,
-                          response_length=response_length or cfg.data.max_response_length, n=cfg.rollout.n,
+                          response_length=planned_lengths(cfg, plan.world_size, response_length), n=cfg.rollout.n,
                           batch_size=cfg.data.train_batch_size, mini_batch_size=cfg.actor.ppo_mini_batch_size,
                           epochs=cfg.actor.ppo_epochs, micro_batch_tokens=cfg.actor.max_tokens_per_micro_batch,
                           recomputed=recomputed_fraction(cfg), cpu_offload=offloads(cfg)[0],
