@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -55,6 +56,11 @@ def test_training_end_to_end(tiny_model_dir, data_dir, tmp_path, capsys):
                 "response_length/max", "response/truncated", "zero_variance_groups", "reward_errors"):
         assert key in rows[1], key
     assert rows[1]["lr"] < rows[2]["lr"]  # warmup then cosine
+    raw = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    host = [r["perf/host_memory_peak_gb"] for r in raw if "perf/host_memory_peak_gb" in r]
+    assert len(host) == 4 and 0 < host[0] and host == sorted(host)  # this process's peak, never falling
+    assert host[-1] <= resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
+    assert not [k for r in raw for k in r if k.startswith("perf/max_memory")]  # GPU peaks only on CUDA
     assert not [k for r in rows for k in r if k.startswith("val/accuracy@")]  # no lengths in these rows
     checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert checkpoints == ["step_00000003", "step_00000004"]

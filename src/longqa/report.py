@@ -12,6 +12,9 @@ The trainer logs a flat dict per step. These keys are the ones the console line 
 ``response_length/mean``, ``/max``      response lengths in tokens
 ``perf/tokens_per_s``                   throughput of the step
 ``perf/recompiles``, ``/graph_captures`` graphs compiled / decode steps captured in the step (0 once warm)
+``perf/max_memory_allocated_gb``,      the GPU's peak memory allocated / reserved by torch during the step (GiB,
+``/max_memory_reserved_gb``             CUDA only), the most of any rank
+``perf/host_memory_peak_gb``            the most host memory a rank's process has held so far (peak resident, GiB)
 ``reward_errors``                       reward calls that failed (scored 0); on the console line when any did
 ``time/step_s``                         seconds since the previous step; added by the logger unless given
 

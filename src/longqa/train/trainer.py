@@ -13,6 +13,7 @@ import contextlib
 import functools
 import math
 import random
+import resource
 import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -214,6 +215,20 @@ def check_vllm(cfg: Config, device: torch.device) -> None:
         import_vllm()  # missing: said now, not after the weights have loaded
     except ImportError as e:
         raise ConfigError(str(e)) from None
+
+
+# Memory per step in GiB, the most of any rank: the GPU's peak allocated and reserved bytes during the step (on CUDA;
+# verl's names), and the process's peak resident host memory since it started.
+MEMORY = ("perf/max_memory_allocated_gb", "perf/max_memory_reserved_gb", "perf/host_memory_peak_gb")
+
+
+def memory_peaks(device: torch.device) -> list[float]:
+    """``MEMORY``'s values in this process (GiB; 0 for the GPU's on another device)."""
+    gib = 2**30
+    host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / gib  # (kilobytes on Linux)
+    if device.type != "cuda":
+        return [0.0, 0.0, host]
+    return [torch.cuda.max_memory_allocated(device) / gib, torch.cuda.max_memory_reserved(device) / gib, host]
 
 
 class Trainer:
@@ -454,6 +469,8 @@ class Trainer:
         cfg, n = self.cfg, self.cfg.rollout.n
         start = time.perf_counter()
         compiled, captured = compiled_graphs(), getattr(self.engine, "graph_captures", 0)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)  # the step's own peaks, logged below
         groups, stats, sampled_with = self._step_groups(step)
         overlap = cfg.rollout.overlap
         ahead = None if overlap else self._sample_ahead(step, stats)
@@ -499,9 +516,9 @@ class Trainer:
         zero_var, tokens = sum(p["zero_var"] for p in every), sum(p["tokens"] for p in every)
         # Each phase's time and the compilations and graph captures (0 once warm): the most of any rank.
         compiled, captured = compiled_graphs() - compiled, getattr(self.engine, "graph_captures", 0) - captured
-        most = dict(zip(("rollout_s", "reward_s", "update_s", "recompiles", "graph_captures"), all_reduce(
-            [stats["rollout_s"], stats["reward_s"], update_s if overlap else end - t_update, compiled, captured],
-            "max", self.device)))
+        most = dict(zip(("rollout_s", "reward_s", "update_s", "recompiles", "graph_captures", *MEMORY), all_reduce(
+            [stats["rollout_s"], stats["reward_s"], update_s if overlap else end - t_update, compiled, captured,
+             *memory_peaks(self.device)], "max", self.device)))
         metrics = {
             "epoch": step // self.steps_per_epoch,
             "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
@@ -513,6 +530,7 @@ class Trainer:
             "time/rollout_s": most["rollout_s"], "time/reward_s": most["reward_s"],
             "time/update_s": most["update_s"], "perf/tokens_per_s": tokens / (end - start),
             "perf/recompiles": int(most["recompiles"]), "perf/graph_captures": int(most["graph_captures"]),
+            **{key: round(most[key], 3) for key in MEMORY if self.device.type == "cuda" or "host" in key},
             **update,
         }
         if cfg.rollout.mode == "one_step_off":
