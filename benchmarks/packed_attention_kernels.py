@@ -125,7 +125,8 @@ def main() -> None:
     packs = 4
     rows = packs * length
     q_rows = torch.randn(rows, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k_rows, v_rows = (torch.randn(rows, KV, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    k_rows, v_rows = (torch.randn(rows, KV, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                      for _ in range(2))
     g_rows = torch.randn_like(q_rows)
     bounds = [b for pack in range(packs) for b in (pack * length, pack * length + P)] + [rows]
     cu = torch.tensor(bounds, dtype=torch.int32, device="cuda")

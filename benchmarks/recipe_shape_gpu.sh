@@ -45,7 +45,8 @@ model.save_pretrained(folder)
 for file in tokenizer.iterdir():
     if file.is_file():
         shutil.copy(file, folder / file.name)
-print(f"saved {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters in {time.perf_counter() - start:.0f} s")
+billions = sum(p.numel() for p in model.parameters()) / 1e9
+print(f"saved {billions:.2f}B parameters in {time.perf_counter() - start:.0f} s")
 PY
 
 context=$((prompt - 1024 > prompt / 2 ? prompt - 1024 : prompt / 2))  # (room for the question and the chat template)
