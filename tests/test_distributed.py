@@ -324,11 +324,16 @@ def test_checkpoints_resume_on_another_number_of_ranks(run_inputs, tmp_path):
 
 @pytest.mark.slow
 def test_one_step_off_under_two_ranks_is_the_single_process_run_and_resumes_on_one(run_inputs, tmp_path):
-    """rollout.mode=one_step_off under torchrun: each rank samples its share of the next step before the update,
-    as one process samples the whole; the checkpoint two ranks write after step 2 holds both ranks' groups sampled
-    ahead, and one process resuming from it ends where the uninterrupted run did."""
+    """rollout.mode=one_step_off under torchrun: each rank samples its share of the next step before the update, or
+    beside it while the ranks' update runs its collectives (rollout.overlap), as one process samples the whole; the
+    checkpoint two ranks write after step 2 holds both ranks' groups sampled ahead, and one process resuming from it
+    ends where the uninterrupted run did."""
     off = {"rollout.mode": "one_step_off", "trainer.max_steps": 3, "trainer.test_freq": 0}
     one = launch(run_inputs, tmp_path / "one", 1, **off)
+    beside = launch(run_inputs, tmp_path / "beside", 2, **off, **{"rollout.overlap": "true"})
+    assert len(beside) == len(one)
+    for a, b in zip(one, beside):
+        assert_same_records(a, b)
     two = launch(run_inputs, tmp_path / "two", 2, **off, **{"trainer.save_freq": 1})
     assert [r["rollout/staleness"] for r in one] == [0, 1, 1]
     for a, b in zip(one, two):
