@@ -982,8 +982,9 @@ def _make_rows(jobs: list[tuple[str, int]], config: SynthConfig, workers: int,
     make = functools.partial(_make_job, config=config, lengths=lengths)
     if workers <= 1 or len(jobs) < 2:
         return [make(job) for job in jobs]
-    vocabulary()  # build once here so forked workers inherit it
-    with multiprocessing.get_context().Pool(min(workers, os.cpu_count() or 1, len(jobs))) as pool:
+    # Workers are started fresh ("spawn"), not forked: a fork copies whatever locks the parent's other threads (a
+    # tokenizer's, an I/O library's, a test runner's) hold at that moment, and a child that needs one waits forever.
+    with multiprocessing.get_context("spawn").Pool(min(workers, os.cpu_count() or 1, len(jobs))) as pool:
         return pool.map(make, jobs, chunksize=max(1, len(jobs) // (workers * 16)))
 
 
