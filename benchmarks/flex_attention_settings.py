@@ -42,9 +42,10 @@ SETTINGS = {
 }
 
 
-def group_mask(prompt: int, response: int, n: int):
+def group_mask(prompt: int, response: int, n: int, first_query: int = 0):
     """The packed group's block mask: key k is visible to query q if k <= q and k is a prompt token or
-    in q's own response."""
+    in q's own response; with ``first_query``, the queries are the group's rows from that one on (``prompt``:
+    the responses alone). Returns the mask and the group's length."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     length = prompt + n * response
@@ -53,9 +54,10 @@ def group_mask(prompt: int, response: int, n: int):
         segment[prompt + j * response:prompt + (j + 1) * response] = j + 1
 
     def visible(b, h, q, k):
+        q = q + first_query
         return (k <= q) & ((segment[k] == 0) | (segment[k] == segment[q]))
 
-    return create_block_mask(visible, 1, 1, length, length, device="cuda", BLOCK_SIZE=128), length
+    return create_block_mask(visible, 1, 1, length - first_query, length, device="cuda", BLOCK_SIZE=128), length
 
 
 def time_setting(mask, length: int, options: dict, mode: str | None, heads=16, kv_heads=8, dim=128,

@@ -28,6 +28,8 @@ import json
 import torch
 import torch.nn.functional as F
 
+from flex_attention_settings import group_mask  # (this folder)
+
 FLEX_BACKWARD = {"BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64, "bwd_num_warps": 4,
                  "bwd_num_stages": 3}
 
@@ -60,23 +62,12 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=64)
     args = parser.parse_args()
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
     from torch.nn.attention.varlen import varlen_attn
 
     P, R, n, H, KV, D = args.prompt, args.response, args.n, args.heads, args.kv_heads, args.dim
-    length = P + n * R
-    segment = torch.zeros(length, dtype=torch.int32, device="cuda")
-    for j in range(n):
-        segment[P + j * R:P + (j + 1) * R] = j + 1
-
-    def visible(b, h, q, k):
-        return (k <= q) & ((segment[k] == 0) | (segment[k] == segment[q]))
-
-    def visible_from_response(b, h, q, k):  # query q is response row P + q
-        return visible(b, h, q + P, k)
-
-    whole = create_block_mask(visible, 1, 1, length, length, device="cuda", BLOCK_SIZE=128)
-    responses = create_block_mask(visible_from_response, 1, 1, n * R, length, device="cuda", BLOCK_SIZE=128)
+    whole, length = group_mask(P, R, n)
+    responses, _ = group_mask(P, R, n, first_query=P)
     flex = torch.compile(flex_attention, dynamic=False)
 
     def tensor(heads, rows, batch=1):
