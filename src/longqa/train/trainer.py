@@ -217,18 +217,19 @@ def check_vllm(cfg: Config, device: torch.device) -> None:
         raise ConfigError(str(e)) from None
 
 
-# Memory per step in GiB, the most of any rank: the GPU's peak allocated and reserved bytes during the step (on CUDA;
-# verl's names), and the process's peak resident host memory since it started.
-MEMORY = ("perf/max_memory_allocated_gb", "perf/max_memory_reserved_gb", "perf/host_memory_peak_gb")
+# Memory per step in GiB, the most of any rank: the process's peak resident host memory since it started, and on
+# CUDA the GPU's peak allocated and reserved bytes during the step (verl's names).
+HOST_MEMORY, GPU_MEMORY = "perf/host_memory_peak_gb", ("perf/max_memory_allocated_gb", "perf/max_memory_reserved_gb")
 
 
-def memory_peaks(device: torch.device) -> list[float]:
-    """``MEMORY``'s values in this process (GiB; 0 for the GPU's on another device)."""
+def memory_peaks(device: torch.device) -> dict[str, float]:
+    """This process's memory peaks, by their names in ``HOST_MEMORY`` and, on CUDA, ``GPU_MEMORY``."""
     gib = 2**30
-    host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / gib  # (kilobytes on Linux)
-    if device.type != "cuda":
-        return [0.0, 0.0, host]
-    return [torch.cuda.max_memory_allocated(device) / gib, torch.cuda.max_memory_reserved(device) / gib, host]
+    peaks = {HOST_MEMORY: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / gib}  # (KB on Linux)
+    if device.type == "cuda":
+        peaks.update(zip(GPU_MEMORY, (torch.cuda.max_memory_allocated(device) / gib,
+                                      torch.cuda.max_memory_reserved(device) / gib)))
+    return peaks
 
 
 class Trainer:
@@ -437,29 +438,27 @@ class Trainer:
             stats[key] = seconds + ahead_stats.pop(key, 0.0)
         return {"step": step + 1, "groups": groups, "stats": ahead_stats, "sampled_with": step}
 
-    def _sample_ahead_beside(self, step: int) -> Future:
+    def _sample_ahead_beside(self, step: int, stats: dict) -> Future:
         """rollout.overlap: ``_sample_ahead`` started in a thread of its own (on a GPU, on a CUDA stream of its own)
         to run while this step's update does: the engine samples from its copy of the weights, which the update
         leaves alone until ``sync_weights``. The version sampled is pinned now, before the update's optimizer step
-        moves the model's on. The future gives the groups and their sampling times."""
+        moves the model's on. The future gives the groups; their sampling times go into ``stats``, which this
+        thread alone touches until the future is done."""
         version = weights_version(self.model)
         stream = None
         if self.device.type == "cuda":
             stream = self.sampling_stream = self.sampling_stream or torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))  # (the copy refreshed after the last update)
 
-        def sample() -> tuple[dict | None, dict]:
-            times: dict = {}
+        def sample() -> dict | None:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                return self._sample_ahead(step, times, at_version=version), times
+                return self._sample_ahead(step, stats, at_version=version)
         return self.sampling_thread.submit(sample)
 
-    def _join_sampling(self, pending: Future, stats: dict) -> dict | None:
-        """The groups sampled beside the update, their times added to this step's ``stats``; on a GPU the default
-        stream then waits for the sampling stream, so the engine's copy is refreshed only after its last read."""
-        ahead, times = pending.result()
-        for key, seconds in times.items():
-            stats[key] = stats.get(key, 0.0) + seconds
+    def _join_sampling(self, pending: Future) -> dict | None:
+        """The groups sampled beside the update; on a GPU the default stream then waits for the sampling stream, so
+        the engine's copy is refreshed only after its last read."""
+        ahead = pending.result()
         if self.sampling_stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.sampling_stream)
         return ahead
@@ -485,7 +484,7 @@ class Trainer:
                         response_ids=[s.token_ids for s in samples], advantages=advantages, group_size=n,
                         old_logprobs=[s.logprobs for s in samples] if stale else None)
         t_update = time.perf_counter()
-        pending = self._sample_ahead_beside(step) if overlap else None  # the next step sampled beside the update
+        pending = self._sample_ahead_beside(step, stats) if overlap else None  # the next step, beside the update
         if pending is None:
             self.engine.sleep()  # a colocated engine frees its memory for the update ...
         try:
@@ -495,7 +494,7 @@ class Trainer:
             if pending is not None:
                 wait([pending])
         if pending is not None:
-            ahead = self._join_sampling(pending, stats)
+            ahead = self._join_sampling(pending)
         self.engine.sync_weights()  # ... and gets it back with the new weights
         self.ahead = ahead
         end = time.perf_counter()
@@ -516,9 +515,10 @@ class Trainer:
         zero_var, tokens = sum(p["zero_var"] for p in every), sum(p["tokens"] for p in every)
         # Each phase's time and the compilations and graph captures (0 once warm): the most of any rank.
         compiled, captured = compiled_graphs() - compiled, getattr(self.engine, "graph_captures", 0) - captured
-        most = dict(zip(("rollout_s", "reward_s", "update_s", "recompiles", "graph_captures", *MEMORY), all_reduce(
+        memory = memory_peaks(self.device)
+        most = dict(zip(("rollout_s", "reward_s", "update_s", "recompiles", "graph_captures", *memory), all_reduce(
             [stats["rollout_s"], stats["reward_s"], update_s if overlap else end - t_update, compiled, captured,
-             *memory_peaks(self.device)], "max", self.device)))
+             *memory.values()], "max", self.device)))
         metrics = {
             "epoch": step // self.steps_per_epoch,
             "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
@@ -530,7 +530,7 @@ class Trainer:
             "time/rollout_s": most["rollout_s"], "time/reward_s": most["reward_s"],
             "time/update_s": most["update_s"], "perf/tokens_per_s": tokens / (end - start),
             "perf/recompiles": int(most["recompiles"]), "perf/graph_captures": int(most["graph_captures"]),
-            **{key: round(most[key], 3) for key in MEMORY if self.device.type == "cuda" or "host" in key},
+            **{key: round(most[key], 3) for key in memory},
             **update,
         }
         if cfg.rollout.mode == "one_step_off":
