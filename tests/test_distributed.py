@@ -743,3 +743,43 @@ def test_a_group_on_a_bare_cuda_device_joins_on_the_local_rank_s_gpu(monkeypatch
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kwargs: chosen.append(backend))
     assert DistEnv(0, 1, local_rank).init(torch.device(device), alone=True)
     assert chosen == [gpu, "nccl"]
+
+
+GRADED_REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """A score that differs within a group, so every update moves the weights (a random model earns no reward)."""
+    return len(solution_str) % 7 / 6
+'''
+
+
+@pytest.mark.slow
+def test_sampler_ranks_of_their_own_sample_what_the_training_ranks_would(run_inputs, tmp_path):
+    """rollout.sampler_ranks=1 under torchrun with three ranks: two train (FSDP2 over a group of their own) and one
+    samples for both, its weights broadcast after each update. Sampling just before each update
+    (max_staleness=0) it logs the synchronous run of the same two training ranks, validation included;
+    one_step_off logs their one_step_off run (the sampler checks that each request names the weights it holds:
+    one update old); resumed from its checkpoint after step 2, it ends where it did. The reward differs within
+    groups, so every update moves the weights and every step's samples depend on the weights its sampler holds."""
+    graded = tmp_path / "graded.py"
+    graded.write_text(GRADED_REWARD)
+    apart, common = {"rollout.sampler_ranks": 1}, {"reward.path": graded, "trainer.max_steps": 3, "actor.lr": 0.05}
+    sync = launch(run_inputs, tmp_path / "sync", 2, **common)
+    assert all(r["reward/std"] > 0 and r["grad_norm"] > 0 for r in sync[1:])
+    fresh = launch(run_inputs, tmp_path / "fresh", 3, **common, **apart,
+                   **{"rollout.mode": "one_step_off", "rollout.max_staleness": 0})
+    assert [r["step"] for r in fresh] == [0, 1, 2, 3] and "val/accuracy" in fresh[-1]
+    for a, b in zip(sync, fresh):
+        assert_same_records(a, b, skip=("rollout/staleness",))
+    off = {**common, "rollout.mode": "one_step_off", "trainer.test_freq": 0}
+    two = launch(run_inputs, tmp_path / "two", 2, **off)
+    drawn = lambda record: (record["reward/mean"], record["reward/std"], record["response_length/mean"])  # noqa: E731
+    assert drawn(two[-1]) != drawn(sync[-1])  # sampled one update earlier: other samples
+    split = launch(run_inputs, tmp_path / "split", 3, **off, **apart, **{"trainer.save_freq": 1})
+    assert [r["rollout/staleness"] for r in split] == [0, 1, 1]
+    assert len(split) == len(two)
+    for a, b in zip(two, split):
+        assert_same_records(a, b)
+    middle = tmp_path / "split" / "checkpoints" / "step_00000002"
+    resumed = launch(run_inputs, tmp_path / "resumed", 3, **off, **apart, **{"trainer.resume": middle})
+    assert [r["step"] for r in resumed] == [3]
+    assert_same_records(two[-1], resumed[-1])

@@ -110,7 +110,8 @@ class RolloutConfig:
         "sync", "sync: each step samples with the weights it then updates; one_step_off: the next step's prompts "
         "are sampled before this step's update, with weights one update old (as verl's one-step-off-policy "
         "trainer), and the PPO ratio is taken against the sampling log-probs; sampling and training share the "
-        "ranks, one after the other or, with rollout.overlap, at once")
+        "ranks, one after the other or, with rollout.overlap, at once, or run on ranks of their own at once "
+        "(rollout.sampler_ranks)")
     max_staleness: int = opt(1, "one_step_off: most updates between the weights that sampled a step and the "
                              "update that uses it; 0 samples each step just before its update (the sync run "
                              "exactly); the pipeline holds one step, so above 1 is 1", *non_negative)
@@ -118,6 +119,11 @@ class RolloutConfig:
                         "update runs (on a GPU, on a CUDA stream of their own), from the engine's own copy of the "
                         "weights, which costs one more copy of the model in memory; the samples are those sampled "
                         "before the update, to the bit; false: sample them first, then update")
+    sampler_ranks: int = opt(0, "ranks set apart to sample only, the job's last ones (under torchrun; the fast "
+                             "engine, each holding the whole model): the others train, sharded among themselves, "
+                             "and send their prompts to them; new weights are broadcast to them after each update. "
+                             "With mode=one_step_off they sample the next step while the training ranks update; "
+                             "0: every rank samples and trains", *non_negative)
     n: int = opt(8, "responses sampled per prompt (the GRPO group size)", *positive)
     temperature: float = opt(1.0, "sampling temperature; 0 means greedy", *non_negative)
     top_p: float = opt(1.0, "nucleus sampling mass", lambda v: 0 < v <= 1, "in (0, 1]")

@@ -23,12 +23,17 @@ def shard_model(root, layers, device: torch.device, cpu_offload: bool = False, m
     and the engine's copy made from it stays bfloat16) is cast a module at a time, just before that module is
     sharded, so no whole float32 copy of it ever exists on one device."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    from longqa.distributed.env import training_group
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     # The mesh says where the shards live: on the training device, not on whatever accelerator the host
     # has (FSDP's default mesh would move a CPU run's shards to cuda:0 on a machine with a GPU).
-    options = {"mesh": init_device_mesh(device.type, (dist.get_world_size(),))}
+    # Over the training ranks alone when the job has ranks that only sample (``env.init_split``).
+    group = training_group()
+    options = {"mesh": init_device_mesh(device.type, (dist.get_world_size(),)) if group is None
+               else DeviceMesh.from_group(group, device.type)}
     if mixed_precision is None:
         mixed_precision = device.type == "cuda"
     if mixed_precision:

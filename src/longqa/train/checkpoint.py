@@ -265,7 +265,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Mo
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
-    from longqa.distributed.env import barrier, is_main, world_size
+    from longqa.distributed.env import barrier, is_main, training_group, world_size
 
     sharded = world_size() > 1
     run_dir = Path(run_dir)
@@ -298,7 +298,8 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Mo
         elif sharded:
             import torch.distributed.checkpoint as dcp
 
-            dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp / SHARDED)
+            dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp / SHARDED,
+                     process_group=training_group())
             barrier()
         if is_main():
             _write_temp(tmp, files, step)
@@ -343,12 +344,14 @@ def _load_states(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
     if (path / SHARDED).is_dir():
         import torch.distributed.checkpoint as dcp
 
+        from longqa.distributed.env import training_group
+
         if optimizer is None:
             state = {"model": get_model_state_dict(model)}
         else:
             model_state, optimizer_state = _state_dicts(model, optimizer)
             state = {"model": model_state, "optimizer": optimizer_state}
-        dcp.load(state, checkpoint_id=path / SHARDED)
+        dcp.load(state, checkpoint_id=path / SHARDED, process_group=training_group())
         model_state, optimizer_state = state["model"], state.get("optimizer")
         full = False
     else:

@@ -41,9 +41,10 @@ APPLIED_ON_RESUME = frozenset({
     "model.activation_offload", "data.cache_dir", "rollout.kv_cache_bytes", "rollout.tensor_model_parallel_size",
     "rollout.gpu_memory_utilization", "rollout.free_cache_engine", "rollout.enforce_eager", "rollout.cuda_graphs",
     "rollout.speculative", "rollout.num_speculative_tokens", "rollout.prompt_lookup_min",
-    "rollout.prompt_lookup_max", "rollout.overlap", "actor.max_tokens_per_micro_batch", "actor.cpu_offload",
-    "actor.deepspeed_config", "actor.shared_prompt", "actor.attention_backend", "actor.compile_layers",
-    "trainer.device", "trainer.launcher", "trainer.ray_workers", "trainer.max_failures", "trainer.preemption_grace_s",
+    "rollout.prompt_lookup_max", "rollout.overlap", "rollout.sampler_ranks", "actor.max_tokens_per_micro_batch",
+    "actor.cpu_offload", "actor.deepspeed_config", "actor.shared_prompt", "actor.attention_backend",
+    "actor.compile_layers", "trainer.device", "trainer.launcher", "trainer.ray_workers", "trainer.max_failures",
+    "trainer.preemption_grace_s",
 })
 
 REFUSED_ON_RESUME = frozenset({

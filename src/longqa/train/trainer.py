@@ -27,7 +27,7 @@ from longqa.compile_cache import load_run_cache, save_run_cache, use_user_cache
 from longqa.config import Config, ConfigError, to_dict
 from longqa.data.prompts import GROUPS, PromptOptions, PromptSet, describe_losses, prepare_prompts, tally
 from longqa.distributed.deepspeed import check_deepspeed
-from longqa.distributed.env import DistEnv, all_reduce, gather_objects, leave_group
+from longqa.distributed.env import DistEnv, Split, all_reduce, gather_objects, leave_group
 from longqa.distributed.planner import check_data_parallel, check_run, float32_masters
 from longqa.evaluate import evaluate, stop_token_ids
 from longqa.lengths import draw_response_lengths
@@ -36,7 +36,9 @@ from longqa.model.load import (compile_decoder_layers, compiled_graphs, config_t
 from longqa.report import LENGTH_ACCURACY, MetricsLogger, write_report
 from longqa.rollout import HFRolloutEngine, SamplingParams
 from longqa.rollout.base import Sample, bump_weights_version, weights_version
+from longqa.rollout.decode_step import unsupported_reason
 from longqa.rollout.fast import FastRolloutEngine
+from longqa.rollout.remote import RemoteRolloutEngine, serve
 from longqa.rollout.vllm_engine import VLLMRolloutEngine, import_vllm, logprobs_mode_for
 from longqa.support import check_machine
 from longqa.train.actor import Actor, Samples, TrainingError
@@ -232,9 +234,14 @@ def memory_peaks(device: torch.device) -> dict[str, float]:
     return peaks
 
 
+# The engines that seed each prompt's samples (and hold the whole current model, even when training shards it).
+SEEDED_ENGINES = (FastRolloutEngine, VLLMRolloutEngine, RemoteRolloutEngine)
+
+
 class Trainer:
-    def __init__(self, cfg: Config, stop_file: str | Path | None = None):
-        """``stop_file``: where the driver of Ray Train workers asks for a stop (see ``preemption``)."""
+    def __init__(self, cfg: Config, stop_file: str | Path | None = None, split: Split | None = None):
+        """``stop_file``: where the driver of Ray Train workers asks for a stop (see ``preemption``); ``split``: the
+        job's ranks when some of them only sample (``rollout.sampler_ranks``; this is a training rank)."""
         self.cfg = cfg
         self.run_dir = Path(cfg.trainer.output_dir)
         self.stop_request = StopRequest(stop_file)
@@ -243,14 +250,17 @@ class Trainer:
         self.seconds = {"update": None, "validate": None, "save": None}  # this process's last ones, for the grace
         # rollout.mode=one_step_off: the groups of step ``ahead["step"]``, sampled before the previous update
         self.ahead: dict | None = None
-        # rollout.overlap: the thread (and on a GPU the CUDA stream) that samples beside the update
-        self.sampling_thread = ThreadPoolExecutor(1, "longqa-sampling") if cfg.rollout.overlap else None
+        # The next step sampled beside the update: rollout.overlap, or one_step_off on sampler ranks of their own.
+        # The thread (and on a GPU the CUDA stream) that samples, or waits for the sampler ranks, meanwhile.
+        r = cfg.rollout
+        self.beside = r.overlap or bool(split and r.mode == "one_step_off" and r.max_staleness)
+        self.sampling_thread = ThreadPoolExecutor(1, "longqa-sampling") if self.beside else None
         self.sampling_stream = None
         check_groups(cfg)
         check_response_lengths(cfg)
         check_speculative(cfg)
         check_one_step_off(cfg)
-        self.env = DistEnv.from_environment()
+        self.env = DistEnv.from_environment() if split is None else split.training_env()
         deepspeed = cfg.actor.strategy == "deepspeed"
         if self.env.distributed:
             check_data_parallel(cfg, self.env.world_size)
@@ -293,7 +303,6 @@ class Trainer:
         self.steps_per_epoch = len(self.train_set) // cfg.data.train_batch_size
         total = cfg.trainer.total_epochs * self.steps_per_epoch
         self.total_steps = min(total, cfg.trainer.max_steps or total)
-        r = cfg.rollout
         # Compiled graphs from earlier starts (this machine's cache, or the run folder's copy) before any compiling.
         use_user_cache()
         load_run_cache(self.run_dir)
@@ -301,7 +310,9 @@ class Trainer:
         # Built before the actor shards the model: under data parallelism (or a group of one, above) the fast
         # engine keeps an unsharded copy, and vLLM loads the unsharded weights (later syncs gather them).
         logprobs_mode = logprobs_mode_for(r.temperature, r.top_k, r.top_p)
-        if r.engine == "fast":
+        if split is not None:  # the sampler ranks hold the engine (and their own copy of the weights)
+            self.engine = RemoteRolloutEngine(self.model, split)
+        elif r.engine == "fast":
             self.engine = FastRolloutEngine(self.model, self.tokenizer, kv_cache_bytes=r.kv_cache_bytes,
                                             cuda_graphs=r.cuda_graphs,
                                             own_copy=self.env.distributed or sharded_alone or r.overlap,
@@ -320,8 +331,7 @@ class Trainer:
         else:
             self.engine = HFRolloutEngine(self.model, self.tokenizer)
         self.actor = Actor(self.model, cfg, self.total_steps, self.device, self.tokenizer.pad_token_id)
-        if (cfg.actor.compile_layers and self.device.type == "cuda" and isinstance(self.engine, FastRolloutEngine)
-                and self.engine.decode_step is not None):
+        if cfg.actor.compile_layers and self.device.type == "cuda" and self._compilable():
             compile_decoder_layers(self.model, with_hooks=not deepspeed)  # DeepSpeed's hooks cannot be traced
             start = time.perf_counter()
             if (count := self.actor.compile_length_buckets()) and self.env.is_main:
@@ -334,6 +344,13 @@ class Trainer:
                                      max_new_tokens=cfg.data.max_response_length, stop_token_ids=self.stops,
                                      stop_strings=tuple(r.stop),
                                      return_logprobs=r.engine != "vllm" or logprobs_mode is not None)
+
+    def _compilable(self) -> bool:
+        """Whether the update's decoder layers are compiled: for the Llama-family layers the fast engine's fused
+        decode runs (wherever that engine is), whose attention takes packed rows."""
+        if isinstance(self.engine, RemoteRolloutEngine):
+            return not unsupported_reason(self.model)
+        return isinstance(self.engine, FastRolloutEngine) and self.engine.decode_step is not None
 
     # ------------------------------------------------------------------------------------------ data
 
@@ -362,7 +379,7 @@ class Trainer:
         the weights version sampled while an update runs beside (``FastRolloutEngine.generate``)."""
         t0 = time.perf_counter()
         prompts = [self.train_set.ids(i).tolist() for i in indices]
-        if isinstance(self.engine, (FastRolloutEngine, VLLMRolloutEngine)):  # samples depend on (seed, step, prompt)
+        if isinstance(self.engine, SEEDED_ENGINES):  # samples depend on (seed, step, prompt)
             base = self.cfg.trainer.seed * 1_000_003 + step * 101 + round_
             seeds = [(base * 2_147_483_659 + i) % 2**63 for i in indices]  # an int64 for any trainer.seed
             pinned = {} if at_version is None else {"at_version": at_version}
@@ -471,7 +488,7 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)  # the step's own peaks, logged below
         groups, stats, sampled_with = self._step_groups(step)
-        overlap = cfg.rollout.overlap
+        overlap = self.beside
         ahead = None if overlap else self._sample_ahead(step, stats)
         if self._drop_before_update(step):
             return None
@@ -547,7 +564,7 @@ class Trainer:
         # (the fast engine's copy, or vLLM, when the trainer is sharded) and is much faster than
         # transformers' generate; the reference engine's runs use generate on the model itself. Ranks
         # share the questions out and gather the answers.
-        engine = self.engine if isinstance(self.engine, (FastRolloutEngine, VLLMRolloutEngine)) else None
+        engine = self.engine if isinstance(self.engine, SEEDED_ENGINES) else None
         shard = (self.env.rank, self.env.world_size, gather_objects) if self.env.distributed else None
         # Compiled decoder layers would recompile for generation's shapes: run them eagerly where they
         # are called (generate, or the fast engine on a model its fused decode step does not support).
@@ -584,6 +601,8 @@ class Trainer:
         finally:
             if self.sampling_thread is not None:
                 self.sampling_thread.shutdown()
+            if isinstance(self.engine, RemoteRolloutEngine):
+                self.engine.close()
 
     def _run(self) -> dict:
         with self.stop_request:
@@ -758,15 +777,59 @@ def train(cfg: Config, stop_file: str | None = None) -> dict:
     ``preempted`` in the result is set when SIGTERM/SIGINT stopped the run early (``preemption``);
     ``stop_file`` is where a Ray driver asks its workers for that stop.
     """
+    job = DistEnv.from_environment()
+    if cfg.rollout.sampler_ranks:
+        check_sampler_ranks(cfg, job.world_size)
     if cfg.trainer.launcher == "ray":
         from longqa.distributed.ray_launcher import run_with_ray
 
         return run_with_ray(cfg, train)
-    trainer = Trainer(cfg, stop_file)
+    split = None
+    if cfg.rollout.sampler_ranks:
+        split = job.init_split(job.device(cfg.trainer.device), cfg.rollout.sampler_ranks)
+        if split.is_sampler:
+            run_sampler(cfg, split)
+            leave_group()
+            return {"steps": None, "report": None, "preempted": None}
+    trainer = Trainer(cfg, stop_file, split)
     result = trainer.run()
-    if trainer.owns_group:
+    if trainer.owns_group or split is not None:
         leave_group()
     return result
+
+
+def check_sampler_ranks(cfg: Config, world: int) -> None:
+    """What sampler ranks of their own need, checked on every rank of the job before any group is made."""
+    r, samplers = cfg.rollout, cfg.rollout.sampler_ranks
+    needs = {"trainer.launcher": (cfg.trainer.launcher == "local", f"local, under torchrun "
+                                                                   f"(got {cfg.trainer.launcher})"),
+             "rollout.engine": (r.engine == "fast", f"fast (got {r.engine})"),
+             "actor.strategy": (cfg.actor.strategy == "fsdp2", f"fsdp2 (got {cfg.actor.strategy}: DeepSpeed "
+                                                               f"partitions over every rank of the job)")}
+    for key, (ok, what) in needs.items():
+        if not ok:
+            raise ConfigError(f"rollout.sampler_ranks={samplers} needs {key}={what}")
+    if world <= samplers:
+        raise ConfigError(f"rollout.sampler_ranks={samplers} sets that many ranks apart to sample, but the job has "
+                          f"{world}: launch more ranks (torchrun --nproc_per_node) so that some train")
+
+
+def run_sampler(cfg: Config, split: Split) -> None:
+    """A sampler rank's part of the job: the model in ``model.dtype`` on this rank's device and the fast engine on
+    it, serving the training ranks (``rollout/remote.py``)."""
+    m, r = cfg.model, cfg.rollout
+    device = split.job.device(cfg.trainer.device)
+    check_machine(cfg, device.type)
+    random.seed(cfg.trainer.seed), np.random.seed(cfg.trainer.seed), torch.manual_seed(cfg.trainer.seed)
+    tokenizer = config_tokenizer(m)
+    model, _ = load_model(m.path, gguf_file=m.gguf_file, dtype=m.dtype, attn_implementation=m.attn_implementation,
+                          device=device, tokenizer=tokenizer)
+    model.requires_grad_(False)
+    engine = FastRolloutEngine(model, tokenizer, kv_cache_bytes=r.kv_cache_bytes, cuda_graphs=r.cuda_graphs,
+                               speculative=None if r.speculative == "off" else r.speculative,
+                               num_speculative_tokens=r.num_speculative_tokens,
+                               prompt_lookup_min=r.prompt_lookup_min, prompt_lookup_max=r.prompt_lookup_max)
+    serve(engine, split)
 
 
 __all__ = ["Trainer", "train", "reward_function", "load_prompts"]
