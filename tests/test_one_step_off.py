@@ -142,3 +142,18 @@ def test_overlap_without_a_step_sampled_ahead_or_the_fast_engine_is_refused(tiny
 
     with pytest.raises(ConfigError, match=re.escape(message)):
         check_one_step_off(load_config(None, overrides(tiny_model_dir, data_dir, tmp_path, **settings)))
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({}, "rollout.sampler_ranks=1 sets that many ranks apart to sample, but the job has 1: launch more ranks"),
+    ({"rollout.engine": "hf"}, "rollout.sampler_ranks=1 needs rollout.engine=fast (got hf)"),
+    ({"actor.strategy": "deepspeed"}, "rollout.sampler_ranks=1 needs actor.strategy=fsdp2 (got deepspeed"),
+    ({"trainer.launcher": "ray"}, "rollout.sampler_ranks=1 needs trainer.launcher=local, under torchrun (got ray)"),
+])
+def test_sampler_ranks_a_job_cannot_set_apart_are_refused_before_anything_loads(tiny_model_dir, data_dir, tmp_path,
+                                                                                 capsys, settings, message):
+    """`longqa train` in one process (a job of one rank) with rollout.sampler_ranks, or with what sampler ranks
+    cannot run beside: the error, not a traceback."""
+    args = overrides(tiny_model_dir, data_dir, tmp_path, **{"rollout.sampler_ranks": 1, **settings})
+    assert main(["train", *args]) != 0
+    assert message in capsys.readouterr().err

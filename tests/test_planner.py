@@ -309,3 +309,39 @@ def test_sampling_beside_the_update_counts_the_engine_s_copy_of_the_weights():
         for overlap in (False, True)}
     assert plans[False].rollout_weights == 0 and plans[True].rollout_weights == 4 * smollm2.params
     assert plans[True].total - plans[False].total == 4 * smollm2.params
+
+
+SPLIT_RUN = ["--shape", "qwen3-1.7b", "data.max_prompt_length=8192", "data.max_response_length=1024", "rollout.n=8",
+             "data.train_batch_size=24", "actor.ppo_mini_batch_size=24", "actor.max_tokens_per_micro_batch=16384",
+             "model.dtype=bfloat16"]
+
+
+def test_each_split_of_the_gpus_takes_the_longer_side_and_the_fastest_that_fits_is_proposed(capsys):
+    """`longqa plan --split`: on 6 GPUs, every number of sampler ranks from 1 to 5; a split whose training ranks do
+    not divide the batch is marked with the trainer's own refusal; each step is the longer of the samplers' rollout
+    and the training ranks' work plus the weights' broadcast; more samplers sample faster, more training ranks train
+    faster; the proposal is the fastest split that fits."""
+    from longqa.config import load_config
+    from longqa.distributed.fit import Machine, shape_sizes
+    from longqa.distributed.split_plan import best_split, plan_splits
+
+    cfg = load_config(None, SPLIT_RUN[2:])
+    colocated, splits = plan_splits(cfg, shape_sizes("qwen3-1.7b"), Machine(6, 141 * GIB, 8, 750 * GIB))
+    assert [(s.samplers, s.trainers) for s in splits] == [(1, 5), (2, 4), (3, 3), (4, 2), (5, 1)]
+    assert [s.error is None for s in splits] == [False, True, True, True, True]
+    assert "data.train_batch_size=24 must be a multiple of the 5 ranks" in splits[0].error
+    rollouts, trainings = [s.rollout_s for s in splits], [s.training_s for s in splits]
+    assert rollouts == sorted(rollouts, reverse=True) and trainings == sorted(trainings)
+    for s in splits:
+        assert s.step_s == pytest.approx(max(s.rollout_s, s.training_s) + s.weights_s)
+    best = best_split(splits)
+    assert best.step_s == min(s.step_s for s in splits[1:])
+    assert main(["plan", "--gpus", "6", "--split", *SPLIT_RUN]) == 0
+    out = capsys.readouterr().out
+    assert f"proposed: rollout.sampler_ranks={best.samplers} rollout.mode=one_step_off, {best.trainers} " in out
+    assert f"synchronous, every GPU sampling then training: {colocated.total:.1f} s a step" in out
+
+
+def test_a_split_needs_two_gpus(capsys):
+    assert main(["plan", "--split", *SPLIT_RUN]) == 2
+    assert "sampler ranks of their own need at least 2 GPUs" in capsys.readouterr().err

@@ -405,7 +405,9 @@ def cmd_plan(args: argparse.Namespace) -> None:
         raise ConfigError(f"--gpus {args.gpus}, but the config runs trainer.ray_workers={workers} Ray workers, one per "
                           f"GPU: plan for --gpus {workers}, or set trainer.ray_workers={args.gpus}")
     args.gpus = args.gpus or workers or 1
-    if args.gpus > 1:  # as the trainer checks it under torchrun or Ray, one rank per GPU
+    if args.largest and args.split:
+        raise ConfigError("--largest tries every known shape, --split splits the GPUs of one: give either")
+    if args.gpus > 1 and not args.split:  # as the trainer checks it under torchrun or Ray, one rank per GPU
         check_data_parallel(cfg, args.gpus)
     per_node = args.gpus_per_node or min(args.gpus, 8)
     used = min(args.gpus, per_node)  # the run's GPUs on a node: the default host memory is theirs
@@ -425,6 +427,9 @@ def cmd_plan(args: argparse.Namespace) -> None:
     sizes = shape_sizes(args.shape) if args.shape else model_sizes(cfg)
     if line := resolve_micro_batch_tokens(cfg, args.gpus, machine.gpu_bytes, sizes):
         print(line)
+    if args.split:
+        _plan_split(cfg, sizes, machine, args.response_length, f"{_count(sizes.params)} parameters on {where}")
+        return
     gpu, host = plan_run(cfg, sizes, machine)
     step = step_time_config(cfg, sizes, gpu, per_node, args.response_length)
     lengths = planned_lengths(cfg, args.gpus, args.response_length)
@@ -440,6 +445,22 @@ def cmd_plan(args: argparse.Namespace) -> None:
           f"fast engine):\n{step.table()}")
     check_run_plan(cfg, gpu, host, sizes)
     print("fits")
+
+
+def _plan_split(cfg, sizes, machine, response_length: int | None, what: str) -> None:
+    """``longqa plan --split``: every split of the GPUs between sampler and training ranks, and the proposal."""
+    from longqa.distributed.planner import PlanError, describe_training
+    from longqa.distributed.split_plan import best_split, plan_splits, splits_table
+
+    colocated, splits = plan_splits(cfg, sizes, machine, response_length)
+    print(f"{what}, {describe_training(cfg)}; rollout.mode=one_step_off with sampler ranks of their own "
+          f"(rollout.sampler_ranks), each step's time per split (H200s, the fast engine):\n"
+          f"{splits_table(colocated, splits)}")
+    best = best_split(splits)
+    if best is None:
+        raise PlanError("no split of these GPUs fits: see each split's reason above")
+    print(f"proposed: rollout.sampler_ranks={best.samplers} rollout.mode=one_step_off, {best.trainers} training "
+          f"rank(s): {best.step_s:.1f} s a step, {colocated.total / best.step_s:.2f}x the synchronous step's speed")
 
 
 def _count(n: int) -> str:
@@ -726,6 +747,10 @@ def _add_scale_out_commands(groups: argparse._SubParsersAction) -> None:
     p.add_argument("--shape", choices=sorted(SHAPES), help="a known model shape instead of model.path's config")
     p.add_argument("--largest", action="store_true",
                    help="instead: the largest known shape that fits, as CONFIG asks or with actor.cpu_offload=true")
+    p.add_argument("--split", action="store_true",
+                   help="instead: each split of the --gpus between sampler ranks and training ranks "
+                   "(rollout.sampler_ranks with rollout.mode=one_step_off), its step time next to the synchronous "
+                   "step on all of them, and the fastest split that fits")
     p.set_defaults(func=cmd_plan)
 
 

@@ -1,0 +1,100 @@
+"""How to split a job's GPUs between sampling and training (``rollout.sampler_ranks``), and the step each split gives.
+
+With S sampler ranks and T = G - S training ranks under ``rollout.mode=one_step_off``, the samplers sample step
+k + 1 while the training ranks update on step k, so a step takes the longer of the two, then the new weights'
+gather over the training ranks and broadcast to the samplers. Each side is timed with the step-time model
+(``step_time``): the samplers' prefill and decode of the whole batch over S GPUs that hold only the model and
+their KV cache; the training ranks' old log-probs, update and optimizer over T GPUs that hold no engine. A split
+fits when T divides the batch and the training ranks' memory plan fits their GPUs. ``longqa plan --split``
+prints every split next to the synchronous, colocated step on all G GPUs and proposes the fastest that fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from longqa.config import ConfigError
+from longqa.distributed.fit import Machine
+from longqa.distributed.planner import (DTYPE_BYTES, ENGINE_KV_SHARE, ModelSizes, PlanError, check_config,
+                                        check_data_parallel, kv_bytes_per_group, plan_config)
+from longqa.distributed.step_time import NETWORK_BYTES_PER_S, NVLINK_BYTES_PER_S, StepTime, step_time_config
+
+
+@dataclass
+class SplitPlan:
+    samplers: int
+    trainers: int
+    rollout_s: float  # the samplers' prefill and decode of one step
+    training_s: float  # the training ranks' old log-probs, update and optimizer steps
+    weights_s: float  # the new weights gathered over the training ranks and broadcast to the samplers
+    error: str | None = None  # why this split cannot run (None: it fits)
+
+    @property
+    def step_s(self) -> float:
+        return max(self.rollout_s, self.training_s) + self.weights_s
+
+
+def sampler_kv_groups(cfg, sizes: ModelSizes, gpu_bytes: int, groups: int) -> int:
+    """Groups a sampler's KV cache holds at once: its budget (``rollout.kv_cache_bytes``, or the engine's share
+    of what the model leaves free on its GPU) over one group's, at most the ``groups`` it samples."""
+    param_bytes = DTYPE_BYTES[cfg.model.dtype]
+    budget = cfg.rollout.kv_cache_bytes or int(ENGINE_KV_SHARE * max(0, gpu_bytes - param_bytes * sizes.params))
+    one = kv_bytes_per_group(sizes, cfg.data.max_prompt_length, cfg.data.max_response_length, cfg.rollout.n,
+                             param_bytes)
+    return max(1, min(groups, budget // one))
+
+
+def plan_split(cfg, sizes: ModelSizes, machine: Machine, samplers: int,
+               response_length: int | None = None) -> SplitPlan:
+    """The step of ``samplers`` sampler ranks and ``machine.gpus - samplers`` training ranks (see the module)."""
+    trainers = machine.gpus - samplers
+    error = None
+    try:
+        check_data_parallel(cfg, trainers)
+    except ConfigError as e:
+        error = str(e)
+    per_node = machine.gpus_per_node
+    train_plan = dataclasses.replace(plan_config(cfg, sizes, trainers, machine.gpu_bytes), rollout_weights=0,
+                                     rollout_kv=0)  # the training ranks hold no engine
+    if error is None:
+        try:
+            check_config(cfg, train_plan, sizes)
+        except PlanError as e:
+            error = str(e)
+    training = step_time_config(cfg, sizes, train_plan, per_node, response_length)
+    groups = -(-cfg.data.train_batch_size // samplers)
+    sample_plan = dataclasses.replace(plan_config(cfg, sizes, samplers, machine.gpu_bytes),
+                                      kv_groups=sampler_kv_groups(cfg, sizes, machine.gpu_bytes, groups))
+    rollout = step_time_config(cfg, sizes, sample_plan, per_node, response_length)
+    link = NVLINK_BYTES_PER_S if machine.gpus <= per_node else NETWORK_BYTES_PER_S
+    weights = DTYPE_BYTES[cfg.model.dtype] * sizes.params / link * (2 if trainers > 1 else 1)
+    return SplitPlan(samplers, trainers, rollout.prefill + rollout.decode,
+                     training.old_logprobs + training.update + training.optimizer, weights, error)
+
+
+def plan_splits(cfg, sizes: ModelSizes, machine: Machine,
+                response_length: int | None = None) -> tuple[StepTime, list[SplitPlan]]:
+    """The synchronous, colocated step on all the GPUs, and every split of them (1 to G - 1 samplers)."""
+    if machine.gpus < 2:
+        raise ConfigError("sampler ranks of their own need at least 2 GPUs: plan with --gpus 2 or more")
+    colocated = step_time_config(cfg, sizes, plan_config(cfg, sizes, machine.gpus, machine.gpu_bytes),
+                                 machine.gpus_per_node, response_length)
+    return colocated, [plan_split(cfg, sizes, machine, s, response_length) for s in range(1, machine.gpus)]
+
+
+def best_split(splits: list[SplitPlan]) -> SplitPlan | None:
+    """The fastest split that fits (the fewest samplers among equals), or None."""
+    fitting = [s for s in splits if s.error is None]
+    return min(fitting, key=lambda s: (s.step_s, s.samplers)) if fitting else None
+
+
+def splits_table(colocated: StepTime, splits: list[SplitPlan]) -> str:
+    lines = [f"  {'sampler ranks':>13} {'training ranks':>14} {'rollout s':>10} {'training s':>10} {'weights s':>9} "
+             f"{'step s':>8}  fits"]
+    for s in splits:
+        lines.append(f"  {s.samplers:>13} {s.trainers:>14} {s.rollout_s:>10.1f} {s.training_s:>10.1f} "
+                     f"{s.weights_s:>9.2f} {s.step_s:>8.1f}  " + ("yes" if s.error is None else
+                                                                   "no: " + s.error.splitlines()[0]))
+    lines.append(f"  synchronous, every GPU sampling then training: {colocated.total:.1f} s a step")
+    return "\n".join(lines)
