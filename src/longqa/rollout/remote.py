@@ -43,7 +43,8 @@ class RemoteRolloutEngine(RolloutEngine):
     def __init__(self, model, split: Split, bucket_bytes: int = BUCKET_BYTES):
         self.model, self.split, self.bucket_bytes = model, split, bucket_bytes
         self.sampler = split.sampler_of(split.job.rank)
-        self.dtype = next(model.parameters()).dtype
+        first = next(model.parameters())
+        self.dtype, self.device = first.dtype, first.device  # (an offloaded shard's whole tensor may be on the host)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                  generator: torch.Generator | None = None, seeds: Sequence[int] | None = None,
@@ -69,7 +70,7 @@ class RemoteRolloutEngine(RolloutEngine):
         for name, tensor in full_parameters(self.model):  # (every training rank gathers, in the same order)
             if not lead:
                 continue
-            bucket.append((name, tensor.detach().to(self.dtype, copy=True)))
+            bucket.append((name, tensor.detach().to(self.device, self.dtype, copy=True)))
             size += bucket[-1][1].numel() * bucket[-1][1].element_size()
             if size >= self.bucket_bytes:
                 self._broadcast(bucket)
