@@ -40,6 +40,8 @@ to refuse plans that cannot work, naming the setting to change, not to promise a
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -266,9 +268,11 @@ def check_plan(plan: MemoryPlan, cpu_offload: bool, gradient_checkpointing: floa
 def plan_config(cfg, sizes: ModelSizes, world_size: int, gpu_bytes: int,
                 micro_batch_tokens: int | None = None) -> MemoryPlan:
     """The plan of a longqa config on ``world_size`` GPUs of ``gpu_bytes`` (at another micro-batch token budget
-    than the config's, if given)."""
+    than the config's, if given). With ``rollout.sampler_ranks`` the plan is a training rank's: ``world_size``
+    training ranks and no engine (its weights and KV cache are on the sampler ranks)."""
     cpu_offload, offload_params = offloads(cfg)
-    return plan_memory(sizes, world_size=world_size, gpu_bytes=gpu_bytes, prompt_length=cfg.data.max_prompt_length,
+    apart = cfg.rollout.sampler_ranks > 0
+    plan = plan_memory(sizes, world_size=world_size, gpu_bytes=gpu_bytes, prompt_length=cfg.data.max_prompt_length,
                        response_length=cfg.data.max_response_length, n=cfg.rollout.n,
                        micro_batch_tokens=micro_batch_tokens or cfg.actor.max_tokens_per_micro_batch,
                        gradient_checkpointing=recomputed_fraction(cfg), cpu_offload=cpu_offload,
@@ -280,7 +284,8 @@ def plan_config(cfg, sizes: ModelSizes, world_size: int, gpu_bytes: int,
                        offload_fraction=offload_fraction(cfg, world_size, sizes.params),
                        compute=update_compute(cfg, sizes, world_size), backend=update_backend(cfg),
                        shared_prompt=cfg.actor.shared_prompt, reference_model=cfg.algo.kl_coef > 0,
-                       engine_copy=is_sharded(cfg, world_size) or cfg.rollout.overlap)
+                       engine_copy=(is_sharded(cfg, world_size) or cfg.rollout.overlap) and not apart)
+    return dataclasses.replace(plan, rollout_kv=0) if apart else plan
 
 
 def update_compute(cfg, sizes: ModelSizes, world_size: int) -> Compute:

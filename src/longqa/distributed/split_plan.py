@@ -11,6 +11,7 @@ prints every split next to the synchronous, colocated step on all G GPUs and pro
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 
@@ -55,14 +56,15 @@ def plan_split(cfg, sizes: ModelSizes, machine: Machine, samplers: int,
     except ConfigError as e:
         error = str(e)
     per_node = machine.gpus_per_node
-    train_plan = dataclasses.replace(plan_config(cfg, sizes, trainers, machine.gpu_bytes), rollout_weights=0,
-                                     rollout_kv=0)  # the training ranks hold no engine
+    apart = copy.deepcopy(cfg)
+    apart.rollout.sampler_ranks, apart.rollout.mode = samplers, "one_step_off"
+    train_plan = plan_config(apart, sizes, trainers, machine.gpu_bytes)  # (a training rank's: no engine)
     if error is None:
         try:
-            check_config(cfg, train_plan, sizes)
+            check_config(apart, train_plan, sizes)
         except PlanError as e:
             error = str(e)
-    training = step_time_config(cfg, sizes, train_plan, per_node, response_length)
+    training = step_time_config(apart, sizes, train_plan, per_node, response_length)
     groups = -(-cfg.data.train_batch_size // samplers)
     sample_plan = dataclasses.replace(plan_config(cfg, sizes, samplers, machine.gpu_bytes),
                                       kv_groups=sampler_kv_groups(cfg, sizes, machine.gpu_bytes, groups))
