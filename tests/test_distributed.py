@@ -293,13 +293,30 @@ def assert_same_records(a: dict, b: dict, skip: tuple[str, ...] = ()) -> None:
             assert b[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (a["step"], key)
 
 
+GRADED_REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """A score that differs within a group, so every update moves the weights (a random model earns no reward)."""
+    return len(solution_str) % 7 / 6
+'''
+
+
+def moving(tmp_path) -> dict:
+    """Settings under which every update moves the weights, and one mini-batch a step: a reward that differs within
+    groups (a random model earns none of the hardened reward's), a learning rate that changes samples from step to
+    step, and the whole batch in each optimizer step (so the ranks' split of it is no different mini-batches)."""
+    path = tmp_path / "graded.py"
+    path.write_text(GRADED_REWARD)
+    return {"reward.path": path, "actor.lr": 0.05, "actor.ppo_mini_batch_size": 4}
+
+
 @pytest.mark.slow
 def test_torchrun_two_ranks_log_the_single_process_run(run_inputs, tmp_path):
     """`longqa train` unchanged under torchrun: the same samples (seeded per prompt), rewards and
     validation, and the same update statistics, as one process on the same global batch."""
-    single, double = tmp_path / "one", tmp_path / "two"
-    one, two = launch(run_inputs, single, 1), launch(run_inputs, double, 2)
+    single, double, extra = tmp_path / "one", tmp_path / "two", moving(tmp_path)
+    one, two = launch(run_inputs, single, 1, **extra), launch(run_inputs, double, 2, **extra)
     assert [r["step"] for r in one] == [r["step"] for r in two] == [0, 1, 2]
+    assert all(r["reward/std"] > 0 and r["grad_norm"] > 0 for r in one[1:])
     for a, b in zip(one, two):
         assert_same_records(a, b)
     assert (double / "report").exists()
@@ -309,13 +326,14 @@ def test_torchrun_two_ranks_log_the_single_process_run(run_inputs, tmp_path):
 def test_checkpoints_resume_on_another_number_of_ranks(run_inputs, tmp_path):
     """2 ranks save (sharded), 1 process resumes; 1 process saves, 2 ranks resume: both continue
     exactly as the uninterrupted run."""
-    straight = launch(run_inputs, tmp_path / "straight", 1, **{"trainer.max_steps": 3})
+    extra = moving(tmp_path)
+    straight = launch(run_inputs, tmp_path / "straight", 1, **extra, **{"trainer.max_steps": 3})
     for first, then in ((2, 1), (1, 2)):
         out = tmp_path / f"{first}-then-{then}"
-        launch(run_inputs, out, first, **{"trainer.save_freq": 1})  # steps 1-2, checkpoint at 2
+        launch(run_inputs, out, first, **extra, **{"trainer.save_freq": 1})  # steps 1-2, checkpoint at 2
         saved = out / "checkpoints" / "step_00000002"
         assert (saved / "state").is_dir() == (first == 2) and (saved / "model.pt").is_file() == (first == 1)
-        resumed = launch(run_inputs, out, then, **{"trainer.max_steps": 3})
+        resumed = launch(run_inputs, out, then, **extra, **{"trainer.max_steps": 3})
         assert [r["step"] for r in resumed] == [0, 1, 2, 3]
         assert_same_records(straight[-1], resumed[-1])
 
@@ -328,7 +346,7 @@ def test_one_step_off_under_two_ranks_is_the_single_process_run_and_resumes_on_o
     beside it while the ranks' update runs its collectives (rollout.overlap), as one process samples the whole; the
     checkpoint two ranks write after step 2 holds both ranks' groups sampled ahead, and one process resuming from it
     ends where the uninterrupted run did."""
-    off = {"rollout.mode": "one_step_off", "trainer.max_steps": 3, "trainer.test_freq": 0}
+    off = {**moving(tmp_path), "rollout.mode": "one_step_off", "trainer.max_steps": 3, "trainer.test_freq": 0}
     one = launch(run_inputs, tmp_path / "one", 1, **off)
     beside = launch(run_inputs, tmp_path / "beside", 2, **off, **{"rollout.overlap": "true"})
     assert len(beside) == len(one)
@@ -745,25 +763,18 @@ def test_a_group_on_a_bare_cuda_device_joins_on_the_local_rank_s_gpu(monkeypatch
     assert chosen == [gpu, "nccl"]
 
 
-GRADED_REWARD = '''
-def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    """A score that differs within a group, so every update moves the weights (a random model earns no reward)."""
-    return len(solution_str) % 7 / 6
-'''
 
 
 @pytest.mark.slow
 def test_sampler_ranks_of_their_own_sample_what_the_training_ranks_would(run_inputs, tmp_path):
     """rollout.sampler_ranks=1 under torchrun with three ranks: two train (FSDP2 over a group of their own) and one
     samples for both, its weights broadcast after each update. Sampling just before each update
-    (max_staleness=0) it logs the synchronous run of the same two training ranks, validation included;
-    one_step_off logs their one_step_off run (the sampler checks that each request names the weights it holds:
-    one update old); resumed from its checkpoint after step 2, it ends where it did. The reward differs within
-    groups, so every update moves the weights and every step's samples depend on the weights its sampler holds."""
-    graded = tmp_path / "graded.py"
-    graded.write_text(GRADED_REWARD)
-    apart, common = {"rollout.sampler_ranks": 1}, {"reward.path": graded, "trainer.max_steps": 3, "actor.lr": 0.05}
-    sync = launch(run_inputs, tmp_path / "sync", 2, **common)
+    (max_staleness=0) it logs the synchronous single-process run, validation included; one_step_off logs the
+    single-process one_step_off run (the sampler checks that each request names the weights it holds: one update
+    old); resumed from its checkpoint after step 2 by one training rank and one sampler, it ends where it did.
+    Every update moves the weights, enough that each step's samples depend on the weights its sampler holds."""
+    apart, common = {"rollout.sampler_ranks": 1}, {**moving(tmp_path), "trainer.max_steps": 3}
+    sync = launch(run_inputs, tmp_path / "sync", 1, **common)
     assert all(r["reward/std"] > 0 and r["grad_norm"] > 0 for r in sync[1:])
     fresh = launch(run_inputs, tmp_path / "fresh", 3, **common, **apart,
                    **{"rollout.mode": "one_step_off", "rollout.max_staleness": 0})
@@ -771,15 +782,15 @@ def test_sampler_ranks_of_their_own_sample_what_the_training_ranks_would(run_inp
     for a, b in zip(sync, fresh):
         assert_same_records(a, b, skip=("rollout/staleness",))
     off = {**common, "rollout.mode": "one_step_off", "trainer.test_freq": 0}
-    two = launch(run_inputs, tmp_path / "two", 2, **off)
+    one = launch(run_inputs, tmp_path / "one", 1, **off)
     drawn = lambda record: (record["reward/mean"], record["reward/std"], record["response_length/mean"])  # noqa: E731
-    assert drawn(two[-1]) != drawn(sync[-1])  # sampled one update earlier: other samples
+    assert drawn(one[-1]) != drawn(sync[-1])  # sampled one update earlier: other samples
     split = launch(run_inputs, tmp_path / "split", 3, **off, **apart, **{"trainer.save_freq": 1})
     assert [r["rollout/staleness"] for r in split] == [0, 1, 1]
-    assert len(split) == len(two)
-    for a, b in zip(two, split):
+    assert len(split) == len(one)
+    for a, b in zip(one, split):
         assert_same_records(a, b)
     middle = tmp_path / "split" / "checkpoints" / "step_00000002"
-    resumed = launch(run_inputs, tmp_path / "resumed", 3, **off, **apart, **{"trainer.resume": middle})
+    resumed = launch(run_inputs, tmp_path / "resumed", 2, **off, **apart, **{"trainer.resume": middle})
     assert [r["step"] for r in resumed] == [3]
-    assert_same_records(two[-1], resumed[-1])
+    assert_same_records(one[-1], resumed[-1])
