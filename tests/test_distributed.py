@@ -400,10 +400,12 @@ def stopping_reward(path, run, senders: set[str], target: int | None = None, hol
 
 
 @pytest.mark.slow
-def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(run_inputs, tmp_path):
+@pytest.mark.parametrize("ranks, apart", [(2, {}), (3, {"rollout.sampler_ranks": 1})])
+def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(run_inputs, tmp_path, ranks, apart):
     """Under torchrun only rank 1 gets SIGTERM, while it scores a step after step 1; rank 0, which logs, stops
-    after the same step through the per-step agreement. Both write their shards of one checkpoint and exit
-    75, and one process resumes from that checkpoint to the end of the uninterrupted run."""
+    after the same step through the per-step agreement (a rank that only samples for them ends when they tell it
+    to). Both write their shards of one checkpoint and exit 75, and one process resumes from that checkpoint to the
+    end of the uninterrupted run."""
     import json
     import os
     import re
@@ -418,8 +420,8 @@ def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(run_inputs, tm
     quiet = stopping_reward(tmp_path / "quiet.py", straight, {"1"}, sent=True)
     assert main(["train", *run_args(run_inputs, straight, **extra, **{"reward.path": quiet})]) == 0
     extra["reward.path"] = stopping_reward(tmp_path / "stop.py", out, {"1"})
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-               "-m", "longqa.cli", "train", *run_args(run_inputs, out, **extra)]
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
+               f"--master_port={free_port()}", "-m", "longqa.cli", "train", *run_args(run_inputs, out, **extra, **apart)]
     src = str(Path(__file__).resolve().parent.parent / "src")
     done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": src}, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
