@@ -342,6 +342,21 @@ def test_each_split_of_the_gpus_takes_the_longer_side_and_the_fastest_that_fits_
     assert f"synchronous, every GPU sampling then training: {colocated.total:.1f} s a step" in out
 
 
+def test_a_training_rank_beside_sampler_ranks_plans_no_engine():
+    """With rollout.sampler_ranks the plan (the trainer's memory check, and `longqa plan`) is a training rank's: the
+    engine's copy of the weights and its KV cache are on the sampler ranks."""
+    from longqa.config import load_config
+    from longqa.distributed.fit import shape_sizes
+    from longqa.distributed.planner import plan_config
+
+    sizes = shape_sizes("qwen3-1.7b")
+    colocated = plan_config(load_config(None, SPLIT_RUN[2:]), sizes, 2, 141 * GIB)
+    apart = plan_config(load_config(None, [*SPLIT_RUN[2:], "rollout.sampler_ranks=2"]), sizes, 2, 141 * GIB)
+    assert colocated.rollout_weights > 0 and colocated.rollout_kv > 0
+    assert apart.rollout_weights == apart.rollout_kv == 0
+    assert apart.total == colocated.total - colocated.rollout_weights - colocated.rollout_kv
+
+
 def test_a_split_needs_two_gpus(capsys):
     assert main(["plan", "--split", *SPLIT_RUN]) == 2
     assert "sampler ranks of their own need at least 2 GPUs" in capsys.readouterr().err
