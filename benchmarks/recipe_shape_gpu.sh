@@ -16,13 +16,16 @@
 #   CHECKPOINT [0]  1: also save after step STEPS-1 and resume from it in a second run, whose last step must log
 #              what the uninterrupted run's did. An 8B ZeRO-3 checkpoint (bf16 weights, float32 masters and two AdamW
 #              moments) takes about 115 GB of disk.
+#   RANKS [1]  processes under torchrun, one per GPU; with EXTRA="rollout.sampler_ranks=S rollout.mode=one_step_off"
+#              the last S of them only sample (`longqa plan CONFIG --gpus RANKS --split` says which S): run once
+#              without and once with it to compare the steady steps' tokens/s per GPU, printed at the end.
 #   DEVICE [cuda]; DEVICE=cpu SHAPE=qwen3-tiny PROMPT=512 RESPONSE=16 STEPS=3 STRATEGY=fsdp2 checks the harness
 #              without a GPU.
 set -uo pipefail
 out=${1:-${OUT:-/tmp/longqa-recipe-shape}}
 shape=${SHAPE:-qwen3-8b}; prompt=${PROMPT:-16384}; response=${RESPONSE:-2048}; n=${N:-8}; prompts=${PROMPTS:-8}
 steps=${STEPS:-7}; tokenizer=${TOKENIZER:-../shared/tokenizers/qwen2.5}; strategy=${STRATEGY:-deepspeed}
-checkpoint=${CHECKPOINT:-0}; device=${DEVICE:-cuda}
+checkpoint=${CHECKPOINT:-0}; device=${DEVICE:-cuda}; ranks=${RANKS:-1}
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 longqa() { python -m longqa.cli "$@"; }
 mkdir -p "$out"
@@ -61,16 +64,31 @@ settings=("model.path=$out/model" "data.train_files=[$out/data/merged/train.parq
           "trainer.max_steps=$steps" "trainer.test_freq=0" "trainer.logger=[console,jsonl]" "trainer.device=$device"
           ${EXTRA:-})
 echo "== the plan"
-longqa plan configs/loongrl-qwen3-8b.yaml --gpus 1 --shape "$shape" "${settings[@]}"
+if [ "$ranks" -gt 1 ]; then  # every split of the GPUs between sampling and training, beside the synchronous step
+    longqa plan configs/loongrl-qwen3-8b.yaml --gpus "$ranks" --split --shape "$shape" "${settings[@]}"
+else
+    longqa plan configs/loongrl-qwen3-8b.yaml --gpus 1 --shape "$shape" "${settings[@]}"
+fi
 
+launch=(python -m longqa.cli)
+[ "$ranks" -gt 1 ] && launch=(python -m torch.distributed.run --nproc_per_node="$ranks"
+                              --master_port=$((29500 + RANDOM % 1000)) -m longqa.cli)
 train() {  # train RUN_DIR [more overrides]: the run, its peak host memory, its steps
     local run=$1; shift
     /usr/bin/time -f "peak host memory of the run: %M KB, %e s" \
-        python -m longqa.cli train configs/loongrl-qwen3-8b.yaml "${settings[@]}" "trainer.output_dir=$run" "$@"
+        "${launch[@]}" train configs/loongrl-qwen3-8b.yaml "${settings[@]}" "trainer.output_dir=$run" "$@"
 }
 echo "== $steps steps"
 save=0; [ "$checkpoint" = 1 ] && save=$((steps - 1))
 train "$out/run" "trainer.save_freq=$save" || exit 1
+python - "$out/run/metrics.jsonl" "$ranks" <<'PY'
+import json, sys
+
+steps = [json.loads(line) for line in open(sys.argv[1])][1:]  # (step 1 compiles and captures)
+rate = [row["perf/tokens_per_s"] for row in steps]
+print(f"steady steps 2-{len(steps) + 1}: {min(rate):,.0f}-{max(rate):,.0f} tokens/s, "
+      f"{sum(rate) / len(rate) / int(sys.argv[2]):,.0f} tokens/s per GPU ({sys.argv[2]} ranks)")
+PY
 if [ "$checkpoint" = 1 ]; then
     echo "== resumed from step $save"
     du -sh "$out/run/checkpoints/step_$(printf %08d "$save")"

@@ -80,9 +80,11 @@ def plan_splits(cfg, sizes: ModelSizes, machine: Machine,
     """The synchronous, colocated step on all the GPUs, and every split of them (1 to G - 1 samplers)."""
     if machine.gpus < 2:
         raise ConfigError("sampler ranks of their own need at least 2 GPUs: plan with --gpus 2 or more")
-    colocated = step_time_config(cfg, sizes, plan_config(cfg, sizes, machine.gpus, machine.gpu_bytes),
+    together = copy.deepcopy(cfg)
+    together.rollout.sampler_ranks = 0  # (whatever the config sets: each split sets its own)
+    colocated = step_time_config(together, sizes, plan_config(together, sizes, machine.gpus, machine.gpu_bytes),
                                  machine.gpus_per_node, response_length)
-    return colocated, [plan_split(cfg, sizes, machine, s, response_length) for s in range(1, machine.gpus)]
+    return colocated, [plan_split(together, sizes, machine, s, response_length) for s in range(1, machine.gpus)]
 
 
 def best_split(splits: list[SplitPlan]) -> SplitPlan | None:
