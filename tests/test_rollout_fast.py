@@ -297,3 +297,14 @@ def test_bad_stop_at_is_refused(stop_at, message):
     engine = FastRolloutEngine(tiny_lm())
     with pytest.raises(ValueError, match=message):
         engine.generate(prompts(), SamplingParams(n=2, max_new_tokens=6), seeds=[1, 2, 3, 4, 5], stop_at=stop_at)
+
+
+@pytest.mark.parametrize("kv_share", [0.4, 0.85])
+def test_the_kv_budget_is_the_engine_s_share_of_the_free_gpu_memory(monkeypatch, kv_share):
+    """On a GPU the KV stores take ``kv_share`` of the memory free when sampling starts: 40% by default, which
+    leaves the rest to an update on the same GPU, more on a sampler rank that holds nothing else."""
+    engine = FastRolloutEngine(tiny_lm("llama"), kv_share=kv_share)
+    monkeypatch.setattr(engine, "device", torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 << 30, 80 << 30))
+    assert engine._budget() == int(kv_share * (10 << 30))
+    assert FastRolloutEngine(tiny_lm("llama"), kv_cache_bytes=123, kv_share=kv_share)._budget() == 123

@@ -83,7 +83,8 @@ class RolloutConfig:
         "fast", "sampling engine: fast (shared-prefix KV, CUDA graphs on a GPU), hf (the transformers reference) "
         "or vllm (an in-process vLLM engine per rank: pip install 'longqa[vllm]')")
     kv_cache_bytes: Optional[int] = opt(None, "fast and vllm engines: KV cache size in bytes (default: fast 40% of "
-                                        "free GPU memory, vllm from gpu_memory_utilization; 2 GiB on a CPU)",
+                                        "free GPU memory, 85% on sampler ranks of their own; vllm from "
+                                        "gpu_memory_utilization; 2 GiB on a CPU)",
                                         *positive)
     tensor_model_parallel_size: int = opt(1, "vllm engine: GPUs one vLLM engine spans (tensor parallel; 1 on a "
                                           "CPU and under several ranks)", *positive)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from longqa.config import ConfigError
 from longqa.distributed.fit import Machine
-from longqa.distributed.planner import (DTYPE_BYTES, ENGINE_KV_SHARE, ModelSizes, PlanError, check_config,
+from longqa.distributed.planner import (DTYPE_BYTES, SAMPLER_KV_SHARE, ModelSizes, PlanError, check_config,
                                         check_data_parallel, kv_bytes_per_group, plan_config)
 from longqa.distributed.step_time import NETWORK_BYTES_PER_S, NVLINK_BYTES_PER_S, StepTime, step_time_config
 
@@ -37,10 +37,10 @@ class SplitPlan:
 
 
 def sampler_kv_groups(cfg, sizes: ModelSizes, gpu_bytes: int, groups: int) -> int:
-    """Groups a sampler's KV cache holds at once: its budget (``rollout.kv_cache_bytes``, or the engine's share
-    of what the model leaves free on its GPU) over one group's, at most the ``groups`` it samples."""
+    """Groups a sampler's KV cache holds at once: its budget (``rollout.kv_cache_bytes``, or a sampler's share of
+    what the model leaves free on its GPU) over one group's, at most the ``groups`` it samples."""
     param_bytes = DTYPE_BYTES[cfg.model.dtype]
-    budget = cfg.rollout.kv_cache_bytes or int(ENGINE_KV_SHARE * max(0, gpu_bytes - param_bytes * sizes.params))
+    budget = cfg.rollout.kv_cache_bytes or int(SAMPLER_KV_SHARE * max(0, gpu_bytes - param_bytes * sizes.params))
     one = kv_bytes_per_group(sizes, cfg.data.max_prompt_length, cfg.data.max_response_length, cfg.rollout.n,
                              param_bytes)
     return max(1, min(groups, budget // one))

@@ -353,8 +353,8 @@ def _bucket(length: int, step: int, cap: int) -> int:
 class FastRolloutEngine(RolloutEngine):
     """Shared-prefix sampling on the training model's own weights.
 
-    ``kv_cache_bytes`` bounds the KV stores (default: 40% of free GPU memory, 2 GiB on a CPU); as many
-    groups run at once as fit. ``prefill_chunk`` bounds the tokens of one prefill forward, which holds
+    ``kv_cache_bytes`` bounds the KV stores (default: ``kv_share`` of the free GPU memory, 40%, which leaves the
+    rest to a colocated update; 2 GiB on a CPU); as many groups run at once as fit. ``prefill_chunk`` bounds the tokens of one prefill forward, which holds
     several prompts where they fit (default: ``prefill_tokens(model)``).
     ``cuda_graphs`` captures the decode step per length bucket (CUDA only). ``fused_decode`` runs the
     decode step of Llama-family models as a few compiled kernels per layer (``decode_step.py``; compiled
@@ -371,7 +371,7 @@ class FastRolloutEngine(RolloutEngine):
                  sync_every: int = 16, cuda_graphs: bool = True, max_groups: int | None = None, dtype=None,
                  own_copy: bool = False, fused_decode: bool | None = None, decode_kernel: str = "auto",
                  speculative: str | None = None, num_speculative_tokens: int = 4, prompt_lookup_min: int = 2,
-                 prompt_lookup_max: int = 8):
+                 prompt_lookup_max: int = 8, kv_share: float = 0.4):
         self.source, self.tokenizer = model, tokenizer
         self.model = model
         if own_copy or (dtype is not None and dtype != next(model.parameters()).dtype):
@@ -385,7 +385,7 @@ class FastRolloutEngine(RolloutEngine):
         self.speculation = (Speculation(num_speculative_tokens, prompt_lookup_min, prompt_lookup_max)
                             if speculative else None)
         self.queries = self.speculation.queries if self.speculation else 1  # tokens a decode step feeds per row
-        self.kv_cache_bytes, self.sync_every = kv_cache_bytes, sync_every
+        self.kv_cache_bytes, self.kv_share, self.sync_every = kv_cache_bytes, kv_share, sync_every
         self.prefill_chunk = prefill_chunk or prefill_tokens(model)
         self.max_groups = max_groups
         first = next(self.model.parameters())
@@ -438,7 +438,7 @@ class FastRolloutEngine(RolloutEngine):
             return int(self.kv_cache_bytes)
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            return int(0.4 * free)
+            return int(self.kv_share * free)
         return 2 << 30
 
     def _ensure_kv(self, prompts: list[list[int]], params: SamplingParams) -> SharedPrefixKV:

@@ -28,7 +28,7 @@ from longqa.config import Config, ConfigError, to_dict
 from longqa.data.prompts import GROUPS, PromptOptions, PromptSet, describe_losses, prepare_prompts, tally
 from longqa.distributed.deepspeed import check_deepspeed
 from longqa.distributed.env import DistEnv, Split, all_reduce, gather_objects, leave_group
-from longqa.distributed.planner import check_data_parallel, check_run, float32_masters
+from longqa.distributed.planner import SAMPLER_KV_SHARE, check_data_parallel, check_run, float32_masters
 from longqa.evaluate import evaluate, stop_token_ids
 from longqa.lengths import draw_response_lengths
 from longqa.model.load import (compile_decoder_layers, compiled_graphs, config_tokenizer, load_model, pick_device,
@@ -825,8 +825,8 @@ def run_sampler(cfg: Config, split: Split) -> None:
     model, _ = load_model(m.path, gguf_file=m.gguf_file, dtype=m.dtype, attn_implementation=m.attn_implementation,
                           device=device, tokenizer=tokenizer)
     model.requires_grad_(False)
-    engine = FastRolloutEngine(model, tokenizer, kv_cache_bytes=r.kv_cache_bytes, cuda_graphs=r.cuda_graphs,
-                               speculative=None if r.speculative == "off" else r.speculative,
+    engine = FastRolloutEngine(model, tokenizer, kv_cache_bytes=r.kv_cache_bytes, kv_share=SAMPLER_KV_SHARE,
+                               cuda_graphs=r.cuda_graphs, speculative=None if r.speculative == "off" else r.speculative,
                                num_speculative_tokens=r.num_speculative_tokens,
                                prompt_lookup_min=r.prompt_lookup_min, prompt_lookup_max=r.prompt_lookup_max)
     serve(engine, split)
