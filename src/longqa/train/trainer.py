@@ -288,6 +288,11 @@ class Trainer:
         self.owns_group = self.env.init(self.device, alone=sharded_alone)
         if (warning := rounding_warning(cfg)) and self.env.is_main:
             print(warning, flush=True)  # said before the weights load, not after
+        if split is not None and not self.beside:
+            why = "rollout.mode=sync" if r.mode == "sync" else "rollout.max_staleness=0"
+            self._say(f"warning: rollout.sampler_ranks={r.sampler_ranks} with {why}: the sampler ranks wait while the "
+                      f"training ranks update, and the other way round; rollout.mode=one_step_off with "
+                      f"rollout.max_staleness=1 runs the two at once")
         seed = cfg.trainer.seed
         random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
         m = cfg.model
