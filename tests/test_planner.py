@@ -316,16 +316,21 @@ SPLIT_RUN = ["--shape", "qwen3-1.7b", "data.max_prompt_length=8192", "data.max_r
              "model.dtype=bfloat16"]
 
 
-def test_each_split_of_the_gpus_takes_the_longer_side_and_the_fastest_that_fits_is_proposed(capsys):
+@pytest.mark.parametrize("setting, split_wins", [("rollout.response_lengths=lognormal", False),
+                                                  ("data.max_response_length=4096", True)])
+def test_each_split_of_the_gpus_takes_the_longer_side_and_the_fastest_that_fits_is_proposed(capsys, setting,
+                                                                                           split_wins):
     """`longqa plan --split`: on 6 GPUs, every number of sampler ranks from 1 to 5; a split whose training ranks do
     not divide the batch is marked with the trainer's own refusal; each step is the longer of the samplers' rollout
     and the training ranks' work plus the weights' broadcast; more samplers sample faster, more training ranks train
-    faster; the proposal is the fastest split that fits."""
+    faster; the proposal is the fastest split that fits, unless every GPU sampling then training is faster still
+    (at drawn lengths of mean about 400 tokens; not with every response at 4,096, where the rollout weighs more)."""
     from longqa.config import load_config
     from longqa.distributed.fit import Machine, shape_sizes
     from longqa.distributed.split_plan import best_split, plan_splits
 
-    cfg = load_config(None, SPLIT_RUN[2:])
+    run = [*SPLIT_RUN, setting]
+    cfg = load_config(None, run[2:])
     colocated, splits = plan_splits(cfg, shape_sizes("qwen3-1.7b"), Machine(6, 141 * GIB, 8, 750 * GIB))
     assert [(s.samplers, s.trainers) for s in splits] == [(1, 5), (2, 4), (3, 3), (4, 2), (5, 1)]
     assert [s.error is None for s in splits] == [False, True, True, True, True]
@@ -336,10 +341,15 @@ def test_each_split_of_the_gpus_takes_the_longer_side_and_the_fastest_that_fits_
         assert s.step_s == pytest.approx(max(s.rollout_s, s.training_s) + s.weights_s)
     best = best_split(splits)
     assert best.step_s == min(s.step_s for s in splits[1:])
-    assert main(["plan", "--gpus", "6", "--split", *SPLIT_RUN]) == 0
+    assert main(["plan", "--gpus", "6", "--split", *run]) == 0
     out = capsys.readouterr().out
-    assert f"proposed: rollout.sampler_ranks={best.samplers} rollout.mode=one_step_off, {best.trainers} " in out
+    assert (best.step_s < colocated.total) == split_wins
     assert f"synchronous, every GPU sampling then training: {colocated.total:.1f} s a step" in out
+    if split_wins:
+        assert f"proposed: rollout.sampler_ranks={best.samplers} rollout.mode=one_step_off, {best.trainers} " in out
+    else:  # no split beats every GPU sampling then training: that is the proposal
+        assert f"proposed: every GPU samples and trains (rollout.sampler_ranks=0): the fastest split, " \
+               f"rollout.sampler_ranks={best.samplers}, would take {best.step_s:.1f} s" in out
 
 
 def test_a_training_rank_beside_sampler_ranks_plans_no_engine():

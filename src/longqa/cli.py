@@ -459,6 +459,11 @@ def _plan_split(cfg, sizes, machine, response_length: int | None, what: str) -> 
     best = best_split(splits)
     if best is None:
         raise PlanError("no split of these GPUs fits: see each split's reason above")
+    if best.step_s >= colocated.total:
+        print(f"proposed: every GPU samples and trains (rollout.sampler_ranks=0): the fastest split, "
+              f"rollout.sampler_ranks={best.samplers}, would take {best.step_s:.1f} s a step against "
+              f"{colocated.total:.1f} s")
+        return
     print(f"proposed: rollout.sampler_ranks={best.samplers} rollout.mode=one_step_off, {best.trainers} training "
           f"rank(s): {best.step_s:.1f} s a step, {colocated.total / best.step_s:.2f}x the synchronous step's speed")
 
