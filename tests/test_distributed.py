@@ -795,3 +795,22 @@ def test_sampler_ranks_of_their_own_sample_what_the_training_ranks_would(run_inp
     resumed = launch(run_inputs, tmp_path / "resumed", 2, **off, **apart, **{"trainer.resume": middle})
     assert [r["step"] for r in resumed] == [3]
     assert_same_records(one[-1], resumed[-1])
+
+
+@pytest.mark.slow
+def test_a_sampler_rank_s_error_ends_the_job_as_it_would_in_one_process(run_inputs, tmp_path):
+    """A KV budget too small for one group, on the sampler rank: the training rank reports the engine's own error in
+    one line (what to change), as a single process does, and tells the sampler, which ends without a traceback."""
+    import os
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+               "-m", "longqa.cli", "train", *run_args(run_inputs, tmp_path / "run", **{
+                   "rollout.sampler_ranks": 1, "rollout.kv_cache_bytes": 1000, "trainer.val_before_train": "false"})]
+    done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, text=True, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, timeout=300)
+    assert done.returncode != 0
+    assert "longqa: error: one group (n=2" in done.stdout and "raise rollout.kv_cache_bytes" in done.stdout, \
+        done.stdout[-3000:]
+    assert "[rank1]: Traceback" not in done.stdout  # the sampler ends quietly when told its training rank failed

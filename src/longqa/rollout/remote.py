@@ -17,6 +17,7 @@ k (verl's one-step-off-policy schedule, on separate devices).
 
 from __future__ import annotations
 
+import pickle
 import signal
 import traceback
 from collections.abc import Sequence
@@ -56,9 +57,12 @@ class RemoteRolloutEngine(RolloutEngine):
         version = weights_version(self.model) if at_version is None else at_version
         reply = self._ask({"kind": "generate", "prompts": prompts, "params": params, "seeds": seeds,
                            "stop_at": None if stop_at is None else [list(s) for s in stop_at], "version": version})
-        if "error" in reply:
-            raise SamplerError(f"sampler rank {self.sampler} could not sample for training rank "
-                               f"{self.split.job.rank}:\n{reply['error']}")
+        if "trace" in reply:
+            failure = SamplerError(f"sampler rank {self.sampler} could not sample for training rank "
+                                   f"{self.split.job.rank}:\n{reply['trace']}")
+            if reply["error"] is None:
+                raise failure
+            raise reply["error"] from failure  # the sampler's own error (a KV budget too small, say), as it was
         return reply["samples"]
 
     def sync_weights(self) -> None:
@@ -85,9 +89,10 @@ class RemoteRolloutEngine(RolloutEngine):
         dist.broadcast_object_list([manifest], src=0, group=self.split.weights_group)
         dist.broadcast(torch.cat([tensor.reshape(-1) for _, tensor in bucket]), src=0, group=self.split.weights_group)
 
-    def close(self) -> None:
-        """Tell this rank's sampler that it is done (the sampler stops once every rank it serves said so)."""
-        _send({"kind": "stop"}, self.sampler)
+    def close(self, finished: bool = True) -> None:
+        """Tell this rank's sampler that it is done (it stops once every rank it serves said so); ``finished``:
+        without an error (else this rank is about to exit, and the sampler must not wait for it)."""
+        _send({"kind": "stop", "finished": finished}, self.sampler)
 
     def _ask(self, message: dict) -> dict:
         _send(message, self.sampler)
@@ -121,9 +126,10 @@ def receive_weights(model, group) -> None:
                 params[name].copy_(part.view(shape))
 
 
-def serve(engine, split: Split) -> None:
+def serve(engine, split: Split) -> bool:
     """A sampler rank's run: answer the training ranks it serves until each of them says stop. ``engine`` is a
-    fast engine on this rank's own model, which the weight broadcasts load."""
+    fast engine on this rank's own model, which the weight broadcasts load. Whether they all finished without an
+    error."""
     model = engine.source
     trainers = split.served_by(split.job.rank)
     for sig in (signal.SIGTERM, signal.SIGINT):  # a stop request is the training ranks' to answer: they say stop
@@ -136,17 +142,26 @@ def serve(engine, split: Split) -> None:
                                f"(asked for {[m['kind'] for m in messages]})")
         kind = kinds.pop()
         if kind == "stop":
-            return
+            return all(m["finished"] for m in messages)
         if kind == "weights":
             receive_weights(model, split.weights_group)
             setattr(model, VERSION_ATTRIBUTE, messages[0]["version"])
             continue
         try:
             replies = [{"samples": part} for part in _sample(engine, messages)]
-        except Exception:  # the training ranks raise it, with this traceback, and end the job
-            replies = [{"error": traceback.format_exc()}] * len(messages)
+        except Exception as error:  # the training ranks raise it, with this traceback, and end the job
+            sent = error if _picklable(error) else None
+            replies = [{"error": sent, "trace": traceback.format_exc()}] * len(messages)
         for trainer, reply in zip(trainers, replies):
             _send(reply, trainer)
+
+
+def _picklable(error: Exception) -> bool:
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:
+        return False
+    return True
 
 
 def _sample(engine, messages: list[dict]) -> list[list[list[Sample]]]:

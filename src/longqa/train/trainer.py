@@ -601,13 +601,16 @@ class Trainer:
     def run(self) -> dict:
         """Train to the last step, or until SIGTERM/SIGINT asks for a stop: then the result's ``preempted``
         names the step and checkpoint, and no report is written (the resumed run writes it)."""
+        finished = False
         try:
-            return self._run()
+            result = self._run()
+            finished = True
+            return result
         finally:
             if self.sampling_thread is not None:
                 self.sampling_thread.shutdown()
             if isinstance(self.engine, RemoteRolloutEngine):
-                self.engine.close()
+                self.engine.close(finished)
 
     def _run(self) -> dict:
         with self.stop_request:
@@ -793,8 +796,8 @@ def train(cfg: Config, stop_file: str | None = None) -> dict:
     if cfg.rollout.sampler_ranks:
         split = job.init_split(job.device(cfg.trainer.device), cfg.rollout.sampler_ranks)
         if split.is_sampler:
-            run_sampler(cfg, split)
-            leave_group()
+            if run_sampler(cfg, split):  # (after a training rank's error it leaves no group: that rank is gone)
+                leave_group()
             return {"steps": None, "report": None, "preempted": None}
     trainer = Trainer(cfg, stop_file, split)
     result = trainer.run()
@@ -819,9 +822,9 @@ def check_sampler_ranks(cfg: Config, world: int) -> None:
                           f"{world}: launch more ranks (torchrun --nproc_per_node) so that some train")
 
 
-def run_sampler(cfg: Config, split: Split) -> None:
+def run_sampler(cfg: Config, split: Split) -> bool:
     """A sampler rank's part of the job: the model in ``model.dtype`` on this rank's device and the fast engine on
-    it, serving the training ranks (``rollout/remote.py``)."""
+    it, serving the training ranks (``rollout/remote.py``); whether they finished without an error."""
     m, r = cfg.model, cfg.rollout
     device = split.job.device(cfg.trainer.device)
     check_machine(cfg, device.type)
@@ -834,7 +837,7 @@ def run_sampler(cfg: Config, split: Split) -> None:
                                cuda_graphs=r.cuda_graphs, speculative=None if r.speculative == "off" else r.speculative,
                                num_speculative_tokens=r.num_speculative_tokens,
                                prompt_lookup_min=r.prompt_lookup_min, prompt_lookup_max=r.prompt_lookup_max)
-    serve(engine, split)
+    return serve(engine, split)
 
 
 __all__ = ["Trainer", "train", "reward_function", "load_prompts"]
