@@ -90,13 +90,18 @@ class RemoteRolloutEngine(RolloutEngine):
         dist.broadcast(torch.cat([tensor.reshape(-1) for _, tensor in bucket]), src=0, group=self.split.weights_group)
 
     def close(self, finished: bool = True) -> None:
-        """Tell this rank's sampler that it is done (it stops once every rank it serves said so); ``finished``:
-        without an error (else this rank is about to exit, and the sampler must not wait for it)."""
-        _send({"kind": "stop", "finished": finished}, self.sampler)
+        """Tell this rank's sampler that it is done (see ``stop_sampler``)."""
+        stop_sampler(self.split, finished)
 
     def _ask(self, message: dict) -> dict:
         _send(message, self.sampler)
         return _receive(self.sampler)
+
+
+def stop_sampler(split: Split, finished: bool) -> None:
+    """Tell this training rank's sampler that it is done (the sampler stops once every rank it serves said so);
+    ``finished``: without an error (else this rank is about to exit, and the sampler must not wait for it)."""
+    _send({"kind": "stop", "finished": finished}, split.sampler_of(split.job.rank))
 
 
 def _send(message, rank: int) -> None:

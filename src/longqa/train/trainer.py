@@ -38,7 +38,7 @@ from longqa.rollout import HFRolloutEngine, SamplingParams
 from longqa.rollout.base import Sample, bump_weights_version, weights_version
 from longqa.rollout.decode_step import unsupported_reason
 from longqa.rollout.fast import FastRolloutEngine
-from longqa.rollout.remote import RemoteRolloutEngine, serve
+from longqa.rollout.remote import RemoteRolloutEngine, serve, stop_sampler
 from longqa.rollout.vllm_engine import VLLMRolloutEngine, import_vllm, logprobs_mode_for
 from longqa.support import check_machine
 from longqa.train.actor import Actor, Samples, TrainingError
@@ -799,7 +799,12 @@ def train(cfg: Config, stop_file: str | None = None) -> dict:
             if run_sampler(cfg, split):  # (after a training rank's error it leaves no group: that rank is gone)
                 leave_group()
             return {"steps": None, "report": None, "preempted": None}
-    trainer = Trainer(cfg, stop_file, split)
+    try:
+        trainer = Trainer(cfg, stop_file, split)
+    except BaseException:
+        if split is not None:  # (its sampler waits for this rank's first message)
+            stop_sampler(split, finished=False)
+        raise
     result = trainer.run()
     if trainer.owns_group or split is not None:
         leave_group()
