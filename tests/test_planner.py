@@ -367,6 +367,21 @@ def test_a_training_rank_beside_sampler_ranks_plans_no_engine():
     assert apart.total == colocated.total - colocated.rollout_weights - colocated.rollout_kv
 
 
+def test_plan_with_sampler_ranks_is_a_training_rank_s_over_the_other_gpus(capsys):
+    """`longqa plan --gpus 3 rollout.sampler_ranks=1` plans what the trainer checks: 2 training ranks, no engine on
+    them; a job with no training rank left is refused as the trainer refuses it."""
+    assert main(["plan", "--gpus", "3", *SPLIT_RUN, "data.train_batch_size=4", "actor.ppo_mini_batch_size=4",
+                 "rollout.sampler_ranks=1"]) == 0
+    out = capsys.readouterr().out
+    assert "on 2 GPU(s) of 141 GiB" in out and "1 more GPU(s) only sample, rollout.sampler_ranks=1" in out
+    assert re.search(r"rollout weights \(engine's copy\) +0\.0 GiB", out)
+    assert re.search(r"rollout KV cache \(none here\) +0\.0 GiB", out)
+    assert main(["plan", "--gpus", "2", *SPLIT_RUN, "data.train_batch_size=3", "actor.ppo_mini_batch_size=3",
+                 "rollout.sampler_ranks=1"]) == 0  # one training rank: any batch
+    assert main(["plan", "--gpus", "1", *SPLIT_RUN, "rollout.sampler_ranks=1"]) == 2
+    assert "rollout.sampler_ranks=1 sets that many ranks apart to sample, but the job has 1" in capsys.readouterr().err
+
+
 def test_a_split_needs_two_gpus(capsys):
     assert main(["plan", "--split", *SPLIT_RUN]) == 2
     assert "sampler ranks of their own need at least 2 GPUs" in capsys.readouterr().err

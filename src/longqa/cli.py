@@ -393,8 +393,8 @@ def cmd_cluster(args: argparse.Namespace) -> None:
 def cmd_plan(args: argparse.Namespace) -> None:
     from longqa.distributed.fit import Machine, check_run_plan, largest_shape, plan_run, shape_sizes
     from longqa.distributed.host_memory import HOST_GIB_PER_GPU
-    from longqa.distributed.planner import (GIB, check_data_parallel, describe_training, model_sizes,
-                                            resolve_micro_batch_tokens)
+    from longqa.distributed.planner import (GIB, check_data_parallel, check_sampler_ranks, describe_training,
+                                            model_sizes, resolve_micro_batch_tokens)
     from longqa.distributed.step_time import planned_lengths, step_time_config
 
     if args.largest and args.shape:
@@ -407,6 +407,10 @@ def cmd_plan(args: argparse.Namespace) -> None:
     args.gpus = args.gpus or workers or 1
     if args.largest and args.split:
         raise ConfigError("--largest tries every known shape, --split splits the GPUs of one: give either")
+    samplers = 0 if args.split else cfg.rollout.sampler_ranks
+    if samplers:  # the job's last ranks only sample: the plan is a training rank's, over the others
+        check_sampler_ranks(cfg, args.gpus)
+        args.gpus -= samplers
     if args.gpus > 1 and not args.split:  # as the trainer checks it under torchrun or Ray, one rank per GPU
         check_data_parallel(cfg, args.gpus)
     per_node = args.gpus_per_node or min(args.gpus, 8)
@@ -416,6 +420,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
     nodes_of = f" (nodes of {per_node}: the host memory is the share of the GPUs used)" if per_node > used else ""
     where = (f"{args.gpus} GPU(s) of {args.gpu_memory_gib:g} GiB, {used} per node{nodes_of} with {host_gib:g} GiB "
              f"of host memory")
+    if samplers:
+        where += f" (the training ranks; {samplers} more GPU(s) only sample, rollout.sampler_ranks={samplers})"
     if args.largest:
         print(f"the largest Qwen3 shape on {where}, {describe_training(cfg)}:")
         for attempt in largest_shape(cfg, machine):

@@ -144,7 +144,8 @@ class MemoryPlan:
                 ("unsharded layers in flight", self.unsharded_layers), (f"activations{masks}", self.activations),
                 ("rollout weights (engine's copy)", self.rollout_weights),
                 *([("reference model (algo.kl_coef)", self.reference_weights)] if self.reference_weights else []),
-                (f"rollout KV cache ({self.kv_groups} group{'s' if self.kv_groups > 1 else ''})", self.rollout_kv),
+                (f"rollout KV cache ({self.kv_groups} group{'s' if self.kv_groups > 1 else ''})" if self.rollout_kv
+                 else "rollout KV cache (none here)", self.rollout_kv),
                 ("margin (context, NCCL, fragmentation)", self.margin), ("total", self.total),
                 ("GPU memory", self.gpu_bytes), ("while loading (whole model + copy)", self.loading)]
         return "\n".join(f"  {name:<40} {value / GIB:8.1f} GiB" for name, value in rows)
@@ -503,6 +504,23 @@ def check_data_parallel(cfg, world: int) -> None:
     for what, present in unsupported.items():
         if present:
             raise ConfigError(f"{what} is not supported with {world} ranks yet")
+
+
+def check_sampler_ranks(cfg, world: int) -> None:
+    """What sampler ranks of their own (``rollout.sampler_ranks``) need of a job of ``world`` ranks: checked on
+    every rank before any group is made, and by ``longqa plan`` for its ``--gpus``."""
+    r, samplers = cfg.rollout, cfg.rollout.sampler_ranks
+    needs = {"trainer.launcher": (cfg.trainer.launcher == "local", f"local, under torchrun "
+                                                                   f"(got {cfg.trainer.launcher})"),
+             "rollout.engine": (r.engine == "fast", f"fast (got {r.engine})"),
+             "actor.strategy": (cfg.actor.strategy == "fsdp2", f"fsdp2 (got {cfg.actor.strategy}: DeepSpeed "
+                                                               f"partitions over every rank of the job)")}
+    for key, (ok, what) in needs.items():
+        if not ok:
+            raise ConfigError(f"rollout.sampler_ranks={samplers} needs {key}={what}")
+    if world <= samplers:
+        raise ConfigError(f"rollout.sampler_ranks={samplers} sets that many ranks apart to sample, but the job has "
+                          f"{world}: launch more ranks (torchrun --nproc_per_node) so that some train")
 
 
 def check_run(cfg, world_size: int, gpu_bytes: int | None, say=print) -> MemoryPlan | None:

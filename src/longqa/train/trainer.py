@@ -28,7 +28,8 @@ from longqa.config import Config, ConfigError, to_dict
 from longqa.data.prompts import GROUPS, PromptOptions, PromptSet, describe_losses, prepare_prompts, tally
 from longqa.distributed.deepspeed import check_deepspeed
 from longqa.distributed.env import DistEnv, Split, all_reduce, gather_objects, leave_group
-from longqa.distributed.planner import SAMPLER_KV_SHARE, check_data_parallel, check_run, float32_masters
+from longqa.distributed.planner import (SAMPLER_KV_SHARE, check_data_parallel, check_run, check_sampler_ranks,
+                                        float32_masters)
 from longqa.evaluate import evaluate, stop_token_ids
 from longqa.lengths import draw_response_lengths
 from longqa.model.load import (compile_decoder_layers, compiled_graphs, config_tokenizer, load_model, pick_device,
@@ -809,22 +810,6 @@ def train(cfg: Config, stop_file: str | None = None) -> dict:
     if trainer.owns_group or split is not None:
         leave_group()
     return result
-
-
-def check_sampler_ranks(cfg: Config, world: int) -> None:
-    """What sampler ranks of their own need, checked on every rank of the job before any group is made."""
-    r, samplers = cfg.rollout, cfg.rollout.sampler_ranks
-    needs = {"trainer.launcher": (cfg.trainer.launcher == "local", f"local, under torchrun "
-                                                                   f"(got {cfg.trainer.launcher})"),
-             "rollout.engine": (r.engine == "fast", f"fast (got {r.engine})"),
-             "actor.strategy": (cfg.actor.strategy == "fsdp2", f"fsdp2 (got {cfg.actor.strategy}: DeepSpeed "
-                                                               f"partitions over every rank of the job)")}
-    for key, (ok, what) in needs.items():
-        if not ok:
-            raise ConfigError(f"rollout.sampler_ranks={samplers} needs {key}={what}")
-    if world <= samplers:
-        raise ConfigError(f"rollout.sampler_ranks={samplers} sets that many ranks apart to sample, but the job has "
-                          f"{world}: launch more ranks (torchrun --nproc_per_node) so that some train")
 
 
 def run_sampler(cfg: Config, split: Split) -> bool:
