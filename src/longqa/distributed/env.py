@@ -8,6 +8,7 @@ checkpoints) runs over that group, so the training code reads the same with or w
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -116,14 +117,27 @@ def training_group():
 
 
 def leave_group() -> None:
-    """Leave the process group at the end of a finished run, after every rank got there: a process that
-    exits with gloo's threads still up, or while a peer still talks to it, was seen to abort now and then
-    ("terminate called without an active exception"), failing a run that had finished."""
-    global _TRAINING_GROUP
+    """Leave the process group at the end of a finished run, every rank together: a process that exits with
+    gloo's threads still up, or while a peer is still tearing its groups down, was seen to abort now and then
+    ("terminate called without an active exception"), failing a run that had finished. So the ranks destroy
+    their groups after a barrier, then each marks that on the job's store and none returns before all have (or
+    a minute has passed)."""
+    global _TRAINING_GROUP, _LEFT
     if dist.is_initialized():
+        store, world = dist.distributed_c10d._get_default_store(), dist.get_world_size()
         dist.barrier()
         dist.destroy_process_group()
+        if world > 1:
+            key = f"longqa/left/{_LEFT}"  # (a process that joins and leaves again counts anew)
+            store.add(key, 1)
+            deadline = time.monotonic() + 60
+            while store.add(key, 0) < world and time.monotonic() < deadline:
+                time.sleep(0.01)
+        _LEFT += 1
     _TRAINING_GROUP = None
+
+
+_LEFT = 0  # groups this process has left
 
 
 def all_reduce(values: list[float], op: str = "sum", device: torch.device | str = "cpu") -> list[float]:
