@@ -109,6 +109,7 @@ class Split:
 
 # The group every collective below runs over: None is the whole job; under ``init_split``, the training ranks.
 _TRAINING_GROUP = None
+_LEFT = 0  # groups this process has left (``leave_group``)
 
 
 def training_group():
@@ -135,9 +136,6 @@ def leave_group() -> None:
                 time.sleep(0.01)
         _LEFT += 1
     _TRAINING_GROUP = None
-
-
-_LEFT = 0  # groups this process has left
 
 
 def all_reduce(values: list[float], op: str = "sum", device: torch.device | str = "cpu") -> list[float]:

@@ -24,9 +24,9 @@ def shard_model(root, layers, device: torch.device, cpu_offload: bool = False, m
     sharded, so no whole float32 copy of it ever exists on one device."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     from longqa.distributed.env import training_group
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     # The mesh says where the shards live: on the training device, not on whatever accelerator the host
     # has (FSDP's default mesh would move a CPU run's shards to cuda:0 on a machine with a GPU).

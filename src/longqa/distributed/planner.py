@@ -41,7 +41,6 @@ to refuse plans that cannot work, naming the setting to change, not to promise a
 from __future__ import annotations
 
 import dataclasses
-
 import math
 from dataclasses import dataclass, field
 from typing import Any

@@ -354,8 +354,8 @@ class FastRolloutEngine(RolloutEngine):
     """Shared-prefix sampling on the training model's own weights.
 
     ``kv_cache_bytes`` bounds the KV stores (default: ``kv_share`` of the free GPU memory, 40%, which leaves the
-    rest to a colocated update; 2 GiB on a CPU); as many groups run at once as fit. ``prefill_chunk`` bounds the tokens of one prefill forward, which holds
-    several prompts where they fit (default: ``prefill_tokens(model)``).
+    rest to a colocated update; 2 GiB on a CPU); as many groups run at once as fit. ``prefill_chunk`` bounds the
+    tokens of one prefill forward, which holds several prompts where they fit (default: ``prefill_tokens(model)``).
     ``cuda_graphs`` captures the decode step per length bucket (CUDA only). ``fused_decode`` runs the
     decode step of Llama-family models as a few compiled kernels per layer (``decode_step.py``; compiled
     on a GPU only); ``None`` uses it wherever the model is supported, ``False`` runs the model's modules.

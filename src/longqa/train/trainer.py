@@ -141,6 +141,15 @@ def check_speculative(cfg: Config) -> None:
                           f"rollout.prompt_lookup_max={r.prompt_lookup_max}")
 
 
+def fast_engine(cfg: Config, model, tokenizer, **options) -> FastRolloutEngine:
+    """The fast engine on ``model`` as ``rollout.*`` sets it up (``options``: where it runs, e.g. ``own_copy``)."""
+    r = cfg.rollout
+    return FastRolloutEngine(model, tokenizer, kv_cache_bytes=r.kv_cache_bytes, cuda_graphs=r.cuda_graphs,
+                             speculative=None if r.speculative == "off" else r.speculative,
+                             num_speculative_tokens=r.num_speculative_tokens, prompt_lookup_min=r.prompt_lookup_min,
+                             prompt_lookup_max=r.prompt_lookup_max, **options)
+
+
 def check_one_step_off(cfg: Config) -> None:
     """One-step-off sampling takes the PPO ratio against the log-probs the engine returns with each sample: vLLM
     has none that are exactly the trainer's under a tempered *and* top-k/top-p-filtered distribution. Overlapped
@@ -319,13 +328,8 @@ class Trainer:
         if split is not None:  # the sampler ranks hold the engine (and their own copy of the weights)
             self.engine = RemoteRolloutEngine(self.model, split)
         elif r.engine == "fast":
-            self.engine = FastRolloutEngine(self.model, self.tokenizer, kv_cache_bytes=r.kv_cache_bytes,
-                                            cuda_graphs=r.cuda_graphs,
-                                            own_copy=self.env.distributed or sharded_alone or r.overlap,
-                                            speculative=None if r.speculative == "off" else r.speculative,
-                                            num_speculative_tokens=r.num_speculative_tokens,
-                                            prompt_lookup_min=r.prompt_lookup_min,
-                                            prompt_lookup_max=r.prompt_lookup_max)
+            self.engine = fast_engine(cfg, self.model, self.tokenizer,
+                                      own_copy=self.env.distributed or sharded_alone or r.overlap)
         elif r.engine == "vllm":
             self.engine = VLLMRolloutEngine(
                 self.model, resolve_model_path(m.path), tokenizer_path=m.tokenizer_path, dtype=m.dtype,
@@ -354,9 +358,7 @@ class Trainer:
     def _compilable(self) -> bool:
         """Whether the update's decoder layers are compiled: for the Llama-family layers the fast engine's fused
         decode runs (wherever that engine is), whose attention takes packed rows."""
-        if isinstance(self.engine, RemoteRolloutEngine):
-            return not unsupported_reason(self.model)
-        return isinstance(self.engine, FastRolloutEngine) and self.engine.decode_step is not None
+        return isinstance(self.engine, (FastRolloutEngine, RemoteRolloutEngine)) and not unsupported_reason(self.model)
 
     # ------------------------------------------------------------------------------------------ data
 
@@ -815,7 +817,7 @@ def train(cfg: Config, stop_file: str | None = None) -> dict:
 def run_sampler(cfg: Config, split: Split) -> bool:
     """A sampler rank's part of the job: the model in ``model.dtype`` on this rank's device and the fast engine on
     it, serving the training ranks (``rollout/remote.py``); whether they finished without an error."""
-    m, r = cfg.model, cfg.rollout
+    m = cfg.model
     device = split.job.device(cfg.trainer.device)
     check_machine(cfg, device.type)
     random.seed(cfg.trainer.seed), np.random.seed(cfg.trainer.seed), torch.manual_seed(cfg.trainer.seed)
@@ -823,11 +825,7 @@ def run_sampler(cfg: Config, split: Split) -> bool:
     model, _ = load_model(m.path, gguf_file=m.gguf_file, dtype=m.dtype, attn_implementation=m.attn_implementation,
                           device=device, tokenizer=tokenizer)
     model.requires_grad_(False)
-    engine = FastRolloutEngine(model, tokenizer, kv_cache_bytes=r.kv_cache_bytes, kv_share=SAMPLER_KV_SHARE,
-                               cuda_graphs=r.cuda_graphs, speculative=None if r.speculative == "off" else r.speculative,
-                               num_speculative_tokens=r.num_speculative_tokens,
-                               prompt_lookup_min=r.prompt_lookup_min, prompt_lookup_max=r.prompt_lookup_max)
-    return serve(engine, split)
+    return serve(fast_engine(cfg, model, tokenizer, kv_share=SAMPLER_KV_SHARE), split)
 
 
 __all__ = ["Trainer", "train", "reward_function", "load_prompts"]
