@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# GRPO past the supervised ceiling at long contexts: one command on one GPU, about 9 minutes on an H200 (data
+# GRPO past the supervised ceiling at long contexts: one command on one GPU, from a starting model to the table
+# and the curves. By default the starting model is the embedded longqa-tiny, about 9 minutes on an H200 (data
 # 30 s, sft 2.5-3 min, GRPO about 4.5 min for 30 steps, evaluations 30-40 s each: benchmarks/RESULTS.md,
-# "Long contexts").
-#   data       `longqa data synth` with the embedded model's tokenizer: supervised-training questions at
-#              512-4,096-token contexts, and GRPO questions at 512, 1,024, 2,048 and 4,096 tokens whose
-#              held-out split (405 questions, the same at every length) is the evaluation set
-#   sft        `longqa sft` from the embedded model's weights: always reasoning, on contexts up to 4,096
-#              tokens, its position limit raised to 4,608; MINUTES_SFT minutes (default 2.5). Meanwhile
-#              `longqa eval` scores the embedded model on the held-out questions (eval_embedded)
+# "Long contexts"); with MODEL=<a model folder or .gguf file> a pretrained model (see "A real model" below).
+#   data       `longqa data synth` with the starting model's tokenizer: supervised-training questions at every
+#              length, and GRPO questions at every length whose held-out split (405 questions, the same at
+#              every length) is the evaluation set
+#   sft        `longqa sft --init MODEL`: always reasoning, on contexts up to the longest length, its position
+#              limit raised to hold the config's prompt and response limits; MINUTES_SFT minutes (default
+#              2.5). Meanwhile `longqa eval` scores the starting model on the held-out questions (eval_start)
 #   eval_sft   `longqa eval` of the supervised model: accuracy per context length and per hop count
-#   grpo       `longqa train configs/gpu-long.yaml` from the supervised model
+#   grpo       `longqa train CONFIG` from the supervised model
 #   eval_grpo  `longqa export` of its last checkpoint, then `longqa eval` of it on the same questions
 #   summary    OUT_DIR/summary.{md,json} and accuracy_by_length.png (benchmarks/long_context_summary.py);
 #              the training run's own report (reward, accuracy, lengths, accuracy by length at its first
@@ -18,10 +19,21 @@
 # in OUT_DIR/timings.tsv. Nothing is downloaded.
 #
 # Usage:  bash benchmarks/long_context_rl_gpu.sh OUT_DIR [MINUTES_SFT [KEY=VALUE...]]
-# KEY=VALUE pairs override configs/gpu-long.yaml for the GRPO stage (actor.lr=1e-4 trainer.max_steps=40 ...).
+# KEY=VALUE pairs override CONFIG for the GRPO stage (actor.lr=1e-4 trainer.max_steps=40 ...).
+# Environment (defaults in brackets):
+#   MODEL [the embedded model]  the starting model: a model folder or a GGUF file
+#   CONFIG [configs/gpu-long.yaml]  the GRPO config; its prompt and response limits also bound the evaluations
+#   LENGTHS ["512 1024 2048 4096"]  the context lengths, in tokens of the starting model's tokenizer
+#   SYNTH ["--max-hops 3"]  more `longqa data synth` flags, for both sets of questions
+#   SFT ["--lr 5e-4 --warmup-steps 50"]  more `longqa sft` flags
+# A real model: MODEL=$(python -c 'from longqa.model.load import smollm2_gguf_path; print(smollm2_gguf_path())')
+# CONFIG=configs/smollm2-long.yaml LENGTHS="1024 2048 4096 8192" SYNTH="--min-hops 3 --max-hops 4 --near-misses"
+# SFT="--lr 1e-4 --warmup-steps 50" trains SmolLM2-135M-Instruct on questions of up to 8,192 tokens.
 # With LONGQA_FROM=<an earlier OUT_DIR> the data, the supervised model and their evaluations are that run's
 # (linked, not copied) and only GRPO, its evaluation and the summary run: another GRPO setting from the same
 # start, about 4 minutes sooner (MINUTES_SFT is then ignored).
+# With STOP_AFTER=eval_sft the run ends after the supervised model's evaluation (a summary of the two models
+# evaluated is still written): a question setting's difficulty, without the GRPO stage.
 # With LONGQA_SMOKE=1 every stage runs at a tiny scale (two context lengths, a few questions, two steps of
 # each training): the CPU check that the stages fit together (tests/test_long_context_rl.py).
 set -euo pipefail
@@ -34,7 +46,12 @@ export PYTHONPATH=$repo/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENI
     HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 longqa() { python -m longqa.cli "$@"; }
 
-positions=4608 prompt_limit=4352 response_limit=128  # as in configs/gpu-long.yaml
+config=${CONFIG:-$repo/configs/gpu-long.yaml}
+read -r -a lengths <<< "${LENGTHS:-512 1024 2048 4096}"
+read -r -a synth_flags <<< "${SYNTH:---max-hops 3}"
+read -r -a sft_flags <<< "${SFT:---lr 5e-4 --warmup-steps 50}"
+read -r prompt_limit response_limit <<< "$(python -c "import sys; from longqa.config import load_config
+c = load_config(sys.argv[1]).data; print(c.max_prompt_length, c.max_response_length)" "$config")"
 if [ "${LONGQA_SMOKE:-0}" = 1 ]; then
     # One thread: matrices this small gain nothing from more, and on a busy CPU threads wait on each other.
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
@@ -46,8 +63,8 @@ if [ "${LONGQA_SMOKE:-0}" = 1 ]; then
 else
     # 3 x 600 GRPO questions, 22.5% held out: 135 per task, 405 per length; 3 x 2,000 supervised-training
     # questions at 4 lengths, 46M tokens: one to three passes in the supervised stage's minutes.
-    lengths=(512 1024 2048 4096); sft_rows=2000; rl_rows=600; rl_test=0.225; eval_batch=256
-    sft_scale=(--warmup-steps 50)
+    sft_rows=2000; rl_rows=600; rl_test=0.225; eval_batch=256
+    sft_scale=()
     grpo_scale=()
 fi
 if [ -n "$(ls -A "$out" 2>/dev/null)" ]; then  # a training run there would resume, not start over
@@ -66,25 +83,25 @@ timed() {  # STAGE COMMAND...: run it, its output to the console and logs/STAGE.
     echo "== $stage: $(awk -F'\t' -v s="$stage" '$1 == s { printf "%.0f", $3 - $2 }' "$out/timings.tsv") s"
 }
 
-evaluate() {  # MODEL OUTPUT_JSON: greedy answers to the held-out questions, scored per length and hop count
+evaluate() {  # A_MODEL OUTPUT_JSON: greedy answers to the held-out questions, scored per length and hop count
     longqa eval --model "$1" --data "$out/data/rl/merged/test.parquet" --max-prompt-length $prompt_limit \
         --max-new-tokens $response_limit --batch-size $eval_batch --output "$2" --samples "${2%.json}.jsonl"
 }
 
 make_data() {
-    local common=(--max-hops 3 --tokenizer "$embedded" --workers "$(nproc)" --context-lengths "${lengths[@]}")
+    local common=("${synth_flags[@]}" --tokenizer "$model" --workers "$(nproc)" --context-lengths "${lengths[@]}")
     longqa data synth --output-dir "$out/data/rl" --rows-per-task $rl_rows --test-ratio $rl_test --seed 1 "${common[@]}"
     longqa data synth --output-dir "$out/data/sft" --rows-per-task $sft_rows --test-ratio 0.01 --seed 2 "${common[@]}"
 }
 
 supervised() {
-    longqa sft --init "$embedded" --train-files "$out/data/sft/merged/train.parquet" --output-dir "$out/sft" \
-        --max-positions $positions --max-prompt-length $prompt_limit --lr 5e-4 --max-minutes "$minutes" \
-        --no-think-fraction 0 "${sft_scale[@]}"
+    longqa sft --init "$model" --train-files "$out/data/sft/merged/train.parquet" --output-dir "$out/sft" \
+        --max-positions "$positions" --max-prompt-length $prompt_limit --max-minutes "$minutes" \
+        --no-think-fraction 0 "${sft_flags[@]}" "${sft_scale[@]}"
 }
 
 grpo() {
-    longqa train "$repo/configs/gpu-long.yaml" model.path="$out/sft" trainer.output_dir="$out/grpo" \
+    longqa train "$config" model.path="$out/sft" trainer.output_dir="$out/grpo" \
         data.train_files="$out/data/rl/merged/train.parquet" data.val_files="$out/data/rl/merged/test.parquet" \
         data.cache_dir="$out/cache" "${grpo_scale[@]}" "${grpo_overrides[@]}"
 }
@@ -101,21 +118,30 @@ summarize() {
     rm -rf "$out/report" && cp -r "$out/grpo/report" "$out/report"
 }
 
-embedded=$(python -c "from longqa.model.load import EMBEDDED_MODEL; print(EMBEDDED_MODEL)")
+model=${MODEL:-$(python -c "from longqa.model.load import EMBEDDED_MODEL; print(EMBEDDED_MODEL)")}
+# The supervised model holds a whole prompt and response of the config's limits (rounded up to 512 positions),
+# and never fewer positions than the starting model had.
+positions=$(python -c "import sys; from longqa.model.load import load_model_config
+need = -(-(int(sys.argv[2]) + int(sys.argv[3])) // 512) * 512
+print(max(need, load_model_config(sys.argv[1]).max_position_embeddings))" "$model" $prompt_limit $response_limit)
 if [ -n "${LONGQA_FROM:-}" ]; then
     from=$(cd "$LONGQA_FROM" && pwd)
-    for part in data sft eval_embedded.json eval_embedded.jsonl eval_sft.json eval_sft.jsonl; do
+    for part in data sft eval_start.json eval_start.jsonl eval_sft.json eval_sft.jsonl; do
         [ -e "$from/$part" ] || { echo "LONGQA_FROM=$LONGQA_FROM has no $part: give a finished run's OUT_DIR" >&2; exit 2; }
         ln -s "$from/$part" "$out/$part"
     done
     echo "data, supervised model and their evaluations from $from"
 else
     timed data make_data
-    timed eval_embedded evaluate "$embedded" "$out/eval_embedded.json" > /dev/null &
+    timed eval_start evaluate "$model" "$out/eval_start.json" > /dev/null &
     background=$!
     timed sft supervised
     wait $background
     timed eval_sft evaluate "$out/sft" "$out/eval_sft.json"
+    if [ "${STOP_AFTER:-}" = eval_sft ]; then
+        timed summary python "$repo/benchmarks/long_context_summary.py" "$out"
+        exit 0
+    fi
 fi
 timed grpo grpo
 timed eval_grpo export_and_evaluate

@@ -1,12 +1,12 @@
-"""The summary of ``long_context_rl_gpu.sh``: held-out accuracy per context length of the embedded model,
+"""The summary of ``long_context_rl_gpu.sh``: held-out accuracy per context length of the starting model,
 the supervised model and the GRPO-trained one, on the same questions, with the gain GRPO made and each
 stage's wall time.
 
     python benchmarks/long_context_summary.py OUT_DIR
 
-reads the script's ``longqa eval --output`` files (``eval_embedded.json``, ``eval_sft.json``,
-``eval_grpo.json``) and ``timings.tsv`` in OUT_DIR, and writes ``summary.json``, ``summary.md`` and
-``accuracy_by_length.png`` there.
+reads the script's ``longqa eval --output`` files (``eval_start.json``, ``eval_sft.json``, ``eval_grpo.json``;
+a run stopped before GRPO has only the first two) and ``timings.tsv`` in OUT_DIR, and writes ``summary.json``,
+``summary.md`` and ``accuracy_by_length.png`` there.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import argparse
 import json
 from pathlib import Path
 
-MODELS = {"embedded": "eval_embedded.json", "sft": "eval_sft.json", "grpo": "eval_grpo.json"}
-HEADINGS = {"embedded": "embedded model", "sft": "supervised (start)", "grpo": "after GRPO"}
+MODELS = {"start": "eval_start.json", "sft": "eval_sft.json", "grpo": "eval_grpo.json"}
+HEADINGS = {"start": "starting model", "sft": "supervised", "grpo": "after GRPO"}
 
 
 def _groups(result: dict, grouping: str, key: str) -> dict[int, dict]:
@@ -36,7 +36,8 @@ def _compare(results: dict[str, dict], grouping: str, key: str) -> list[dict]:
             raise ValueError(f"{key}={value}: the evaluations answered different questions (counts {counts})")
         row = {key: value, "n": counts["sft"]}
         row.update({name: groups[value]["accuracy"] for name, groups in by_model.items()})
-        row["gain"] = row["grpo"] - row["sft"]
+        if "grpo" in row:
+            row["gain"] = row["grpo"] - row["sft"]
         rows.append(row)
     return rows
 
@@ -55,23 +56,28 @@ def read_timings(path: Path) -> tuple[dict[str, float], float]:
 
 def summarize(out_dir: str | Path) -> dict:
     out = Path(out_dir)
-    results = {name: json.loads((out / file).read_text()) for name, file in MODELS.items()}
+    results = {name: json.loads((out / file).read_text()) for name, file in MODELS.items()
+               if name != "grpo" or (out / file).is_file()}
     overall = {name: r["all"]["accuracy"] for name, r in results.items()}
     summary = {
         "by_length": _compare(results, "by_length", "target_tokens"),
         "by_hops": _compare(results, "by_hops", "hops"),
-        "all": {"n": results["sft"]["all"]["n"], **overall, "gain": overall["grpo"] - overall["sft"]},
+        "all": {"n": results["sft"]["all"]["n"], **overall},
     }
+    if "grpo" in overall:
+        summary["all"]["gain"] = overall["grpo"] - overall["sft"]
     summary["timings_s"], summary["wall_s"] = read_timings(out / "timings.tsv")
     return summary
 
 
 def _table(rows: list[dict], key: str, label: str) -> list[str]:
-    lines = [f"| {label} | questions | " + " | ".join(HEADINGS.values()) + " | GRPO - supervised |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    models = [m for m in MODELS if rows and m in rows[0]]
+    gain = "gain" in rows[0] if rows else False
+    columns = [label, "questions", *(HEADINGS[m] for m in models)] + (["GRPO - supervised"] if gain else [])
+    lines = ["| " + " | ".join(columns) + " |", "|" + " ---: |" * len(columns)]
     for row in rows:
-        lines.append(f"| {row[key]} | {row['n']} | " + " | ".join(f"{row[m]:.3f}" for m in MODELS)
-                     + f" | {100 * row['gain']:+.1f} points |")
+        cells = [str(row[key]), str(row["n"]), *(f"{row[m]:.3f}" for m in models)]
+        lines.append("| " + " | ".join(cells + ([f"{100 * row['gain']:+.1f} points"] if gain else [])) + " |")
     return lines
 
 
@@ -97,7 +103,8 @@ def plot(summary: dict, path: Path) -> None:
     lengths = [r["target_tokens"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, heading in HEADINGS.items():
-        ax.plot(lengths, [r[name] for r in rows], marker="o", label=heading)
+        if rows and name in rows[0]:
+            ax.plot(lengths, [r[name] for r in rows], marker="o", label=heading)
     ax.set(xscale="log", xlabel="context tokens", ylabel="held-out accuracy", ylim=(0, 1),
            title=f"Accuracy by context length ({rows[0]['n'] if rows else 0} questions each)")
     ax.set_xticks(lengths, [str(n) for n in lengths])

