@@ -423,12 +423,7 @@ class World:
     def sibling(self, entity: Entity, relation: str, look_alike: bool = False) -> Entity:
         """A new entity of the same kind whose ``relation`` points elsewhere: a hard distractor. With
         ``look_alike``, its name also shares a part with ``entity``'s."""
-        if look_alike:
-            other = self.look_alike(entity)
-        elif entity.kind == "person":
-            other = self.person(last=entity.name.split(" ")[1])
-        else:
-            other = self.new(entity.kind)
+        other = self.look_alike(entity) if look_alike or entity.kind == "person" else self.new(entity.kind)
         target, value = self.get(entity, relation), self.get(other, relation)
         if isinstance(target, int):
             if value == target:
