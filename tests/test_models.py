@@ -153,6 +153,50 @@ def test_a_raised_position_limit_gives_what_a_model_built_with_it_gives():
 
 
 
+def test_prompts_and_responses_past_the_model_s_positions_are_said_or_refused(tmp_path, tokenizer, tokenizer_dir,
+                                                                              data_dir, capsys):
+    """A plain-RoPE model runs past its position limit (it computes any position's rotation) but train and eval say
+    so; a model with learned position embeddings has no rows past them: refused in one line naming the settings."""
+    import json
+
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    from longqa.cli import main
+    from tiny_models import save_tiny_qwen3
+
+    rope = save_tiny_qwen3(tmp_path / "rope", tokenizer)
+    config = json.loads((rope / "config.json").read_text())
+    (rope / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 128}))
+    learned = tmp_path / "learned"
+    AutoModelForCausalLM.from_config(GPT2Config(vocab_size=len(tokenizer), n_positions=128, n_embd=32, n_layer=1,
+                                                n_head=2)).save_pretrained(learned)
+    tokenizer.save_pretrained(learned)
+    train, test = f"{data_dir}/merged/train.parquet", f"{data_dir}/merged/test.parquet"
+
+    def run(model, *more):
+        capsys.readouterr()
+        code = main(["train", f"model.path={model}", f"data.train_files={train}", f"data.val_files={test}",
+                     "data.max_response_length=8", "data.train_batch_size=2", f"data.cache_dir={tmp_path / 'cache'}",
+                     "rollout.n=2", "actor.ppo_mini_batch_size=2", "trainer.max_steps=1", "trainer.test_freq=0",
+                     "trainer.save_freq=0", "trainer.device=cpu", f"trainer.output_dir={tmp_path / 'runs' / model.name}",
+                     "trainer.logger=[jsonl]", *more])
+        return code, capsys.readouterr()
+
+    code, said = run(rope)
+    assert code == 0
+    [warning] = [line for line in said.out.splitlines() if "warning: prompts of up to" in line]
+    longest = int(warning.split("prompts of up to ")[1].split()[0])
+    assert longest > 128 and f"reach position {longest + 8}, past the 128 the model was built for" in warning
+
+    code, said = run(learned)
+    assert code == 2 and "Traceback" not in said.err
+    [error] = [line for line in said.err.splitlines() if "error:" in line]
+    assert "data.max_prompt_length" in error and "data.max_response_length" in error and "128" in error
+
+    assert main(["eval", "--model", str(rope), "--data", test, "--max-new-tokens", "8", "--device", "cpu"]) == 0
+    assert "warning: prompts of up to" in capsys.readouterr().err
+
+
 def test_a_tokenizer_without_a_pad_token_pads_with_eos_outside_every_loss(tmp_path, tokenizer_dir, data_dir):
     """Its EOS pads, as in verl and TRL; SFT learns a response's own EOS but never the padding, and GRPO's padded
     layout (padding between rows) trains exactly as the packed one (no padding at all)."""

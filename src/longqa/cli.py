@@ -221,7 +221,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
     from longqa.data.prompts import PromptOptions, prepare_prompts
     from longqa.evaluate import evaluate, format_groups, format_table, mode_reward
-    from longqa.model.load import load_model, load_model_tokenizer, pick_device
+    from longqa.model.load import load_model, load_model_tokenizer, pick_device, position_limit_warning
 
     output = _writable(args.output, "--output") if args.output else None
     samples = _writable(args.samples, "--samples") if args.samples else None
@@ -233,6 +233,9 @@ def cmd_eval(args: argparse.Namespace) -> None:
     if args.limit is not None:
         prompts = prompts.first_of_each_file(args.limit)
     model, tokenizer = load_model(args.model, device=device, tokenizer=tokenizer)
+    if (warning := position_limit_warning(model.config, int(prompts.lengths.max(initial=0)), args.max_new_tokens,
+                                          "--max-prompt-length", "--max-new-tokens")):
+        print(warning, file=sys.stderr)
     result = evaluate(model, tokenizer, prompts, args.max_new_tokens, args.batch_size, samples, mode_reward(mode),
                       files=args.data)
     print(format_table(result) + format_groups(result))

@@ -161,6 +161,34 @@ def set_max_positions(model, positions: int) -> None:
     raise_position_limit(model.config, positions)
 
 
+def _plain_rope(config) -> str | None:
+    """None for a model with plain rotary embeddings, else what it has instead (for messages)."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    if kind == "default":
+        return None
+    return f"RoPE type {kind!r}" if kind else "no plain rotary embedding"
+
+
+def position_limit_warning(config, prompt_tokens: int, response_tokens: int, prompt_setting: str,
+                           response_setting: str) -> str | None:
+    """What to say when prompts of up to ``prompt_tokens`` plus responses of up to ``response_tokens`` pass the
+    model's position limit (None when they fit). A plain-RoPE model computes any position's rotation, so it runs
+    past its limit, on positions it was never trained on: said, not refused. Any other model cannot: refused,
+    naming the two settings."""
+    limit = getattr(config, "max_position_embeddings", None)
+    need = prompt_tokens + response_tokens
+    if limit is None or need <= limit:
+        return None
+    if (other := _plain_rope(config)) is not None:
+        raise ModelError(f"prompts of up to {prompt_tokens} tokens ({prompt_setting}) and responses of up to "
+                         f"{response_tokens} ({response_setting}) need {need} positions, more than the model's "
+                         f"{limit}, and a model with {other} has none past them: lower one of the two")
+    return (f"warning: prompts of up to {prompt_tokens} tokens and responses of up to {response_tokens} reach "
+            f"position {need}, past the {limit} the model was built for; its rotary embedding extends to them, but "
+            f"it was not trained there (`longqa sft --max-positions` trains a model for them)")
+
+
 def raise_position_limit(config, positions: int) -> None:
     """Declare in a model's config that the model takes sequences of up to ``positions`` tokens.
 
@@ -169,12 +197,9 @@ def raise_position_limit(config, positions: int) -> None:
     teaches the model to use the new positions. Scaled RoPE variants (linear, dynamic, YaRN, ...) derive
     their frequencies from the old limit, and learned position embeddings are a table of that size, so
     both are refused rather than silently changed."""
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
-    kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
-    if kind != "default":
-        raise ModelError(f"cannot change the position limit of a {config.model_type} model with "
-                         f"{'RoPE type ' + repr(kind) if kind else 'no plain rotary embedding'}: only plain RoPE "
-                         f"models take positions past the limit they were built with")
+    if (other := _plain_rope(config)) is not None:
+        raise ModelError(f"cannot change the position limit of a {config.model_type} model with {other}: only "
+                         f"plain RoPE models take positions past the limit they were built with")
     if positions < 1:
         raise ModelError(f"the position limit must be at least 1, got {positions}")
     config.max_position_embeddings = positions

@@ -32,8 +32,8 @@ from longqa.distributed.planner import (SAMPLER_KV_SHARE, check_data_parallel, c
                                         float32_masters)
 from longqa.evaluate import evaluate, stop_token_ids
 from longqa.lengths import draw_response_lengths
-from longqa.model.load import (compile_decoder_layers, compiled_graphs, config_tokenizer, load_model, pick_device,
-                               resolve_model_path)
+from longqa.model.load import (compile_decoder_layers, compiled_graphs, config_tokenizer, load_model,
+                               load_model_config, pick_device, position_limit_warning, resolve_model_path)
 from longqa.report import LENGTH_ACCURACY, MetricsLogger, write_report
 from longqa.rollout import HFRolloutEngine, SamplingParams
 from longqa.rollout.base import Sample, bump_weights_version, weights_version
@@ -310,6 +310,11 @@ class Trainer:
         self.tokenizer = config_tokenizer(m)
         self.train_set, self.val_set = load_prompts(cfg, self.tokenizer, say=self._say)
         self.val_suffixes = lost_row_suffixes(self.val_set) if self.val_set is not None else {}  # (fixed for the run)
+        longest = max(int(p.lengths.max(initial=0)) for p in (self.train_set, self.val_set) if p is not None)
+        if (warning := position_limit_warning(load_model_config(m.path, m.gguf_file), longest,
+                                              cfg.data.max_response_length, "data.max_prompt_length",
+                                              "data.max_response_length")):
+            self._say(warning)
         self.model, _ = load_model(m.path, gguf_file=m.gguf_file, dtype=m.dtype, attn_implementation=m.attn_implementation,
                                    gradient_checkpointing=m.gradient_checkpointing,
                                    checkpoint_fraction=m.checkpoint_fraction,
