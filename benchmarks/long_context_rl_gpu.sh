@@ -8,7 +8,8 @@
 #              every length) is the evaluation set
 #   sft        `longqa sft --init MODEL`: always reasoning, on contexts up to the longest length, its position
 #              limit raised to hold the config's prompt and response limits; MINUTES_SFT minutes (default
-#              2.5). Meanwhile `longqa eval` scores the starting model on the held-out questions (eval_start)
+#              2.5; 0: no supervised stage, GRPO starts from MODEL itself). Meanwhile `longqa eval` scores the
+#              starting model on the held-out questions (eval_start)
 #   eval_sft   `longqa eval` of the supervised model: accuracy per context length and per hop count
 #   grpo       `longqa train CONFIG` from the supervised model
 #   eval_grpo  `longqa export` of its last checkpoint, then `longqa eval` of it on the same questions
@@ -101,7 +102,7 @@ supervised() {
 }
 
 grpo() {
-    longqa train "$config" model.path="$out/sft" trainer.output_dir="$out/grpo" \
+    longqa train "$config" model.path="$grpo_from" trainer.output_dir="$out/grpo" \
         data.train_files="$out/data/rl/merged/train.parquet" data.val_files="$out/data/rl/merged/test.parquet" \
         data.cache_dir="$out/cache" "${grpo_scale[@]}" "${grpo_overrides[@]}"
 }
@@ -119,6 +120,8 @@ summarize() {
 }
 
 model=${MODEL:-$(python -c "from longqa.model.load import EMBEDDED_MODEL; print(EMBEDDED_MODEL)")}
+grpo_from=$out/sft  # the model GRPO starts from
+[ "$minutes" = 0 ] && [ -z "${LONGQA_FROM:-}" ] && grpo_from=$model
 # The supervised model holds a whole prompt and response of the config's limits (rounded up to 512 positions),
 # and never fewer positions than the starting model had.
 positions=$(python -c "import sys; from longqa.model.load import load_model_config
@@ -131,6 +134,9 @@ if [ -n "${LONGQA_FROM:-}" ]; then
         ln -s "$from/$part" "$out/$part"
     done
     echo "data, supervised model and their evaluations from $from"
+elif [ "$minutes" = 0 ]; then  # GRPO from the starting model itself
+    timed data make_data
+    timed eval_start evaluate "$model" "$out/eval_start.json"
 else
     timed data make_data
     timed eval_start evaluate "$model" "$out/eval_start.json" > /dev/null &

@@ -1,12 +1,12 @@
 """The summary of ``long_context_rl_gpu.sh``: held-out accuracy per context length of the starting model,
-the supervised model and the GRPO-trained one, on the same questions, with the gain GRPO made and each
-stage's wall time.
+the supervised model and the GRPO-trained one, on the same questions, with the gain GRPO made over the model
+it started from and each stage's wall time.
 
     python benchmarks/long_context_summary.py OUT_DIR
 
 reads the script's ``longqa eval --output`` files (``eval_start.json``, ``eval_sft.json``, ``eval_grpo.json``;
-a run stopped before GRPO has only the first two) and ``timings.tsv`` in OUT_DIR, and writes ``summary.json``,
-``summary.md`` and ``accuracy_by_length.png`` there.
+a run stopped before GRPO has no ``eval_grpo.json``, a run without a supervised stage no ``eval_sft.json``) and
+``timings.tsv`` in OUT_DIR, and writes ``summary.json``, ``summary.md`` and ``accuracy_by_length.png`` there.
 """
 
 from __future__ import annotations
@@ -34,12 +34,17 @@ def _compare(results: dict[str, dict], grouping: str, key: str) -> list[dict]:
         counts = {name: groups[value]["n"] if value in groups else None for name, groups in by_model.items()}
         if len(set(counts.values())) != 1 or None in counts.values():
             raise ValueError(f"{key}={value}: the evaluations answered different questions (counts {counts})")
-        row = {key: value, "n": counts["sft"]}
+        row = {key: value, "n": counts["start"]}
         row.update({name: groups[value]["accuracy"] for name, groups in by_model.items()})
         if "grpo" in row:
-            row["gain"] = row["grpo"] - row["sft"]
+            row["gain"] = row["grpo"] - row[_baseline(row)]
         rows.append(row)
     return rows
+
+
+def _baseline(accuracies: dict) -> str:
+    """The model GRPO started from: the supervised one, or the starting model when there was no supervised stage."""
+    return "sft" if "sft" in accuracies else "start"
 
 
 def read_timings(path: Path) -> tuple[dict[str, float], float]:
@@ -57,15 +62,15 @@ def read_timings(path: Path) -> tuple[dict[str, float], float]:
 def summarize(out_dir: str | Path) -> dict:
     out = Path(out_dir)
     results = {name: json.loads((out / file).read_text()) for name, file in MODELS.items()
-               if name != "grpo" or (out / file).is_file()}
+               if name == "start" or (out / file).is_file()}
     overall = {name: r["all"]["accuracy"] for name, r in results.items()}
     summary = {
         "by_length": _compare(results, "by_length", "target_tokens"),
         "by_hops": _compare(results, "by_hops", "hops"),
-        "all": {"n": results["sft"]["all"]["n"], **overall},
+        "all": {"n": results["start"]["all"]["n"], **overall},
     }
     if "grpo" in overall:
-        summary["all"]["gain"] = overall["grpo"] - overall["sft"]
+        summary["all"]["gain"] = overall["grpo"] - overall[_baseline(overall)]
     summary["timings_s"], summary["wall_s"] = read_timings(out / "timings.tsv")
     return summary
 
@@ -73,7 +78,8 @@ def summarize(out_dir: str | Path) -> dict:
 def _table(rows: list[dict], key: str, label: str) -> list[str]:
     models = [m for m in MODELS if rows and m in rows[0]]
     gain = "gain" in rows[0] if rows else False
-    columns = [label, "questions", *(HEADINGS[m] for m in models)] + (["GRPO - supervised"] if gain else [])
+    start = "supervised" if "sft" in models else "starting model"
+    columns = [label, "questions", *(HEADINGS[m] for m in models)] + ([f"GRPO - {start}"] if gain else [])
     lines = ["| " + " | ".join(columns) + " |", "|" + " ---: |" * len(columns)]
     for row in rows:
         cells = [str(row[key]), str(row["n"]), *(f"{row[m]:.3f}" for m in models)]

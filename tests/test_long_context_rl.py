@@ -54,6 +54,19 @@ def test_the_summary_compares_the_three_models_per_length_and_counts_overlapping
         summary_module.summarize(tmp_path)
 
 
+def test_without_a_supervised_stage_the_gain_is_over_the_starting_model(tmp_path):
+    summary_module = _summary_module()
+    for name, (short, long) in {"start": (0.25, 0.0), "grpo": (0.5, 0.25)}.items():
+        result = _eval_result({1024: (4, short), 8192: (4, long)}, {3: (8, 0.5)})
+        (tmp_path / f"eval_{name}.json").write_text(json.dumps(result))
+    (tmp_path / "timings.tsv").write_text("data\t100\t110\neval_start\t110\t150\ngrpo\t150\t230\n")
+    summary = summary_module.summarize(tmp_path)
+    assert [(row["target_tokens"], row["gain"]) for row in summary["by_length"]] == [(1024, 0.25), (8192, 0.25)]
+    assert summary["all"] == {"n": 8, "start": 0.125, "grpo": 0.375, "gain": 0.25}
+    table = summary_module.markdown(summary)
+    assert "| 8192 | 4 | 0.000 | 0.250 | +25.0 points |" in table and "GRPO - starting model" in table
+
+
 @pytest.mark.slow
 def test_the_script_runs_every_stage_at_a_tiny_scale(tmp_path):
     from longqa.data.io import read_rows
@@ -96,6 +109,16 @@ def test_the_script_runs_every_stage_at_a_tiny_scale(tmp_path):
     again_summary = json.loads((again / "summary.json").read_text())
     assert [row["sft"] for row in again_summary["by_length"]] == [row["sft"] for row in summary["by_length"]]
     assert set(again_summary["timings_s"]) == {"grpo", "eval_grpo"}
+
+    direct = tmp_path / "direct"  # MINUTES_SFT=0: GRPO from the starting model itself
+    done = subprocess.run(["bash", str(SCRIPT), str(direct), "0"], env={**os.environ, "LONGQA_SMOKE": "1"},
+                          capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert not (direct / "sft").exists() and "== sft:" not in done.stdout
+    direct_summary = json.loads((direct / "summary.json").read_text())
+    assert set(direct_summary["all"]) == {"n", "start", "grpo", "gain"}
+    assert set(direct_summary["timings_s"]) == {"data", "eval_start", "grpo", "eval_grpo"}
+    assert direct_summary["all"]["gain"] == pytest.approx(direct_summary["all"]["grpo"] - direct_summary["all"]["start"])
 
 
 @pytest.mark.slow
