@@ -784,7 +784,7 @@ def test_training_half_precision_weights_warns_where_updates_round_away():
 
 def test_one_process_trains_a_bf16_model_on_float32_masters(tiny_model_dir, data_dir, tmp_path, capsys):
     """`longqa train model.dtype=bfloat16` in one process: no rounding warning, the shards in a group of its own,
-    and the run resumes from its checkpoint as any run does."""
+    the run resumes from its checkpoint as any run does, and `longqa export` writes the trained weights."""
     out = tmp_path / "run"
     extra = {"model.dtype": "bfloat16", "actor.lr": 1e-6, "trainer.max_steps": 1, "trainer.test_freq": 0,
              "trainer.save_freq": 1}
@@ -793,3 +793,10 @@ def test_one_process_trains_a_bf16_model_on_float32_masters(tiny_model_dir, data
     assert main(["train", *overrides(tiny_model_dir, data_dir, out, **{**extra, "trainer.max_steps": 2})]) == 0
     assert "resumed from" in capsys.readouterr().out
     assert [r["step"] for r in records(out)] == [1, 2]
+    assert main(["export", str(out), str(tmp_path / "hf")]) == 0
+    from transformers import AutoModelForCausalLM
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    masters = torch.load(out / "checkpoints" / "step_00000002" / "model.pt", weights_only=True)
+    assert masters.keys() <= exported.keys()
+    for name, master in masters.items():
+        assert master.dtype == torch.float32 and torch.equal(exported[name], master.to(exported[name].dtype)), name

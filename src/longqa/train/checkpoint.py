@@ -246,11 +246,12 @@ def _prune(run_dir: Path, step: int, keep_last: int) -> None:
     _remove_hidden(checkpoints_dir(run_dir))
 
 
-def _state_dicts(model, optimizer):
-    """Name-keyed model and optimizer state dicts (shards when the model is sharded)."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+def _state_dicts(model, optimizer, *, full: bool = False):
+    """Name-keyed model and optimizer state dicts: each rank's shards, or with ``full`` whole plain tensors
+    (what one process writes, so that its files load into any model, sharded over a one-rank mesh or not)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    return get_state_dict(model, optimizer)
+    return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=full))
 
 
 def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Module,
@@ -278,7 +279,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Mo
     barrier()
     files = {}
     if engine is None:
-        model_state, optimizer_state = _state_dicts(model, optimizer)
+        model_state, optimizer_state = _state_dicts(model, optimizer, full=not sharded)
         if not sharded:
             files = {MODEL: _torch_file(model_state), OPTIMIZER: _torch_file(optimizer_state)}
     if scheduler is not None:
