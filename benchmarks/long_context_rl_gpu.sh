@@ -27,6 +27,8 @@
 #   LENGTHS ["512 1024 2048 4096"]  the context lengths, in tokens of the starting model's tokenizer
 #   SYNTH ["--max-hops 3"]  more `longqa data synth` flags, for both sets of questions
 #   SFT ["--lr 5e-4 --warmup-steps 50"]  more `longqa sft` flags
+#   RL_ROWS [600], SFT_ROWS [2000]  GRPO and supervised-training questions per task and length (135 of the
+#              GRPO questions per task are the held-out ones)
 # A real model: MODEL=$(python -c 'from longqa.model.load import smollm2_gguf_path; print(smollm2_gguf_path())')
 # CONFIG=configs/smollm2-long.yaml LENGTHS="1024 2048 4096 8192" SYNTH="--min-hops 3 --max-hops 4 --near-misses"
 # SFT="--lr 1e-4 --warmup-steps 50" trains SmolLM2-135M-Instruct on questions of up to 8,192 tokens.
@@ -62,9 +64,11 @@ if [ "${LONGQA_SMOKE:-0}" = 1 ]; then
                 trainer.test_freq=2 trainer.save_freq=2 algo.max_sampling_rounds=1
                 data.max_response_length=$response_limit)
 else
-    # 3 x 600 GRPO questions, 22.5% held out: 135 per task, 405 per length; 3 x 2,000 supervised-training
-    # questions at 4 lengths, 46M tokens: one to three passes in the supervised stage's minutes.
-    sft_rows=2000; rl_rows=600; rl_test=0.225; eval_batch=256
+    # 3 x RL_ROWS GRPO questions of which 135 per task are held out, 405 per length; 3 x SFT_ROWS
+    # supervised-training questions at every length (2,000: 46M tokens at 4 lengths up to 4,096, one to three
+    # passes of longqa-tiny in the supervised stage's minutes; a 135M model reads about a fifth of that).
+    sft_rows=${SFT_ROWS:-2000}; rl_rows=${RL_ROWS:-600}; eval_batch=256
+    rl_test=$(python -c "import sys; print(135 / int(sys.argv[1]))" "$rl_rows")
     sft_scale=()
     grpo_scale=()
 fi
