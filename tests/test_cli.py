@@ -93,6 +93,50 @@ def test_synth_by_length_then_eval_scores_each_length(tmp_path, capsys):
     assert "no prompt left: 2 rows read, 2 over --max-prompt-length=5" in capsys.readouterr().err
 
 
+def test_eval_answers_alike_from_the_fast_engine_and_from_generate(tmp_path, capsys):
+    """`--engine fast` (the rollout engine, the default on a GPU, where generate's padded batches of 8K-token
+    prompts run out of memory) gives generate's answers, a few prompts at a time as --batch-size says."""
+    data = tmp_path / "data"
+    assert main(["data", "synth", "--output-dir", str(data), "--rows-per-task", "4", "--context-lengths", "256",
+                 "512", "--max-hops", "3"]) == 0
+    answers = {}
+    for engine in ("fast", "hf"):
+        samples = tmp_path / f"{engine}.jsonl"
+        assert main(["eval", "--data", str(data / "merged" / "test.parquet"), "--max-new-tokens", "40",
+                     "--batch-size", "3", "--engine", engine, "--device", "cpu", "--samples", str(samples)]) == 0
+        answers[engine] = [(r["response"], r["score"]) for r in map(json.loads, samples.read_text().splitlines())]
+    capsys.readouterr()
+    assert len(answers["hf"]) == 6 and answers["fast"] == answers["hf"]
+    assert len({response for response, _ in answers["hf"]}) > 1  # answers that differ by question
+
+
+def test_eval_engine_auto_is_generate_on_a_cpu_and_fast_refuses_a_model_it_cannot_hold():
+    from transformers import MambaConfig, MambaForCausalLM
+
+    from longqa.config import ConfigError
+    from longqa.evaluate import answer_engine
+    from longqa.rollout.fast import FastRolloutEngine
+    from tiny_models import tiny_lm
+
+    mamba = MambaForCausalLM(MambaConfig(num_hidden_layers=1, hidden_size=16, state_size=4, vocab_size=64))
+    assert answer_engine(mamba, None, "auto") is None and answer_engine(mamba, None, "hf") is None
+    with pytest.raises(ConfigError, match="--engine fast cannot answer with this model .*linear_attention.*"
+                                          "--engine hf can"):
+        answer_engine(mamba, None, "fast")
+    assert answer_engine(tiny_lm(), None, "auto") is None  # a CPU model
+    engine = answer_engine(tiny_lm(), None, "fast", batch_size=5)
+    assert isinstance(engine, FastRolloutEngine) and engine.max_groups == 5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_eval_engine_auto_is_the_fast_engine_on_a_gpu():
+    from longqa.evaluate import answer_engine
+    from longqa.rollout.fast import FastRolloutEngine
+    from tiny_models import tiny_lm
+
+    assert isinstance(answer_engine(tiny_lm().cuda(), None, "auto"), FastRolloutEngine)
+
+
 @pytest.mark.parametrize("extra, complaint", [
     (["--longbench-scores", "preds", "--limit", "5", "--device", "cpu"],
      "--longbench-scores takes no --device, --limit: it scores the prediction files as they are"),

@@ -197,8 +197,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 # Options that an input of `longqa eval` has no use for, and why: given with it, they would do nothing.
 EVAL_UNUSED_OPTIONS = {
     "longbench": (("mode", "skip_bad_rows"), "LongBench's prediction files are scored with its own F1"),
-    "longbench_scores": (("model", "max_new_tokens", "max_prompt_length", "batch_size", "mode", "device", "output",
-                          "samples", "limit", "skip_bad_rows"),
+    "longbench_scores": (("model", "max_new_tokens", "max_prompt_length", "batch_size", "engine", "mode", "device",
+                          "output", "samples", "limit", "skip_bad_rows"),
                          "it scores the prediction files as they are and writes PRED_DIR/result.json"),
 }
 
@@ -220,7 +220,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     import json
 
     from longqa.data.prompts import PromptOptions, prepare_prompts
-    from longqa.evaluate import evaluate, format_groups, format_table, mode_reward
+    from longqa.evaluate import answer_engine, evaluate, format_groups, format_table, mode_reward
     from longqa.model.load import load_model, load_model_tokenizer, pick_device, position_limit_warning
 
     output = _writable(args.output, "--output") if args.output else None
@@ -237,7 +237,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
                                           "--max-prompt-length", "--max-new-tokens")):
         print(warning, file=sys.stderr)
     result = evaluate(model, tokenizer, prompts, args.max_new_tokens, args.batch_size, samples, mode_reward(mode),
-                      files=args.data)
+                      engine=answer_engine(model, tokenizer, args.engine, args.batch_size), files=args.data)
     print(format_table(result) + format_groups(result))
     if output is not None:
         output.parent.mkdir(parents=True, exist_ok=True)
@@ -254,6 +254,7 @@ def _eval_longbench(args: argparse.Namespace) -> None:
             raise ConfigError("--longbench needs --output: the folder for the prediction files and result.json")
         if args.max_prompt_length < 2:
             raise ConfigError(f"--max-prompt-length must be at least 2, got {args.max_prompt_length}")
+        from longqa.evaluate import answer_engine
         from longqa.model.load import load_model, pick_device
 
         _writable(args.output, "--output", folder=True)
@@ -263,7 +264,8 @@ def _eval_longbench(args: argparse.Namespace) -> None:
         examples = longbench.read_longbench(args.longbench, args.limit)  # before the weights: bad files fail fast
         model, tokenizer = load_model(args.model, device=device)
         done = longbench.predict(model, tokenizer, examples, args.output, args.max_new_tokens,
-                                 args.max_prompt_length, args.batch_size, args.samples)
+                                 args.max_prompt_length, args.batch_size, args.samples,
+                                 answer_engine(model, tokenizer, args.engine, args.batch_size))
         print(f"{done['rows']} rows answered in {done['seconds']:.1f}s; {done['truncated']} prompts over "
               f"--max-prompt-length={args.max_prompt_length} lost their middle")
         folder, datasets = args.output, list(examples)  # only what was just answered, not older files there
@@ -594,7 +596,11 @@ def _add_model_commands(groups: argparse._SubParsersAction) -> None:
     p.add_argument("--max-prompt-length", type=COUNT, default=16384,
                    help="most prompt tokens: a longer prompt is left out with --data, and loses its middle "
                    "with --longbench (as in LongBench)")
-    p.add_argument("--batch-size", type=COUNT, default=64)
+    p.add_argument("--batch-size", type=COUNT, default=64, help="most prompts answered at once")
+    p.add_argument("--engine", choices=("auto", "fast", "hf"), default="auto",
+                   help="what answers: the fast rollout engine (its KV cache sized from free GPU memory, prefill "
+                   "in chunks: long prompts in bounded memory), transformers' generate on padded batches (hf), "
+                   "or auto: fast on a GPU where it can hold the model, else hf")
     p.add_argument("--mode", choices=REWARD_MODES,
                    help="reward mode that decides accuracy (default: the environment's REWARD_CALC_TYPE when set, "
                    "else hardened)")

@@ -1,7 +1,11 @@
 """Greedy evaluation: answers for held-out prompts, scored per data source (hardened reward, EM, F1).
 
-Batched greedy decoding through transformers' ``generate`` with left padding: evaluation has one
-sample per prompt, so batching many prompts is what makes it fast, on a CPU as on a GPU.
+The answers come from one of two engines (``answer_engine``). On a GPU, the fast rollout engine the trainer
+samples with: its KV stores are sized from a memory budget and its prefill runs in chunks, so prompts of 8K or
+16K tokens are answered in the memory the model needs anyway, many at once. Elsewhere (or for a model it
+cannot hold), batched greedy decoding through transformers' ``generate`` with left padding: evaluation has
+one sample per prompt, so batching many prompts is what makes it fast on a CPU; its memory grows with the
+batch times the longest prompt (``--batch-size`` bounds it).
 
 Rows whose ``extra_info`` names their target context length or hop count (``longqa data synth
 --context-lengths`` writes both) are also scored per length and per hop count, beside the per-source
@@ -81,6 +85,28 @@ def engine_greedy_responses(engine, tokenizer, prompts: Sequence[Sequence[int]],
     # Greedy needs no randomness: fixed seeds leave the global generator (the training run's) untouched.
     groups = engine.generate([list(p) for p in prompts], params, seeds=[0] * len(prompts))
     return [tokenizer.decode(group[0].token_ids, skip_special_tokens=True) for group in groups]
+
+
+def answer_engine(model, tokenizer, choice: str = "auto", batch_size: int = 64):
+    """The fast engine that answers for ``model`` (at most ``batch_size`` prompts at once), or ``None`` where
+    transformers' ``generate`` on the model itself does. ``choice``: ``fast``, ``hf``, or ``auto``: the fast
+    engine on a GPU where it can hold the model, ``generate`` on a CPU (where its padded batches of short
+    prompts are as quick) and for a model the engine cannot hold."""
+    from longqa.model.attention_spec import UnsupportedModelError
+    from longqa.rollout.fast import FastRolloutEngine
+
+    if choice not in ("auto", "fast", "hf"):
+        raise ValueError(f"engine must be auto, fast or hf, got {choice!r}")
+    if choice == "hf" or (choice == "auto" and next(model.parameters()).device.type != "cuda"):
+        return None
+    try:
+        return FastRolloutEngine(model, tokenizer, max_groups=batch_size)
+    except UnsupportedModelError as e:
+        if choice == "fast":
+            from longqa.config import ConfigError
+
+            raise ConfigError(f"--engine fast cannot answer with this model ({e}); --engine hf can") from None
+        return None
 
 
 def guess_baseline(extra_info: dict) -> float | None:

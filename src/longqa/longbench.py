@@ -150,16 +150,19 @@ def write_predictions(out_dir: str | os.PathLike, dataset: str, examples: list[d
 
 
 def predict(model, tokenizer, examples: dict[str, list[dict]], out_dir: str | os.PathLike, max_new_tokens: int,
-            max_prompt_length: int, batch_size: int = 64, samples_path: str | os.PathLike | None = None) -> dict:
+            max_prompt_length: int, batch_size: int = 64, samples_path: str | os.PathLike | None = None,
+            engine=None) -> dict:
     """Greedy answers to every example, written as LongBench prediction files (one per dataset), and
-    optionally every full response as JSONL; returns rows, truncated prompts and seconds."""
-    from longqa.evaluate import greedy_responses
+    optionally every full response as JSONL; returns rows, truncated prompts and seconds. ``engine``: a rollout
+    engine that answers instead of ``model``'s ``generate`` (``evaluate.answer_engine``)."""
+    from longqa.evaluate import engine_greedy_responses, greedy_responses
 
     start = time.perf_counter()
     order = [(dataset, example) for dataset, rows in examples.items() for example in rows]
     ids, truncated = prompt_ids([to_row(d, e) for d, e in order], tokenizer, max_prompt_length)
     # All sets in one call: batches group similar lengths across sets, which pads less.
-    responses = greedy_responses(model, tokenizer, ids, max_new_tokens, batch_size)
+    responses = (engine_greedy_responses(engine, tokenizer, ids, max_new_tokens) if engine is not None else
+                 greedy_responses(model, tokenizer, ids, max_new_tokens, batch_size))
     start_of = 0
     for dataset, rows in examples.items():
         answers = [prediction(r) for r in responses[start_of:start_of + len(rows)]]
