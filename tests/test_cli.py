@@ -1,5 +1,7 @@
 import json
 import re
+import subprocess
+import sys
 
 import pyarrow.parquet as pq
 import pytest
@@ -91,6 +93,15 @@ def test_synth_by_length_then_eval_scores_each_length(tmp_path, capsys):
     assert all(set(r) >= {"index", "score", "reason", "em", "f1", "answer", "response"} for r in rows)
     assert main(["eval", "--data", str(files[0]), "--max-prompt-length", "5", "--device", "cpu"]) == 2
     assert "no prompt left: 2 rows read, 2 over --max-prompt-length=5" in capsys.readouterr().err
+
+
+def test_help_and_parsing_do_not_load_torch():
+    """`longqa --help` and a command's parsing answer at once: torch and transformers load only for the work."""
+    code = ("import sys; from longqa.cli import build_parser, parse_args; build_parser(); "
+            "parse_args(['bench', 'step', '--speculative', 'prompt_lookup']); "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
 
 
 def test_eval_answers_alike_from_the_fast_engine_and_from_generate(tmp_path, capsys):

@@ -650,12 +650,17 @@ def _add_bench_args(p: argparse.ArgumentParser, func) -> None:
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     """The fast engine's decode-step choices, and the responses' lengths, for the benches that sample."""
+    from typing import get_args, get_type_hints
+
+    from longqa.config_schema import RolloutConfig
     from longqa.lengths import LENGTH_KINDS
-    from longqa.rollout.speculative import METHODS as SPECULATIVE_METHODS
+
+    # rollout.speculative's methods, read from the schema: the engine's module would load torch for --help
+    methods = [m for m in get_args(get_type_hints(RolloutConfig)["speculative"]) if m != "off"]
 
     p.add_argument("--decode-kernel", choices=["bmm", "triton"], help="fast engine decode attention")
     p.add_argument("--no-fused-decode", action="store_true", help="decode through the model's own modules")
-    p.add_argument("--speculative", choices=SPECULATIVE_METHODS,
+    p.add_argument("--speculative", choices=methods,
                    help="fast engine speculative decoding (drafts from each sample's own text, verified in the "
                    "step; random prompts and weights give no right drafts, so a step then measures the cost of "
                    "verifying k+1 tokens per sample)")
