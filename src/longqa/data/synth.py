@@ -196,6 +196,25 @@ def approx_tokens(text: str) -> int:
     return len(_PIECES.findall(text))
 
 
+# GGUF files' tokenizers as tokenizer.json text, by resolved path: reading one from its GGUF takes seconds (the
+# file's whole metadata is parsed), so the text read once goes to every worker process with its jobs.
+_GGUF_TOKENIZERS: dict[str, str] = {}
+
+
+def _gguf_tokenizer_json(path: Path) -> str:
+    key = str(path.resolve())
+    if key not in _GGUF_TOKENIZERS:
+        from longqa.model.tokenizer import load_tokenizer
+
+        _GGUF_TOKENIZERS[key] = load_tokenizer(str(path.parent), gguf_file=path.name).backend_tokenizer.to_str()
+    return _GGUF_TOKENIZERS[key]
+
+
+def _know_gguf_tokenizers(known: dict[str, str]) -> None:
+    """A worker process's start: the GGUF tokenizers its parent has read."""
+    _GGUF_TOKENIZERS.update(known)
+
+
 @functools.lru_cache(maxsize=4)
 def token_counter(tokenizer: str | None = None) -> Callable[[str], int]:
     """A function counting the tokens of a text: ``approx_tokens``, or a Hugging Face tokenizer's count.
@@ -209,9 +228,9 @@ def token_counter(tokenizer: str | None = None) -> Callable[[str], int]:
         return approx_tokens
     path = Path(tokenizer)
     if path.suffix == ".gguf" and path.is_file():
-        from longqa.model.tokenizer import load_tokenizer
+        from tokenizers import Tokenizer
 
-        backend = load_tokenizer(str(path.parent), gguf_file=path.name).backend_tokenizer
+        backend = Tokenizer.from_str(_gguf_tokenizer_json(path))
         return lambda text: len(backend.encode(text, add_special_tokens=False).ids)
     json_file = path if path.is_file() else path / "tokenizer.json"
     try:
@@ -1073,7 +1092,8 @@ def _make_rows(jobs: list[tuple[str, int]], config: SynthConfig, workers: int,
         return [make(job) for job in jobs]
     # Workers are started fresh ("spawn"), not forked: a fork copies whatever locks the parent's other threads (a
     # tokenizer's, an I/O library's, a test runner's) hold at that moment, and a child that needs one waits forever.
-    with multiprocessing.get_context("spawn").Pool(min(workers, os.cpu_count() or 1, len(jobs))) as pool:
+    with multiprocessing.get_context("spawn").Pool(min(workers, os.cpu_count() or 1, len(jobs)),
+                                                   _know_gguf_tokenizers, (dict(_GGUF_TOKENIZERS),)) as pool:
         return pool.map(make, jobs, chunksize=max(1, len(jobs) // (workers * 16)))
 
 
