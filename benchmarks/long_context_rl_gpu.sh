@@ -30,8 +30,9 @@
 #   RL_ROWS [600], SFT_ROWS [2000]  GRPO and supervised-training questions per task and length (135 of the
 #              GRPO questions per task are the held-out ones)
 # A real model: MODEL=$(python -c 'from longqa.model.load import smollm2_gguf_path; print(smollm2_gguf_path())')
-# CONFIG=configs/smollm2-long.yaml LENGTHS="1024 2048 4096 8192" SYNTH="--min-hops 3 --max-hops 4 --near-misses"
-# SFT="--lr 1e-4 --warmup-steps 50" trains SmolLM2-135M-Instruct on questions of up to 8,192 tokens.
+# CONFIG=configs/smollm2-long.yaml LENGTHS="1024 2048 4096 8192" SYNTH="--min-hops 3 --max-hops 4 --near-misses
+# --keychain" SFT="--lr 1e-4 --warmup-steps 50 --batch-tokens 16384" RL_ROWS=400 SFT_ROWS=300 trains
+# SmolLM2-135M-Instruct on questions of up to 8,192 tokens (benchmarks/RESULTS.md, "A real model").
 # With LONGQA_FROM=<an earlier OUT_DIR> the data, the supervised model and their evaluations are that run's
 # (linked, not copied) and only GRPO, its evaluation and the summary run: another GRPO setting from the same
 # start, about 4 minutes sooner (MINUTES_SFT is then ignored).
