@@ -27,7 +27,7 @@ from longqa.config import ConfigError
 from longqa.data.io import DataFileError, iter_rows
 from longqa.data.prompts import PromptOptions, PromptSet, prepare_prompts
 from longqa.distributed.planner import ModelSizes, check_sft
-from longqa.evaluate import evaluate, format_table
+from longqa.evaluate import answer_engine, evaluate, format_table
 from longqa.model.load import (load_model, load_model_config, load_model_tokenizer, pick_device, qwen3_config,
                                raise_position_limit, set_max_positions)
 from longqa.model.logprobs import token_logprobs
@@ -38,6 +38,7 @@ END_OF_TURN = "<|im_end|>"
 
 
 THINK_BLOCK = re.compile(r"<think>.*?</think>", re.DOTALL)
+EVAL_BATCH = 256  # held-out prompts answered at once
 
 
 def without_thinking(response: str) -> str:
@@ -223,8 +224,14 @@ def run_sft(options: SFTOptions, command: str = "") -> dict:
     log, step, epoch, tokens_seen = [], 0, 0, 0
     train_start = time.perf_counter()
 
+    # On a GPU the answers come from the fast engine, as in `longqa eval`: generate's padded batches of long
+    # prompts outgrow the memory training leaves. Its KV cache is freed after each evaluation, for training.
+    engine = answer_engine(model, tokenizer, "auto", EVAL_BATCH) if held_out is not None else None
+
     def run_eval() -> dict:
-        result = evaluate(model, tokenizer, held_out, max_new_tokens=max_new, batch_size=256)
+        result = evaluate(model, tokenizer, held_out, max_new_tokens=max_new, batch_size=EVAL_BATCH, engine=engine)
+        if engine is not None:
+            engine.release()
         entry = {"step": step, "minutes": round((time.perf_counter() - train_start) / 60, 2), **result["all"]}
         log.append(entry)
         print(json.dumps(entry), flush=True)
