@@ -53,6 +53,7 @@ import torch.nn.functional as F
 
 from longqa.compile_cache import use_user_cache
 from longqa.distributed.gather import full_parameters
+from longqa.distributed.planner import ENGINE_KV_SHARE
 from longqa.model.attention import NO_MASK, masked_attention, use_longqa_attention
 from longqa.model.attention_spec import AttentionSpec, UnsupportedModelError
 from longqa.rollout.decode_kernel import shared_prefix_attention
@@ -371,7 +372,7 @@ class FastRolloutEngine(RolloutEngine):
                  sync_every: int = 16, cuda_graphs: bool = True, max_groups: int | None = None, dtype=None,
                  own_copy: bool = False, fused_decode: bool | None = None, decode_kernel: str = "auto",
                  speculative: str | None = None, num_speculative_tokens: int = 4, prompt_lookup_min: int = 2,
-                 prompt_lookup_max: int = 8, kv_share: float = 0.4):
+                 prompt_lookup_max: int = 8, kv_share: float = ENGINE_KV_SHARE):
         self.source, self.tokenizer = model, tokenizer
         self.model = model
         if own_copy or (dtype is not None and dtype != next(model.parameters()).dtype):
