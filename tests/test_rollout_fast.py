@@ -309,19 +309,3 @@ def test_the_kv_budget_is_the_engine_s_share_of_the_free_gpu_memory(monkeypatch,
     assert engine._budget() == int(kv_share * (10 << 30))
     assert FastRolloutEngine(tiny_lm("llama"), kv_cache_bytes=123, kv_share=kv_share)._budget() == 123
 
-
-def test_released_stores_are_made_again_and_sample_the_updated_weights():
-    """`release` frees the KV stores between calls (`longqa sft` trains in that memory); the next call makes
-    them again and samples the model as it is then, greedy as transformers' generate."""
-    model = tiny_lm()
-    engine = FastRolloutEngine(model, max_groups=2, sync_every=3)
-    params = SamplingParams(n=1, temperature=0, max_new_tokens=8, stop_token_ids=(STOP,))
-    engine.generate(prompts(), params)
-    engine.release()
-    assert engine.kv is None and engine.state is None and not engine.graphs
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    for prompt, group in zip(prompts(), engine.generate(prompts(), params)):
-        assert group[0].token_ids == hf_greedy(model, prompt, 8)
-    assert engine.kv is not None

@@ -224,14 +224,15 @@ def run_sft(options: SFTOptions, command: str = "") -> dict:
     log, step, epoch, tokens_seen = [], 0, 0, 0
     train_start = time.perf_counter()
 
-    # On a GPU the answers come from the fast engine, as in `longqa eval`: generate's padded batches of long
-    # prompts outgrow the memory training leaves. Its KV cache is freed after each evaluation, for training.
-    engine = answer_engine(model, tokenizer, "auto", EVAL_BATCH) if held_out is not None else None
-
     def run_eval() -> dict:
+        # On a GPU the answers come from the fast engine, as in `longqa eval`: generate's padded batches of long
+        # prompts outgrow the memory training leaves. The engine (its KV cache, its stacked copies of the
+        # projections) lives for this evaluation only: the memory check planned training without it.
+        engine = answer_engine(model, tokenizer, "auto", EVAL_BATCH)
         result = evaluate(model, tokenizer, held_out, max_new_tokens=max_new, batch_size=EVAL_BATCH, engine=engine)
-        if engine is not None:
-            engine.release()
+        del engine
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         entry = {"step": step, "minutes": round((time.perf_counter() - train_start) / 60, 2), **result["all"]}
         log.append(entry)
         print(json.dumps(entry), flush=True)

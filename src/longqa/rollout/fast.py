@@ -434,13 +434,6 @@ class FastRolloutEngine(RolloutEngine):
 
     # --------------------------------------------------------------------------------------- memory
 
-    def release(self) -> None:
-        """Free the KV stores and the decode-step graphs that point at them; the next ``generate`` makes them
-        again. For a caller whose other work needs that memory between calls (``longqa sft``'s evaluations)."""
-        self.kv, self.state, self.graphs, self.stop_ids = None, None, {}, {}
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-
     def _budget(self) -> int:
         if self.kv_cache_bytes is not None:
             return int(self.kv_cache_bytes)
