@@ -328,6 +328,21 @@ def records(out) -> list[dict]:
 
 @needs_vllm
 @pytest.mark.vllm
+def test_prompts_and_responses_past_the_model_s_positions_are_refused_before_loading(model_dir, data_dir, tmp_path,
+                                                                                     capsys):
+    """vLLM's max_model_len stops at the model's position limit (the fast engine runs a plain-RoPE model past it,
+    with a warning): a run that needs more is refused in one line, naming the settings, before any weight loads."""
+    from longqa.cli import main
+
+    out = tmp_path / "run"
+    assert main(["train", *train_args(model_dir, data_dir, out, **{"data.max_response_length": 1000})]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "past the model's 1024, and rollout.engine=vllm samples none past them" in err
+    assert "data.max_prompt_length" in err and "data.max_response_length" in err and not out.exists()
+
+
+@needs_vllm
+@pytest.mark.vllm
 def test_a_short_grpo_run_on_the_vllm_backend(model_dir, data_dir, tmp_path):
     """``longqa train rollout.engine=vllm`` end to end: sampling, updates with a sync after each,
     validation, checkpoints, resume (which syncs the restored weights), the report."""

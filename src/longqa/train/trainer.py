@@ -311,9 +311,15 @@ class Trainer:
         self.train_set, self.val_set = load_prompts(cfg, self.tokenizer, say=self._say)
         self.val_suffixes = lost_row_suffixes(self.val_set) if self.val_set is not None else {}  # (fixed for the run)
         longest = max(int(p.lengths.max(initial=0)) for p in (self.train_set, self.val_set) if p is not None)
-        if (warning := position_limit_warning(load_model_config(m.path, m.gguf_file), longest,
-                                              cfg.data.max_response_length, "data.max_prompt_length",
-                                              "data.max_response_length")):
+        model_config = load_model_config(m.path, m.gguf_file)
+        if (warning := position_limit_warning(model_config, longest, cfg.data.max_response_length,
+                                              "data.max_prompt_length", "data.max_response_length")):
+            if cfg.rollout.engine == "vllm":  # its max_model_len stops at the model's limit
+                raise ConfigError(f"prompts of up to {longest} tokens and responses of up to "
+                                  f"{cfg.data.max_response_length} need {longest + cfg.data.max_response_length} "
+                                  f"positions, past the model's {model_config.max_position_embeddings}, and "
+                                  f"rollout.engine=vllm samples none past them: lower data.max_prompt_length or "
+                                  f"data.max_response_length, or sample with rollout.engine=fast")
             self._say(warning)
         self.model, _ = load_model(m.path, gguf_file=m.gguf_file, dtype=m.dtype, attn_implementation=m.attn_implementation,
                                    gradient_checkpointing=m.gradient_checkpointing,
