@@ -338,7 +338,8 @@ def test_prompts_and_responses_past_the_model_s_positions_are_refused_before_loa
     assert main(["train", *train_args(model_dir, data_dir, out, **{"data.max_response_length": 1000})]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and "past the model's 1024, and rollout.engine=vllm samples none past them" in err
-    assert "data.max_prompt_length" in err and "data.max_response_length" in err and not out.exists()
+    assert "data.max_prompt_length" in err and "data.max_response_length" in err
+    assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists()
 
 
 @needs_vllm
