@@ -101,3 +101,30 @@ def test_a_reward_function_decides_accuracy_and_its_failures_are_counted(tokeniz
     assert result["all"]["accuracy"] == pytest.approx(0.5 / 3) and result["all"]["em"] == pytest.approx(1 / 3)
     assert result["reward_errors"] == 1
     assert evaluate(None, tokenizer, prompts, 8, engine=Echo())["all"]["accuracy"] == pytest.approx(1 / 3)
+
+
+def test_generate_batches_stay_within_their_attention_mask_budget(tokenizer):
+    """transformers' generate builds a rows x length x length mask for a padded batch (256 MiB a row at 8K tokens):
+    long prompts go in smaller batches, one at a time at worst, with the answers each prompt gets alone."""
+    import torch
+
+    from longqa.evaluate import greedy_responses
+    from tiny_models import tiny_lm
+
+    model = tiny_lm()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(6, 60, (n,), generator=g).tolist() for n in (40, 12, 90, 33, 64, 20, 75)]
+    budget = 4 * 64 * 64 * 2  # two rows of 64 tokens
+    shapes = []
+    generate = model.generate
+
+    def spy(**kwargs):
+        shapes.append(tuple(kwargs["input_ids"].shape))
+        return generate(**kwargs)
+
+    model.generate = spy
+    batched = greedy_responses(model, tokenizer, prompts, 6, batch_size=3, mask_bytes=budget)
+    assert sum(rows for rows, _ in shapes) == len(prompts)
+    assert all(rows <= 3 and (rows == 1 or 4 * rows * width * width <= budget) for rows, width in shapes)
+    assert shapes == [(3, 33), (2, 64), (1, 75), (1, 90)]  # short prompts three at a time, the longest alone
+    assert batched == [greedy_responses(model, tokenizer, [p], 6)[0] for p in prompts]

@@ -4,8 +4,8 @@ The answers come from one of two engines (``answer_engine``). On a GPU, the fast
 samples with: its KV stores are sized from a memory budget and its prefill runs in chunks, so prompts of 8K or
 16K tokens are answered in the memory the model needs anyway, many at once. Elsewhere (or for a model it
 cannot hold), batched greedy decoding through transformers' ``generate`` with left padding: evaluation has
-one sample per prompt, so batching many prompts is what makes it fast on a CPU; its memory grows with the
-batch times the longest prompt (``--batch-size`` bounds it).
+one sample per prompt, so batching many prompts is what makes it fast on a CPU; batches of long prompts are
+cut to fewer rows so that generate's rows x length x length attention mask stays within 2 GiB.
 
 Rows whose ``extra_info`` names their target context length or hop count (``longqa data synth
 --context-lengths`` writes both) are also scored per length and per hop count, beside the per-source
@@ -47,10 +47,16 @@ def stop_token_ids(tokenizer) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
+# transformers' generate on a left-padded batch builds a float attention mask of rows x length x length: 256 MiB a
+# row at 8K tokens, 1 GiB at 16K. A batch holds at most this much of it (and at least one row).
+GENERATE_MASK_BYTES = 2 << 30
+
+
 @torch.inference_mode()
 def greedy_responses(model, tokenizer, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                     batch_size: int = 64) -> list[str]:
-    """Greedy responses in prompt order, batched by similar lengths (less padding)."""
+                     batch_size: int = 64, mask_bytes: int = GENERATE_MASK_BYTES) -> list[str]:
+    """Greedy responses in prompt order, batched by similar lengths (less padding), at most ``batch_size``
+    prompts a batch and fewer where their attention mask would pass ``mask_bytes``."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -58,8 +64,13 @@ def greedy_responses(model, tokenizer, prompts: Sequence[Sequence[int]], max_new
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     texts: list[str] = [""] * len(prompts)
-    for start in range(0, len(order), batch_size):
-        chunk = order[start:start + batch_size]
+    start = 0
+    while start < len(order):
+        end = start + 1  # the batch grows while its prefill's mask (rows x width x width floats) fits
+        while (end < min(start + batch_size, len(order))
+               and 4 * (end + 1 - start) * len(prompts[order[end]]) ** 2 <= mask_bytes):
+            end += 1
+        chunk, start = order[start:end], end
         width = max(len(prompts[i]) for i in chunk)
         ids = torch.full((len(chunk), width), pad, dtype=torch.long)
         mask = torch.zeros((len(chunk), width), dtype=torch.long)
