@@ -308,4 +308,3 @@ def test_the_kv_budget_is_the_engine_s_share_of_the_free_gpu_memory(monkeypatch,
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 << 30, 80 << 30))
     assert engine._budget() == int(kv_share * (10 << 30))
     assert FastRolloutEngine(tiny_lm("llama"), kv_cache_bytes=123, kv_share=kv_share)._budget() == 123
-
