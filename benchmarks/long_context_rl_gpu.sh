@@ -35,7 +35,8 @@
 # SmolLM2-135M-Instruct on questions of up to 8,192 tokens (benchmarks/RESULTS.md, "A real model").
 # With LONGQA_FROM=<an earlier OUT_DIR> the data, the supervised model and their evaluations are that run's
 # (linked, not copied) and only GRPO, its evaluation and the summary run: another GRPO setting from the same
-# start, about 4 minutes sooner (MINUTES_SFT is then ignored).
+# start, about 4 minutes sooner. With MINUTES_SFT=0 as well, only the data and the starting model's
+# evaluation are that run's, and GRPO starts from MODEL itself: both starts on the same questions.
 # With STOP_AFTER=eval_sft the run ends after the supervised model's evaluation (a summary of the two models
 # evaluated is still written): a question setting's difficulty, without the GRPO stage.
 # With LONGQA_SMOKE=1 every stage runs at a tiny scale (two context lengths, a few questions, two steps of
@@ -126,7 +127,7 @@ summarize() {
 
 model=${MODEL:-$(python -c "from longqa.model.load import EMBEDDED_MODEL; print(EMBEDDED_MODEL)")}
 grpo_from=$out/sft  # the model GRPO starts from
-[ "$minutes" = 0 ] && [ -z "${LONGQA_FROM:-}" ] && grpo_from=$model
+[ "$minutes" = 0 ] && grpo_from=$model
 # The supervised model holds a whole prompt and response of the config's limits (rounded up to 512 positions),
 # and never fewer positions than the starting model had.
 positions=$(python -c "import sys; from longqa.model.load import load_model_config
@@ -134,11 +135,13 @@ need = -(-(int(sys.argv[2]) + int(sys.argv[3])) // 512) * 512
 print(max(need, load_model_config(sys.argv[1]).max_position_embeddings))" "$model" $prompt_limit $response_limit)
 if [ -n "${LONGQA_FROM:-}" ]; then
     from=$(cd "$LONGQA_FROM" && pwd)
-    for part in data sft eval_start.json eval_start.jsonl eval_sft.json eval_sft.jsonl; do
+    parts=(data eval_start.json eval_start.jsonl)
+    [ "$minutes" = 0 ] || parts+=(sft eval_sft.json eval_sft.jsonl)
+    for part in "${parts[@]}"; do
         [ -e "$from/$part" ] || { echo "LONGQA_FROM=$LONGQA_FROM has no $part: give a finished run's OUT_DIR" >&2; exit 2; }
         ln -s "$from/$part" "$out/$part"
     done
-    echo "data, supervised model and their evaluations from $from"
+    echo "${parts[*]} from $from"
 elif [ "$minutes" = 0 ]; then  # GRPO from the starting model itself
     timed data make_data
     timed eval_start evaluate "$model" "$out/eval_start.json"

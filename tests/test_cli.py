@@ -121,6 +121,47 @@ def test_eval_answers_alike_from_the_fast_engine_and_from_generate(tmp_path, cap
     assert len({response for response, _ in answers["hf"]}) > 1  # answers that differ by question
 
 
+def test_eval_answers_in_the_type_asked_and_says_which(tmp_path, capsys):
+    """`--dtype bfloat16` answers as transformers' greedy `generate` does with the model loaded in bfloat16, auto
+    as float32 does on the CPU (on a GPU auto is bfloat16: float32 answers took more than twice as long there),
+    and the scores say which type answered."""
+    from transformers import AutoModelForCausalLM
+
+    from longqa.data.prompts import PromptOptions, prepare_prompts
+    from longqa.model.load import answer_dtype
+    from longqa.model.load import EMBEDDED_MODEL as model_dir
+    from longqa.model.load import load_model_tokenizer
+
+    data = tmp_path / "data"
+    assert main(["data", "synth", "--output-dir", str(data), "--rows-per-task", "8", "--tasks", "hotpotqa",
+                 "--context-lengths", "256", "--test-ratio", "0.5"]) == 0
+    test = data / "merged" / "test.parquet"
+    scores, responses = tmp_path / "scores.json", {}
+    for dtype in ("bfloat16", "auto"):
+        samples = tmp_path / f"{dtype}.jsonl"
+        assert main(["eval", "--model", str(model_dir), "--data", str(test), "--max-new-tokens", "24",
+                     "--engine", "hf", "--device", "cpu", "--dtype", dtype, "--output", str(scores),
+                     "--samples", str(samples)]) == 0
+        assert json.loads(scores.read_text())["dtype"] == {"bfloat16": "bfloat16", "auto": "float32"}[dtype]
+        responses[dtype] = [json.loads(line)["response"] for line in samples.read_text().splitlines()]
+    capsys.readouterr()
+
+    expected = {}
+    tokenizer = load_model_tokenizer(model_dir)
+    prompts = prepare_prompts([str(test)], tokenizer, PromptOptions(16384))
+    for dtype in (torch.bfloat16, torch.float32):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        expected[dtype] = []
+        for ids in map(prompts.ids, range(len(prompts))):
+            out = model.generate(torch.tensor([ids.tolist()]), do_sample=False, max_new_tokens=24,
+                                 eos_token_id=model.config.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+            expected[dtype].append(tokenizer.decode(out[0, len(ids):], skip_special_tokens=True))
+    assert len(responses["bfloat16"]) == 4 and responses["bfloat16"] == expected[torch.bfloat16]
+    assert responses["auto"] == expected[torch.float32]
+    assert [answer_dtype("auto", "cuda"), answer_dtype("auto", "cuda:1"), answer_dtype("float16", "cpu")] == [
+        "bfloat16", "bfloat16", "float16"]
+
+
 def test_eval_engine_auto_is_generate_on_a_cpu_and_fast_refuses_a_model_it_cannot_hold():
     from transformers import MambaConfig, MambaForCausalLM
 
@@ -137,6 +178,9 @@ def test_eval_engine_auto_is_generate_on_a_cpu_and_fast_refuses_a_model_it_canno
     assert answer_engine(tiny_lm(), None, "auto") is None  # a CPU model
     engine = answer_engine(tiny_lm(), None, "fast", batch_size=5)
     assert isinstance(engine, FastRolloutEngine) and engine.max_groups == 5
+    model = tiny_lm()  # sft's evaluations on a GPU: the engine answers from a bfloat16 copy, training keeps float32
+    engine = answer_engine(model, None, "fast", dtype=torch.bfloat16)
+    assert engine.dtype == torch.bfloat16 and next(model.parameters()).dtype == torch.float32
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

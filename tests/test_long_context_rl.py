@@ -110,14 +110,20 @@ def test_the_script_runs_every_stage_at_a_tiny_scale(tmp_path):
     assert [row["sft"] for row in again_summary["by_length"]] == [row["sft"] for row in summary["by_length"]]
     assert set(again_summary["timings_s"]) == {"grpo", "eval_grpo"}
 
-    direct = tmp_path / "direct"  # MINUTES_SFT=0: GRPO from the starting model itself
-    done = subprocess.run(["bash", str(SCRIPT), str(direct), "0"], env={**os.environ, "LONGQA_SMOKE": "1"},
+    direct = tmp_path / "direct"  # MINUTES_SFT=0: GRPO from the starting model itself, on the same questions
+    done = subprocess.run(["bash", str(SCRIPT), str(direct), "0"],
+                          env={**os.environ, "LONGQA_SMOKE": "1", "LONGQA_FROM": str(out)},
                           capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert not (direct / "sft").exists() and "== sft:" not in done.stdout
+    assert (direct / "data").resolve() == (out / "data").resolve()
+    from longqa.model.load import EMBEDDED_MODEL
+    last = sorted((direct / "grpo/checkpoints").glob("step_*"))[-1]
+    assert json.loads((last / "trainer_state.json").read_text())["config"]["model"]["path"] == str(EMBEDDED_MODEL)
     direct_summary = json.loads((direct / "summary.json").read_text())
     assert set(direct_summary["all"]) == {"n", "start", "grpo", "gain"}
-    assert set(direct_summary["timings_s"]) == {"data", "eval_start", "grpo", "eval_grpo"}
+    assert direct_summary["all"]["start"] == summary["all"]["start"]
+    assert set(direct_summary["timings_s"]) == {"grpo", "eval_grpo"}
     assert direct_summary["all"]["gain"] == pytest.approx(direct_summary["all"]["grpo"] - direct_summary["all"]["start"])
 
 

@@ -198,7 +198,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 EVAL_UNUSED_OPTIONS = {
     "longbench": (("mode", "skip_bad_rows"), "LongBench's prediction files are scored with its own F1"),
     "longbench_scores": (("model", "max_new_tokens", "max_prompt_length", "batch_size", "engine", "mode", "device",
-                          "output", "samples", "limit", "skip_bad_rows"),
+                          "dtype", "output", "samples", "limit", "skip_bad_rows"),
                          "it scores the prediction files as they are and writes PRED_DIR/result.json"),
 }
 
@@ -221,7 +221,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
     from longqa.data.prompts import PromptOptions, prepare_prompts
     from longqa.evaluate import answer_engine, evaluate, format_groups, format_table, mode_reward
-    from longqa.model.load import load_model, load_model_tokenizer, pick_device, position_limit_warning
+    from longqa.model.load import answer_dtype, load_model, load_model_tokenizer, pick_device, position_limit_warning
 
     output = _writable(args.output, "--output") if args.output else None
     samples = _writable(args.samples, "--samples") if args.samples else None
@@ -232,12 +232,14 @@ def cmd_eval(args: argparse.Namespace) -> None:
                               length_setting="--max-prompt-length", skip_setting="--skip-bad-rows")
     if args.limit is not None:
         prompts = prompts.first_of_each_file(args.limit)
-    model, tokenizer = load_model(args.model, device=device, tokenizer=tokenizer)
+    dtype = answer_dtype(args.dtype, device)
+    model, tokenizer = load_model(args.model, device=device, tokenizer=tokenizer, dtype=dtype)
     if (warning := position_limit_warning(model.config, int(prompts.lengths.max(initial=0)), args.max_new_tokens,
                                           "--max-prompt-length", "--max-new-tokens")):
         print(warning, file=sys.stderr)
     result = evaluate(model, tokenizer, prompts, args.max_new_tokens, args.batch_size, samples, mode_reward(mode),
                       engine=answer_engine(model, tokenizer, args.engine, args.batch_size), files=args.data)
+    result["dtype"] = dtype
     print(format_table(result) + format_groups(result))
     if output is not None:
         output.parent.mkdir(parents=True, exist_ok=True)
@@ -255,14 +257,14 @@ def _eval_longbench(args: argparse.Namespace) -> None:
         if args.max_prompt_length < 2:
             raise ConfigError(f"--max-prompt-length must be at least 2, got {args.max_prompt_length}")
         from longqa.evaluate import answer_engine
-        from longqa.model.load import load_model, pick_device
+        from longqa.model.load import answer_dtype, load_model, pick_device
 
         _writable(args.output, "--output", folder=True)
         if args.samples:
             _writable(args.samples, "--samples")
         device = pick_device(args.device, "--device")
         examples = longbench.read_longbench(args.longbench, args.limit)  # before the weights: bad files fail fast
-        model, tokenizer = load_model(args.model, device=device)
+        model, tokenizer = load_model(args.model, device=device, dtype=answer_dtype(args.dtype, device))
         done = longbench.predict(model, tokenizer, examples, args.output, args.max_new_tokens,
                                  args.max_prompt_length, args.batch_size, args.samples,
                                  answer_engine(model, tokenizer, args.engine, args.batch_size))
@@ -607,6 +609,9 @@ def _add_model_commands(groups: argparse._SubParsersAction) -> None:
     p.add_argument("--skip-bad-rows", action="store_true",
                    help="skip and count rows that break verl's schema instead of stopping at the first")
     p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="the weights' and activations' type while answering; auto: bfloat16 on a GPU (as training "
+                   "there computes), float32 on the CPU")
     p.add_argument("--output", help="write the scores as JSON here (with --longbench: the folder for the "
                    "prediction files and result.json)")
     p.add_argument("--samples", help="write every answer as JSONL here")

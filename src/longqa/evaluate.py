@@ -98,11 +98,12 @@ def engine_greedy_responses(engine, tokenizer, prompts: Sequence[Sequence[int]],
     return [tokenizer.decode(group[0].token_ids, skip_special_tokens=True) for group in groups]
 
 
-def answer_engine(model, tokenizer, choice: str = "auto", batch_size: int = 64):
+def answer_engine(model, tokenizer, choice: str = "auto", batch_size: int = 64, dtype: torch.dtype | None = None):
     """The fast engine that answers for ``model`` (at most ``batch_size`` prompts at once), or ``None`` where
     transformers' ``generate`` on the model itself does. ``choice``: ``fast``, ``hf``, or ``auto``: the fast
     engine on a GPU where it can hold the model, ``generate`` on a CPU (quicker there: 37 s against 49 s for the
-    embedded model's answers to 60 questions of 512-1,024 tokens) and for a model the engine cannot hold."""
+    embedded model's answers to 60 questions of 512-1,024 tokens) and for a model the engine cannot hold.
+    ``dtype``, when it differs from the model's, gives the engine a copy of its own in that type."""
     from longqa.model.attention_spec import UnsupportedModelError
     from longqa.rollout.fast import FastRolloutEngine
 
@@ -111,7 +112,7 @@ def answer_engine(model, tokenizer, choice: str = "auto", batch_size: int = 64):
     if choice == "hf" or (choice == "auto" and next(model.parameters()).device.type != "cuda"):
         return None
     try:
-        return FastRolloutEngine(model, tokenizer, max_groups=batch_size)
+        return FastRolloutEngine(model, tokenizer, max_groups=batch_size, dtype=dtype)
     except UnsupportedModelError as e:
         if choice == "fast":
             from longqa.config import ConfigError

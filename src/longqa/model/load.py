@@ -266,3 +266,11 @@ def compiled_graphs() -> int:
     from torch._dynamo.utils import counters
 
     return counters["stats"]["unique_graphs"]
+
+
+def answer_dtype(choice: str, device) -> str:
+    """The type ``longqa eval`` answers in: ``auto`` is bfloat16 on a GPU, as training there computes (a float32
+    model answered there more than twice as slowly: float32 matmuls, no flash attention), float32 on the CPU."""
+    if choice != "auto":
+        return choice
+    return "bfloat16" if torch.device(device).type == "cuda" else "float32"
