@@ -87,6 +87,32 @@ def test_training_end_to_end(tiny_model_dir, data_dir, tmp_path, capsys):
     assert f"{tmp_path} is neither a checkpoint" in capsys.readouterr().err
 
 
+def test_steps_without_a_gradient_are_said_with_their_reasons(tiny_model_dir, data_dir, tmp_path, capsys):
+    """A random model never writes \\boxed{}: every group scores 0 alike, so no update changes anything. The run
+    says so at its first such step and at every tenth after, with the reasons; a reward that scores every sample
+    alike is said too."""
+    extra = {"trainer.total_epochs": 3, "trainer.max_steps": 12, "trainer.test_freq": 0, "trainer.save_freq": 0}
+    assert main(["train", *overrides(tiny_model_dir, data_dir, tmp_path / "a", **extra)]) == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if "no gradient" in line]
+    assert said == [
+        "warning: step 1: no gradient: all 4 groups scored alike (mean reward 0.000; reasons: no_boxed 8 of 8 "
+        "samples): the model writes no \\boxed{} answer for the reward to read. A short `longqa sft` teaches the "
+        "format (or an instruction in the prompts may ask for it)",
+        "warning: step 10: no gradient for 10 steps in a row: all 4 groups scored alike (mean reward 0.000; "
+        "reasons: no_boxed 8 of 8 samples): the model writes no \\boxed{} answer for the reward to read. A short "
+        "`longqa sft` teaches the format (or an instruction in the prompts may ask for it)"]
+    assert all(r["zero_variance_groups"] == 4 for r in records(tmp_path / "a")[1:])
+
+    reward_file = tmp_path / "always.py"
+    reward_file.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                           "    return 1.0\n")
+    extra = {"trainer.max_steps": 1, "trainer.test_freq": 0, "trainer.save_freq": 0, "reward.path": reward_file}
+    assert main(["train", *overrides(tiny_model_dir, data_dir, tmp_path / "b", **extra)]) == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if "no gradient" in line]
+    assert said == ["warning: step 1: no gradient: all 4 groups scored alike (mean reward 1.000; reasons: none of "
+                    "8 samples): every sample earned the same reward; harder questions give GRPO something to learn"]
+
+
 def test_validation_by_length_is_logged_and_drawn(tiny_model_dir, data_dir, tmp_path):
     """Validation rows that carry their context length (one question set at two lengths, measured with the
     approximate counter) add the accuracy at each length to the metrics, and the report draws it."""

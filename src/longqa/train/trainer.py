@@ -260,6 +260,7 @@ class Trainer:
         self.seconds = {"update": None, "validate": None, "save": None}  # this process's last ones, for the grace
         # rollout.mode=one_step_off: the groups of step ``ahead["step"]``, sampled before the previous update
         self.ahead: dict | None = None
+        self.no_gradient_since: int | None = None  # the first step of the current run of steps without a gradient
         # The next step sampled beside the update: rollout.overlap, or one_step_off on sampler ranks of their own.
         # The thread (and on a GPU the CUDA stream) that samples, or waits for the sampler ranks, meanwhile.
         r = cfg.rollout
@@ -537,7 +538,7 @@ class Trainer:
         self.seconds["update"] = end - t_update
         local = {"rewards": rewards.tolist(), "lengths": [len(s.token_ids) for s in samples],
                  "truncated": [s.finish_reason == "length" for s in samples],
-                 "reasons": [r.reason for r in results if r.reason], "zero_var": zero_var,
+                 "reasons": [r.reason for r in results if r.reason], "zero_var": zero_var, "groups": len(groups),
                  "tokens": sum(batch.length(i) for i in range(len(batch))),
                  "reward_error": getattr(self.score, "last_error", None)}
         every = gather_objects(local)  # one entry per rank
@@ -549,6 +550,10 @@ class Trainer:
         check_reward_calls(cfg, len(rewards), reward_errors,
                            next((p["reward_error"] for p in every if p["reward_error"]), None), f"step {step + 1}")
         zero_var, tokens = sum(p["zero_var"] for p in every), sum(p["tokens"] for p in every)
+        if zero_var == sum(p["groups"] for p in every):
+            self._say_no_gradient(step, zero_var, rewards, reasons)
+        else:
+            self.no_gradient_since = None
         # Each phase's time and the compilations and graph captures (0 once warm): the most of any rank.
         compiled, captured = compiled_graphs() - compiled, getattr(self.engine, "graph_captures", 0) - captured
         memory = memory_peaks(self.device)
@@ -575,6 +580,26 @@ class Trainer:
             metrics.update({"dynamic/dropped_groups": stats["dropped_groups"],
                             "dynamic/rounds": stats["sampling_rounds"], "dynamic/groups": len(groups)})
         return metrics
+
+    def _say_no_gradient(self, step: int, groups: int, rewards: torch.Tensor, reasons: Counter) -> None:
+        """Say it when a step's groups all scored alike, so that its update changed nothing: once at the first
+        such step of a run of them, and again at every tenth. A run that logs a flat reward for an hour has
+        learnt nothing, and the reasons say why (an untouched instruct model that never writes ``\\boxed{}``)."""
+        if self.no_gradient_since is None:
+            self.no_gradient_since = step
+        streak = step - self.no_gradient_since + 1
+        if streak != 1 and streak % 10:
+            return
+        mean = float(rewards.mean())
+        why = ", ".join(f"{reason} {count}" for reason, count in reasons.most_common(3)) or "none"
+        line = (f"warning: step {step + 1}: no gradient{f' for {streak} steps in a row' if streak > 1 else ''}: "
+                f"all {groups} groups scored alike (mean reward {mean:.3f}; reasons: {why} of {len(rewards)} samples)")
+        if mean == 0 and reasons and reasons.most_common(1)[0][0] == "no_boxed":
+            line += (": the model writes no \\boxed{} answer for the reward to read. A short `longqa sft` teaches "
+                     "the format (or an instruction in the prompts may ask for it)")
+        elif mean > 0 and bool((rewards == rewards[0]).all()):
+            line += ": every sample earned the same reward; harder questions give GRPO something to learn"
+        self._say(line)
 
     def validate(self) -> dict:
         if self.val_set is None:
