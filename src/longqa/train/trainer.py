@@ -591,9 +591,10 @@ class Trainer:
         if streak != 1 and streak % 10:
             return
         mean = float(rewards.mean())
-        why = ", ".join(f"{reason} {count}" for reason, count in reasons.most_common(3)) or "none"
+        why = ", ".join(f"{reason} {count}" for reason, count in reasons.most_common(3))
+        why = f"; reasons: {why} of {len(rewards)} samples" if why else ""
         line = (f"warning: step {step + 1}: no gradient{f' for {streak} steps in a row' if streak > 1 else ''}: "
-                f"all {groups} groups scored alike (mean reward {mean:.3f}; reasons: {why} of {len(rewards)} samples)")
+                f"all {groups} groups scored alike (mean reward {mean:.3f}{why})")
         if mean == 0 and reasons and reasons.most_common(1)[0][0] == "no_boxed":
             line += (": the model writes no \\boxed{} answer for the reward to read. A short `longqa sft` teaches "
                      "the format (or an instruction in the prompts may ask for it)")
