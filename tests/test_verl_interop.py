@@ -79,12 +79,15 @@ def files(tmp_path_factory):
 
 
 def verl_config(verl, tokenizer_dir: Path, train_file: Path, tmp_path: Path, *overrides: str):
-    """verl's own trainer config (every default as verl ships it) with a launch line's overrides."""
+    """verl's own trainer config (every default as verl ships it) with a launch line's overrides. Its prompt filter
+    runs in this process: datasets 5 forks a pool even for verl's one filter worker, and a fork of a test process
+    holding other threads (gloo's, from an earlier test) hung."""
     shipped = Path(importlib.util.find_spec("verl").origin).parent / "trainer/config/_generated_ppo_trainer.yaml"
     reward_file = Path(longqa.reward.__file__)
     return verl.OmegaConf.merge(verl.OmegaConf.load(shipped), verl.OmegaConf.from_dotlist([
         f"data.train_files=[{train_file}]", f"data.cache_dir={tmp_path / 'verl-cache'}",
-        "data.filter_overlong_prompts=True", f"actor_rollout_ref.model.path={tokenizer_dir}",
+        "data.filter_overlong_prompts=True", "data.filter_overlong_prompts_workers=null",
+        f"actor_rollout_ref.model.path={tokenizer_dir}",
         f"reward.custom_reward_function.path={reward_file}", "reward.custom_reward_function.name=compute_score",
         *overrides]))
 
