@@ -29,10 +29,15 @@ def _data(tmp_path) -> Path:
 def test_prompt_variants_put_the_instruction_after_the_question_and_the_prefill_in_the_answer(tmp_path):
     from longqa.model.load import EMBEDDED_MODEL, load_model_tokenizer
 
+    from longqa.data.prompts import PromptOptions, prepare_prompts
+
     tokenizer = load_model_tokenizer(EMBEDDED_MODEL)
-    row = pq.read_table(_data(tmp_path)).to_pylist()[0]
+    data = _data(tmp_path)
+    row = pq.read_table(data).to_pylist()[0]
     system, question = row["prompt"][0]["content"], row["prompt"][-1]["content"]
-    plain = tokenizer.decode(_probe().prompt_ids(row, tokenizer))
+    plain_ids = _probe().prompt_ids(row, tokenizer)
+    assert plain_ids == prepare_prompts([str(data)], tokenizer, PromptOptions(16384)).ids(0).tolist()  # training's
+    plain = tokenizer.decode(plain_ids)
     assert system in plain and plain.index(system) < plain.index(question)
     varied = tokenizer.decode(_probe().prompt_ids(row, tokenizer, " Box it.", system=False, prefill="<think>\n"))
     assert system not in varied and question + " Box it." in varied

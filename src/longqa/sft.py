@@ -28,8 +28,8 @@ from longqa.data.io import DataFileError, iter_rows
 from longqa.data.prompts import PromptOptions, PromptSet, prepare_prompts
 from longqa.distributed.planner import ModelSizes, check_sft
 from longqa.evaluate import answer_engine, evaluate, format_table
-from longqa.model.load import (load_model, load_model_config, load_model_tokenizer, pick_device, qwen3_config,
-                               raise_position_limit, set_max_positions)
+from longqa.model.load import (DTYPES, answer_dtype, load_model, load_model_config, load_model_tokenizer, pick_device,
+                               qwen3_config, raise_position_limit, set_max_positions)
 from longqa.model.logprobs import token_logprobs
 from longqa.model.tokenizer import train_tokenizer
 from longqa.sft_options import SFTOptions
@@ -225,11 +225,11 @@ def run_sft(options: SFTOptions, command: str = "") -> dict:
     train_start = time.perf_counter()
 
     def run_eval() -> dict:
-        # On a GPU the answers come from the fast engine, as in `longqa eval`: generate's padded batches of long
-        # prompts outgrow the memory training leaves. Its copy is in bfloat16, the type the weights are saved in
-        # (float32 answers took more than twice as long). The engine (that copy, its KV cache) lives for this
-        # evaluation only: the memory check planned training without it.
-        engine = answer_engine(model, tokenizer, "auto", EVAL_BATCH, torch.bfloat16 if device.type == "cuda" else None)
+        # On a GPU the answers come from the fast engine, as in `longqa eval`, and in the type it answers in there
+        # (bfloat16, the type the weights are saved in): generate's padded batches of long prompts outgrow the
+        # memory training leaves. The engine (its copy, its KV cache) lives for this evaluation only: the memory
+        # check planned training without it.
+        engine = answer_engine(model, tokenizer, "auto", EVAL_BATCH, DTYPES[answer_dtype("auto", device)])
         result = evaluate(model, tokenizer, held_out, max_new_tokens=max_new, batch_size=EVAL_BATCH, engine=engine)
         del engine
         if device.type == "cuda":
