@@ -32,7 +32,8 @@
 # A real model: MODEL=$(python -c 'from longqa.model.load import smollm2_gguf_path; print(smollm2_gguf_path())')
 # CONFIG=configs/smollm2-long.yaml LENGTHS="1024 2048 4096 8192" SYNTH="--min-hops 3 --max-hops 4 --near-misses
 # --keychain" SFT="--lr 1e-4 --warmup-steps 50 --batch-tokens 16384" RL_ROWS=400 SFT_ROWS=300 trains
-# SmolLM2-135M-Instruct on questions of up to 8,192 tokens (benchmarks/RESULTS.md, "A real model").
+# SmolLM2-135M-Instruct on questions of up to 8,192 tokens, 120 GRPO steps: about 22 minutes on one H100
+# (benchmarks/RESULTS.md, "A real model").
 # With LONGQA_FROM=<an earlier OUT_DIR> the data, the supervised model and their evaluations are that run's
 # (linked, not copied) and only GRPO, its evaluation and the summary run: another GRPO setting from the same
 # start, about 4 minutes sooner. With MINUTES_SFT=0 as well, only the data and the starting model's

@@ -3,9 +3,12 @@
 import pytest
 import torch
 
+from longqa.compile_watch import CompileWatch
 from longqa.config import load_config
 from longqa.model.attention import BLOCK, LENGTH_BUCKETS, length_step
 from longqa.model.load import compile_decoder_layers, compiled_graphs
+from longqa.rollout import SamplingParams
+from longqa.rollout.fast import FastRolloutEngine
 from longqa.train.actor import Actor, Samples
 from tiny_models import VOCAB, tiny_lm
 
@@ -20,6 +23,57 @@ def test_the_counter_counts_a_forced_recompilation():
     assert compiled_graphs() - start == 1
     double(torch.zeros(5))  # a new static shape: compiled again
     assert compiled_graphs() - start == 2
+
+
+def test_the_watch_says_which_function_was_compiled_again_and_why():
+    """Each recompilation since the last look, with the function and the guard that failed; a first compilation
+    is not news, nor a call that reuses a graph."""
+    def triple(x):
+        return x * 3
+
+    compiled = torch.compile(triple, backend="eager", dynamic=False)
+    watch = CompileWatch()
+    compiled(torch.zeros(3))
+    compiled(torch.zeros(3))
+    assert watch.news() == []
+    compiled(torch.zeros(5))
+    compiled(torch.zeros(3))  # (both graphs cached: no news)
+    [line] = watch.news()
+    assert line.startswith("recompiled triple (test_compile.py:") and "size mismatch" in line
+    assert "expected 3, actual 5" in line
+    assert watch.news() == []
+
+
+def test_the_watch_says_when_the_engine_re_sized_its_kv_stores():
+    """The fast engine's KV stores grow for a longer prompt than they hold, which drops every captured decode graph
+    (on a GPU all are captured again): said, with the sizes before and after."""
+    model = tiny_lm("llama")
+    engine = FastRolloutEngine(model, max_groups=2)
+    params = SamplingParams(n=2, max_new_tokens=3, temperature=0.0)
+    watch = CompileWatch(engine)
+    engine.generate([[7] * 10, [8] * 20], params)
+    first = watch.news()
+    assert first == []  # the first allocation is not a re-sizing
+    engine.generate([[7] * 300], params)  # the stores hold prompts of up to 256 tokens (the view step)
+    [line] = watch.news()
+    assert line == ("re-sized the KV stores for 1 prompts of up to 512 tokens, 3 new, n=2 (they held 2 groups of "
+                    "256, 3, n=2): 0 captured decode graphs dropped")
+    engine.generate([[7] * 400], params)  # fits what they hold now
+    assert watch.news() == []
+
+
+def test_stores_sized_for_the_longest_prompt_to_come_are_never_re_sized_for_it():
+    """Told the longest prompt it will get (a training run's data), the engine holds it from the first call: a later
+    call's longer prompt re-sizes nothing, and the samples are those of an engine that was not told."""
+    model = tiny_lm("llama")
+    params = SamplingParams(n=2, max_new_tokens=4, temperature=1.0)
+    calls = [[[7] * 10, [8] * 20], [[9] * 300, [6] * 40]]
+    told, untold = FastRolloutEngine(model, prompt_tokens=300), FastRolloutEngine(model)
+    watch = CompileWatch(told)
+    for prompts in calls:
+        a, b = (engine.generate(prompts, params, seeds=[1, 2]) for engine in (told, untold))
+        assert [[s.token_ids for s in group] for group in a] == [[s.token_ids for s in group] for group in b]
+    assert watch.news() == [] and told.kv.prompt_cap == 512
 
 
 def test_length_step_gives_at_most_the_bucket_count():

@@ -156,6 +156,35 @@ def test_compilations_during_a_step_are_counted_in_its_metrics(tiny_model_dir, d
     assert [r["perf/graph_captures"] for r in steps] == [0, 0, 0]
 
 
+def test_what_a_warm_step_compiled_again_is_said_with_why(tiny_model_dir, data_dir, tmp_path, monkeypatch, capsys):
+    """Once the process has run a step, a step that compiles again is said, with the function and the guard that
+    failed (here a new static size in the second update); the first step's recompilations (it builds what the run
+    needs) and a step that reuses what was built are not."""
+    def halve(x):
+        return x / 2
+
+    compiled = torch.compile(halve, backend="eager", dynamic=False)
+    sizes = {1: (3, 4), 2: (5,), 3: (5,)}  # update call -> the sizes it compiles for
+    update, calls = Actor.update, []
+
+    def update_and_compile(self, samples):
+        calls.append(1)
+        for size in sizes[len(calls)]:
+            compiled(torch.zeros(size))
+        return update(self, samples)
+
+    monkeypatch.setattr(Actor, "update", update_and_compile)
+    out = tmp_path / "run"
+    assert main(["train", *overrides(tiny_model_dir, data_dir, out, **{"trainer.max_steps": 3,
+                                                                       "trainer.test_freq": 0})]) == 0
+    [note] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: step")]
+    assert note.startswith("note: step 2 (or a validation before it) compiled or captured again, which a warm step "
+                           "should not: recompiled halve (test_train.py:")
+    assert "size mismatch at index 0. expected 4, actual 5" in note
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["perf/recompiles"] for r in steps if "perf/recompiles" in r] == [2, 1, 0]
+
+
 def test_validation_answers_through_the_rollout_engine(tiny_model_dir, data_dir, tmp_path, monkeypatch):
     """The fast engine answers the held-out questions (greedy, without touching the run's random state):
     the metrics are those of transformers' unpadded greedy generate on the same model."""

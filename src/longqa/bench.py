@@ -392,6 +392,7 @@ def bench_grpo_step(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int
     from concurrent.futures import ThreadPoolExecutor
 
     from longqa import algo
+    from longqa.compile_watch import CompileWatch
     from longqa.config import load_config
     from longqa.distributed.env import DistEnv, leave_group
     from longqa.model.load import compile_decoder_layers, compiled_graphs, pick_device
@@ -446,6 +447,7 @@ def bench_grpo_step(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int
         return prompts, groups, time.perf_counter() - start
 
     results, ahead = [], None
+    watch = CompileWatch(engine)
     for step in range(steps):
         sync()
         compiled, captured = compiled_graphs(), engine.graph_captures
@@ -492,6 +494,7 @@ def bench_grpo_step(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int
                "update_s": round((t_updated if overlap else t3) - t2, 3), "step_s": round(t3 - t0, 3),
                "new_tokens": new_tokens, **_length_stats(made),
                "recompiles": compiled_graphs() - compiled, "graph_captures": engine.graph_captures - captured,
+               "compile_events": watch.news(),  # what the step compiled again (and why) or captured
                "rollout_floor_s": round(floor["rollout"], 3), "update_floor_s": round(floor["update"], 3),
                "fraction_of_floor": round((floor["rollout"] + floor["update"]) / (t3 - t0), 3),
                "update_mfu": round(floor["update"] / ((t_updated if overlap else t3) - t2), 3),

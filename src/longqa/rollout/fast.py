@@ -365,15 +365,18 @@ class FastRolloutEngine(RolloutEngine):
     ``speculative="prompt_lookup"`` drafts up to ``num_speculative_tokens`` tokens per sample and step from
     the sample's own text (``prompt_lookup.py``, matching its last ``prompt_lookup_min`` to
     ``prompt_lookup_max`` tokens) and verifies them in the step (``speculative.py``): the same samples,
-    in fewer steps where drafts are right.
+    in fewer steps where drafts are right. ``prompt_tokens``: the longest prompt it will be given, where known
+    (a training run's data): the KV stores hold it from the first call on, so that a later call's longer prompt
+    does not re-size them and drop every captured graph mid-run.
     """
 
     def __init__(self, model, tokenizer=None, kv_cache_bytes: int | None = None, prefill_chunk: int | None = None,
                  sync_every: int = 16, cuda_graphs: bool = True, max_groups: int | None = None, dtype=None,
                  own_copy: bool = False, fused_decode: bool | None = None, decode_kernel: str = "auto",
                  speculative: str | None = None, num_speculative_tokens: int = 4, prompt_lookup_min: int = 2,
-                 prompt_lookup_max: int = 8, kv_share: float = ENGINE_KV_SHARE):
+                 prompt_lookup_max: int = 8, kv_share: float = ENGINE_KV_SHARE, prompt_tokens: int = 0):
         self.source, self.tokenizer = model, tokenizer
+        self.prompt_tokens = prompt_tokens
         self.model = model
         if own_copy or (dtype is not None and dtype != next(model.parameters()).dtype):
             # Made before the trainer shards the model (own_copy): sharded weights are gathered into it.
@@ -405,6 +408,7 @@ class FastRolloutEngine(RolloutEngine):
         self.state: DecodeState | None = None  # sized with the KV stores (graphs capture both)
         self.graphs: dict = {}
         self.graph_captures = 0  # decode-step graphs captured so far (one per length bucket once warm)
+        self.graph_events: list[str] = []  # each capture and KV re-sizing, said (compile_watch.CompileWatch)
         self.stop_ids: dict = {}
         self.last_run: dict = {}  # how the last generate used the slots: see _run
         reason = unsupported_reason(self.model)
@@ -445,12 +449,17 @@ class FastRolloutEngine(RolloutEngine):
     def _ensure_kv(self, prompts: list[list[int]], params: SamplingParams) -> SharedPrefixKV:
         # Rounded up to the view step, so a decode step reads the same views whatever earlier calls allocated (an
         # exact cap would make the widths, and so the float rounding of the log-probs, depend on the history).
-        prompt_cap = _bucket(max(len(p) for p in prompts), PROMPT_VIEW_STEP, 1 << 62)
+        prompt_cap = _bucket(max(self.prompt_tokens, *(len(p) for p in prompts)), PROMPT_VIEW_STEP, 1 << 62)
         response_cap = params.max_new_tokens
         kv = self.kv
         if (kv is not None and kv.n == params.n and kv.prompt_cap >= prompt_cap and kv.response_cap >= response_cap
                 and kv.groups >= min(len(prompts), self.max_groups or len(prompts))):
             return kv
+        if kv is not None:
+            self.graph_events.append(
+                f"re-sized the KV stores for {len(prompts)} prompts of up to {prompt_cap} tokens, {response_cap} new, "
+                f"n={params.n} (they held {kv.groups} groups of {kv.prompt_cap}, {kv.response_cap}, n={kv.n}): "
+                f"{len(self.graphs)} captured decode graphs dropped")
         self.kv, self.graphs = None, {}  # free the old stores (and the graphs that point at them) first
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -639,6 +648,8 @@ class FastRolloutEngine(RolloutEngine):
         if graph is None:
             graph = self.graphs[key] = self._capture(params, state, stops)
             self.graph_captures += 1
+            self.graph_events.append(f"captured the decode step for prompt view {key[0]}, response view {key[1]} "
+                                     f"({self.kv.groups} groups of {params.n})")
         graph.replay()
 
     def _capture(self, params, state, stops):

@@ -24,6 +24,7 @@ import torch
 
 from longqa import algo, reward
 from longqa.compile_cache import load_run_cache, save_run_cache, use_user_cache
+from longqa.compile_watch import CompileWatch
 from longqa.config import Config, ConfigError, to_dict
 from longqa.data.prompts import GROUPS, PromptOptions, PromptSet, describe_losses, prepare_prompts, tally
 from longqa.distributed.deepspeed import check_deepspeed
@@ -311,7 +312,8 @@ class Trainer:
         self.tokenizer = config_tokenizer(m)
         self.train_set, self.val_set = load_prompts(cfg, self.tokenizer, say=self._say)
         self.val_suffixes = lost_row_suffixes(self.val_set) if self.val_set is not None else {}  # (fixed for the run)
-        longest = max(int(p.lengths.max(initial=0)) for p in (self.train_set, self.val_set) if p is not None)
+        self.longest_prompt = longest = max(int(p.lengths.max(initial=0))
+                                            for p in (self.train_set, self.val_set) if p is not None)
         model_config = load_model_config(m.path, m.gguf_file)
         if (warning := position_limit_warning(model_config, longest, cfg.data.max_response_length,
                                               "data.max_prompt_length", "data.max_response_length")):
@@ -340,7 +342,7 @@ class Trainer:
         if split is not None:  # the sampler ranks hold the engine (and their own copy of the weights)
             self.engine = RemoteRolloutEngine(self.model, split)
         elif r.engine == "fast":
-            self.engine = fast_engine(cfg, self.model, self.tokenizer,
+            self.engine = fast_engine(cfg, self.model, self.tokenizer, prompt_tokens=self.longest_prompt,
                                       own_copy=self.env.distributed or sharded_alone or r.overlap)
         elif r.engine == "vllm":
             self.engine = VLLMRolloutEngine(
@@ -359,6 +361,8 @@ class Trainer:
             if (count := self.actor.compile_length_buckets()) and self.env.is_main:
                 print(f"compiled the update for {count} packed lengths in {time.perf_counter() - start:.0f} s",
                       flush=True)
+        # What a step compiles or captures once the process is warm, and why (said after its first step).
+        self.compile_watch, self.warm = CompileWatch(self.engine), False
         self.stops = tuple(stop_token_ids(self.tokenizer))
         # The trainer recomputes the old policy's log-probs itself; vLLM returns exact sample log-probs except
         # for tempered *and* top-k/top-p-filtered sampling, where it is not asked for them.
@@ -574,12 +578,23 @@ class Trainer:
             **{key: round(most[key], 3) for key in memory},
             **update,
         }
+        self._say_built_again(step)
         if cfg.rollout.mode == "one_step_off":
             metrics["rollout/staleness"] = step - sampled_with
         if cfg.algo.dynamic_sampling:
             metrics.update({"dynamic/dropped_groups": stats["dropped_groups"],
                             "dynamic/rounds": stats["sampling_rounds"], "dynamic/groups": len(groups)})
         return metrics
+
+    def _say_built_again(self, step: int) -> None:
+        """After this process's first step (which compiles and captures what the run needs), say what a step
+        compiled or captured again and why: ``perf/recompiles`` counts it, this says what changed shape."""
+        news = self.compile_watch.news()
+        if news and self.warm and self.env.is_main:
+            shown = "; ".join(news[:4]) + (f"; and {len(news) - 4} more" if len(news) > 4 else "")
+            print(f"note: step {step + 1} (or a validation before it) compiled or captured again, which a warm "
+                  f"step should not: {shown}", flush=True)
+        self.warm = True
 
     def _say_no_gradient(self, step: int, groups: int, rewards: torch.Tensor, reasons: Counter) -> None:
         """Say it when a step's groups all scored alike, so that its update changed nothing: once at the first
