@@ -130,40 +130,32 @@ def test_checkpointing_a_fraction_of_the_layers_recomputes_the_first_ones():
     assert checkpoint_layers(model, 0.0) == 0 and not model.is_gradient_checkpointing
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: compiled flex_attention with a backward")
-@pytest.mark.parametrize("backend,dtype", [("flex", torch.float32), ("split", torch.bfloat16)])
-def test_after_compiling_every_length_bucket_no_update_compiles_again(backend, dtype):
+NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: compiled flex_attention "
+                                                                      "with a backward")
+
+
+@pytest.mark.parametrize("device,backend,dtype", [
+    ("cpu", "split", torch.float32),  # Dynamo's graphs and guards, without Inductor's kernels
+    pytest.param("cuda", "flex", torch.float32, marks=NEEDS_CUDA),
+    pytest.param("cuda", "split", torch.bfloat16, marks=NEEDS_CUDA)])
+def test_after_compiling_every_length_bucket_no_update_compiles_again(device, backend, dtype):
     """Updates of random prompt and response lengths, off-policy (an old log-prob pass too), after
-    ``compile_length_buckets``: no new graph."""
+    ``compile_length_buckets``: no new graph. The model comes in evaluation mode, as a loaded model does: Dynamo
+    guards on the mode, so buckets compiled in it would all be compiled again in the update's training mode."""
     budget = 4 * BLOCK  # four length buckets: Inductor compiles each one's forward and backward (minutes for 16)
-    model = tiny_lm(head_dim=16).to("cuda", dtype)
-    compile_decoder_layers(model)
+    model = tiny_lm(head_dim=16).to(device, dtype).eval()
+    compile_decoder_layers(model, backend="inductor" if device == "cuda" else "eager")
     cfg = load_config(None, ["actor.shared_prompt=true", f"actor.attention_backend={backend}", "rollout.n=3",
                              f"actor.max_tokens_per_micro_batch={budget}", "data.train_batch_size=2",
                              "actor.ppo_mini_batch_size=1", "data.max_response_length=100"])
-    actor = Actor(model, cfg, 4, torch.device("cuda"))
+    actor = Actor(model, cfg, 4, torch.device(device))
     assert length_step(budget) == BLOCK and actor.compile_length_buckets() == 4
     g = torch.Generator().manual_seed(0)
-    before, seen = compiled_graphs(), guard_failure_counts()
+    before, watch = compiled_graphs(), CompileWatch()
     for _ in range(6):  # every group (a prompt of 20-199 tokens, three responses of 1-99) fits in one row
         groups = [samples(int(torch.randint(20, 200, (1,), generator=g)),
                           torch.randint(1, 100, (3,), generator=g).tolist(),
                           int(torch.randint(0, 99, (1,), generator=g))) for _ in range(2)]
         actor.update(Samples([p for s in groups for p in s.prompt_ids], [r for s in groups for r in s.response_ids],
                              torch.randn(6, generator=g), 3))
-    assert compiled_graphs() == before, recompile_reasons(seen)
-
-
-def guard_failure_counts() -> dict:
-    """How many failed guards (recompilations) Dynamo has recorded per compiled function."""
-    from torch._dynamo.utils import guard_failures
-
-    return {code: len(reasons) for code, reasons in list(guard_failures.items())}
-
-
-def recompile_reasons(seen: dict) -> list[str]:
-    """Why Dynamo recompiled since ``seen`` (from :func:`guard_failure_counts`): the failing test says."""
-    from torch._dynamo.utils import guard_failures
-
-    return [f"{code.co_name}: {reason}" for code, reasons in list(guard_failures.items())
-            for reason in reasons[seen.get(code, 0):]]
+    assert compiled_graphs() == before, watch.news()

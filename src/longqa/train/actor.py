@@ -192,9 +192,13 @@ class Actor:
         """Run the update's passes once at every packed length the flex and split backends pad rows to (multiples of
         ``length_step`` up to the token budget), so that compiled decoder layers build each length's graphs
         here, before the first step, rather than in whichever step first meets that length (8 s at
-        Qwen3-1.7B). Gradients are dropped afterwards; returns how many lengths."""
+        Qwen3-1.7B). The gradient pass runs in training mode, the update's: Dynamo guards on the mode, and a
+        loaded model comes in evaluation mode, in which every length would be compiled again mid-run. Gradients
+        are dropped afterwards and the model left in the mode it came in; returns how many lengths."""
         if self.backend not in PADDED_BACKENDS:
             return 0
+        was_training = self.model.training
+        self.model.train()
         budget = self.cfg.actor.max_tokens_per_micro_batch
         step = length_step(budget)
         lengths = range(step, -(-budget // step) * step + 1, step)
@@ -208,6 +212,7 @@ class Actor:
             if off_policy:  # the old log-prob pass: evaluation mode, no gradient
                 self.logprobs(samples)
         self._zero_grad()
+        self.model.train(was_training)
         return len(lengths)
 
     def forward(self, scorer: PolicyScorer, micro: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
