@@ -44,6 +44,26 @@ def test_the_watch_says_which_function_was_compiled_again_and_why():
     assert watch.news() == []
 
 
+def test_the_watch_puts_the_rare_failed_guard_before_the_many():
+    """A function compiled for several sizes fails one guard per cached graph when it compiles again; grouped, the
+    guard that says why (the graph of this very size was built in another mode) comes before the sizes."""
+    class Scale(torch.nn.Module):
+        def forward(self, x):
+            return x * 2 if self.training else x * 3
+
+    module = Scale()
+    module.compile(backend="eager", dynamic=False)
+    for size in (3, 4, 5):
+        module(torch.zeros(size))
+    watch = CompileWatch()
+    module.eval()(torch.zeros(3))
+    [line] = watch.news()
+    where, why = line.split(": ", 1)
+    assert where.startswith("recompiled forward (test_compile.py:")
+    assert why.startswith("self.training == True")
+    assert why.endswith("; tensor 'x' size mismatch at index 0. actual 3 (2 cached graphs)")
+
+
 def test_the_watch_says_when_the_engine_re_sized_its_kv_stores():
     """The fast engine's KV stores grow for a longer prompt than they hold, which drops every captured decode graph
     (on a GPU all are captured again): said, with the sizes before and after."""

@@ -180,7 +180,7 @@ def test_what_a_warm_step_compiled_again_is_said_with_why(tiny_model_dir, data_d
     [note] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: step")]
     assert note.startswith("note: step 2 (or a validation before it) compiled or captured again, which a warm step "
                            "should not: recompiled halve (test_train.py:")
-    assert "size mismatch at index 0. expected 4, actual 5" in note
+    assert note.endswith("tensor 'x' size mismatch at index 0. actual 5 (2 cached graphs)")  # (sizes 3 and 4)
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["perf/recompiles"] for r in steps if "perf/recompiles" in r] == [2, 1, 0]
 

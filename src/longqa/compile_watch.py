@@ -12,6 +12,7 @@ each capture (the bucket) and of each time it re-sized its KV stores (which drop
 from __future__ import annotations
 
 import os
+import re
 
 
 def _guard_failures() -> dict:
@@ -26,11 +27,25 @@ def _where(code) -> str:
     return f"{code.co_name} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})"
 
 
+def _summary(reasons: list[str]) -> str:
+    """Dynamo's failed guards, one per cached graph that did not match, grouped: a function compiled for 16 lengths
+    in two modes fails 32 guards, mostly "another size" or "another grad mode"; the rarest kind is usually the one
+    to read (here, the graph of this very size had been built in evaluation mode), so it comes first."""
+    kinds: dict[str, list[str]] = {}
+    for reason in reasons:
+        guard = " ".join(reason.split("\n", 1)[0].split())  # the guard, without Dynamo's user stack
+        guard = re.sub(r"^\d+/\d+: ", "", guard)  # which cached graph it was
+        kinds.setdefault(re.sub(r"expected \S+, actual", "actual", guard), []).append(guard)
+    return "; ".join(guards[0] if len(guards) == 1 else f"{kind} ({len(guards)} cached graphs)"
+                     for kind, guards in sorted(kinds.items(), key=lambda item: len(item[1])))
+
+
 class CompileWatch:
     """``news()``: what was compiled or captured again since the watch began or ``news()`` last ran, as lines
     such as ``"recompiled forward (modeling_llama.py:280): tensor 'x' size mismatch at index 1. expected 5888,
-    actual 11776"`` or ``"captured the decode step for prompt view 7936, response view 192 (64 groups)"``.
-    ``engine``: a rollout engine whose ``graph_events`` (if it has them) are followed too."""
+    actual 11776"`` (a line per function, its failed guards grouped by ``_summary``) or ``"captured the decode
+    step for prompt view 7936, response view 192 (64 groups of 8)"``. ``engine``: a rollout engine whose
+    ``graph_events`` (if it has them) are followed too."""
 
     def __init__(self, engine=None):
         self.engine = engine
@@ -45,10 +60,8 @@ class CompileWatch:
         return {code: len(reasons) for code, reasons in _guard_failures().items()}
 
     def news(self) -> list[str]:
-        lines = []
-        for code, reasons in list(_guard_failures().items()):
-            for reason in dict.fromkeys(reasons[self._seen.get(code, 0):]):  # (each distinct reason once)
-                lines.append(f"recompiled {_where(code)}: {reason}")
+        lines = [f"recompiled {_where(code)}: {_summary(reasons[self._seen.get(code, 0):])}"
+                 for code, reasons in list(_guard_failures().items()) if len(reasons) > self._seen.get(code, 0)]
         events = self._engine_events()
         lines += events[self._events:]
         self._seen, self._events = self._counts(), len(events)
