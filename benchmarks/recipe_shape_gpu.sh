@@ -16,6 +16,9 @@
 #   CHECKPOINT [0]  1: also save after step STEPS-1 and resume from it in a second run, whose last step must log
 #              what the uninterrupted run's did. An 8B ZeRO-3 checkpoint (bf16 weights, float32 masters and two AdamW
 #              moments) takes about 115 GB of disk.
+#   RESTART [0]  1: then start the same run again in a new folder for one step, to time a second start: it finds
+#              the first start's compiled graphs in the compile cache (OUTPUT_DIR/compile-cache, emptied at the start
+#              so that the first start is cold). Every line of a run is prefixed with the seconds since it began.
 #   RANKS [1]  processes under torchrun, one per GPU; with EXTRA="rollout.sampler_ranks=S rollout.mode=one_step_off"
 #              the last S of them only sample (`longqa plan CONFIG --gpus RANKS --split` says which S): run once
 #              without and once with it to compare the steady steps' tokens/s per GPU, printed at the end.
@@ -25,10 +28,13 @@ set -uo pipefail
 out=${1:-${OUT:-/tmp/longqa-recipe-shape}}
 shape=${SHAPE:-qwen3-8b}; prompt=${PROMPT:-16384}; response=${RESPONSE:-2048}; n=${N:-8}; prompts=${PROMPTS:-8}
 steps=${STEPS:-7}; tokenizer=${TOKENIZER:-../shared/tokenizers/qwen2.5}; strategy=${STRATEGY:-deepspeed}
-checkpoint=${CHECKPOINT:-0}; device=${DEVICE:-cuda}; ranks=${RANKS:-1}
+checkpoint=${CHECKPOINT:-0}; device=${DEVICE:-cuda}; ranks=${RANKS:-1}; restart=${RESTART:-0}
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export XDG_CACHE_HOME=$out/compile-cache  # (longqa's compile cache is under it: the first start is cold)
+unset TORCHINDUCTOR_CACHE_DIR
 longqa() { python -m longqa.cli "$@"; }
 mkdir -p "$out"
+rm -rf "$XDG_CACHE_HOME"
 [ "$device" = cuda ] && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 
 echo "== a random-weight $shape with the tokenizer of $tokenizer"
@@ -73,10 +79,16 @@ fi
 launch=(python -m longqa.cli)
 [ "$ranks" -gt 1 ] && launch=(python -m torch.distributed.run --nproc_per_node="$ranks"
                               --master_port=$((29500 + RANDOM % 1000)) -m longqa.cli)
+stamp() {  # each line prefixed with the seconds since the pipe began
+    python -u -c 'import sys, time
+start = time.time()
+for line in sys.stdin:
+    print(f"{time.time() - start:8.1f}  {line}", end="", flush=True)'
+}
 train() {  # train RUN_DIR [more overrides]: the run, its peak host memory, its steps
     local run=$1; shift
     /usr/bin/time -f "peak host memory of the run: %M KB, %e s" \
-        "${launch[@]}" train configs/loongrl-qwen3-8b.yaml "${settings[@]}" "trainer.output_dir=$run" "$@"
+        "${launch[@]}" train configs/loongrl-qwen3-8b.yaml "${settings[@]}" "trainer.output_dir=$run" "$@" 2>&1 | stamp
 }
 echo "== $steps steps"
 save=0; [ "$checkpoint" = 1 ] && save=$((steps - 1))
@@ -105,3 +117,8 @@ straight, resumed = last(sys.argv[1]), last(sys.argv[2])
 print("the resumed run's last step logs the uninterrupted run's:", straight == resumed)
 PY
 fi
+if [ "$restart" = 1 ]; then
+    echo "== the same run started again (a warm start), one step"
+    train "$out/restart" "trainer.max_steps=1" "trainer.save_freq=0" || exit 1
+fi
+du -sh "$XDG_CACHE_HOME"
