@@ -14,8 +14,8 @@
 #   TOKENIZER [../shared/tokenizers/qwen2.5]  the tokenizer that measures the prompts and goes with the model
 #   STRATEGY [deepspeed]  actor.strategy; EXTRA: more overrides, e.g. "actor.cpu_offload_ratio=0.85"
 #   CHECKPOINT [0]  1: also save after step STEPS-1 and resume from it in a second run, whose last step must log
-#              what the uninterrupted run's did. An 8B ZeRO-3 checkpoint (bf16 weights, float32 masters and two AdamW
-#              moments) takes about 115 GB of disk.
+#              what the uninterrupted run's did. An 8B ZeRO-3 checkpoint (float32 masters and two AdamW moments) takes
+#              about 98 GB of disk: `longqa train` refuses the run if the first does not fit.
 #   RESTART [0]  1: then start the same run again in a new folder for one step, to time a second start: it finds
 #              the first start's compiled graphs in the compile cache (OUTPUT_DIR/compile-cache, emptied at the start
 #              so that the first start is cold). Every line of a run is prefixed with the seconds since it began.

@@ -24,6 +24,33 @@ def test_step_floor_adds_prefill_decode_and_update_at_their_limits():
     assert floor["rollout"] == pytest.approx(2 * prefill / 1e15 + decode_floor_s(config, 8192, lengths, in_flight=2))
 
 
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_group_flops_count_what_a_flop_counter_counts(family):
+    """The FLOPs the update's TFLOP/s and MFU are made of, against torch's FLOP counter on a forward and backward
+    of one sequence (the LM head on its response tokens only, as the update computes it). The counter counts
+    eager attention's full square of (query, key) pairs; the formula counts the causal half."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from longqa.bench import counts_flops, group_flops
+    from tiny_models import tiny_lm
+
+    model = tiny_lm(family)
+    model.config._attn_implementation = "eager"
+    config = model.config
+    assert counts_flops(config)
+    prompt, response = 40, 9
+    length = prompt + response
+    ids = torch.randint(0, config.vocab_size, (1, length))
+    with FlopCounterMode(display=False) as counter:
+        model(ids, logits_to_keep=response).logits.float().square().mean().backward()
+    counted = group_flops(config, prompt, [response], shared=False)
+    heads, layers = config.num_attention_heads, config.num_hidden_layers
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    full_square = 12 * head_dim * heads * layers * length * length
+    assert counter.get_total_flops() == counted.flops - counted.attention + full_square
+
+
 def test_bench_step_records_each_phase_of_each_step(tmp_path):
     for checkpointing, lengths in ((False, "max"), (True, "lognormal")):
         out = tmp_path / f"step_{checkpointing}.json"

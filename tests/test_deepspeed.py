@@ -20,6 +20,7 @@ from longqa.train.actor import Actor
 from longqa.train.checkpoint import CheckpointError, load_checkpoint, load_model_weights, save_checkpoint
 from test_distributed import (assert_same_records, config, free_port, global_samples, launch, rank_share,  # noqa: F401
                               run_args, run_inputs, spawn_ranks)
+from test_train import overrides, tiny_model_dir  # noqa: F401
 from tiny_models import tiny_lm
 
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
@@ -562,3 +563,15 @@ def test_checkpoints_of_the_other_strategy_are_refused(tmp_path):
     with pytest.raises(CheckpointError, match="written under actor.strategy=fsdp2 and cannot resume under "
                                               "actor.strategy=deepspeed"):
         load_checkpoint(folder, model=model, optimizer=None, engine=object())
+
+
+@needs_deepspeed
+def test_two_runs_in_one_process(tiny_model_dir, data_dir, tmp_path):
+    """The trainer makes its process group for a run and destroys it after: a second `longqa train` in the same
+    process (a notebook, a sweep) gets a ZeRO-3 engine over the new group, not over DeepSpeed's clone of the old."""
+    from longqa.cli import main
+
+    for name in ("first", "second"):
+        settings = {"actor.strategy": "deepspeed", "trainer.max_steps": 1, "trainer.test_freq": 0,
+                    "trainer.save_freq": 0}
+        assert main(["train", *overrides(tiny_model_dir, data_dir, tmp_path / name, **settings)]) == 0

@@ -284,7 +284,8 @@ def launch(root, out, ranks: int, **extra) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-MEASURED = ("time/", "perf/tokens_per_s", "perf/max_memory", "perf/host_memory", "val/seconds")  # not computed
+MEASURED = ("time/", "perf/tokens_per_s", "perf/update_tflops", "perf/max_memory", "perf/host_memory",
+            "val/seconds")  # not computed
 
 
 def assert_same_records(a: dict, b: dict, skip: tuple[str, ...] = ()) -> None:

@@ -62,6 +62,7 @@ def test_training_end_to_end(tiny_model_dir, data_dir, tmp_path, capsys):
     now = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
     assert host[-1] <= round(now, 3)  # (logged to 3 places)
     assert not [k for r in raw for k in r if k.startswith("perf/max_memory")]  # GPU peaks only on CUDA
+    assert all(r["perf/update_tflops_per_gpu"] > 0 for r in raw)  # (its FLOPs: test_bench's counter test)
     assert not [k for r in rows for k in r if k.startswith("val/accuracy@")]  # no lengths in these rows
     checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert checkpoints == ["step_00000003", "step_00000004"]

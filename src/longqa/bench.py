@@ -61,12 +61,20 @@ class GroupFlops:
     attention: float = 0.0  # the part of ``flops`` that attention's (query, key) pairs make
 
 
+def counts_flops(config) -> bool:
+    """Whether :func:`group_flops` applies: a dense decoder (no experts) whose config names its sizes."""
+    sizes = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+    experts = any(getattr(config, key, None) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
+    return all(isinstance(getattr(config, key, None), int) for key in sizes) and not experts
+
+
 def group_flops(config, prompt: int, responses: list[int], shared: bool) -> GroupFlops:
     """Forward+backward model FLOPs: 6 x params x tokens for the decoder's linear layers, 6 x head x
     response tokens for the LM head, 12 x head_dim x heads x layers per attended (query, key) pair."""
     h, layers = config.hidden_size, config.num_hidden_layers
-    heads, head_dim = config.num_attention_heads, config.head_dim
-    kv = config.num_key_value_heads
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
     per_layer = h * heads * head_dim * 2 + h * kv * head_dim * 2 + 3 * h * config.intermediate_size
     linear = per_layer * layers
     head = config.vocab_size * h

@@ -10,7 +10,9 @@ The trainer logs a flat dict per step. These keys are the ones the console line 
                                         carry one (``longqa data synth --context-lengths``); a source or
                                         length that lost rows to the length limit ends in ``_whole_<k>_of_<n>``
 ``response_length/mean``, ``/max``      response lengths in tokens
-``perf/tokens_per_s``                   throughput of the step
+``perf/tokens_per_s``                   throughput of the step: prompt and response tokens processed per second
+``perf/update_tflops_per_gpu``          the update's model FLOPs (forward and backward, recompute not counted) per
+                                        second of the update phase, per training GPU; dense decoders only
 ``perf/recompiles``, ``/graph_captures`` graphs compiled / decode steps captured in the step (0 once warm)
 ``perf/max_memory_allocated_gb``,      the GPU's peak memory allocated / reserved by torch during the step (GiB,
 ``/max_memory_reserved_gb``             CUDA only), the most of any rank

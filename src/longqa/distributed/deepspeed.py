@@ -235,10 +235,20 @@ def wrap(scorer: torch.nn.Module, cfg: Config, device: torch.device):
         deepspeed.utils.set_z3_leaf_module(layer, True)
     use_accelerator(device)
     skip_inference_comm_op()  # (on the accelerator just chosen: the op is the CPU accelerator's)
+    forget_world_group_clone()
     engine, _, _, _ = deepspeed.initialize(model=scorer, optimizer=optimizer, config=config)
     head = scorer.model.get_output_embeddings()
     deepspeed.zero.register_external_parameter(scorer, head.weight)
     return engine, optimizer
+
+
+def forget_world_group_clone() -> None:
+    """Drop DeepSpeed's cached clone of the world process group. It clones the group once per process and keeps
+    it, so a second run in the same process (a process group destroyed and made anew, as the trainer does around
+    each run) would hand ZeRO-3 a group of the old one and fail ("Group ... is not registered")."""
+    from deepspeed.utils import groups
+
+    groups._WORLD_GROUP = None
 
 
 def backward(engine, loss: torch.Tensor, boundary: bool) -> None:

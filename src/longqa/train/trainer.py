@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from longqa import algo, reward
+from longqa.bench import counts_flops, group_flops
 from longqa.compile_cache import load_run_cache, save_run_cache, use_user_cache
 from longqa.compile_watch import CompileWatch
 from longqa.config import Config, ConfigError, to_dict
@@ -46,6 +47,7 @@ from longqa.support import check_machine
 from longqa.train.actor import Actor, Samples, TrainingError
 from longqa.train.checkpoint import (load_checkpoint, read_trainer_state, resolve_resume, rng_state, save_checkpoint,
                                      set_rng_state)
+from longqa.train.checkpoint_space import check_checkpoint_space
 from longqa.train.preemption import StopRequest, preempted_message
 from longqa.train.resume import CHANGES_KEY, change_history, check_resume, describe_changes
 
@@ -324,14 +326,19 @@ class Trainer:
                                   f"rollout.engine=vllm samples none past them: lower data.max_prompt_length or "
                                   f"data.max_response_length, or sample with rollout.engine=fast")
             self._say(warning)
+        self.steps_per_epoch = len(self.train_set) // cfg.data.train_batch_size
+        total = cfg.trainer.total_epochs * self.steps_per_epoch
+        self.total_steps = min(total, cfg.trainer.max_steps or total)
+        if self.env.is_main:  # (the other ranks stop with it under torchrun)
+            start = 0 if self.resume_from is None else read_trainer_state(self.resume_from)["step"]
+            if warning := check_checkpoint_space(cfg, self.run_dir, model_config, self.env.world_size, start,
+                                                 self.total_steps):
+                self._say(warning)
         self.model, _ = load_model(m.path, gguf_file=m.gguf_file, dtype=m.dtype, attn_implementation=m.attn_implementation,
                                    gradient_checkpointing=m.gradient_checkpointing,
                                    checkpoint_fraction=m.checkpoint_fraction,
                                    activation_offload=m.activation_offload, device=self.device,
                                    tokenizer=self.tokenizer)
-        self.steps_per_epoch = len(self.train_set) // cfg.data.train_batch_size
-        total = cfg.trainer.total_epochs * self.steps_per_epoch
-        self.total_steps = min(total, cfg.trainer.max_steps or total)
         # Compiled graphs from earlier starts (this machine's cache, or the run folder's copy) before any compiling.
         use_user_cache()
         load_run_cache(self.run_dir)
@@ -543,7 +550,7 @@ class Trainer:
         local = {"rewards": rewards.tolist(), "lengths": [len(s.token_ids) for s in samples],
                  "truncated": [s.finish_reason == "length" for s in samples],
                  "reasons": [r.reason for r in results if r.reason], "zero_var": zero_var, "groups": len(groups),
-                 "tokens": sum(batch.length(i) for i in range(len(batch))),
+                 "tokens": sum(batch.length(i) for i in range(len(batch))), "flops": self._update_flops(groups),
                  "reward_error": getattr(self.score, "last_error", None)}
         every = gather_objects(local)  # one entry per rank
         rewards = torch.tensor([x for part in every for x in part["rewards"]])
@@ -554,6 +561,7 @@ class Trainer:
         check_reward_calls(cfg, len(rewards), reward_errors,
                            next((p["reward_error"] for p in every if p["reward_error"]), None), f"step {step + 1}")
         zero_var, tokens = sum(p["zero_var"] for p in every), sum(p["tokens"] for p in every)
+        flops = None if None in (p["flops"] for p in every) else sum(p["flops"] for p in every)
         if zero_var == sum(p["groups"] for p in every):
             self._say_no_gradient(step, zero_var, rewards, reasons)
         else:
@@ -578,6 +586,8 @@ class Trainer:
             **{key: round(most[key], 3) for key in memory},
             **update,
         }
+        if flops is not None:  # the update's model FLOPs per second per training rank (recompute not counted)
+            metrics["perf/update_tflops_per_gpu"] = flops / most["update_s"] / self.env.world_size / 1e12
         self._say_built_again(step)
         if cfg.rollout.mode == "one_step_off":
             metrics["rollout/staleness"] = step - sampled_with
@@ -585,6 +595,15 @@ class Trainer:
             metrics.update({"dynamic/dropped_groups": stats["dropped_groups"],
                             "dynamic/rounds": stats["sampling_rounds"], "dynamic/groups": len(groups)})
         return metrics
+
+    def _update_flops(self, groups: list[dict]) -> float | None:
+        """The model FLOPs of this rank's update of ``groups`` (forward and backward, each prompt once per group
+        under actor.shared_prompt), where the model is a dense decoder whose FLOPs are counted."""
+        config = self.model.config
+        if not counts_flops(config):
+            return None
+        return sum(group_flops(config, len(g["prompt"]), [len(s.token_ids) for s in g["samples"]],
+                               self.cfg.actor.shared_prompt).flops for g in groups)
 
     def _say_built_again(self, step: int) -> None:
         """After this process's first step (which compiles and captures what the run needs), say what a step
