@@ -96,6 +96,23 @@ def test_stores_sized_for_the_longest_prompt_to_come_are_never_re_sized_for_it()
     assert watch.news() == [] and told.kv.prompt_cap == 512
 
 
+def test_a_sampler_rank_s_stores_hold_the_longest_prompt_the_training_ranks_name():
+    """A sampler rank (rollout.sampler_ranks) does not load the data: the training ranks name the longest prompt
+    in their requests, and its engine's stores hold it from the first request on."""
+    from longqa.rollout.base import weights_version
+    from longqa.rollout.remote import _sample
+
+    model = tiny_lm("llama")
+    params = SamplingParams(n=2, max_new_tokens=4, temperature=1.0)
+    engine = FastRolloutEngine(model)
+    watch = CompileWatch(engine)
+    for prompts in ([[7] * 10], [[9] * 300]):
+        message = {"prompts": prompts, "params": params, "seeds": [1], "stop_at": None,
+                   "version": weights_version(model), "prompt_tokens": 300}
+        _sample(engine, [message])
+    assert watch.news() == [] and engine.kv.prompt_cap == 512
+
+
 def test_length_step_gives_at_most_the_bucket_count():
     assert length_step(1) == 128 and length_step(BUDGET) == 256
     assert length_step(16384) == 1024 and length_step(16384 + 1) == 1152

@@ -41,8 +41,11 @@ class RemoteRolloutEngine(RolloutEngine):
     """A training rank's engine when other ranks sample (see the module's docstring). Built before the actor
     shards the model: the samplers hold the weights in the dtype the model was loaded in, which it records."""
 
-    def __init__(self, model, split: Split, bucket_bytes: int = BUCKET_BYTES):
+    def __init__(self, model, split: Split, bucket_bytes: int = BUCKET_BYTES, prompt_tokens: int = 0):
+        """``prompt_tokens``: the longest prompt the run will send (its data's), passed on to the sampler's engine
+        with each request so that its KV stores hold it from the first step on (``FastRolloutEngine``)."""
         self.model, self.split, self.bucket_bytes = model, split, bucket_bytes
+        self.prompt_tokens = prompt_tokens
         self.sampler = split.sampler_of(split.job.rank)
         first = next(model.parameters())
         self.dtype, self.device = first.dtype, first.device  # (an offloaded shard's whole tensor may be on the host)
@@ -56,7 +59,8 @@ class RemoteRolloutEngine(RolloutEngine):
         seeds = prompt_seeds(len(prompts), generator, seeds)
         version = weights_version(self.model) if at_version is None else at_version
         reply = self._ask({"kind": "generate", "prompts": prompts, "params": params, "seeds": seeds,
-                           "stop_at": None if stop_at is None else [list(s) for s in stop_at], "version": version})
+                           "stop_at": None if stop_at is None else [list(s) for s in stop_at], "version": version,
+                           "prompt_tokens": self.prompt_tokens})
         if "trace" in reply:
             failure = SamplerError(f"sampler rank {self.sampler} could not sample for training rank "
                                    f"{self.split.job.rank}:\n{reply['trace']}")
@@ -185,6 +189,7 @@ def _sample(engine, messages: list[dict]) -> list[list[list[Sample]]]:
     stop_at = [s for m in messages for s in m["stop_at"]] if all(limited) else None
     if any(limited) and not all(limited):
         raise ValueError("the training ranks disagree on drawn response lengths in one request")
+    engine.prompt_tokens = max(engine.prompt_tokens, *(m.get("prompt_tokens", 0) for m in messages))
     samples = engine.generate(prompts, params, seeds=seeds, stop_at=stop_at) if prompts else []
     parts, start = [], 0
     for message in messages:

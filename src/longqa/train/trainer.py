@@ -347,7 +347,7 @@ class Trainer:
         # engine keeps an unsharded copy, and vLLM loads the unsharded weights (later syncs gather them).
         logprobs_mode = logprobs_mode_for(r.temperature, r.top_k, r.top_p)
         if split is not None:  # the sampler ranks hold the engine (and their own copy of the weights)
-            self.engine = RemoteRolloutEngine(self.model, split)
+            self.engine = RemoteRolloutEngine(self.model, split, prompt_tokens=self.longest_prompt)
         elif r.engine == "fast":
             self.engine = fast_engine(cfg, self.model, self.tokenizer, prompt_tokens=self.longest_prompt,
                                       own_copy=self.env.distributed or sharded_alone or r.overlap)
