@@ -80,7 +80,8 @@ def check_checkpoint_space(cfg, run_dir: Path, model_config, world_size: int, st
                               f"trainer.output_dir at a disk with room, free space, or set trainer.save_freq=0 "
                               f"(no checkpoints)")
         room = free // size
-        lower = f"trainer.keep_last={room - 1 + existing} keeps it within the free space, " if room > 1 else ""
+        fitting = room - 1 + existing  # the keep_last whose peak (fitting + 1 on disk, existing found) fits
+        lower = f"trainer.keep_last={fitting} keeps it within the free space, " if fitting >= 1 else ""
         return (f"warning: {what}, room for {room} more: with trainer.keep_last={keep} a save writes its checkpoint "
                 f"before deleting the oldest, so save {number} of this run (after step {step}) would find the disk "
                 f"full; {lower}or free space or point trainer.output_dir at a disk with room")
