@@ -575,3 +575,16 @@ def test_two_runs_in_one_process(tiny_model_dir, data_dir, tmp_path):
         settings = {"actor.strategy": "deepspeed", "trainer.max_steps": 1, "trainer.test_freq": 0,
                     "trainer.save_freq": 0}
         assert main(["train", *overrides(tiny_model_dir, data_dir, tmp_path / name, **settings)]) == 0
+
+
+@needs_deepspeed
+def test_a_partial_offload_says_the_share_its_whole_sub_groups_make(tiny_model_dir, data_dir, tmp_path, capsys):
+    """ZeRO-3 keeps int((1 - ratio) x sub-groups) whole sub-groups of the optimizer on the device: a small model is
+    one sub-group, so any ratio offloads all of it, and `longqa train` says so rather than the ratio asked for."""
+    from longqa.cli import main
+
+    settings = {"actor.strategy": "deepspeed", "actor.cpu_offload": "true", "actor.cpu_offload_ratio": 0.5,
+                "trainer.max_steps": 1, "trainer.test_freq": 0, "trainer.save_freq": 0}
+    assert main(["train", *overrides(tiny_model_dir, data_dir, tmp_path / "run", **settings)]) == 0
+    assert ("the whole optimizer offloaded: actor.cpu_offload_ratio=0.5 keeps int(0.5 x 1) = 0 of its 1 sub-groups"
+            in capsys.readouterr().out)

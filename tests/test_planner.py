@@ -218,8 +218,13 @@ def test_the_plan_names_the_partial_offload_where_host_memory_runs_out(capsys):
     ratio = re.search(r"actor.cpu_offload_ratio=([0-9.]+) or lower", capsys.readouterr().err).group(1)
     assert main([*base, f"actor.cpu_offload_ratio={ratio}"]) == 0
     out = capsys.readouterr().out
-    assert f"{float(ratio):.0%} of the optimizer offloaded (DeepSpeed's CPU Adam steps it on the host, torch's AdamW " \
+    share = (9 - int((1 - float(ratio)) * 9)) / 9  # ZeRO-3 keeps whole sub-groups of 1e9 parameters on the GPU
+    assert f"{share:.0%} of the optimizer offloaded (DeepSpeed's CPU Adam steps it on the host, torch's AdamW " \
            f"the rest on the GPU)" in out and out.rstrip().endswith("fits")
+    # a ratio that keeps no whole sub-group on the GPU offloads all of it, and the plan says so
+    assert main([*base, "actor.cpu_offload_ratio=0.9", "--host-memory-gib", "200"]) == 0
+    assert ("the whole optimizer offloaded: actor.cpu_offload_ratio=0.9 keeps int(0.1 x 9) = 0 of its 9 sub-groups"
+            in capsys.readouterr().out)
     assert main([*base, "actor.cpu_offload_ratio=0.05", "--gpu-memory-gib", "96"]) == 2
     assert "offload more of the optimizer (raise actor.cpu_offload_ratio)" in capsys.readouterr().err
     # --largest tries that share where the whole optimizer does not fit the host but the GPU has room

@@ -453,7 +453,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
         flat = [length for group in lengths for length in group]
         responses = (f"responses of drawn lengths, mean {sum(flat) / len(flat):.0f} and longest {max(flat)} of "
                      f"{cfg.data.max_response_length} tokens (rollout.response_lengths={cfg.rollout.response_lengths})")
-    print(f"{_count(sizes.params)} parameters on {where}, {describe_training(cfg)}:\n"
+    print(f"{_count(sizes.params)} parameters on {where}, {describe_training(cfg, sizes.params, args.gpus)}:\n"
           f"GPU memory per GPU:\n{gpu.table()}\nhost memory per node:\n{host.table()}\n"
           f"step time per GRPO step ({cfg.data.train_batch_size} prompts x {cfg.rollout.n}, {responses}; H200s, the "
           f"fast engine):\n{step.table()}")

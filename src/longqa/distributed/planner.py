@@ -381,14 +381,23 @@ def recomputed_fraction(cfg) -> float:
     return cfg.model.checkpoint_fraction if cfg.model.gradient_checkpointing else 0.0
 
 
-def describe_training(cfg) -> str:
-    """The sharding and where the optimizer steps, in words, for the plan's heading."""
+def describe_training(cfg, model_params: int | None = None, world_size: int = 1) -> str:
+    """The sharding and where the optimizer steps, in words, for the plan's heading. With the model's parameter
+    count, a partial ZeRO-3 offload says the share that ZeRO-3's whole sub-groups make of the ratio asked for."""
     optimizer, params = offloads(cfg)
     if cfg.actor.strategy == "deepspeed":
-        ratio = offload_ratio(cfg)[0]
+        ratio, sub_group_size = offload_ratio(cfg)
         where = ("optimizer and parameters offloaded" if params else "optimizer offloaded") if optimizer else ""
         if where and ratio < 1 and not params:
-            return (f"DeepSpeed ZeRO-3, {ratio:.0%} of the optimizer offloaded (DeepSpeed's CPU Adam steps it on the "
+            share = ratio
+            if model_params is not None:
+                groups = zero3_sub_groups(model_params, world_size, sub_group_size)
+                share = host_share(ratio, groups)
+                if share == 1:
+                    return (f"DeepSpeed ZeRO-3, the whole optimizer offloaded: actor.cpu_offload_ratio={ratio:g} keeps "
+                            f"int({1 - ratio:.2g} x {groups}) = 0 of its {groups} sub-groups of {sub_group_size:,} "
+                            f"parameters on the GPU (DeepSpeed's CPU Adam steps it on the host)")
+            return (f"DeepSpeed ZeRO-3, {share:.0%} of the optimizer offloaded (DeepSpeed's CPU Adam steps it on the "
                     f"host, torch's AdamW the rest on the GPU)")
         return "DeepSpeed ZeRO-3" + (f", {where} (DeepSpeed's CPU Adam steps it on the host)" if where else "")
     return "FSDP2" + (", CPU offload (torch's AdamW steps it on the host)" if optimizer else "")

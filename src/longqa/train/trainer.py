@@ -31,7 +31,7 @@ from longqa.data.prompts import GROUPS, PromptOptions, PromptSet, describe_losse
 from longqa.distributed.deepspeed import check_deepspeed
 from longqa.distributed.env import DistEnv, Split, all_reduce, gather_objects, leave_group
 from longqa.distributed.planner import (SAMPLER_KV_SHARE, check_data_parallel, check_run, check_sampler_ranks,
-                                        float32_masters)
+                                        describe_training, float32_masters)
 from longqa.evaluate import evaluate, stop_token_ids
 from longqa.lengths import draw_response_lengths
 from longqa.model.load import (compile_decoder_layers, compiled_graphs, config_tokenizer, load_model,
@@ -47,7 +47,7 @@ from longqa.support import check_machine
 from longqa.train.actor import Actor, Samples, TrainingError
 from longqa.train.checkpoint import (load_checkpoint, read_trainer_state, resolve_resume, rng_state, save_checkpoint,
                                      set_rng_state)
-from longqa.train.checkpoint_space import check_checkpoint_space
+from longqa.train.checkpoint_space import check_checkpoint_space, count_parameters
 from longqa.train.preemption import StopRequest, preempted_message
 from longqa.train.resume import CHANGES_KEY, change_history, check_resume, describe_changes
 
@@ -334,6 +334,8 @@ class Trainer:
             if warning := check_checkpoint_space(cfg, self.run_dir, model_config, self.env.world_size, start,
                                                  self.total_steps):
                 self._say(warning)
+            if deepspeed and cfg.actor.cpu_offload and cfg.actor.cpu_offload_ratio < 1:  # (in whole sub-groups)
+                self._say(describe_training(cfg, count_parameters(model_config), self.env.world_size))
         self.model, _ = load_model(m.path, gguf_file=m.gguf_file, dtype=m.dtype, attn_implementation=m.attn_implementation,
                                    gradient_checkpointing=m.gradient_checkpointing,
                                    checkpoint_fraction=m.checkpoint_fraction,
