@@ -75,16 +75,16 @@ def test_the_warning_names_the_save_that_a_simulation_finds_failing(tmp_path, mo
         folder.mkdir(parents=True)
         (folder / "COMPLETE").write_text("{}")
     size = 10**6
-    monkeypatch.setattr(checkpoint_space, "count_parameters", lambda config: size // 12)
+    params = size // 12  # (a float32 checkpoint: 12 bytes a parameter)
     monkeypatch.setattr(checkpoint_space, "free_bytes", lambda folder: room * size + size // 2)
     cfg = load_config(None, ["trainer.save_freq=2", f"trainer.keep_last={keep_last}"])
     saves = save_steps(2, existing, 11)  # after steps 2, 4, ..., 10 and the last, 11
     expected = simulated_failing_save(existing, len(saves), keep_last, room)
     if expected == 1:
         with pytest.raises(Exception, match="the first save, after step"):
-            check_checkpoint_space(cfg, run, None, 1, existing, 11)
+            check_checkpoint_space(cfg, run, params, 1, existing, 11)
         return
-    warning = check_checkpoint_space(cfg, run, None, 1, existing, 11)
+    warning = check_checkpoint_space(cfg, run, params, 1, existing, 11)
     if expected is None:
         assert warning is None
         return

@@ -52,14 +52,13 @@ def count_parameters(model_config) -> int:
         return sum(p.numel() for p in AutoModelForCausalLM.from_config(model_config).parameters())
 
 
-def check_checkpoint_space(cfg, run_dir: Path, model_config, world_size: int, start_step: int,
+def check_checkpoint_space(cfg, run_dir: Path, params: int, world_size: int, start_step: int,
                            total_steps: int) -> str | None:
     """Refuse a run whose first checkpoint cannot fit in the free space of ``run_dir``'s disk; return a warning
     naming the first save that would find the disk full, if a later one would; None when all fit."""
     saves = save_steps(cfg.trainer.save_freq, start_step, total_steps)
     if not saves:
         return None
-    params = count_parameters(model_config)
     size = checkpoint_bytes(cfg, params, world_size)
     free = free_bytes(run_dir)
     folder = checkpoints_dir(run_dir)

@@ -329,13 +329,15 @@ class Trainer:
         self.steps_per_epoch = len(self.train_set) // cfg.data.train_batch_size
         total = cfg.trainer.total_epochs * self.steps_per_epoch
         self.total_steps = min(total, cfg.trainer.max_steps or total)
-        if self.env.is_main:  # (the other ranks stop with it under torchrun)
+        partial_offload = deepspeed and cfg.actor.cpu_offload and cfg.actor.cpu_offload_ratio < 1
+        if self.env.is_main and (cfg.trainer.save_freq or partial_offload):  # (the other ranks stop with it)
+            params = count_parameters(model_config)
             start = 0 if self.resume_from is None else read_trainer_state(self.resume_from)["step"]
-            if warning := check_checkpoint_space(cfg, self.run_dir, model_config, self.env.world_size, start,
+            if warning := check_checkpoint_space(cfg, self.run_dir, params, self.env.world_size, start,
                                                  self.total_steps):
                 self._say(warning)
-            if deepspeed and cfg.actor.cpu_offload and cfg.actor.cpu_offload_ratio < 1:  # (in whole sub-groups)
-                self._say(describe_training(cfg, count_parameters(model_config), self.env.world_size))
+            if partial_offload:  # the share offloaded, in whole sub-groups
+                self._say(describe_training(cfg, params, self.env.world_size))
         self.model, _ = load_model(m.path, gguf_file=m.gguf_file, dtype=m.dtype, attn_implementation=m.attn_implementation,
                                    gradient_checkpointing=m.gradient_checkpointing,
                                    checkpoint_fraction=m.checkpoint_fraction,
