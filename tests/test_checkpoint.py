@@ -272,6 +272,31 @@ def test_resolve_resume(tmp_path):
         resolve_resume(tmp_path, str(first))
 
 
+def test_resume_accepts_a_run_folder_or_its_checkpoints_folder_and_says_which_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    training = make_training(0)
+    save(run, 1, training)
+    latest = save(run, 2, training)
+    said = []
+    assert resolve_resume(tmp_path / "other", str(run), say=said.append) == latest
+    assert resolve_resume(tmp_path / "other", str(run / "checkpoints")) == latest
+    assert said == [f"trainer.resume={run}: resuming its latest complete checkpoint, {latest}"]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="neither a checkpoint nor a run folder with a complete one"):
+        resolve_resume(tmp_path, str(tmp_path / "empty"))
+
+
+def test_weights_of_another_shape_are_refused_in_one_line_naming_the_first_parameter(tmp_path):
+    path = save(tmp_path, 1, make_training(0))
+    wider = Qwen3ForCausalLM(Qwen3Config(**{**TINY, "hidden_size": 48}))
+    optimizer = torch.optim.AdamW(wider.parameters())
+    with pytest.raises(CheckpointError) as error:
+        load_checkpoint(path, model=wider, optimizer=optimizer)
+    message = str(error.value)
+    assert "\n" not in message and "do not fit model.path" in message
+    assert "model.embed_tokens.weight is [64, 32] in the checkpoint but [64, 48] in the model" in message
+
+
 def test_export_hf_loads_with_from_pretrained_and_gives_the_same_logits(tmp_path, tokenizer):
     training = make_training(0)
     train_step(*training)

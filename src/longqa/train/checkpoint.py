@@ -56,6 +56,7 @@ __all__ = [
     "export_hf",
     "is_complete",
     "latest_checkpoint",
+    "latest_of_folder",
     "load_checkpoint",
     "load_model_weights",
     "read_trainer_state",
@@ -106,8 +107,22 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     return found[max(found)] if found else None
 
 
-def resolve_resume(run_dir: str | os.PathLike, resume: str) -> Path | None:
-    """The checkpoint that ``trainer.resume`` designates: ``auto`` (latest, or None), ``none``, or a path."""
+def latest_of_folder(path: str | os.PathLike) -> Path | None:
+    """The latest complete checkpoint of a run folder or of its ``checkpoints/`` folder (what ``longqa export``
+    also accepts), or None when ``path`` holds none: a user naming the run means its latest checkpoint."""
+    path = Path(path)
+    return latest_checkpoint(path.parent if path.name == checkpoints_dir("").name else path)
+
+
+def _is_checkpoint_folder(path: Path) -> bool:
+    """Whether ``path`` is a checkpoint's own folder (finished or not), rather than a run or checkpoints folder."""
+    return (path / MARKER).exists() or (path / TRAINER_STATE).exists() or _STEP_DIR.fullmatch(path.name) is not None
+
+
+def resolve_resume(run_dir: str | os.PathLike, resume: str, say: Callable[[str], Any] | None = None) -> Path | None:
+    """The checkpoint that ``trainer.resume`` designates: ``auto`` (latest, or None), ``none``, a checkpoint
+    folder, or a run folder (or its ``checkpoints/``), which means its latest complete checkpoint (said with
+    ``say``, since the user did not name it)."""
     if resume == "none":
         return None
     if resume == "auto":
@@ -116,6 +131,14 @@ def resolve_resume(run_dir: str | os.PathLike, resume: str) -> Path | None:
     if not path.is_dir():
         raise CheckpointError(f"trainer.resume={resume}: no checkpoint folder at {path}; "
                               f"use trainer.resume=auto for the latest one in {checkpoints_dir(run_dir)}")
+    if not _is_checkpoint_folder(path):
+        latest = latest_of_folder(path)
+        if latest is None:
+            raise CheckpointError(f"trainer.resume={resume}: {path} is neither a checkpoint nor a run folder with a "
+                                  f"complete one: give runs/NAME/checkpoints/step_XXXXXXXX or runs/NAME")
+        if say is not None:
+            say(f"trainer.resume={resume}: resuming its latest complete checkpoint, {latest}")
+        return latest
     if not is_complete(path):
         raise CheckpointError(f"trainer.resume={resume}: {path} is incomplete (no {MARKER} marker; its writing "
                               f"was interrupted); use trainer.resume=auto for the latest complete checkpoint")
@@ -337,6 +360,33 @@ def _check(path: Path) -> None:
             raise CheckpointError(f"checkpoint {path} is damaged: {name} has {actual} bytes, expected {size}")
 
 
+def _saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """The model weights' shapes recorded in a sharded checkpoint's metadata, by parameter name."""
+    import torch.distributed.checkpoint as dcp
+
+    metadata = dcp.FileSystemReader(str(path / SHARDED)).read_metadata().state_dict_metadata
+    return {key.removeprefix("model."): tuple(getattr(item, "size", ()))
+            for key, item in metadata.items() if key.startswith("model.")}
+
+
+def _check_shapes(path: Path, model: torch.nn.Module, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Refuse, in one line, weights of another shape than the model's (a checkpoint of another model): loading
+    them would fail deep in torch with a long list of every mismatching tensor."""
+    mine = {name: tuple(value.shape) for name, value in model.state_dict().items()}
+    common = [name for name in mine if name in shapes]
+    mismatched = [name for name in common if shapes[name] != mine[name]]
+    if mismatched:
+        name = mismatched[0]
+        what = (f"{name} is {list(shapes[name])} in the checkpoint but {list(mine[name])} in the model"
+                + (f" ({len(mismatched) - 1} more differ)" if len(mismatched) > 1 else ""))
+    elif mine and shapes and not common:
+        what = f"none of the model's parameter names is in it (the model has {next(iter(mine))})"
+    else:
+        return
+    raise CheckpointError(f"checkpoint {path} holds weights that do not fit model.path: {what}; resume with the "
+                          f"model it was trained from, or start a new run in another trainer.output_dir")
+
+
 def _load_states(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
     """Model (and optimizer) state from either layout, into a model sharded over any number of ranks."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
@@ -346,6 +396,8 @@ def _load_states(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
         import torch.distributed.checkpoint as dcp
 
         from longqa.distributed.env import training_group
+
+        _check_shapes(path, model, _saved_shapes(path))
 
         if optimizer is None:
             state = {"model": get_model_state_dict(model)}
@@ -359,6 +411,8 @@ def _load_states(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
         model_state = _load(path / MODEL)
         optimizer_state = _load(path / OPTIMIZER) if optimizer is not None else None
         full = True  # whole tensors: each rank keeps its shard of them
+        _check_shapes(path, model, {name: tuple(value.shape) for name, value in model_state.items()
+                                    if isinstance(value, torch.Tensor)})
     options = StateDictOptions(full_state_dict=full)
     if optimizer is None:
         set_model_state_dict(model, model_state, options=options)

@@ -292,7 +292,7 @@ class Trainer:
         check_run(cfg, self.env.world_size, gpu_bytes, say=self._say)
         # The checkpoint to resume from, and what differs from the config it was written with: refused now, before
         # anything loads, where the difference changes what the run computes.
-        self.resume_from = resolve_resume(self.run_dir, cfg.trainer.resume)
+        self.resume_from = resolve_resume(self.run_dir, cfg.trainer.resume, say=self._say)
         self.resume_changes = [] if self.resume_from is None else check_resume(
             self.resume_from, read_trainer_state(self.resume_from)["config"], cfg)
         self.changes_on_resume: list[dict] = []  # this timeline's record of them, saved in every checkpoint
