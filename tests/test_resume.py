@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from longqa.config import Config, ConfigError, all_keys, checked, load_config, to_dict
-from longqa.train.resume import APPLIED_ON_RESUME, REFUSED_ON_RESUME, check_resume, config_changes, describe_changes
+from longqa.train.resume import (APPLIED_ON_RESUME, REFUSED_ON_RESUME, check_resume, config_changes, data_fingerprint,
+                                 describe_changes)
 
 CHECKPOINT = Path("run/checkpoints/step_00000003")
 
@@ -122,3 +123,36 @@ def test_a_key_the_checkpoint_does_not_record_is_compared_with_its_default():
     assert check_resume(CHECKPOINT, recorded, Config()) == []
     with pytest.raises(ConfigError, match="rollout.n 8 -> 4"):
         check_resume(CHECKPOINT, recorded, load_config(None, ["rollout.n=4"]))
+
+
+def test_data_replaced_under_the_same_name_is_refused_unless_allowed(tmp_path, monkeypatch):
+    """The checkpoint's data position and order hold for the rows it was trained on, not for others."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "train.parquet").write_bytes(b"first rows")
+    cfg = load_config(None, ["data.train_files=[d/train.parquet]"])
+    recorded, then = to_dict(cfg), data_fingerprint(cfg)
+    assert check_resume(CHECKPOINT, recorded, cfg, then, data_fingerprint(cfg)) == []
+    (tmp_path / "d" / "train.parquet").write_bytes(b"other rows")
+    with pytest.raises(ConfigError, match=r"data.train_files: the contents of d/train.parquet changed since the "
+                                          r"checkpoint; resume with"):
+        check_resume(CHECKPOINT, recorded, cfg, then, data_fingerprint(cfg))
+    cfg.trainer.resume_allow_changes = True
+    changes = check_resume(CHECKPOINT, recorded, cfg, then, data_fingerprint(cfg))
+    assert [c.key for c in changes] == ["trainer.resume_allow_changes", "data.train_files"]
+    assert "data.train_files: the contents of d/train.parquet changed" in describe_changes(changes, 1)[-1]
+
+
+def test_a_checkpoint_without_a_data_fingerprint_resumes_as_before(tmp_path):
+    (tmp_path / "train.parquet").write_bytes(b"rows")
+    cfg = load_config(None, [f"data.train_files=[{tmp_path}/train.parquet]"])
+    assert check_resume(CHECKPOINT, to_dict(cfg), cfg, None, data_fingerprint(cfg)) == []
+
+
+def test_data_given_under_another_name_is_one_change_of_its_key(tmp_path):
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.parquet").write_bytes(name.encode())
+    before = load_config(None, [f"data.train_files=[{tmp_path}/a.parquet]"])
+    after = load_config(None, [f"data.train_files=[{tmp_path}/b.parquet]", "trainer.resume_allow_changes=true"])
+    changes = check_resume(CHECKPOINT, to_dict(before), after, data_fingerprint(before), data_fingerprint(after))
+    assert [c.key for c in changes] == ["data.train_files", "trainer.resume_allow_changes"]

@@ -7,7 +7,8 @@ values is one of two things:
   validated, saved and logged, and how the work is done (devices, memory, speed, launcher), which leaves
   the numbers as they were up to float rounding. Changing these is a decision about the rest of the run:
   the new values hold from the resumed step on, and the run says which changed.
-- refused (``REFUSED_ON_RESUME``): what the run computes: the model, the data and its filtering, the batch,
+- refused (``REFUSED_ON_RESUME``): what the run computes: the model, the data (its files' names and, through
+  ``DATA_KEY``, their contents) and its filtering, the batch,
   the group size and sampling, the objective, the reward, the seed. A resumed run with another value would
   match neither the run it continues nor any uninterrupted run, so it is refused, naming every such
   difference at once, unless ``trainer.resume_allow_changes=true`` says the change is meant.
@@ -66,6 +67,9 @@ REFUSED_ON_RESUME = frozenset({
     "actor.strategy", "actor.cpu_offload_ratio",
 })
 
+DATA_KEY = "data_fingerprint"  # in trainer_state.json: {"data.train_files": [digest of each file], ...}
+DATA_FILE_KEYS = ("data.train_files", "data.val_files")
+
 CHANGES_KEY = "resumed_with_changes"  # in trainer_state.json: [{"step": N, "changes": {key: [old, new]}}, ...]
 
 
@@ -121,10 +125,59 @@ def config_changes(recorded: dict, cfg: Config) -> list[Change]:
             if _compared(key, then[key]) != _compared(key, value)]
 
 
-def check_resume(checkpoint: Path, recorded: dict, cfg: Config) -> list[Change]:
+@dataclass(frozen=True)
+class DataChange(Change):
+    """Files of ``key`` whose contents differ from the checkpoint's under the same names: the data position
+    and order the checkpoint holds would be laid over other rows."""
+
+    files: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        return f"{self.key}: the contents of {', '.join(self.files)} changed since the checkpoint"
+
+
+def _digest(path: str) -> str | None:
+    """The file's content digest, as the prompt cache keys its entries by (None for a missing file, which the
+    data loading reports)."""
+    from longqa.data.prompts import _file_digest
+
+    path = Path(os.path.expanduser(path))
+    return _file_digest(path) if path.is_file() else None
+
+
+def data_fingerprint(cfg: Config) -> dict[str, list[str | None]]:
+    """A digest of the bytes of each training and validation file, in order, for the checkpoint to record: a
+    file replaced under the same name is a change of data that the config alone would not show."""
+    d = cfg.data
+    return {key: [_digest(f) for f in files or []]
+            for key, files in zip(DATA_FILE_KEYS, (d.train_files, d.val_files))}
+
+
+def data_changes(recorded: dict, then: dict | None, cfg: Config, now: dict) -> list[Change]:
+    """The data files whose contents changed since the checkpoint under the names it records (``then``: its
+    fingerprint; None in checkpoints written before fingerprints, which resume as they did). A file given under
+    another name is already a change of its key."""
+    if not then:
+        return []
+    recorded = {**_flat(to_dict(Config())), **_flat(recorded)}
+    changes = []
+    for key, files in zip(DATA_FILE_KEYS, (cfg.data.train_files, cfg.data.val_files)):
+        if key not in then or _compared(key, recorded[key]) != _compared(key, files):
+            continue
+        changed = tuple(f for f, old, new in zip(files or [], then[key], now[key]) if old != new)
+        if changed:
+            changes.append(DataChange(key, then[key], now[key], changed))
+    return changes
+
+
+def check_resume(checkpoint: Path, recorded: dict, cfg: Config, data_then: dict | None = None,
+                 data_now: dict | None = None) -> list[Change]:
     """The changes resuming from ``checkpoint`` with ``cfg`` makes; a ConfigError naming every change that
-    alters what the run computes, unless ``trainer.resume_allow_changes`` allows them."""
+    alters what the run computes, unless ``trainer.resume_allow_changes`` allows them. ``data_then`` and
+    ``data_now``: the data fingerprints (``data_fingerprint``) of the checkpoint and of this run."""
     changes = config_changes(recorded, cfg)
+    if data_now is not None:
+        changes += data_changes(recorded, data_then, cfg, data_now)
     refused = [c for c in changes if c.refused]
     if refused and not cfg.trainer.resume_allow_changes:
         applied = [c for c in changes if not c.refused]

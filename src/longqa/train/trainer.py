@@ -49,7 +49,7 @@ from longqa.train.checkpoint import (load_checkpoint, read_trainer_state, resolv
                                      set_rng_state)
 from longqa.train.checkpoint_space import check_checkpoint_space, count_parameters
 from longqa.train.preemption import StopRequest, preempted_message
-from longqa.train.resume import CHANGES_KEY, change_history, check_resume, describe_changes
+from longqa.train.resume import CHANGES_KEY, DATA_KEY, change_history, check_resume, data_fingerprint, describe_changes
 
 AHEAD_KEY = "sampled_ahead"  # in trainer_state.json: rollout.mode=one_step_off's groups for the next step
 
@@ -293,8 +293,8 @@ class Trainer:
         # The checkpoint to resume from, and what differs from the config it was written with: refused now, before
         # anything loads, where the difference changes what the run computes.
         self.resume_from = resolve_resume(self.run_dir, cfg.trainer.resume, say=self._say)
-        self.resume_changes = [] if self.resume_from is None else check_resume(
-            self.resume_from, read_trainer_state(self.resume_from)["config"], cfg)
+        self.data_fingerprint = data_fingerprint(cfg)  # the data files' contents, which the config does not show
+        self.resume_changes = [] if self.resume_from is None else self._check_resume(self.resume_from)
         self.changes_on_resume: list[dict] = []  # this timeline's record of them, saved in every checkpoint
         # One process still shards in a group of its own when something must leave the device: ZeRO-3
         # partitions even one rank's weights, and FSDP2's CPU offload moves the shards to host memory.
@@ -381,6 +381,12 @@ class Trainer:
                                      max_new_tokens=cfg.data.max_response_length, stop_token_ids=self.stops,
                                      stop_strings=tuple(r.stop),
                                      return_logprobs=r.engine != "vllm" or logprobs_mode is not None)
+
+    def _check_resume(self, checkpoint: Path) -> list:
+        """What resuming from ``checkpoint`` changes (settings, and data files with other contents under the same
+        names), each change that alters what the run computes refused unless allowed."""
+        state = read_trainer_state(checkpoint)
+        return check_resume(checkpoint, state["config"], self.cfg, state.get(DATA_KEY), self.data_fingerprint)
 
     def _compilable(self) -> bool:
         """Whether the update's decoder layers are compiled: for the Llama-family layers the fast engine's fused
@@ -800,7 +806,8 @@ class Trainer:
                                scheduler=self.actor.scheduler, engine=self.actor.engine,
                                keep_last=cfg.trainer.keep_last,
                                trainer_state={"step": done, "bad_steps": self.actor.bad_steps, "config": to_dict(cfg),
-                                              CHANGES_KEY: self.changes_on_resume, AHEAD_KEY: self._ahead_state()})
+                                              CHANGES_KEY: self.changes_on_resume, AHEAD_KEY: self._ahead_state(),
+                                              DATA_KEY: self.data_fingerprint})
         if self.env.is_main and compiled_graphs() > self.compiled_when_cached:  # something new to keep
             save_run_cache(self.run_dir)
             self.compiled_when_cached = compiled_graphs()
