@@ -33,28 +33,23 @@ Modes (the ``mode`` argument, else the ``REWARD_CALC_TYPE`` environment variable
        case folding, accents removed and Unicode punctuation and symbols removed, on both sides. Numbers
        keep what gives their value, where the benchmarks' normalisation runs "3.5" and "35" together: a
        decimal point, a minus sign, a time's colon, a fraction's slash, a range's dash, a percent sign
-       ("50 percent" is "50%"). A date's or version's separators count as one ("12.05.1990" is
-       "12/05/1990"); thousands separators and a plus sign carry no value ("+1,000" is "1000").
+       ("50 percent" is "50%"); a decimal is written one way ("3.50" and "3.5", ".5" and "0.5", "3500.0"
+       and "3500"). A date's or version's separators count as one ("12.05.1990" is "12/05/1990"), and a
+       date with a month's name reads day first ("July 4, 1776" is "4 July 1776"); thousands separators
+       and a plus sign carry no value ("+1,000" is "1000"). LaTeX in a box reads as its text:
+       ``\text{Paris}`` is "Paris", ``\frac{1}{2}`` is "1/2", ``\pi`` is "π", ``Fran\c{c}ois`` is "François".
        An answer has two readings: joined, punctuation removed as the benchmarks do ("X-Men" is "xmen",
        "AT&T" is "att"), and separated, where a dash is a space, "&" is "and" and "/" is "or"
        ("Saint-Étienne" is "saint etienne", "Paris & London" is "paris and london"). An empty
        prediction scores 0.
     5. Against each ground truth (the best one counts), the prediction scores 1.0 when, in either reading,
-       it equals the answer (so wherever the benchmarks' normalisation matches two answers without
-       digits, this does too); or when, in both readings, it
-       - is shorter and is a contiguous run of whole answer words covering strictly more than half of
-         them ("Van Houten" for "Milhouse Van Houten", but not "van", "Milhouse", or "Obama" for
-         "Barack Obama"); or
-       - is longer, contains the whole answer as a contiguous run of whole words, adds at most
-         ``MAX_EXTRA_WORDS`` (2) words, none of which is a hedge word such as "or", "and", "not",
-         "maybe" ("Paris, France" for "Paris"; not "Paris or London", not "Paris & London", not a list
-         of five names);
-       and in both cases has the answer's numbers and no others (a word with a digit, or one of
-       ``NUMBER_WORDS`` such as "million" or "minus": "5 km" for "5", not "5 million", not
-       "1990, 1995" for "1990", not "March 1990" for "5 March 1990").
-       Otherwise 0. Known residue: a longer prediction like "Paris, London" (a second candidate without a
-       hedge word, within two words) still counts; a qualifier and an alternative look alike to a
-       string rule, and the word cap limits how much can be hedged this way.
+       it equals the answer, and 0 otherwise: exact match, as the benchmarks score it, but for numbers
+       (where the benchmarks' normalisation matches two answers without digits, this does too). A
+       fragment ("World War" for "World War II", "Van Houten" for "Milhouse Van Houten") and an answer
+       with more words ("Paris, France" or "Paris London Rome" for "Paris", "less than 13" for "13") score
+       0: a string rule cannot tell a qualifier from a second candidate, or a shortened name from one
+       that covers several answers, and any such allowance is a way to hedge that a policy learns. With
+       exact match, naming the one most likely answer is always the best a policy can do.
 
 Every score comes with a reason (``RewardResult.reason``), None for a full success, so training can count
 failure kinds: ``bad_solution``, ``bad_ground_truth``, ``unclosed_think``, ``no_boxed``,
@@ -98,12 +93,11 @@ __all__ = [
 
 DEFAULT_MODE = "hardened"
 MODE_ENV = "REWARD_CALC_TYPE"
-MAX_EXTRA_WORDS = 2
+# Words that make an answer with the ground truth in it a hedge rather than a wordy answer (a failure reason only:
+# either scores 0).
 HEDGE_WORDS = frozenset(
     {"or", "and", "nor", "either", "neither", "not", "no", "maybe", "perhaps", "possibly", "probably"}
 )
-# Words that scale or negate the number beside them: never a qualifier to add or a part to leave out.
-NUMBER_WORDS = frozenset({"hundred", "thousand", "million", "billion", "trillion", "minus", "negative", "bc", "bce"})
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 
@@ -128,12 +122,27 @@ _BETWEEN_DIGITS = re.compile(r"(?<=\d)[^\w\s](?=\d)")
 _SIGN = re.compile(rf"(?<!\w)[{_DASHES}](?=\.?\d)")
 _LEADING_POINT = re.compile(r"(?<!\w)\.(?=\d)")
 _PERCENT = re.compile(r"(?<=\d)\s*(?:%|percent\b|per\s+cent\b)")
-_DATE = re.compile(f"\\d+([{_STAND_IN['.']}{_STAND_IN['/']}{_STAND_IN['-']}])\\d+(?:\\1\\d+)+")
+# Possessive digit runs that start a run: linear in a long string of digits (backtracking was quadratic).
+_DATE = re.compile(f"(?<!\\d)\\d++([{_STAND_IN['.']}{_STAND_IN['/']}{_STAND_IN['-']}])\\d++(?:\\1\\d++)+")
+_NUMBER_MARKS = "".join(_STAND_IN.values())
+_DECIMAL = re.compile(f"(?<![\\w{_NUMBER_MARKS}])({_STAND_IN['-']}?)(\\d*+){_STAND_IN['.']}(\\d++)"
+                      f"(?![\\w{_NUMBER_MARKS.replace(_STAND_IN['%'], '')}])")  # a percent may follow
+_NEGATIVE_ZERO = re.compile(f"(?<![\\w{_NUMBER_MARKS}]){_STAND_IN['-']}(?=0++(?![\\w{_NUMBER_MARKS}]))")
+_MONTHS = ("january", "february", "march", "april", "may", "june", "july", "august", "september", "october",
+           "november", "december")
+_MONTH_NAMES = {**{name: name for name in _MONTHS}, **{name[:3]: name for name in _MONTHS}, "sept": "september"}
+_MONTH = "|".join(sorted(_MONTH_NAMES, key=len, reverse=True))
+_DAY = r"(\d{1,2})(?:st|nd|rd|th)?"
+_MONTH_FIRST = re.compile(rf"\b({_MONTH})\.?\s+{_DAY}\b(?:\s*,)?(\s+\d{{1,4}}\b)?")
+_DAY_FIRST = re.compile(rf"\b{_DAY}\s+(?:of\s+)?({_MONTH})\b\.?(?:\s*,)?(\s+\d{{1,4}}\b)?")
 _SEPARATORS = re.compile(f"[{_DASHES}&/]")
 _SEPARATOR_WORDS = {"&": " and ", "/": " or "}
 _BRACE = re.compile(r"[{}]")
 _BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
-_LATEX_COMMAND = re.compile(r"\\[A-Za-z]+")
+_LATEX_SPACE = re.compile(r"\\\\|\\[,;:! ]|(?<!\\)~")  # a line break, spacing commands, a tie (not the accent \~)
+_LATEX_FRACTION = re.compile(r"\\[dt]?frac\s*")
+_LATEX_ACCENT = re.compile(r"\\(?:[\'\"`^~=.]|[cvuHkrdb](?![A-Za-z]))\s*(?:\{(\w*)\}|(\w))")
+_LATEX_COMMAND = re.compile(r"\\([A-Za-z]+)\s*(\{)?")
 _LATEX_ESCAPE = re.compile(r"\\(.)", re.DOTALL)
 # When every truth fails, the most specific failure is the one worth counting.
 _FAILURE_ORDER = ("multiple_answers", "answer_overflow", "eot_overflow", "wrong")
@@ -154,21 +163,31 @@ def _fail(reason: str) -> RewardResult:
 # --- shared text functions -----------------------------------------------------------------------
 
 
-def _truth_list(ground_truth: Any) -> list[str] | None:
-    """Accept what verl passes (a str, a list, or a numpy array after a parquet round trip), or None.
+def _truth_text(truth: Any) -> str | None:
+    """A ground truth as text: a string, or a finite number written as Python writes it (42, 3.5; 5.0 is "5").
+    A bool is no number here: ``True`` as an answer is a data bug, not "1"."""
+    if isinstance(truth, str):
+        return truth
+    if isinstance(truth, numbers.Real) and not isinstance(truth, bool) and math.isfinite(truth):
+        return str(int(truth)) if float(truth).is_integer() else repr(float(truth))
+    return None
 
-    The rule matches the data schema: a non-blank string or a non-empty list of non-blank strings. A blank
+
+def _truth_list(ground_truth: Any) -> list[str] | None:
+    """Accept what verl passes (a str, a list, or a numpy array after a parquet round trip) and what a Python
+    caller may (a number, a list of them), or None.
+
+    The rule matches the data schema, plus numbers: a non-blank answer or a non-empty list of them. A blank
     truth would be a substring of every prediction, so it is refused rather than rewarded.
     """
-    if not isinstance(ground_truth, str) and hasattr(ground_truth, "tolist"):
+    if hasattr(ground_truth, "tolist"):  # numpy arrays and scalars
         ground_truth = ground_truth.tolist()
-    if isinstance(ground_truth, str):
+    if not isinstance(ground_truth, (list, tuple)):
         ground_truth = [ground_truth]
-    if not isinstance(ground_truth, (list, tuple)) or not ground_truth:
+    truths = [_truth_text(truth) for truth in ground_truth]
+    if not truths or not all(truth and truth.strip() for truth in truths):
         return None
-    if not all(isinstance(truth, str) and truth.strip() for truth in ground_truth):
-        return None
-    return list(ground_truth)
+    return truths
 
 
 def _balanced_end(text: str, start: int) -> int | None:
@@ -344,11 +363,60 @@ def _boxes(text: str) -> list[str] | None:
     return contents
 
 
+def _latex_argument(text: str, start: int) -> tuple[str, int] | None:
+    """A command's argument at ``start`` (spaces skipped): a braced group's content or one character, with
+    the index after it; None when there is none."""
+    while start < len(text) and text[start].isspace():
+        start += 1
+    if start >= len(text) or text[start] == "}":
+        return None
+    if text[start] != "{":
+        return text[start], start + 1
+    end = _balanced_end(text, start)
+    return (text[start + 1:end], end + 1) if end is not None else None
+
+
+def _fractions(text: str) -> str:
+    r"""``\frac{a}{b}`` (also ``\dfrac``, ``\tfrac``, ``\frac12``) as "a/b", nested ones included; one pass, so
+    a box of many fractions costs linear time."""
+    pieces, position = [], 0
+    while match := _LATEX_FRACTION.search(text, position):
+        pieces.append(text[position:match.start()])
+        numerator = _latex_argument(text, match.end())
+        denominator = numerator and _latex_argument(text, numerator[1])
+        if not denominator:  # a fraction without its arguments: drop the command
+            pieces.append(" ")
+            position = match.end()
+            continue
+        pieces.append(f"{_fractions(numerator[0])}/{_fractions(denominator[0])}")
+        position = denominator[1]
+    return "".join(pieces) + text[position:]
+
+
+def _latex_symbol(name: str) -> str:
+    """A command without an argument: a Greek letter as itself (``\pi`` is "π"), anything else (spacing,
+    ``\left``, ``\displaystyle``) a space."""
+    for case in ("SMALL", "CAPITAL"):
+        try:
+            letter = unicodedata.lookup(f"GREEK {case} LETTER {name.upper()}")
+        except KeyError:
+            continue
+        if (case == "SMALL") == name[0].islower():
+            return letter
+    return " "
+
+
 def _unlatex(text: str) -> str:
-    r"""Plain text of a box: ``\text{Paris}`` is "Paris", ``AT\&T`` is "AT&T", ``~`` is a space."""
-    text = _LATEX_COMMAND.sub(" ", text)
+    r"""Plain text of a box, as LaTeX would print it: ``\text{Paris}`` is "Paris" and ``P\text{aris}`` "Paris"
+    (a command's braced argument continues the text), ``\frac{1}{2}`` is "1/2", ``\pi`` is "π",
+    ``Fran\c{c}ois`` is "Francois" (accents go later anyway), ``AT\&T`` is "AT&T", ``~``, ``\,`` and
+    ``\\`` are spaces."""
+    text = _LATEX_SPACE.sub(" ", text)
+    text = _fractions(text)
+    text = _LATEX_ACCENT.sub(lambda match: match.group(1) or match.group(2) or "", text)
+    text = _LATEX_COMMAND.sub(lambda match: "" if match.group(2) else _latex_symbol(match.group(1)), text)
     text = _LATEX_ESCAPE.sub(r"\1", text)
-    return " ".join(text.replace("~", " ").replace("{", "").replace("}", "").split())
+    return " ".join(text.replace("{", "").replace("}", "").split())
 
 
 def _protect_numbers(text: str) -> str:
@@ -366,7 +434,29 @@ def _protect_numbers(text: str) -> str:
     text = _SIGN.sub(_STAND_IN["-"], text)
     text = _LEADING_POINT.sub(_STAND_IN["."], text)
     text = _PERCENT.sub(_STAND_IN["%"], text)
-    return _DATE.sub(lambda match: match.group().replace(match.group(1), _STAND_IN["/"]), text)
+    text = _DATE.sub(lambda match: match.group().replace(match.group(1), _STAND_IN["/"]), text)
+    text = _DECIMAL.sub(_canonical_decimal, text)
+    return _NEGATIVE_ZERO.sub("", text)
+
+
+def _canonical_decimal(match: re.Match) -> str:
+    """One spelling per decimal value: no trailing zeros after the point, a zero before it ("3.50" and
+    "3.5", ".5" and "0.5", "3500.0" and "3500"), no sign on zero. Integers keep their leading zeros: "007"
+    is a name, not 7."""
+    sign, whole, fraction = match.groups()
+    whole, fraction = whole or "0", fraction.rstrip("0")
+    if not fraction and not whole.strip("0"):
+        return "0"
+    return sign + whole + (_STAND_IN["."] + fraction if fraction else "")
+
+
+def _day_first_dates(text: str) -> str:
+    """Dates with a month's name, day first ("July 4, 1776" and "4th of July 1776" are "4 july 1776"), so the
+    order a style guide picks does not decide the score. ``text`` is case-folded."""
+    def day_first(day: str, month: str, year: str | None) -> str:
+        return f"{int(day)} {_MONTH_NAMES[month]}{' ' + year.strip() if year else ''}"
+    text = _MONTH_FIRST.sub(lambda match: day_first(match.group(2), match.group(1), match.group(3)), text)
+    return _DAY_FIRST.sub(lambda match: day_first(match.group(1), match.group(2), match.group(3)), text)
 
 
 class _FoldTable(dict):
@@ -404,7 +494,7 @@ def _readings(text: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     ("Saint-Étienne" is "saint etienne"), "&" as "and", "/" as "or", so a list written with them is a list
     in both directions ("Paris & London" hedges like "Paris and London"). Both keep numbers whole.
     """
-    text = _protect_numbers(unicodedata.normalize("NFKC", text).casefold())
+    text = _protect_numbers(_day_first_dates(unicodedata.normalize("NFKC", text).casefold()))
     separated = _SEPARATORS.sub(lambda match: _SEPARATOR_WORDS.get(match.group(), " "), text)
     return _words(text), _words(separated)
 
@@ -414,42 +504,20 @@ def _contains_run(words: tuple[str, ...], run: tuple[str, ...]) -> bool:
     return f" {' '.join(run)} " in f" {' '.join(words)} "
 
 
-def _numbers(words: tuple[str, ...]) -> tuple[str, ...]:
-    """The words that carry a value: those with a digit, and those that scale or negate a number."""
-    return tuple(word for word in words if _DIGIT.search(word) or word in NUMBER_WORDS)
-
-
-def _partial_match(prediction: tuple[str, ...], truth: tuple[str, ...]) -> str | None:
-    """None when the prediction names the answer with fewer or more words; otherwise the failure reason.
-
-    Either way its numbers must be the answer's: a qualifier or the part of a name left out is words,
-    never a number, so "5 million" is not "5" and "1990, 1995" does not name "1990".
-    """
-    if prediction == truth:
-        return None
-    if len(prediction) < len(truth):
-        covers_most = 2 * len(prediction) > len(truth) and _contains_run(truth, prediction)
-        return None if covers_most and _numbers(prediction) == _numbers(truth) else "wrong"
-    if not _contains_run(prediction, truth):
-        return "wrong"
-    if HEDGE_WORDS.intersection(Counter(prediction) - Counter(truth)):
-        return "multiple_answers"
-    if len(prediction) - len(truth) > MAX_EXTRA_WORDS:
-        return "answer_overflow"
-    return None if _numbers(prediction) == _numbers(truth) else "wrong"
+def _failure(prediction: tuple[str, ...], truth: tuple[str, ...]) -> str:
+    """Why a prediction that is not the answer failed: the answer with a hedge word beside it, the answer
+    with other words, or something else."""
+    if len(prediction) > len(truth) and _contains_run(prediction, truth):
+        return "multiple_answers" if HEDGE_WORDS.intersection(Counter(prediction) - Counter(truth)) else "answer_overflow"
+    return "wrong"
 
 
 def _hardened_match(prediction: tuple[tuple[str, ...], ...], truth: tuple[tuple[str, ...], ...]) -> str | None:
-    """None when the prediction names the answer; otherwise the failure reason (see :func:`_readings`).
-
-    Equal in either reading is a match. Fewer or more words must pass in both readings, so neither
-    reading opens a way around the other's guards ("Paris-London" is one word joined, "Jean-Paul" is
-    one of two words of "Jean-Paul Sartre" joined).
-    """
+    """None when the prediction equals the answer in either reading (see :func:`_readings`); otherwise the
+    failure reason."""
     if any(ours == theirs for ours, theirs in zip(prediction, truth)):
         return None
-    failures = [failure for failure in map(_partial_match, prediction, truth) if failure]
-    return min(failures, key=_FAILURE_ORDER.index) if failures else None
+    return min(map(_failure, prediction, truth), key=_FAILURE_ORDER.index)
 
 
 def _hardened_boxes(solution: str) -> tuple[list[str] | None, str | None]:
@@ -548,7 +616,8 @@ def extract_answer(solution_str: Any) -> str | None:
 def _eval_truths(ground_truth: Any) -> list[str]:
     truths = _truth_list(ground_truth)
     if truths is None:
-        raise ValueError(f"ground_truth must be a non-blank string or a non-empty list of them, got {ground_truth!r}")
+        raise ValueError(f"ground_truth must be a non-blank string or a finite number, or a non-empty list of them, "
+                         f"got {ground_truth!r}")
     return truths
 
 
