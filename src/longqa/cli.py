@@ -214,22 +214,27 @@ def cmd_eval(args: argparse.Namespace) -> None:
         given = [_flag(o) for o in options if getattr(args, o) != args.eval_defaults[o]]
         if getattr(args, source) and given:
             raise ConfigError(f"{_flag(source)} takes no {', '.join(given)}: {why}")
-    mode = args.mode or environment_reward_mode() or "hardened"  # the environment's checked even when unused
+    environment_mode = environment_reward_mode()  # the environment's checked even when unused
+    mode = args.mode or environment_mode or "hardened"
+    mode_from = "--mode" if args.mode else "REWARD_CALC_TYPE" if environment_mode else "the default"
     if args.longbench or args.longbench_scores:
         return _eval_longbench(args)
     import json
 
     from longqa.data.prompts import PromptOptions, prepare_prompts
-    from longqa.evaluate import answer_engine, evaluate, format_groups, format_table, mode_reward
+    from longqa.evaluate import (answer_engine, check_model_folder, describe_prompt_losses, evaluate, format_groups,
+                                 format_table, mode_reward, prompt_counts)
     from longqa.model.load import answer_dtype, load_model, load_model_tokenizer, pick_device, position_limit_warning
 
     output = _writable(args.output, "--output") if args.output else None
     samples = _writable(args.samples, "--samples") if args.samples else None
     device = pick_device(args.device, "--device")
+    check_model_folder(args.model)
     tokenizer = load_model_tokenizer(args.model)  # the data before the weights: a bad file fails fast
-    prompts = prepare_prompts(args.data, tokenizer, PromptOptions(args.max_prompt_length,
-                                                                  skip_bad_rows=args.skip_bad_rows),
-                              length_setting="--max-prompt-length", skip_setting="--skip-bad-rows")
+    options = PromptOptions(args.max_prompt_length, skip_bad_rows=args.skip_bad_rows)
+    prompts = prepare_prompts(args.data, tokenizer, options, length_setting="--max-prompt-length",
+                              skip_setting="--skip-bad-rows")
+    print("\n".join(describe_prompt_losses(prompts, options)))
     if args.limit is not None:
         prompts = prompts.first_of_each_file(args.limit)
     dtype = answer_dtype(args.dtype, device)
@@ -239,7 +244,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         print(warning, file=sys.stderr)
     result = evaluate(model, tokenizer, prompts, args.max_new_tokens, args.batch_size, samples, mode_reward(mode),
                       engine=answer_engine(model, tokenizer, args.engine, args.batch_size), files=args.data)
-    result["dtype"] = dtype
+    result.update(dtype=dtype, reward_mode=mode, reward_mode_from=mode_from, **prompt_counts(prompts))
     print(format_table(result) + format_groups(result))
     if output is not None:
         output.parent.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,7 @@ from typing import Callable, Sequence
 import torch
 
 from longqa import reward
+from longqa.config import ConfigError
 
 
 # A reward function: (data_source, response, ground_truth, extra_info) -> reward.RewardResult, as the trainer
@@ -115,8 +116,6 @@ def answer_engine(model, tokenizer, choice: str = "auto", batch_size: int = 64, 
         return FastRolloutEngine(model, tokenizer, max_groups=batch_size, dtype=dtype)
     except UnsupportedModelError as e:
         if choice == "fast":
-            from longqa.config import ConfigError
-
             raise ConfigError(f"--engine fast cannot answer with this model ({e}); --engine hf can") from None
         return None
 
@@ -242,8 +241,63 @@ def evaluate(model, tokenizer, prompts, max_new_tokens: int, batch_size: int = 6
     return result
 
 
+def check_model_folder(path: str | None, flag: str = "--model") -> None:
+    """Refuse, in one line, a folder that holds no model to answer with: a training run or checkpoint folder
+    (its weights are a training state that ``longqa export`` turns into a model folder) or a folder without a
+    model's config. Without this, transformers' tokenizer loader fails there with an unrelated complaint about
+    missing tokenizer packages."""
+    from longqa.train.checkpoint import MARKER, TRAINER_STATE, checkpoints_dir
+
+    folder = Path(path).expanduser() if path else None
+    if folder is None or not folder.is_dir():
+        return  # the embedded model, a hub id, a GGUF file, or a path the model loader reports
+    export = f"run `longqa export {path} OUT` first and give {flag} OUT"
+    if (folder / TRAINER_STATE).is_file() or (folder / MARKER).is_file():
+        raise ConfigError(f"{flag} {path} is a training checkpoint, not a model folder: {export}")
+    if folder.name == checkpoints_dir("").name or checkpoints_dir(folder).is_dir():
+        raise ConfigError(f"{flag} {path} is a training run folder, not a model folder: {export} "
+                          f"(it exports the run's latest complete checkpoint)")
+    if not (folder / "config.json").is_file() and not any(folder.glob("*.gguf")):
+        why = "it is empty" if not any(folder.iterdir()) else "no config.json"
+        raise ConfigError(f"{flag} {path} holds no model ({why}): give a model folder, hub id or GGUF file")
+
+
+# ``describe_losses`` names the config keys of `longqa train`; a command with flags names its flags instead.
+LOSS_FLAGS = (("data.max_prompt_length", "--max-prompt-length"), ("data.skip_bad_rows=true", "--skip-bad-rows"))
+
+
+def describe_prompt_losses(prompts, options, name: str = "prompts") -> list[str]:
+    """What preparing ``prompts`` dropped or cut, per reason, data_source and context length, in the words
+    `longqa train` uses but naming the flags: a source that vanished would otherwise only be missed in the
+    table."""
+    from longqa.data.prompts import describe_losses
+
+    lines = describe_losses(prompts, name, options)
+    for key, flag in LOSS_FLAGS:
+        lines = [line.replace(key, flag) for line in lines]
+    return lines
+
+
+def prompt_counts(prompts) -> dict:
+    """The counts behind ``describe_prompt_losses``, for a JSON record: rows read, prompts kept, dropped as
+    overlong or bad and truncated, and per data_source that lost any (a list, so that a result's only
+    mappings stay its per-source scores)."""
+    from longqa.data.prompts import tally
+
+    stats = prompts.stats
+    return {"rows_read": stats.rows_read, "kept": stats.kept, "dropped_overlong": stats.overlong_filtered,
+            "bad_rows_skipped": stats.bad_rows, "truncated": stats.truncated,
+            "lost_by_source": [{"data_source": source, "rows": t.rows, "dropped": t.dropped,
+                                "truncated": t.truncated}
+                               for source, t in tally(prompts, "data_source").items() if t.lost]}
+
+
 def format_table(result: dict) -> str:
-    lines = [f"{'data_source':32s} {'n':>6s} {'acc':>7s} {'em':>7s} {'f1':>7s}"]
+    """The per-source scores; with ``result["reward_mode"]``, a first line that says which mode made ``acc``."""
+    lines = [f"acc: reward mode {result['reward_mode']}" + (f" ({result['reward_mode_from']})"
+                                                           if result.get("reward_mode_from") else "")
+             ] if result.get("reward_mode") else []
+    lines.append(f"{'data_source':32s} {'n':>6s} {'acc':>7s} {'em':>7s} {'f1':>7s}")
     for source, r in result.items():
         if isinstance(r, dict):
             lines.append(f"{source:32s} {r['n']:6d} {r['accuracy']:7.3f} {r['em']:7.3f} {r['f1']:7.3f}")

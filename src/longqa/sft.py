@@ -27,7 +27,7 @@ from longqa.config import ConfigError
 from longqa.data.io import DataFileError, iter_rows
 from longqa.data.prompts import PromptOptions, PromptSet, prepare_prompts
 from longqa.distributed.planner import ModelSizes, check_sft
-from longqa.evaluate import answer_engine, evaluate, format_table
+from longqa.evaluate import answer_engine, describe_prompt_losses, evaluate, format_table, prompt_counts
 from longqa.model.load import (DTYPES, answer_dtype, load_model, load_model_config, load_model_tokenizer, pick_device,
                                qwen3_config, raise_position_limit, set_max_positions)
 from longqa.model.logprobs import token_logprobs
@@ -194,6 +194,7 @@ def run_sft(options: SFTOptions, command: str = "") -> dict:
     prompt_options = PromptOptions(options.max_prompt_length)
     train = prepare_prompts(options.train_files, tokenizer, prompt_options, length_setting="--max-prompt-length",
                             skip_setting=None)
+    print("\n".join(describe_prompt_losses(train, prompt_options, "train")), flush=True)
     examples, starts = _examples(train, tokenizer, options)
     lengths = np.asarray([len(e) for e in examples])
     check_positions(int(lengths.max()), config.max_position_embeddings)
@@ -208,6 +209,7 @@ def run_sft(options: SFTOptions, command: str = "") -> dict:
     if options.eval_files:
         held_out = prepare_prompts(options.eval_files, tokenizer, prompt_options,
                                    length_setting="--max-prompt-length", skip_setting=None)
+        print("\n".join(describe_prompt_losses(held_out, prompt_options, "held-out")), flush=True)
         keep = min(options.eval_rows, len(held_out))
         held_out = PromptSet(held_out.token_ids, held_out.offsets[:keep + 1], held_out.meta[:keep], held_out.stats)
     max_new = int(max(len(e) - s for e, s in zip(examples, starts))) + 16
@@ -273,7 +275,8 @@ def run_sft(options: SFTOptions, command: str = "") -> dict:
                "shape": {k: getattr(model.config, k) for k in (
                    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
                    "max_position_embeddings")},
-               "examples": len(examples), "tokens_seen": tokens_seen, "device": str(device),
+               "examples": len(examples), "train_prompts": prompt_counts(train), "tokens_seen": tokens_seen,
+               "device": str(device),
                "options": asdict(options), "commit": _git_commit(), "command": command, "evals": log}
     if held_out is not None:
         final = run_eval()
