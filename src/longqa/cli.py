@@ -190,8 +190,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     if result["preempted"]:
         return EXIT_PREEMPTED
     if result["report"]:  # rank 0 (or the only process)
-        print(f"done: {result['steps']} steps; report: {result['report']}")
+        print(f"done: {_steps_done(result)}; report: {result['report']}")
     return 0
+
+
+def _steps_done(result: dict) -> str:
+    """The step the run is at, and how many of its steps this process trained when it resumed (a resume that
+    had nothing to train says so itself and writes no report)."""
+    steps, trained = result["steps"], result.get("trained")
+    if trained is None or trained == steps:
+        return f"{steps} steps"
+    return f"at step {steps}, {trained} of them trained in this run"
 
 
 # Options that an input of `longqa eval` has no use for, and why: given with it, they would do nothing.
@@ -286,7 +295,8 @@ def cmd_export(args: argparse.Namespace) -> None:
 
     from longqa.config import load_config_dict
     from longqa.model.load import config_tokenizer, load_model
-    from longqa.train.checkpoint import CheckpointError, export_hf, is_complete, latest_checkpoint
+    from longqa.train.checkpoint import (CheckpointError, check_export_folder, export_hf, is_complete,
+                                         latest_checkpoint)
 
     _writable(args.output, "the output folder", folder=True)  # transformers only logs that it cannot write a file
     checkpoint = Path(args.checkpoint)
@@ -299,6 +309,7 @@ def cmd_export(args: argparse.Namespace) -> None:
         checkpoint = latest
     elif not is_complete(checkpoint):
         raise CheckpointError(f"{checkpoint} is incomplete (its writing was interrupted): export an earlier step")
+    check_export_folder(args.output, checkpoint)
     state = json.loads((checkpoint / "trainer_state.json").read_text())
     cfg = load_config_dict(state["config"])
     model, tokenizer = load_model(cfg.model.path, gguf_file=cfg.model.gguf_file, dtype=cfg.model.dtype,
@@ -627,9 +638,12 @@ def _add_model_commands(groups: argparse._SubParsersAction) -> None:
 
     p = groups.add_parser("export", help="a checkpoint as a Hugging Face folder (safetensors + tokenizer)",
                           description="Write checkpoint CHECKPOINT (or a run's latest complete one) as a folder "
-                          "that transformers (and vLLM) load.")
+                          "that transformers (and vLLM) load. The output folder must be new, empty, or a previous "
+                          "export (only the files an export writes: config, safetensors weights, tokenizer), which "
+                          "is replaced; a folder inside the run's checkpoints folder is refused, since training "
+                          "deletes old checkpoints there.")
     p.add_argument("checkpoint", help="runs/NAME/checkpoints/step_XXXXXXXX, or a run folder runs/NAME")
-    p.add_argument("output", help="output folder")
+    p.add_argument("output", help="output folder: new, empty, or a previous export to replace")
     p.set_defaults(func=cmd_export)
 
 

@@ -33,6 +33,7 @@ from longqa.model.load import (DTYPES, answer_dtype, load_model, load_model_conf
 from longqa.model.logprobs import token_logprobs
 from longqa.model.tokenizer import train_tokenizer
 from longqa.sft_options import SFTOptions
+from longqa.train.checkpoint import follow_umask
 
 END_OF_TURN = "<|im_end|>"
 
@@ -269,6 +270,7 @@ def run_sft(options: SFTOptions, command: str = "") -> dict:
 
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
+    follow_umask(out.glob("*.safetensors"))
     model.float()
     summary = {"steps": step, "epochs_started": epoch, "train_minutes": round((time.perf_counter() - train_start) / 60, 2),
                "params": params, "architecture": type(model).__name__,

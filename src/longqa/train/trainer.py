@@ -696,7 +696,24 @@ class Trainer:
             if isinstance(self.engine, RemoteRolloutEngine):
                 self.engine.close(finished)
 
+    def _already_done(self) -> dict | None:
+        """When the checkpoint to resume is at or past the run's last step: the line saying there is nothing to
+        train (nothing loaded, no change applied), and the result at the checkpoint's step; None otherwise."""
+        if self.resume_from is None:
+            return None
+        step = read_trainer_state(self.resume_from)["step"]
+        if step < self.total_steps:
+            return None
+        t = self.cfg.trainer
+        limit = (f"trainer.max_steps={t.max_steps}" if t.max_steps and t.max_steps == self.total_steps else
+                 f"the {self.total_steps} steps of trainer.total_epochs={t.total_epochs}")
+        self._say(f"checkpoint {self.resume_from} is already at step {step} >= {limit}: nothing to train; raise "
+                  f"trainer.max_steps (or trainer.total_epochs) to go on")
+        return {"steps": step, "trained": 0, "report": None, "preempted": None}
+
     def _run(self) -> dict:
+        if (result := self._already_done()) is not None:
+            return result
         with self.stop_request:
             start_step, resumed = self._resume()
             self.saved = (start_step, resumed) if resumed is not None else None
@@ -707,10 +724,10 @@ class Trainer:
                 done = self._train(start_step, logger)
             if self.stopping and done < self.total_steps:
                 return self._preempted(done)
-            if not self.env.is_main or "jsonl" not in self.cfg.trainer.logger:  # the report is drawn from the jsonl
-                return {"steps": self.total_steps, "report": None, "preempted": None}
-            report = write_report(self.run_dir)
-            return {"steps": self.total_steps, "report": str(report), "preempted": None}
+            result = {"steps": done, "trained": done - start_step, "report": None, "preempted": None}
+            if self.env.is_main and "jsonl" in self.cfg.trainer.logger:  # the report is drawn from the jsonl
+                result["report"] = str(write_report(self.run_dir))
+            return result
 
     def _resume(self) -> tuple[int, Path | None]:
         """The step to start from and the checkpoint it was restored from (None: a fresh start). The settings
