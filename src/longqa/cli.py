@@ -872,6 +872,9 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = argv  # the command as typed, for records such as the model card
     try:
         code = args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C before training installs its own handler (loading, building): no traceback
+        print("longqa: interrupted", file=sys.stderr)
+        return 130
     except Exception as e:
         # a path that cannot be read or written (an output folder on a read-only disk, say) is the user's to fix
         if not isinstance(e, _reported_errors()) and not (isinstance(e, OSError) and e.filename):

@@ -1,0 +1,154 @@
+"""`longqa eval`, `export` and `sft` as a new user meets them: what was left out is said and recorded, folders that
+hold no model (or that an export would spoil) are refused in one line, written weights follow the umask, and
+Ctrl-C during set-up ends in one line."""
+
+import json
+import os
+import stat
+
+import pytest
+import torch
+
+from longqa.cli import main
+
+
+@pytest.fixture
+def umask_022():
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
+def _mode(path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_eval_says_and_records_the_prompts_it_dropped_and_the_reward_mode(tmp_path, monkeypatch, capsys):
+    from longqa.data.io import iter_rows, write_rows
+    from conftest import qa_row
+
+    data, scores = tmp_path / "data", tmp_path / "scores.json"
+    assert main(["data", "synth", "--output-dir", str(data), "--rows-per-task", "4", "--tasks", "hotpotqa",
+                 "musique", "--context-lengths", "512", "256"]) == 0
+    rows = list(iter_rows(data / "merged" / "test.parquet"))
+    bad = qa_row(9)
+    bad["reward_model"] = {"style": "rule", "ground_truth": [" "]}  # a blank answer: a bad row
+    write_rows([*rows, bad], tmp_path / "test.parquet")
+    monkeypatch.setenv("REWARD_CALC_TYPE", "format_f1_score")
+    capsys.readouterr()
+    assert main(["eval", "--data", str(tmp_path / "test.parquet"), "--max-prompt-length", "450", "--skip-bad-rows",
+                 "--max-new-tokens", "2", "--device", "cpu", "--output", str(scores)]) == 0
+    out = capsys.readouterr().out
+    assert ("prompts: 2 of 5 kept; 2 dropped over --max-prompt-length=450; 1 bad rows dropped (--skip-bad-rows)"
+            in out)
+    assert "by data_source: " in out and "by target_tokens: 512: 2 of 2 dropped, none left" in out
+    assert "data.max_prompt_length" not in out
+    assert "acc: reward mode format_f1_score (REWARD_CALC_TYPE)\ndata_source " in out
+    result = json.loads(scores.read_text())
+    assert (result["rows_read"], result["kept"], result["dropped_overlong"], result["bad_rows_skipped"]) == (5, 2, 2, 1)
+    assert {entry["data_source"] for entry in result["lost_by_source"]} == {
+        "synth_hotpotqa", "synth_musique", "custom_hotpotqa"}
+    assert (result["reward_mode"], result["reward_mode_from"]) == ("format_f1_score", "REWARD_CALC_TYPE")
+    monkeypatch.delenv("REWARD_CALC_TYPE")
+    assert main(["eval", "--data", str(data / "merged" / "test.parquet"), "--max-new-tokens", "2", "--device", "cpu",
+                 "--mode", "hardened"]) == 0
+    out = capsys.readouterr().out
+    assert "prompts: all 4 kept whole\n" in out and "acc: reward mode hardened (--mode)\n" in out
+
+
+def test_eval_refuses_a_run_a_checkpoint_or_an_empty_folder_as_the_model_in_one_line(tmp_path, capsys):
+    run = tmp_path / "run"
+    step = run / "checkpoints" / "step_00000002"
+    step.mkdir(parents=True)
+    (step / "trainer_state.json").write_text("{}")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("")
+    cases = {run: f"--model {run} is a training run folder, not a model folder: run `longqa export {run} OUT` first",
+             run / "checkpoints": "is a training run folder",
+             step: f"--model {step} is a training checkpoint, not a model folder: run `longqa export {step} OUT`",
+             tmp_path / "empty": f"--model {tmp_path / 'empty'} holds no model (it is empty)",
+             tmp_path / "other": "holds no model (no config.json)"}
+    for model, complaint in cases.items():
+        assert main(["eval", "--model", str(model), "--data", "x.parquet", "--device", "cpu"]) == 2
+        err = capsys.readouterr().err
+        assert complaint in err and err.count("\n") == 1 and "sentencepiece" not in err
+
+
+@pytest.fixture(scope="module")
+def run_folder(tmp_path_factory):
+    """A run folder with one complete checkpoint of the embedded model, as `longqa train` leaves it."""
+    from longqa.config import Config, to_dict
+    from longqa.model.load import load_model
+    from longqa.train.checkpoint import save_checkpoint
+
+    run = tmp_path_factory.mktemp("run")
+    model, _ = load_model(None)
+    save_checkpoint(run, 2, model=model, optimizer=torch.optim.AdamW(model.parameters()),
+                    trainer_state={"config": to_dict(Config()), "step": 2}, keep_last=2)
+    return run
+
+
+def test_export_writes_weights_others_can_read_and_replaces_only_an_export(run_folder, tmp_path, capsys, umask_022):
+    out = tmp_path / "hf"
+    assert main(["export", str(run_folder), str(out)]) == 0
+    assert _mode(out / "model.safetensors") == _mode(out / "config.json") == 0o644
+    assert main(["export", str(run_folder), str(out)]) == 0  # a previous export: replaced
+    sft = tmp_path / "sft"
+    sft.mkdir()
+    (sft / "README.md").write_text("an sft model card")
+    (sft / "config.json").write_text("{}")
+    inside = run_folder / "checkpoints" / "hf"
+    capsys.readouterr()
+    assert main(["export", str(run_folder), str(sft)]) == 2
+    assert capsys.readouterr().err == (f"longqa: error: the output folder {sft} holds files no export writes "
+                                       f"(README.md): give a new or empty folder, or a previous export's, which is "
+                                       f"replaced\n")
+    assert main(["export", str(run_folder), str(inside)]) == 2
+    assert "is inside" in capsys.readouterr().err and not inside.exists()
+    assert main(["export", str(run_folder), str(run_folder)]) == 2  # the run folder itself holds checkpoints/
+    assert "holds files no export writes (checkpoints)" in capsys.readouterr().err
+
+
+def test_export_folder_rule():
+    """The rule `longqa export --help` states, on paths alone."""
+    from pathlib import Path
+
+    from longqa.train.checkpoint import CheckpointError, check_export_folder
+
+    step = Path("/runs/r1/checkpoints/step_00000002")
+    for out in ("/runs/r1/checkpoints", "/runs/r1/checkpoints/hf", "/runs/r1/checkpoints/step_00000002/hf"):
+        with pytest.raises(CheckpointError, match="inside /runs/r1/checkpoints"):
+            check_export_folder(out, step)
+    check_export_folder("/runs/r1/hf", step)  # (a folder that does not exist yet)
+    with pytest.raises(CheckpointError, match="inside /elsewhere/step_2"):
+        check_export_folder("/elsewhere/step_2/hf", "/elsewhere/step_2")
+
+
+def test_sft_says_what_it_dropped_and_writes_weights_others_can_read(tmp_path, capsys, umask_022):
+    from longqa.data.synth import generate
+
+    generate(tmp_path / "data", rows_per_task=4, context_tokens=256, max_hops=2, test_ratio=0.25, seed=5,
+             context_lengths=[256, 1024])
+    out = tmp_path / "model"
+    assert main(["sft", "--train-files", str(tmp_path / "data/merged/train.parquet"), "--output-dir", str(out),
+                 "--max-prompt-length", "700", "--vocab-size", "400", "--hidden-size", "32", "--num-layers", "2",
+                 "--num-heads", "4", "--num-kv-heads", "2", "--max-steps", "1", "--warmup-steps", "1",
+                 "--batch-tokens", "8192", "--device", "cpu"]) == 0
+    printed = capsys.readouterr().out
+    summary = json.loads((out / "sft_summary.json").read_text())
+    counts = summary["train_prompts"]
+    assert counts["dropped_overlong"] > 0 and counts["kept"] == summary["examples"]
+    assert (f"train: {counts['kept']} of {counts['rows_read']} kept; {counts['dropped_overlong']} dropped over "
+            f"--max-prompt-length=700") in printed
+    assert _mode(out / "model.safetensors") == _mode(out / "README.md") == 0o644
+
+
+def test_ctrl_c_in_a_command_ends_in_one_line_with_status_130(monkeypatch, capsys):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("longqa.model.load.load_model_tokenizer", interrupted)
+    assert main(["eval", "--data", "x.parquet", "--device", "cpu"]) == 130
+    captured = capsys.readouterr()
+    assert captured.err == "longqa: interrupted\n" and "Traceback" not in captured.out + captured.err
