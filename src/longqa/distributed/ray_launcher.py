@@ -57,6 +57,36 @@ def ray_worker_count(cfg, cluster_gpus: int, use_gpu: bool) -> int:
     return workers
 
 
+def check_placeable(workers: int, use_gpu: bool, resources: dict) -> None:
+    """Refuse workers the Ray cluster cannot place (one GPU each on a GPU run, one CPU each otherwise): Ray Train
+    would wait for them and retry its start for ever, whatever trainer.max_failures says."""
+    gpus, cpus = int(resources.get("GPU", 0)), int(resources.get("CPU", 0))
+    unit = "GPU" if use_gpu else "CPU"
+    if workers <= (gpus if use_gpu else cpus):
+        return
+    raise ConfigError(f"trainer.ray_workers={workers} Ray workers need one {unit} each, but the Ray cluster has "
+                      f"{gpus} GPUs and {cpus} CPUs: set trainer.ray_workers (a verl line's trainer.n_gpus_per_node "
+                      f"x trainer.nnodes) to what there is, add nodes, or train here with trainer.launcher=local")
+
+
+def _failure_config(failure_config: type, max_failures: int):
+    """``trainer.max_failures`` restarts, and as many failed starts of the worker group: Ray Train's second API
+    counts those apart (``controller_failure_limit``), without a bound by default, so a start that can never
+    succeed would loop for ever. Its first API has no such count."""
+    try:
+        return failure_config(max_failures=max_failures, controller_failure_limit=max_failures)
+    except TypeError:
+        return failure_config(max_failures=max_failures)
+
+
+def describe_launch(workers: int, use_gpu: bool) -> str:
+    """The line saying the run goes to Ray workers, which a verl line's n_gpus_per_node chooses without naming
+    trainer.launcher."""
+    return (f"trainer.launcher=ray: {workers} Ray Train workers, one {'GPU' if use_gpu else 'CPU'} each "
+            f"(a verl line's trainer.n_gpus_per_node x trainer.nnodes sets trainer.launcher=ray and "
+            f"trainer.ray_workers)")
+
+
 def _scaling(scaling_config: type, workers: int, use_gpu: bool):
     """``workers`` workers, and Ray Train's coordinator on no CPU of its own. Ray Train's first API (Ray 2.40 to
     about 2.50) reserves one CPU for its coordinator by default, so a cluster with exactly one CPU per worker
@@ -81,6 +111,8 @@ def run_with_ray(cfg: Config, train: Callable[..., dict]) -> dict:
     gpus = int(ray.cluster_resources().get("GPU", 0))
     use_gpu = gpus > 0 and cfg.trainer.device != "cpu"
     workers = ray_worker_count(cfg, gpus, use_gpu)
+    check_placeable(workers, use_gpu, ray.cluster_resources())
+    print(describe_launch(workers, use_gpu), flush=True)
     local = _absolute(cfg)
     run_dir = Path(local.trainer.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -90,7 +122,7 @@ def run_with_ray(cfg: Config, train: Callable[..., dict]) -> dict:
         scaling_config=_scaling(ScalingConfig, workers, use_gpu),
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         run_config=RunConfig(name="longqa", storage_path=str(run_dir / "ray"),
-                             failure_config=FailureConfig(max_failures=cfg.trainer.max_failures)))
+                             failure_config=_failure_config(FailureConfig, cfg.trainer.max_failures)))
     with forward_stop_requests(stop_file) as forwarded:
         result = trainer.fit()
         stopped = forwarded.stopped()
