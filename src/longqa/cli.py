@@ -182,6 +182,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from longqa.train.trainer import train
 
     cfg = run_config(args)
+    _check_verl_data(args, cfg)
     demo = load_config(DEMO_CONFIG).data
     demo_files = (cfg.data.train_files, cfg.data.val_files) == (demo.train_files, demo.val_files)
     if _split_config_args(args)[0] is None and demo_files:
@@ -192,6 +193,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     if result["report"]:  # rank 0 (or the only process)
         print(f"done: {_steps_done(result)}; report: {result['report']}")
     return 0
+
+
+def _check_verl_data(args: argparse.Namespace, cfg: Config) -> None:
+    """A verl line without a config file has no data files unless it names them: say why, not only that."""
+    from longqa.verl_keys import is_verl_line, verl_start_note
+
+    path, overrides = _split_config_args(args)
+    if not cfg.data.train_files and path is None and is_verl_line(overrides):
+        raise ConfigError(f"no data files given: {verl_start_note()}")
 
 
 def _steps_done(result: dict) -> str:

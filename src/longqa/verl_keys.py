@@ -459,6 +459,13 @@ def verl_notes(overrides: Sequence[str]) -> list[str]:
     return [f"{key}={split_override(text)[1]}: {why}" for text, key, why in _said(overrides) if why]
 
 
+def verl_start_note() -> str:
+    """What a verl line without a config file starts from, in one line: not the embedded demo, so no data files
+    unless the line names them (verl's own default has none either)."""
+    return ("verl keys and no config file: starting from longqa's defaults with verl's where results differ, not "
+            "the embedded demo, so data.train_files is empty unless given (give a config file, or data.train_files)")
+
+
 def is_verl_line(overrides: Sequence[str]) -> bool:
     """Whether any override is in verl's vocabulary (not in longqa's): such a line describes a whole run."""
     def verl(text: str) -> bool:
