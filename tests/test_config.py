@@ -1,6 +1,10 @@
+import argparse
+import os
+
 import pytest
 
-from longqa.config import ConfigError, all_keys, load_config, parse_override, to_yaml
+from longqa.cli import main, run_config
+from longqa.config import ConfigError, all_keys, load_config, parse_override, path_keys, to_yaml
 
 
 def test_defaults_follow_the_recipe():
@@ -74,7 +78,7 @@ def test_bad_yaml_files(tmp_path):
         load_config(typo)
     flat = tmp_path / "flat.yaml"
     flat.write_text("data: 3\n")
-    with pytest.raises(ConfigError, match="unknown config key 'data'"):
+    with pytest.raises(ConfigError, match="config section 'data' must be a mapping of its keys"):
         load_config(flat)
 
 
@@ -178,3 +182,126 @@ RECIPE_8B = [
 def test_the_8b_config_is_the_recipe_s_8b_run(name, key, value):
     section, field = key.split(".")
     assert getattr(getattr(load_config("configs/loongrl-qwen3-8b.yaml"), section), field) == value, name
+
+
+# Config mistakes a new user makes, each met with one line naming what to do, never a traceback; and a YAML file
+# takes the keys the command line takes (verl's included).
+
+def write(path, text):
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("text", ["foo:\n  bar: 1\n", "foo: 1\n", "rollout:\n  nn: 4\n"])
+def test_an_unknown_key_or_section_in_a_file_is_one_line(tmp_path, text):
+    with pytest.raises(ConfigError, match="unknown config key"):
+        load_config(write(tmp_path / "u.yaml", text))
+
+
+@pytest.mark.parametrize("text", [
+    "actor_rollout_ref:\n  rollout:\n    n: 4\n",
+    "actor_rollout_ref.rollout.n: 4\n",
+    "actor_rollout_ref:\n  rollout.n: 4\n",
+])
+def test_verl_keys_in_a_file_are_read_as_on_the_command_line(tmp_path, text):
+    assert load_config(write(tmp_path / "v.yaml", text)).rollout.n == 4
+
+
+def test_a_file_of_verl_sections_matches_the_same_command_line(tmp_path):
+    path = write(tmp_path / "v.yaml", "algorithm: {adv_estimator: rloo}\nactor_rollout_ref:\n  actor:\n"
+                 "    optim: {lr: 2.0e-6}\n    use_kl_loss: true\n    kl_loss_coef: 0.01\n"
+                 "  rollout: {name: hf, n: 3}\ntrainer: {default_local_dir: out}\n")
+    line = ["algorithm.adv_estimator=rloo", "actor_rollout_ref.actor.optim.lr=2.0e-6",
+            "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.01",
+            "actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.n=3", "trainer.default_local_dir=out"]
+    assert load_config(path) == load_config(None, line)
+
+
+def test_verl_values_without_a_counterpart_in_a_file_are_refused_together(tmp_path):
+    path = write(tmp_path / "v.yaml", "actor_rollout_ref:\n  rollout: {name: sglang}\nalgorithm: {bogus: 1}\n")
+    with pytest.raises(ConfigError, match="2 keys of config file .* cannot be used"):
+        load_config(path)
+
+
+def test_a_string_key_keeps_a_file_s_string(tmp_path):
+    assert load_config(write(tmp_path / "s.yaml", "trainer:\n  output_dir: '001'\n")).trainer.output_dir == "001"
+
+
+def test_the_command_line_still_overrides_a_verl_key_of_the_file(tmp_path):
+    path = write(tmp_path / "v.yaml", "actor_rollout_ref.rollout.n: 4\n")
+    assert load_config(path, ["rollout.n=6"]).rollout.n == 6
+
+
+@pytest.mark.parametrize("text", ["data:\n", "data: 5\n", "trainer: [1, 2]\n"])
+def test_a_section_given_no_mapping_says_so(tmp_path, text):
+    with pytest.raises(ConfigError, match="config section '(data|trainer)' must be a mapping of its keys"):
+        load_config(write(tmp_path / "d.yaml", text))
+
+
+def test_a_data_file_as_the_config_is_named_as_data(tmp_path):
+    parquet = tmp_path / "train.parquet"
+    parquet.write_bytes(b"PAR1\x15\x04\x15\x80\xff\x00")
+    with pytest.raises(ConfigError, match=r"is not a YAML config file .*data\.train_files="):
+        load_config(parquet)
+    binary = tmp_path / "blob"
+    binary.write_bytes(b"\xff\xfe\x00\x81\x90")
+    with pytest.raises(ConfigError, match="is not a YAML config file .*not UTF-8 text"):
+        load_config(binary)
+    listing = write(tmp_path / "list.yaml", "- a\n- b\n")
+    with pytest.raises(ConfigError, match="is not a YAML config file .*not a mapping"):
+        load_config(listing)
+
+
+def test_a_folder_as_the_config_is_called_a_folder(tmp_path):
+    with pytest.raises(ConfigError, match="is a folder"):
+        load_config(tmp_path)
+
+
+def test_the_cli_says_one_line_for_a_data_file(tmp_path, capsys):
+    parquet = tmp_path / "some.parquet"
+    parquet.write_bytes(b"PAR1\xff\xfe\x00")
+    assert main(["config", "show", str(parquet)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "is not a YAML config file" in err
+
+
+@pytest.mark.parametrize("value", [".inf", "-.inf", ".nan", "1e400"])
+def test_an_infinite_integer_is_refused_as_not_an_integer(tmp_path, value):
+    with pytest.raises(ConfigError, match="'data.train_batch_size' must be an integer"):
+        load_config(None, [f"data.train_batch_size={value}"])
+    with pytest.raises(ConfigError, match="'rollout.n' must be an integer"):
+        load_config(write(tmp_path / "i.yaml", f"rollout:\n  n: {value}\n"))
+
+
+def test_every_path_key_expands_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    keys = path_keys()
+    assert {"model.path", "data.train_files", "data.cache_dir", "reward.path", "trainer.output_dir",
+            "actor.deepspeed_config", "trainer.resume"} <= set(keys)
+    for key in keys:
+        section, _, name = key.partition(".")
+        got = getattr(getattr(load_config(None, [f"{key}=~/x"]), section), name)
+        assert got in (str(tmp_path / "x"), [str(tmp_path / "x")]), key
+        path = write(tmp_path / "p.yaml", f"{section}:\n  {name}: '~/y'\n")
+        got = getattr(getattr(load_config(path), section), name)
+        assert got in (str(tmp_path / "y"), [str(tmp_path / "y")]), key
+    assert load_config(None).data.cache_dir == os.path.join(str(tmp_path), ".cache", "longqa")
+
+
+@pytest.mark.parametrize("key", ["trainer.output_dir", "data.train_files", "reward.path"])
+def test_an_empty_path_is_refused(key):
+    with pytest.raises(ConfigError, match=f"'{key}' is given an empty path"):
+        load_config(None, [f"{key}="])
+
+
+def test_messages_name_the_keys_listing_and_read_as_english():
+    with pytest.raises(ConfigError, match=r"`longqa config keys` lists the \d+ keys"):
+        load_config(None, ["zzz.qqq=1"])
+    with pytest.raises(ConfigError, match="must be a list of strings"):
+        load_config(None, ["rollout.stop={a: 1}"])
+
+
+def test_a_verl_key_in_a_file_is_noted_like_on_the_command_line(tmp_path, capsys):
+    path = write(tmp_path / "n.yaml", "trainer:\n  balance_batch: true\n")
+    run_config(argparse.Namespace(config=str(path), overrides=[]))
+    assert "trainer.balance_batch" in capsys.readouterr().err

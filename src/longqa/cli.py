@@ -106,7 +106,8 @@ def run_config(args: argparse.Namespace) -> Config:
     a verl launch line (a whole run of its own, on longqa's defaults with verl's where results differ). What the
     verl keys without a counterpart are is said on stderr."""
     from longqa.demo import DEMO_CONFIG
-    from longqa.verl_keys import VERL_DEFAULTS, is_verl_line, verl_notes
+    from longqa.config import read_config_file
+    from longqa.verl_keys import VERL_DEFAULTS, file_notes, is_verl_line, verl_notes
 
     path, overrides = _split_config_args(args)
     if path is None and is_verl_line(overrides):  # a whole run of its own, from verl's defaults
@@ -115,6 +116,8 @@ def run_config(args: argparse.Namespace) -> Config:
                  + ", ".join(f"{key}={value}" for key, value in VERL_DEFAULTS.items()), *verl_notes(overrides)]
     else:
         cfg, notes = load_config(path or DEMO_CONFIG, overrides), verl_notes(overrides)
+        if path is not None:  # a config file's verl keys are said as the command line's are
+            notes = [*file_notes(read_config_file(path)), *notes]
     if os.environ.get("RANK", "0") == "0":  # once under torchrun; on stderr, so config show's YAML stays clean
         for note in notes:
             print(f"note: {note}", file=sys.stderr)

@@ -16,12 +16,12 @@ from typing import Any
 import yaml
 
 from longqa.config_schema import (_flatten, _hints, _sections, _set, Config, ConfigError, RewardConfig, all_keys,
-                                  checked, parse_override)
-from longqa.verl_keys import resolve_overrides
+                                  checked, expand_paths, parse_override, path_keys)
+from longqa.verl_keys import resolve_file_keys, resolve_overrides
 
 # Re-exported: the names users and the package import from here.
 __all__ = ["Config", "ConfigError", "all_keys", "checked", "key_help", "load_config", "load_config_dict",
-           "parse_override", "to_dict", "to_yaml"]
+           "parse_override", "path_keys", "to_dict", "to_yaml"]
 
 def environment_reward_mode() -> str | None:
     """The reward mode the recipe's environment variable ``REWARD_CALC_TYPE`` names, None when it is unset.
@@ -51,21 +51,46 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
     for key, value in (base or {}).items():
         _set(cfg, key, value)
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            hint = ""
-            if str(path) in {key for key, _, _ in key_help()}:  # `longqa config show rollout.n`
-                hint = f": {path} is a config key; give it a value ({path}=VALUE), or read it in `longqa config show`"
-            raise ConfigError(f"config file {path} does not exist{hint}")
-        try:
-            tree = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
-        for key, value in _flatten(tree).items():
+        for key, value in resolve_file_keys(read_config_file(path), str(path)):
             _set(cfg, key, value)
     for key, value in resolve_overrides(overrides):
         _set(cfg, key, value)
+    expand_paths(cfg)
     return cfg
+
+
+# Files that hold data, not a config: named as such when given where the config file goes.
+DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".arrow", ".csv", ".tsv", ".gz", ".zst")
+
+
+def _not_a_config(path: Path, why: str) -> ConfigError:
+    return ConfigError(f"{path} is not a YAML config file ({why}; data files go in data.train_files={path} "
+                       f"or data.val_files=...)")
+
+
+def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
+    """A YAML config file's keys, nested sections flattened to dotted keys (longqa's or verl's, not yet checked).
+    Whatever else is given where the config file goes (a folder, a data file, a key without its value) is said
+    in one line, not met as a decoding traceback."""
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a folder: give a YAML config file")
+    if not path.is_file():
+        hint = ""
+        if str(path) in {key for key, _, _ in key_help()}:  # `longqa config show rollout.n`
+            hint = f": {path} is a config key; give it a value ({path}=VALUE), or read it in `longqa config show`"
+        raise ConfigError(f"config file {path} does not exist{hint}")
+    if path.suffix.lower() in DATA_SUFFIXES:
+        raise _not_a_config(path, f"a {path.suffix} file holds data")
+    try:
+        tree = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise _not_a_config(path, "it is not UTF-8 text") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    if tree is not None and not isinstance(tree, dict):
+        raise _not_a_config(path, f"it holds a {type(tree).__name__}, not a mapping of keys")
+    return _flatten(tree or {})
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:
@@ -91,4 +116,5 @@ def load_config_dict(tree: dict) -> Config:
     cfg = Config()
     for key, value in _flatten(tree).items():
         _set(cfg, key, value)
+    expand_paths(cfg)
     return cfg

@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import functools
 import math
+import os
 import re
 import types
 import typing
@@ -26,10 +27,12 @@ class ConfigError(ValueError):
     """A config file or override names an unknown key or holds a bad value."""
 
 
-def opt(default: Any, help: str, check: typing.Callable[[Any], bool] | None = None, rule: str = "") -> Any:
-    """A config field: its default, one line of help, and an optional value check described by ``rule``."""
+def opt(default: Any, help: str, check: typing.Callable[[Any], bool] | None = None, rule: str = "",
+        path: bool = False) -> Any:
+    """A config field: its default, one line of help, and an optional value check described by ``rule``.
+    ``path``: the value is a file or folder path (or a list of them), whose ``~`` is expanded as it is read."""
     factory = (lambda: list(default)) if isinstance(default, list) else None
-    meta = {"help": help, "check": check, "rule": rule}
+    meta = {"help": help, "check": check, "rule": rule, "path": path}
     if factory:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -46,8 +49,9 @@ device_name = (lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?", v) is not None, "
 
 @dataclass
 class ModelConfig:
-    path: Optional[str] = opt(None, "local Hugging Face model folder, hub id or GGUF file; none: the embedded default")
-    tokenizer_path: Optional[str] = opt(None, "tokenizer folder when it differs from model.path")
+    path: Optional[str] = opt(None, "local Hugging Face model folder, hub id or GGUF file; none: the embedded default",
+                               path=True)
+    tokenizer_path: Optional[str] = opt(None, "tokenizer folder when it differs from model.path", path=True)
     gguf_file: Optional[str] = opt(None, "GGUF file name inside model.path (transformers dequantizes it)")
     dtype: Literal["float32", "bfloat16", "float16"] = opt("float32", "parameter dtype for training and sampling")
     attn_implementation: Literal["sdpa", "eager", "flex_attention", "flash_attention_2"] = opt(
@@ -64,8 +68,8 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    train_files: list[str] = opt([], "parquet/jsonl files in verl's schema used for training")
-    val_files: list[str] = opt([], "held-out files for validation")
+    train_files: list[str] = opt([], "parquet/jsonl files in verl's schema used for training", path=True)
+    val_files: list[str] = opt([], "held-out files for validation", path=True)
     max_prompt_length: int = opt(16384, "longest prompt in tokens, chat template included", *positive)
     max_response_length: int = opt(4096, "longest sampled response in tokens", *positive)
     filter_overlong_prompts: bool = opt(True, "drop (and count) prompts over max_prompt_length")
@@ -74,7 +78,7 @@ class DataConfig:
     skip_bad_rows: bool = opt(False, "skip and count rows that break the schema instead of stopping")
     train_batch_size: int = opt(256, "prompts per training step", *positive)
     shuffle: bool = opt(True, "shuffle the training prompts every epoch")
-    cache_dir: str = opt("~/.cache/longqa", "where tokenized prompts are cached between runs")
+    cache_dir: str = opt("~/.cache/longqa", "where tokenized prompts are cached between runs", path=True)
 
 
 @dataclass
@@ -189,7 +193,8 @@ class ActorConfig:
         "training state's memory, but bfloat16 keeps 8 significant bits and rounds away any update under a 256th "
         "of its weight")
     deepspeed_config: Optional[str] = opt(None, "strategy=deepspeed: a DeepSpeed config file (JSON or YAML) merged "
-                                          "over the one longqa generates (e.g. zero_optimization.offload_param)")
+                                          "over the one longqa generates (e.g. zero_optimization.offload_param)",
+                                          path=True)
     shared_prompt: bool = opt(True, "pack each prompt once with its n responses (false: the naive padded "
                               "layout, one row per sample)")
     attention_backend: Literal["auto", "dense", "flex", "split"] = opt(
@@ -208,7 +213,7 @@ class RewardConfig:
         "hardened", "scoring mode of longqa.reward; the last three are the recipe's (gameable) modes. The recipe's "
         "environment variable REWARD_CALC_TYPE, when set, replaces the default")
     path: Optional[str] = opt(None, "Python file holding a custom reward function (training and validation score "
-                              "with it instead of reward.mode)")
+                              "with it instead of reward.mode)", path=True)
     name: str = opt("compute_score", "function name inside reward.path", str.isidentifier, "a Python identifier")
 
 
@@ -220,11 +225,11 @@ class TrainerConfig:
     val_before_train: bool = opt(True, "with test_freq > 0, also validate before the first step (the baseline)")
     save_freq: int = opt(10, "checkpoint every this many steps (0: never)", *non_negative)
     keep_last: int = opt(2, "checkpoints kept on disk", *positive)
-    resume: str = opt("auto", "auto (latest checkpoint in output_dir), none, or a checkpoint path")
+    resume: str = opt("auto", "auto (latest checkpoint in output_dir), none, or a checkpoint path", path=True)
     resume_allow_changes: bool = opt(False, "resume even where settings that change what the run computes (model, "
                                      "data, batch, rollout.n, sampling, algo, reward, seed) differ from the "
                                      "checkpoint's; others (lr, schedule, steps, logging, memory) always apply")
-    output_dir: str = opt("runs/longqa", "run folder: checkpoints, metrics and report")
+    output_dir: str = opt("runs/longqa", "run folder: checkpoints, metrics and report", path=True)
     logger: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = opt(
         ["console", "jsonl"], "metric sinks: console, jsonl, tensorboard (pip install tensorboard), wandb "
         "(pip install wandb); the report is drawn from jsonl's file")
@@ -271,7 +276,7 @@ def all_keys() -> list[str]:
 
 def unknown_key(key: str) -> ConfigError:
     close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.6)
-    hint = f"; did you mean '{close[0]}'?" if close else f"; see `longqa config show` for the {len(all_keys())} keys"
+    hint = f"; did you mean '{close[0]}'?" if close else f"; `longqa config keys` lists the {len(all_keys())} keys"
     return ConfigError(f"unknown config key '{key}'{hint}")
 
 
@@ -287,7 +292,7 @@ def _describe(tp: Any) -> str:
         if typing.get_origin(item) is Literal:
             *first, last = (repr(c) for c in typing.get_args(item))
             return f"a list of {', '.join(first)} or {last}"
-        return f"a list of {_describe(item)}s"
+        return f"a list of {_describe(item).removeprefix('a ').removeprefix('an ')}s"
     return {bool: "true or false", int: "an integer", float: "a finite number", str: "a string"}[tp]
 
 
@@ -324,7 +329,8 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
             raise bad
         return value
     if tp is int:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or int(value) != value:  # int() of inf or nan raises rather than refuses
             raise bad
         return int(value)
     if tp is float:
@@ -361,26 +367,61 @@ def checked(key: str, value: Any) -> Any:
     cls = _sections()[section]
     value = _coerce(key, _hints(cls)[name], value)
     meta = next(f.metadata for f in dataclasses.fields(cls) if f.name == name)
+    if meta.get("path") and value is not None:
+        value = _expanded_path(key, value)
     if meta.get("check") is not None and value is not None and not meta["check"](value):
         raise ConfigError(f"config key '{key}' must be {meta['rule']}, got {value!r}")
     return value
 
 
+def path_keys() -> list[str]:
+    """The keys whose values are paths (``~`` expanded, empty refused)."""
+    return [f"{section}.{f.name}" for section, cls in _sections().items() for f in dataclasses.fields(cls)
+            if f.metadata.get("path")]
+
+
+def _expanded_path(key: str, value: str | list[str]) -> str | list[str]:
+    """A path value with ``~`` expanded, as a shell would have (a key given as ``key=~/x`` or in a YAML file is
+    not expanded by the shell); an empty one is refused, as it would name the working folder or ``.``."""
+    paths = value if isinstance(value, list) else [value]
+    if any(not p.strip() for p in paths):
+        none = "; [] for none" if isinstance(value, list) else ""
+        raise ConfigError(f"config key '{key}' is given an empty path: give a path{none}")
+    expanded = [os.path.expanduser(p) for p in paths]
+    return expanded if isinstance(value, list) else expanded[0]
+
+
+def expand_paths(cfg: Config) -> None:
+    """Expand ``~`` in every path key's value, defaults included (``data.cache_dir``'s is ``~/.cache/longqa``), so
+    that a config reads the same whether a path came from a default, a file or the command line."""
+    for key in path_keys():
+        section, _, name = key.partition(".")
+        value = getattr(getattr(cfg, section), name)
+        if value is not None:
+            setattr(getattr(cfg, section), name, _expanded_path(key, value))
+
+
 def _set(cfg: Config, key: str, value: Any) -> None:
+    value = checked(key, value)  # first: an unknown section has no attribute to set
     section, _, name = key.partition(".")
-    setattr(getattr(cfg, section), name, checked(key, value))
+    setattr(getattr(cfg, section), name, value)
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """A YAML tree as dotted keys, whatever the nesting (``rollout: {n: 4}``, ``rollout.n: 4`` and verl's
+    ``actor_rollout_ref: {rollout: {n: 4}}`` alike). A section left empty or given a value is refused, since its
+    keys, not a value, belong there."""
     if not isinstance(tree, dict):
-        raise ConfigError(f"config section '{prefix.rstrip('.')}' must be a mapping, got {tree!r}")
+        raise ConfigError(f"config section '{prefix.rstrip('.')}' must be a mapping of keys, got {tree!r}")
     flat = {}
     for k, v in tree.items():
         key = f"{prefix}{k}"
-        if "." not in key and isinstance(v, dict):
+        if isinstance(v, dict):
             flat.update(_flatten(v, key + "."))
-        elif "." not in key:
-            raise unknown_key(key)
+        elif key in _sections():
+            example = dataclasses.fields(_sections()[key])[0].name
+            raise ConfigError(f"config section '{key}' must be a mapping of its keys (such as {key}.{example}), "
+                              f"got {v!r}")
         else:
             flat[key] = v
     return flat

@@ -235,14 +235,45 @@ VLLM_ONLY = (ROLLOUT + "gpu_memory_utilization", ROLLOUT + "free_cache_engine", 
 _VLLM_ONLY = "vLLM's setting (rollout.engine=vllm); this line samples with another engine, which does not read it"
 
 
-def _samples_with_vllm(overrides: Sequence[str]) -> bool:
-    engines = {split_override(text)[0].lstrip("+"): split_override(text)[1] for text in overrides}
+@dataclass(frozen=True)
+class _Given:
+    """One setting as the user gave it: a ``key=value`` override (its text kept, so that each key reads it as its
+    type says) or a key of a YAML config file (its value already read by YAML)."""
+    key: str  # hydra's "+"/"++" markers removed
+    raw: str | None  # the override's value text; None for a config file's value
+    parsed: Any
+    given_as: str  # as typed, for messages
+
+    def value(self, as_key: str | None = None) -> Any:
+        """The value as ``as_key`` (default: its own key) reads it: a string key keeps an override's text."""
+        return self.parsed if self.raw is None else parse_value(as_key or self.key, self.raw)
+
+
+def _from_overrides(overrides: Sequence[str]) -> list[_Given]:
+    given = []
+    for text in overrides:
+        key, raw = split_override(text)
+        given.append(_Given(key.lstrip("+"), raw, None, f"{key}={raw}"))
+    return given
+
+
+def _from_file(flat: dict[str, Any]) -> list[_Given]:
+    """A config file's keys (nested sections flattened to dotted keys), read as the same keys on the command line."""
+    return [_Given(key.lstrip("+"), None, value, f"{key}: {value!r}") for key, value in flat.items()]
+
+
+def _samples_with_vllm(given: Sequence[_Given]) -> bool:
+    engines = {g.key: g.value() for g in given}
     return "vllm" in (engines.get(ROLLOUT + "name"), engines.get("rollout.engine"))
 
 
+def _remote(given: Sequence[_Given]) -> bool:
+    return any(g.key == "remote_backend" or g.key.startswith(REMOTE) or g.key == "trainer.remote_backend"
+               for g in given)
+
+
 def uses_remote_backend(overrides: Sequence[str]) -> bool:
-    keys = [split_override(text)[0].lstrip("+") for text in overrides]
-    return any(key == "remote_backend" or key.startswith(REMOTE) or key == "trainer.remote_backend" for key in keys)
+    return _remote(_from_overrides(overrides))
 
 
 # Values of renamed keys that run as another value, said the way NOTED keys are.
@@ -402,11 +433,11 @@ _GROUP_OF = {key: group for group in GROUPS for key in group.keys}
 VALUE_NOTES_KEYS = {key for key, _ in VALUE_NOTES}
 
 
-def _value_note(key: str, raw: str) -> str | None:
-    """What VALUE_NOTES says of ``key=raw``, if anything."""
-    if key not in VALUE_NOTES_KEYS:
+def _value_note(given: _Given) -> str | None:
+    """What VALUE_NOTES says of the given setting, if anything."""
+    if given.key not in VALUE_NOTES_KEYS:
         return None
-    return VALUE_NOTES.get((key, ANY_VALUE)) or VALUE_NOTES.get((key, parse_value(key, raw)))
+    return VALUE_NOTES.get((given.key, ANY_VALUE)) or VALUE_NOTES.get((given.key, given.value()))
 _TAKEN = {*RENAMED, *FIXED, *_GROUP_OF, *NOTED}
 
 
@@ -420,20 +451,18 @@ def verl_key_table() -> list[tuple[str, str]]:
     return rows
 
 
-def _said(overrides: Sequence[str]) -> list[tuple[str, str, str | None]]:
-    """``(text, key, why)`` for each override: ``why`` is what the command says of it (a key the remote backend
+def _said(given: Sequence[_Given]) -> list[tuple[_Given, str | None]]:
+    """``(setting, why)`` for each setting given: ``why`` is what the command says of it (a key the remote backend
     supersedes, a vLLM setting another engine does not read, a NOTED key, a VALUE_NOTES value), else None."""
-    remote, vllm, said = uses_remote_backend(overrides), _samples_with_vllm(overrides), []
-    for text in overrides:
-        key, raw = split_override(text)
-        key = key.lstrip("+")
-        if remote and key in SUPERSEDED_BY_REMOTE:
+    remote, vllm, said = _remote(given), _samples_with_vllm(given), []
+    for g in given:
+        if remote and g.key in SUPERSEDED_BY_REMOTE:
             why = _SUPERSEDED
-        elif key in VLLM_ONLY and not vllm:
+        elif g.key in VLLM_ONLY and not vllm:
             why = _VLLM_ONLY
         else:
-            why = NOTED.get(key) or _value_note(key, raw)
-        said.append((text, key, why))
+            why = NOTED.get(g.key) or _value_note(g)
+        said.append((g, why))
     return said
 
 
@@ -442,7 +471,8 @@ def launch_line_table(overrides: Sequence[str]) -> str:
     holds the reference recipe's)."""
     described = dict(verl_key_table())
     rows = ["| argument | in longqa |", "| --- | --- |"]
-    for text, key, why in _said(overrides):
+    for g, why in _said(_from_overrides(overrides)):
+        text, key = g.given_as, g.key
         if why == _SUPERSEDED:
             does = f"taken, changes nothing: {why}"
         elif key in described:  # (a NOTED key's row says why already)
@@ -456,7 +486,12 @@ def launch_line_table(overrides: Sequence[str]) -> str:
 def verl_notes(overrides: Sequence[str]) -> list[str]:
     """One line for each verl override taken without a longqa counterpart, or run otherwise than it says
     (``_said``): what it is in verl and why, for the command to say."""
-    return [f"{key}={split_override(text)[1]}: {why}" for text, key, why in _said(overrides) if why]
+    return [f"{g.key}={g.raw}: {why}" for g, why in _said(_from_overrides(overrides)) if why]
+
+
+def file_notes(flat: dict[str, Any]) -> list[str]:
+    """``verl_notes`` for a config file's keys (flattened to dotted keys)."""
+    return [f"{g.key}: {g.parsed!r}: {why}" for g, why in _said(_from_file(flat)) if why]
 
 
 def verl_start_note() -> str:
@@ -507,27 +542,25 @@ def _conflicts(settings: list[_Setting]) -> list[str]:
     return problems
 
 
-def _translate(overrides: Sequence[str]) -> tuple[list[_Setting], list[str]]:
-    """Every override as longqa settings (values not yet checked), and the overrides longqa cannot take."""
+def _translate(given_settings: Sequence[_Given]) -> tuple[list[_Setting], list[str]]:
+    """Every setting given as longqa settings (values not yet checked), and those longqa cannot take."""
     settings, problems, grouped = [], [], {}
-    remote = uses_remote_backend(overrides)
-    for text in overrides:
-        key, raw = split_override(text)
-        given_as = f"{key}={raw}"
-        key = key.lstrip("+")  # hydra's "add" markers
+    remote = _remote(given_settings)
+    for g in given_settings:
+        key, given_as = g.key, g.given_as
         if is_key(key):
-            value = parse_value(key, raw)
+            value = g.value()
             if key in SHARED_VALUES:
                 value = SHARED_VALUES[key].get(value, value)
             settings.append(_Setting(key, value, given_as, False))
             continue
-        value = parse_value(key, raw)  # YAML, as hydra reads it
+        value = g.value()  # YAML, as hydra reads it
         if key in NOTED or (remote and key in SUPERSEDED_BY_REMOTE):  # (verl_notes says why)
             continue
         if key in RENAMED:
             rename = RENAMED[key]
             try:
-                value = rename.convert(value) if rename.convert else parse_value(rename.key, raw)
+                value = rename.convert(value) if rename.convert else g.value(rename.key)
             except Unsupported as e:
                 problems.append(f"{given_as}: {e}")
                 continue
@@ -558,7 +591,18 @@ def resolve_overrides(overrides: Sequence[str]) -> list[tuple[str, Any]]:
     Raises one ConfigError naming every override that cannot be used: unknown keys, verl keys or values
     longqa has no counterpart for, bad values, and one setting given different values under two names.
     """
-    settings, problems = _translate(overrides)
+    return _resolve(_from_overrides(overrides), "overrides")
+
+
+def resolve_file_keys(flat: dict[str, Any], path: str) -> list[tuple[str, Any]]:
+    """A config file's keys (nested sections flattened to dotted keys), longqa's or verl's, as (longqa key,
+    checked value): a file takes exactly the keys the command line takes, with the same messages."""
+    return _resolve(_from_file(flat), f"keys of config file {path}")
+
+
+def _resolve(given: Sequence[_Given], what: str) -> list[tuple[str, Any]]:
+    """``resolve_overrides`` for settings given either way; ``what`` names them in a message of several."""
+    settings, problems = _translate(given)
     for setting in settings:
         try:
             setting.value = checked(setting.key, setting.value)
@@ -568,6 +612,6 @@ def resolve_overrides(overrides: Sequence[str]) -> list[tuple[str, Any]]:
     if len(problems) == 1:
         raise ConfigError(problems[0])
     if problems:
-        raise ConfigError(f"{len(problems)} overrides cannot be used (verl keys are taken where longqa has the "
+        raise ConfigError(f"{len(problems)} {what} cannot be used (verl keys are taken where longqa has the "
                           f"setting: `longqa config keys --verl`):\n  - " + "\n  - ".join(problems))
     return [(setting.key, setting.value) for setting in settings]
