@@ -156,3 +156,58 @@ def test_data_given_under_another_name_is_one_change_of_its_key(tmp_path):
     after = load_config(None, [f"data.train_files=[{tmp_path}/b.parquet]", "trainer.resume_allow_changes=true"])
     changes = check_resume(CHECKPOINT, to_dict(before), after, data_fingerprint(before), data_fingerprint(after))
     assert [c.key for c in changes] == ["data.train_files", "trainer.resume_allow_changes"]
+
+
+# A fresh run never replaces another run's checkpoints or metrics in its folder without being told to.
+
+from longqa.train.trainer import check_fresh_folder  # noqa: E402
+
+
+def folder_config(out, resume):
+    return load_config(None, [f"trainer.output_dir={out}", f"trainer.resume={resume}"])
+
+
+def earlier_run(out, steps=(2, 4), records=4):
+    for step in steps:
+        folder = out / "checkpoints" / f"step_{step:08d}"
+        folder.mkdir(parents=True)
+        (folder / "COMPLETE").write_text("{}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, records + 1)))
+
+
+def test_resume_none_refuses_a_folder_holding_another_run(tmp_path):
+    out = tmp_path / "x9"
+    earlier_run(out)
+    with pytest.raises(ConfigError) as e:
+        check_fresh_folder(folder_config(out, "none"), None)
+    message = str(e.value)
+    assert "\n" not in message
+    assert "step_00000002, step_00000004" in message and "metrics.jsonl with 4 records" in message
+    assert "another trainer.output_dir" in message and "trainer.resume=auto" in message
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000002", "step_00000004"]
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 4  # nothing touched
+
+
+def test_resume_none_refuses_metrics_alone(tmp_path):
+    out = tmp_path / "x"
+    earlier_run(out, steps=(), records=1)
+    with pytest.raises(ConfigError, match="metrics.jsonl with 1 record,"):
+        check_fresh_folder(folder_config(out, "none"), None)
+
+
+def test_a_fresh_folder_or_a_resume_passes(tmp_path):
+    check_fresh_folder(folder_config(tmp_path / "new", "none"), None)
+    (tmp_path / "empty").mkdir()
+    check_fresh_folder(folder_config(tmp_path / "empty", "none"), None)
+    out = tmp_path / "x9"
+    earlier_run(out)
+    check_fresh_folder(folder_config(out, "auto"), out / "checkpoints" / "step_00000004")
+
+
+def test_auto_without_a_checkpoint_says_the_metrics_are_replaced(tmp_path):
+    out = tmp_path / "x"
+    earlier_run(out, steps=(), records=3)
+    said = []
+    check_fresh_folder(folder_config(out, "auto"), None, say=said.append)
+    assert len(said) == 1 and "metrics.jsonl with 3 records" in said[0] and "starts at step 0" in said[0]

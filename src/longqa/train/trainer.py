@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 import random
 import resource
 import time
@@ -27,6 +28,7 @@ from longqa.bench import counts_flops, group_flops
 from longqa.compile_cache import load_run_cache, save_run_cache, use_user_cache
 from longqa.compile_watch import CompileWatch
 from longqa.config import Config, ConfigError, to_dict
+from longqa.data.io import DataFileError
 from longqa.data.prompts import GROUPS, PromptOptions, PromptSet, describe_losses, prepare_prompts, tally
 from longqa.distributed.deepspeed import check_deepspeed
 from longqa.distributed.env import DistEnv, Split, all_reduce, gather_objects, leave_group
@@ -36,7 +38,7 @@ from longqa.evaluate import evaluate, stop_token_ids
 from longqa.lengths import draw_response_lengths
 from longqa.model.load import (compile_decoder_layers, compiled_graphs, config_tokenizer, load_model,
                                load_model_config, pick_device, position_limit_warning, resolve_model_path)
-from longqa.report import LENGTH_ACCURACY, MetricsLogger, write_report
+from longqa.report import LENGTH_ACCURACY, METRICS_FILE, MetricsLogger, read_metrics, write_report
 from longqa.rollout import HFRolloutEngine, SamplingParams
 from longqa.rollout.base import Sample, bump_weights_version, weights_version
 from longqa.rollout.decode_step import unsupported_reason
@@ -45,8 +47,8 @@ from longqa.rollout.remote import RemoteRolloutEngine, serve, stop_sampler
 from longqa.rollout.vllm_engine import VLLMRolloutEngine, import_vllm, logprobs_mode_for
 from longqa.support import check_machine
 from longqa.train.actor import Actor, Samples, TrainingError
-from longqa.train.checkpoint import (load_checkpoint, read_trainer_state, resolve_resume, rng_state, save_checkpoint,
-                                     set_rng_state)
+from longqa.train.checkpoint import (checkpoints_dir, load_checkpoint, read_trainer_state, resolve_resume, rng_state,
+                                     save_checkpoint, set_rng_state)
 from longqa.train.checkpoint_space import check_checkpoint_space, count_parameters
 from longqa.train.preemption import StopRequest, preempted_message
 from longqa.train.resume import CHANGES_KEY, DATA_KEY, change_history, check_resume, data_fingerprint, describe_changes
@@ -115,6 +117,76 @@ def lost_row_suffixes(val: PromptSet) -> dict[tuple[str, object], str]:
 def validation_metric(group: str, key, suffix: str) -> str:
     """The name validation logs a bucket's accuracy under (``lost_row_suffixes`` gives the suffix)."""
     return f"val/{key}/accuracy{suffix}" if group == "data_source" else f"{LENGTH_ACCURACY}{key}{suffix}"
+
+
+def run_folder_contents(run_dir: Path) -> tuple[list[str], int]:
+    """The checkpoint folders (``step_*``, finished or not) and the number of metrics.jsonl records that an earlier
+    run left in ``run_dir``."""
+    folder = checkpoints_dir(run_dir)
+    steps = sorted(p.name for p in folder.iterdir() if p.name.startswith("step_")) if folder.is_dir() else []
+    metrics = run_dir / METRICS_FILE
+    records = len(read_metrics(metrics)) if metrics.is_file() else 0
+    return steps, records
+
+
+def _describe_contents(steps: list[str], records: int) -> str:
+    parts = []
+    if steps:
+        shown = ", ".join(steps[:3]) + (f" and {len(steps) - 3} more" if len(steps) > 3 else "")
+        parts.append(f"checkpoint{'s' if len(steps) > 1 else ''} {shown}")
+    if records:
+        parts.append(f"{METRICS_FILE} with {records} record{'s' if records > 1 else ''}")
+    return " and ".join(parts)
+
+
+def check_fresh_folder(cfg: Config, resume_from: Path | None, say=print) -> None:
+    """A fresh start replaces what its run folder holds: metrics.jsonl and the report are rewritten, and its first
+    checkpoint removes every later one (one timeline per folder). So ``trainer.resume=none`` in a folder holding
+    another run's checkpoints or metrics is refused, before anything loads; nothing is deleted that the user did
+    not ask to delete (verl's ``resume_mode=disable`` only overwrites the same steps, which here would mix two
+    runs in one folder). ``trainer.resume=auto`` finding metrics but no complete checkpoint (a run that stopped
+    before its first save) starts again and says that those records are replaced."""
+    if resume_from is not None:
+        return
+    t = cfg.trainer
+    steps, records = run_folder_contents(Path(t.output_dir).expanduser())
+    if not steps and not records:
+        return
+    held = _describe_contents(steps, records)
+    if t.resume == "none":
+        raise ConfigError(f"trainer.resume=none starts a fresh run, but trainer.output_dir={t.output_dir} holds "
+                          f"another run's {held}, which it would replace: pick another trainer.output_dir, remove "
+                          f"the folder, or resume it with trainer.resume=auto")
+    say(f"note: trainer.output_dir={t.output_dir} holds {held} but no complete checkpoint to resume: this run "
+        f"starts at step 0 and replaces them")
+
+
+def check_data_files(cfg: Config) -> None:
+    """The data files exist and can be read (``prepare_prompts`` says it the same way, later, on each rank)."""
+    if not cfg.data.train_files:
+        raise DataFileError("no data files given (set data.train_files)")
+    for name in (*cfg.data.train_files, *cfg.data.val_files):
+        path = Path(name).expanduser()
+        if not path.is_file():
+            raise DataFileError(f"{path}: no such file")
+        if not os.access(path, os.R_OK):
+            raise DataFileError(f"{path}: not readable")
+
+
+def check_before_workers(cfg: Config) -> None:
+    """What the trainer checks of the config, the data files and the run folder before anything loads, run where
+    ``trainer.launcher=ray`` is driven, before Ray starts: a mistake found on the workers comes back through Ray
+    after its own start, once per worker (and once per restart)."""
+    check_groups(cfg)
+    check_response_lengths(cfg)
+    check_speculative(cfg)
+    check_one_step_off(cfg)
+    check_offload(cfg)
+    reward_function(cfg)
+    check_data_files(cfg)
+    run_dir = Path(cfg.trainer.output_dir).expanduser()
+    quiet = lambda line: None  # noqa: E731 (the workers say it, as a local run does)
+    check_fresh_folder(cfg, resolve_resume(run_dir, cfg.trainer.resume, say=quiet), say=quiet)
 
 
 def check_groups(cfg: Config) -> None:
@@ -256,7 +328,7 @@ class Trainer:
         """``stop_file``: where the driver of Ray Train workers asks for a stop (see ``preemption``); ``split``: the
         job's ranks when some of them only sample (``rollout.sampler_ranks``; this is a training rank)."""
         self.cfg = cfg
-        self.run_dir = Path(cfg.trainer.output_dir)
+        self.run_dir = Path(cfg.trainer.output_dir).expanduser()  # (a folder named ~ here is never meant)
         self.stop_request = StopRequest(stop_file)
         self.stopping = False  # every rank agreed to stop after the step in flight (or before it)
         self.saved: tuple[int, Path] | None = None  # the last checkpoint on disk of this timeline, by step
@@ -293,6 +365,7 @@ class Trainer:
         # The checkpoint to resume from, and what differs from the config it was written with: refused now, before
         # anything loads, where the difference changes what the run computes.
         self.resume_from = resolve_resume(self.run_dir, cfg.trainer.resume, say=self._say)
+        check_fresh_folder(cfg, self.resume_from, say=self._say)
         self.data_fingerprint = data_fingerprint(cfg)  # the data files' contents, which the config does not show
         self.resume_changes = [] if self.resume_from is None else self._check_resume(self.resume_from)
         self.changes_on_resume: list[dict] = []  # this timeline's record of them, saved in every checkpoint
@@ -892,6 +965,8 @@ def train(cfg: Config, stop_file: str | None = None) -> dict:
         check_sampler_ranks(cfg, job.world_size)
     if cfg.trainer.launcher == "ray":
         from longqa.distributed.ray_launcher import run_with_ray
+
+        check_before_workers(cfg)
 
         return run_with_ray(cfg, train)
     split = None
