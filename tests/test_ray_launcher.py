@@ -31,3 +31,46 @@ def test_a_ray_launch_is_said_in_one_line():
     line = describe_launch(8, True)
     assert "\n" not in line and line.startswith("trainer.launcher=ray: 8 Ray Train workers, one GPU each")
     assert "trainer.n_gpus_per_node" in line
+
+
+def test_a_workers_user_error_comes_back_alone():
+    from ray.exceptions import RayTaskError
+    from ray.train import WorkerGroupError
+
+    from longqa.data.io import DataFileError
+    from longqa.distributed.ray_launcher import user_error
+
+    mistake = DataFileError("nope.parquet: no such file")
+    wrapped = RayTaskError("train", "Traceback ...", mistake).as_instanceof_cause()
+    error = WorkerGroupError("[Rank 0 Error Snippet]: ...", {0: wrapped})
+    assert user_error(error) is mistake
+    outer = RuntimeError("Training failed")
+    outer.__cause__ = error
+    assert user_error(outer) is mistake
+    assert user_error(WorkerGroupError("boom", {0: RuntimeError("a bug")})) is None
+
+
+def test_worker_paths_expand_the_home_folder(tmp_path, monkeypatch):
+    from longqa.config import load_config
+    from longqa.distributed.ray_launcher import _absolute
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    cfg = _absolute(load_config(None, ["data.cache_dir=~/.cache/longqa", "trainer.output_dir=~/runs/x",
+                                       "trainer.resume=none"]))
+    assert cfg.data.cache_dir == str(tmp_path / ".cache" / "longqa")
+    assert cfg.trainer.output_dir == str(tmp_path / "runs" / "x")
+    assert cfg.trainer.resume == "auto"  # (the driver checked the folder: a restart resumes this run's own)
+    assert not (tmp_path / "~").exists()
+
+
+def test_the_driver_checks_before_ray_starts(tmp_path):
+    from longqa.config import load_config
+    from longqa.data.io import DataFileError
+    from longqa.train.trainer import check_before_workers
+
+    with pytest.raises(DataFileError, match="nope.parquet: no such file"):
+        check_before_workers(load_config(None, [f"data.train_files={tmp_path}/nope.parquet", "data.val_files=[]",
+                                                f"trainer.output_dir={tmp_path}/run"]))
+    with pytest.raises(ConfigError, match="rollout.n=1"):
+        check_before_workers(load_config(None, ["rollout.n=1", f"trainer.output_dir={tmp_path}/run"]))

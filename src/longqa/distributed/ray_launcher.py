@@ -25,19 +25,64 @@ from longqa.config import Config, ConfigError, load_config_dict, to_dict
 from longqa.train.preemption import forward_stop_requests, preempted_message
 
 
-def _absolute(cfg: Config) -> Config:
-    def fix(path):
-        return str(Path(path).resolve()) if path and Path(path).exists() else path
+def _folder(path: str) -> str:
+    """A folder as an absolute path, ``~`` expanded (resolved as it stands, it would be a folder named ``~`` in the
+    working folder)."""
+    return str(Path(path).expanduser().resolve())
 
+
+def _absolute(cfg: Config) -> Config:
+    """The config the workers run: every path absolute (with ``~`` expanded), since they run in folders of their
+    own, and ``trainer.resume=none`` as ``auto``: the driver has checked that the run folder holds no other run
+    (``check_before_workers``), so a first start finds nothing to resume and starts fresh, and a restart after a
+    failure resumes this run's own last checkpoint instead of refusing (or replacing) it."""
+    def fix(path):
+        return _folder(path) if path and Path(path).expanduser().exists() else path
+
+    resume = cfg.trainer.resume
+    resume = "auto" if resume == "none" else resume if resume == "auto" else fix(resume)
     return dataclasses.replace(
         cfg,
         model=dataclasses.replace(cfg.model, path=fix(cfg.model.path), tokenizer_path=fix(cfg.model.tokenizer_path)),
         data=dataclasses.replace(cfg.data, train_files=[fix(p) for p in cfg.data.train_files],
                                  val_files=[fix(p) for p in cfg.data.val_files],
-                                 cache_dir=str(Path(cfg.data.cache_dir).resolve()) if cfg.data.cache_dir else None),
+                                 cache_dir=_folder(cfg.data.cache_dir) if cfg.data.cache_dir else None),
         reward=dataclasses.replace(cfg.reward, path=fix(cfg.reward.path)),
-        trainer=dataclasses.replace(cfg.trainer, launcher="local", output_dir=str(Path(cfg.trainer.output_dir).resolve())),
+        trainer=dataclasses.replace(cfg.trainer, launcher="local", output_dir=_folder(cfg.trainer.output_dir),
+                                    resume=resume),
     )
+
+
+def _user_error_types() -> tuple[type[Exception], ...]:
+    """The errors that are the user's to fix (a config, data file, checkpoint or model mistake), which the command
+    line reports in one line."""
+    from longqa.data.io import DataFileError
+    from longqa.model.load import ModelError
+    from longqa.model.tokenizer import TokenizerError
+    from longqa.train.actor import TrainingError
+    from longqa.train.checkpoint import CheckpointError
+
+    return ConfigError, DataFileError, CheckpointError, ModelError, TokenizerError, TrainingError
+
+
+def user_error(error: BaseException | None) -> Exception | None:
+    """The user's mistake behind an error Ray Train gives back, if it is one: a worker's ConfigError comes back
+    wrapped (a TrainingFailedError whose worker failures hold a RayTaskError whose cause is the ConfigError),
+    and shown as it is, it is a page of Ray's tracebacks for what the local launcher says in one line."""
+    kinds, seen, todo = _user_error_types(), set(), [error]
+    while todo:
+        e = todo.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        cause = getattr(e, "cause", None)  # a RayTaskError (which is also an instance of its cause's class)
+        if isinstance(cause, kinds):
+            return cause
+        if isinstance(e, kinds) and not hasattr(e, "traceback_str"):
+            return e
+        failures = getattr(e, "worker_failures", None) or {}
+        todo += [*failures.values(), cause, getattr(e, "controller_failure", None), e.__cause__, e.__context__]
+    return None
 
 
 def _worker_loop(loop_config: dict) -> None:
@@ -98,6 +143,14 @@ def _scaling(scaling_config: type, workers: int, use_gpu: bool):
         return scaling_config(num_workers=workers, use_gpu=use_gpu)
 
 
+def _raise_failure(error: BaseException):
+    """The user's mistake behind a failed run alone (one line from the command line), else Ray's error."""
+    mistake = user_error(error)
+    if mistake is not None:
+        raise mistake from None
+    raise error
+
+
 def run_with_ray(cfg: Config, train: Callable[..., dict]) -> dict:
     """Run ``train(cfg, stop_file=...)``, the one-process training function (passed in, so this module
     does not import the trainer that launches it), on Ray Train workers."""
@@ -124,10 +177,13 @@ def run_with_ray(cfg: Config, train: Callable[..., dict]) -> dict:
         run_config=RunConfig(name="longqa", storage_path=str(run_dir / "ray"),
                              failure_config=_failure_config(FailureConfig, cfg.trainer.max_failures)))
     with forward_stop_requests(stop_file) as forwarded:
-        result = trainer.fit()
+        try:
+            result = trainer.fit()
+        except Exception as e:  # (Ray Train's second API raises what its first returns as result.error)
+            _raise_failure(e)
         stopped = forwarded.stopped()
     if result.error is not None:
-        raise result.error
+        _raise_failure(result.error)
     if stopped is not None:
         print(preempted_message(stopped["step"], stopped["checkpoint"]), flush=True)  # the driver's log is kept
         return {"steps": stopped["step"], "report": None, "preempted": stopped}
