@@ -494,3 +494,23 @@ def test_plan_sizes_small_models_and_the_host_of_the_gpus_it_uses(capsys):
     assert main(["plan", "--gpus", "8", "--gpus-per-node", "16", "--shape", "qwen3-tiny"]) == 0
     assert ("8 GPU(s) of 141 GiB, 8 per node (nodes of 16: the host memory is the share of the GPUs used) with 1000 GiB "
             "of host memory") in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args", [["configs/demo.yaml"], ["data.val_files=[]"], []])
+def test_the_demo_s_own_files_are_made_whichever_line_names_them(tmp_path, monkeypatch, args):
+    """The demo's data files, missing, are made on first use from its config file or with an override, as from
+    no arguments; another config's files are not."""
+    import longqa.train.trainer
+    from longqa.demo import DEMO_CONFIG
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "demo.yaml").write_text(DEMO_CONFIG.read_text())
+    made = []
+    monkeypatch.setattr("longqa.demo.ensure_demo_data", lambda cfg: made.append(cfg.data.train_files))
+    monkeypatch.setattr(longqa.train.trainer, "train", lambda cfg: {"preempted": None, "report": None, "steps": 0})
+    assert main(["train", *args, "trainer.max_steps=1"]) == 0
+    assert made == [["runs/demo-data/merged/train.parquet"]]
+    made.clear()
+    assert main(["train", *args, "data.train_files=mine.parquet", "trainer.max_steps=1"]) == 0
+    assert made == []

@@ -180,16 +180,14 @@ def cmd_data_prepare(args: argparse.Namespace) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     """0 when the run finished; ``EXIT_PREEMPTED`` when SIGTERM/SIGINT stopped it with a checkpoint to resume."""
-    from longqa.demo import DEMO_CONFIG, ensure_demo_data
+    from longqa.demo import ensure_demo_data, uses_demo_data
     from longqa.train.preemption import EXIT_PREEMPTED
     from longqa.train.trainer import train
 
     cfg = run_config(args)
     _check_verl_data(args, cfg)
-    demo = load_config(DEMO_CONFIG).data
-    demo_files = (cfg.data.train_files, cfg.data.val_files) == (demo.train_files, demo.val_files)
-    if _split_config_args(args)[0] is None and demo_files:
-        ensure_demo_data(cfg)  # the demo's own files: made on first use
+    if uses_demo_data(cfg):  # the demo's own files, whichever config names them: made on first use
+        ensure_demo_data(cfg)
     result = train(cfg)
     if result["preempted"]:
         return EXIT_PREEMPTED

@@ -2,14 +2,29 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-from longqa.config import Config
+from longqa.config import Config, load_config
 
 DEMO_CONFIG = Path(__file__).resolve().parent / "configs" / "demo.yaml"
 # Short contexts (~500 tokens) with 2-3 hops, like the model's warm-up data but from another seed;
 # 25% held out gives 450 validation questions.
 DEMO_DATA = {"rows_per_task": 600, "context_tokens": 512, "max_hops": 3, "test_ratio": 0.25, "seed": 2026}
+
+
+def demo_files() -> set[str]:
+    """The demo config's own data files, as absolute paths."""
+    data = load_config(DEMO_CONFIG).data
+    return {os.path.abspath(f) for f in (*data.train_files, *data.val_files)}
+
+
+def uses_demo_data(cfg: Config) -> bool:
+    """Whether every data file ``cfg`` names is one of the demo's own, which can be made on first use: so that the
+    demo runs the same from its copy (``longqa train configs/demo.yaml``) or without validation
+    (``data.val_files=[]``) as from no arguments at all, rather than failing on a file nobody made yet."""
+    wanted = {os.path.abspath(f) for f in (*cfg.data.train_files, *cfg.data.val_files)}
+    return bool(cfg.data.train_files) and wanted <= demo_files()
 
 
 def ensure_demo_data(cfg: Config) -> None:
