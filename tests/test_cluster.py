@@ -25,7 +25,7 @@ def test_hostfile_with_comments_and_blank_lines(tmp_path):
 
 
 @pytest.mark.parametrize("text,message", [
-    ("10.0.0.1 slots=8\n10.0.0.2\n", "line 2: slots must be a positive integer"),
+    ("10.0.0.1 slots=8\n10.0.0.2\n", "line 2: 10.0.0.2 has no slots=N"),
     ("10.0.0.1 slots=0\n", "line 1: slots must be a positive integer"),
     ("10.0.0.1 slots=8\n\n10.0.0.2 gpus=8\n", "line 3: expected 'IP slots=N'"),
     ("10.0.0.1 slots=8\n10.0.0.1 slots=8\n", "line 2: host 10.0.0.1 is listed twice"),
