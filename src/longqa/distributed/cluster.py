@@ -65,7 +65,8 @@ def parse_hostfile(path: str | Path) -> list[Host]:
             continue
         if slots is None:  # a bare address: the GPU count was left out, not mistyped
             errors.append(f"line {number}: {address} has no slots=N (its GPU count): write '{address} slots=N'")
-        elif not slots.isdigit() or int(slots) < 1:
+            continue
+        if not slots.isdigit() or int(slots) < 1:
             errors.append(f"line {number}: slots must be a positive integer (GPUs on that host), got {raw.strip()!r}")
             continue
         if address in seen:
