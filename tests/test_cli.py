@@ -514,3 +514,19 @@ def test_the_demo_s_own_files_are_made_whichever_line_names_them(tmp_path, monke
     made.clear()
     assert main(["train", *args, "data.train_files=mine.parquet", "trainer.max_steps=1"]) == 0
     assert made == []
+
+
+def test_a_verl_line_without_a_config_says_in_one_line_every_way_its_start_differs_from_the_demo(capsys):
+    """verl keys and no config file start from longqa's defaults with verl's, not the demo: one note says so,
+    naming every value of that start which differs from the demo's."""
+    from longqa.config import load_config, to_dict
+    from longqa.demo import DEMO_CONFIG
+    from longqa.verl_keys import VERL_DEFAULTS
+
+    assert main(["config", "show", "actor_rollout_ref.rollout.n=4"]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note: ")]
+    assert len(notes) == 1 and "not the embedded demo" in notes[0] and "data.train_files is empty" in notes[0]
+    start, demo = to_dict(load_config(None, base=VERL_DEFAULTS)), to_dict(load_config(DEMO_CONFIG))
+    differing = [f"{s}.{k}={v}" for s in start for k, v in start[s].items() if v != demo[s][k]]
+    assert "data.train_batch_size=256" in differing and "model.dtype=bfloat16" in differing
+    assert all(item in notes[0] for item in differing)

@@ -299,7 +299,7 @@ def test_the_recipe_s_own_launch_line_runs_as_it_is(capsys):
     cfg = load_config(None, line, base=VERL_DEFAULTS)
     assert yaml.safe_load(captured.out) == yaml.safe_load(to_yaml(cfg))
     notes = [text.removeprefix("note: ") for text in captured.err.splitlines()]
-    assert notes[0].startswith("a verl launch line starts from verl's defaults")
+    assert notes[0].startswith("verl keys and no config file: starting from longqa's defaults with verl's")
     assert notes[1:] == verl_notes(line)
     said = {note.partition("=")[0] for note in notes[1:]}
     run_as_another_value = {"actor_rollout_ref.model.override_config.attn_implementation",  # FlashAttention 3

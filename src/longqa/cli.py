@@ -9,7 +9,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from longqa.config import Config, ConfigError, key_help, load_config, to_yaml
+from longqa.config import Config, ConfigError, key_help, load_config, to_dict, to_yaml
 
 DESCRIPTION = """\
 longqa trains language models with GRPO to answer multi-hop questions over long documents.
@@ -112,8 +112,7 @@ def run_config(args: argparse.Namespace) -> Config:
     path, overrides = _split_config_args(args)
     if path is None and is_verl_line(overrides):  # a whole run of its own, from verl's defaults
         cfg = load_config(None, overrides, base=VERL_DEFAULTS)
-        notes = ["a verl launch line starts from verl's defaults where they differ from longqa's: "
-                 + ", ".join(f"{key}={value}" for key, value in VERL_DEFAULTS.items()), *verl_notes(overrides)]
+        notes = [_verl_start(), *verl_notes(overrides)]
     else:
         cfg, notes = load_config(path or DEMO_CONFIG, overrides), verl_notes(overrides)
         if path is not None:  # a config file's verl keys are said as the command line's are
@@ -122,6 +121,20 @@ def run_config(args: argparse.Namespace) -> Config:
         for note in notes:
             print(f"note: {note}", file=sys.stderr)
     return cfg
+
+
+def _verl_start() -> str:
+    """What a verl line without a config file starts from, with every value of that start that differs from the
+    embedded demo's (what a plain `longqa train` runs), so that nobody expects the demo's data or batch."""
+    from longqa.demo import DEMO_CONFIG
+    from longqa.verl_keys import VERL_DEFAULTS, verl_start_note
+
+    def flat(cfg: Config) -> dict:
+        return {f"{section}.{key}": value for section, values in to_dict(cfg).items() for key, value in values.items()}
+
+    start, demo = flat(load_config(None, base=VERL_DEFAULTS)), flat(load_config(DEMO_CONFIG))
+    changed = ", ".join(f"{key}={value}" for key, value in start.items() if value != demo[key])
+    return f"{verl_start_note()}; unlike the demo: {changed}"
 
 
 def cmd_config_show(args: argparse.Namespace) -> None:
