@@ -530,3 +530,15 @@ def test_a_verl_line_without_a_config_says_in_one_line_every_way_its_start_diffe
     differing = [f"{s}.{k}={v}" for s in start for k, v in start[s].items() if v != demo[s][k]]
     assert "data.train_batch_size=256" in differing and "model.dtype=bfloat16" in differing
     assert all(item in notes[0] for item in differing)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.overlap=true", "rollout.mode=sync"], "rollout.overlap=true samples the next step"),
+    (["actor.cpu_offload_ratio=0.5"], "actor.cpu_offload_ratio=0.5 needs actor.strategy=deepspeed"),
+    (["rollout.engine=hf", "rollout.speculative=prompt_lookup"], "rollout.speculative=prompt_lookup needs"),
+    (["rollout.n=1"], "rollout.n=1"),
+])
+def test_config_show_refuses_what_train_refuses_before_loading(overrides, message, capsys):
+    assert main(["config", "show", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

@@ -142,7 +142,18 @@ def cmd_config_show(args: argparse.Namespace) -> None:
 
     cfg = run_config(args)
     check_machine(cfg, named_device_type(cfg.trainer.device))  # what train would refuse before any work
+    _check_settings(cfg)
     print(to_yaml(cfg), end="")
+
+
+def _check_settings(cfg: Config) -> None:
+    """The checks of settings against each other that train makes before it loads anything (no data files, run
+    folder or device needed), so that a config `config show` prints is not one train refuses at once."""
+    from longqa.train.trainer import (check_groups, check_offload, check_one_step_off, check_response_lengths,
+                                      check_speculative)
+
+    for check in (check_groups, check_response_lengths, check_speculative, check_one_step_off, check_offload):
+        check(cfg)
 
 
 def cmd_config_keys(args: argparse.Namespace) -> None:
