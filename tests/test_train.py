@@ -856,3 +856,35 @@ def test_one_process_trains_a_bf16_model_on_float32_masters(tiny_model_dir, data
     assert masters.keys() <= exported.keys()
     for name, master in masters.items():
         assert master.dtype == torch.float32 and torch.equal(exported[name], master.to(exported[name].dtype)), name
+
+
+def test_what_the_epochs_leave_out_is_said():
+    from longqa.train.trainer import describe_epochs
+
+    def lines(*extra):
+        return describe_epochs(load_config(None, ["data.train_batch_size=6", *extra]), 16)
+
+    capped, left = lines("trainer.max_steps=5", "trainer.total_epochs=1", "data.shuffle=false")
+    assert capped == ("trainer.max_steps=5 is capped at 2 by trainer.total_epochs=1 (16 prompts, 6 a step): raise "
+                      "trainer.total_epochs to go on")
+    assert left.startswith("note: 4 of 16 prompts (the last 4 of the file order) are left out of every epoch: 16 is "
+                           "not a multiple of data.train_batch_size=6")
+    assert "shuffled order, other ones each epoch" in lines("trainer.max_steps=2", "data.shuffle=true")[0]
+    assert lines("trainer.max_steps=4", "trainer.total_epochs=2")[0].startswith("note: 4 of 16")
+    assert describe_epochs(load_config(None, ["data.train_batch_size=4", "trainer.max_steps=4"]), 16) == []
+
+
+def test_a_sample_past_the_micro_batch_budget_is_said_once(capsys):
+    from longqa.distributed.env import DistEnv
+    from longqa.train.trainer import Trainer
+
+    trainer = Trainer.__new__(Trainer)
+    trainer.cfg = load_config(None, ["actor.max_tokens_per_micro_batch=10"])
+    trainer.env, trainer.over_budget_said = DistEnv.from_environment(), False
+    trainer._say_over_budget(0, 10)  # (fits)
+    assert capsys.readouterr().out == ""
+    trainer._say_over_budget(2, 420)
+    trainer._say_over_budget(3, 500)
+    out = capsys.readouterr().out.splitlines()
+    assert out == [line for line in out if "420 tokens, past actor.max_tokens_per_micro_batch=10" in line]
+    assert len(out) == 1 and out[0].startswith("warning: step 3 ")

@@ -189,6 +189,26 @@ def check_before_workers(cfg: Config) -> None:
     check_fresh_folder(cfg, resolve_resume(run_dir, cfg.trainer.resume, say=quiet), say=quiet)
 
 
+def describe_epochs(cfg: Config, prompts: int) -> list[str]:
+    """What the epochs leave out, said at the start: a step takes data.train_batch_size prompts of the epoch's order
+    in turn, so the last ``prompts % batch`` of each epoch's order are never trained on (the same ones each epoch
+    without data.shuffle), and trainer.total_epochs bounds trainer.max_steps."""
+    d, t = cfg.data, cfg.trainer
+    batch = d.train_batch_size
+    per_epoch, left = divmod(prompts, batch)
+    lines = []
+    if t.max_steps and t.max_steps > t.total_epochs * per_epoch:
+        lines.append(f"trainer.max_steps={t.max_steps} is capped at {t.total_epochs * per_epoch} by "
+                     f"trainer.total_epochs={t.total_epochs} ({prompts} prompts, {batch} a step): raise "
+                     f"trainer.total_epochs to go on")
+    if left:
+        which = (f"the last {left} of the file order" if not d.shuffle else
+                 "the last of each epoch's shuffled order, other ones each epoch")
+        lines.append(f"note: {left} of {prompts} prompts ({which}) are left out of every epoch: {prompts} is not a "
+                     f"multiple of data.train_batch_size={batch}")
+    return lines
+
+
 def check_groups(cfg: Config) -> None:
     """Every advantage estimator here compares the samples of one prompt: a group of one has nothing to
     compare with, every advantage is 0 and the run would train nothing, silently."""
@@ -335,6 +355,7 @@ class Trainer:
         self.seconds = {"update": None, "validate": None, "save": None}  # this process's last ones, for the grace
         # rollout.mode=one_step_off: the groups of step ``ahead["step"]``, sampled before the previous update
         self.ahead: dict | None = None
+        self.over_budget_said = False  # a sample past actor.max_tokens_per_micro_batch was said (once a run)
         self.no_gradient_since: int | None = None  # the first step of the current run of steps without a gradient
         # The next step sampled beside the update: rollout.overlap, or one_step_off on sampler ranks of their own.
         # The thread (and on a GPU the CUDA stream) that samples, or waits for the sampler ranks, meanwhile.
@@ -402,6 +423,8 @@ class Trainer:
         self.steps_per_epoch = len(self.train_set) // cfg.data.train_batch_size
         total = cfg.trainer.total_epochs * self.steps_per_epoch
         self.total_steps = min(total, cfg.trainer.max_steps or total)
+        for line in describe_epochs(cfg, len(self.train_set)):
+            self._say(line)
         partial_offload = deepspeed and cfg.actor.cpu_offload and cfg.actor.cpu_offload_ratio < 1
         if self.env.is_main and (cfg.trainer.save_freq or partial_offload):  # (the other ranks stop with it)
             params = count_parameters(model_config)
@@ -614,6 +637,7 @@ class Trainer:
         batch = Samples(prompt_ids=[g["prompt"] for g in groups for _ in range(n)],
                         response_ids=[s.token_ids for s in samples], advantages=advantages, group_size=n,
                         old_logprobs=[s.logprobs for s in samples] if stale else None)
+        self._say_over_budget(step, max(batch.length(i) for i in range(len(batch))))
         t_update = time.perf_counter()
         pending = self._sample_ahead_beside(step, stats) if overlap else None  # the next step, beside the update
         if pending is None:
@@ -687,6 +711,19 @@ class Trainer:
             return None
         return sum(group_flops(config, len(g["prompt"]), [len(s.token_ids) for s in g["samples"]],
                                self.cfg.actor.shared_prompt).flops for g in groups)
+
+    def _say_over_budget(self, step: int, longest: int) -> None:
+        """Say once when a sample (a prompt and one response) is longer than actor.max_tokens_per_micro_batch: it
+        cannot be cut, so it goes into a micro-batch of its own larger than the budget, and the budget is how a
+        user bounds the update's memory."""
+        budget = self.cfg.actor.max_tokens_per_micro_batch
+        if self.over_budget_said or not isinstance(budget, int) or longest <= budget:
+            return
+        self.over_budget_said = True
+        self._say(f"warning: step {step + 1} updates on a prompt and response of {longest} tokens, past "
+                  f"actor.max_tokens_per_micro_batch={budget}: it goes in a micro-batch of its own, larger than the "
+                  f"budget that bounds the update's memory; raise the budget to {longest} or more, or lower "
+                  f"data.max_prompt_length / data.max_response_length (said once)")
 
     def _say_built_again(self, step: int) -> None:
         """After this process's first step (which compiles and captures what the run needs), say what a step
