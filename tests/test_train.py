@@ -888,3 +888,26 @@ def test_a_sample_past_the_micro_batch_budget_is_said_once(capsys):
     out = capsys.readouterr().out.splitlines()
     assert out == [line for line in out if "420 tokens, past actor.max_tokens_per_micro_batch=10" in line]
     assert len(out) == 1 and out[0].startswith("warning: step 3 ")
+
+
+def test_a_validation_s_kv_re_sizing_is_not_said_as_a_warm_step_building_again(tiny_model_dir, data_dir, tmp_path,
+                                                                                 capsys):
+    """Validation asks one greedy answer a prompt, so the fast engine re-sizes its KV stores for it and the next
+    step's sampling re-sizes them back: that is by design, and no "note: step" line calls it a warm step building
+    again (the demo printed one after each validation)."""
+    out = tmp_path / "run"
+    assert main(["train", *overrides(tiny_model_dir, data_dir, out, **{"trainer.max_steps": 3, "trainer.test_freq": 1,
+                                                                       "rollout.engine": "fast"})]) == 0
+    assert [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: step")] == []
+
+
+def test_resuming_an_earlier_checkpoint_says_what_it_gives_up(tiny_model_dir, data_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    settings = {"trainer.max_steps": 3, "trainer.save_freq": 1, "trainer.keep_last": 3, "trainer.test_freq": 0}
+    assert main(["train", *overrides(tiny_model_dir, data_dir, out, **settings)]) == 0
+    capsys.readouterr()
+    earlier = out / "checkpoints" / "step_00000001"
+    assert main(["train", *overrides(tiny_model_dir, data_dir, out, **settings, **{"trainer.resume": str(earlier)})]) == 0
+    said = capsys.readouterr()
+    assert (f"{out} holds later checkpoints (step_00000002, step_00000003): this run goes on from step 1 instead, "
+            f"discards them at its first save, and its metrics from step 2 on replace theirs") in said.out + said.err

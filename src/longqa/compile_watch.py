@@ -59,10 +59,13 @@ class CompileWatch:
     def _counts() -> dict:
         return {code: len(reasons) for code, reasons in _guard_failures().items()}
 
-    def news(self) -> list[str]:
+    def news(self, engine_events: bool = True) -> list[str]:
+        """The lines since the last call; ``engine_events=False`` leaves the engine's out (they are still
+        consumed): those that followed a request of another shape, which re-sizes the KV stores by design."""
         lines = [f"recompiled {_where(code)}: {_summary(reasons[self._seen.get(code, 0):])}"
                  for code, reasons in list(_guard_failures().items()) if len(reasons) > self._seen.get(code, 0)]
         events = self._engine_events()
-        lines += events[self._events:]
+        if engine_events:
+            lines += events[self._events:]
         self._seen, self._events = self._counts(), len(events)
         return lines

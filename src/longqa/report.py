@@ -13,7 +13,9 @@ The trainer logs a flat dict per step. These keys are the ones the console line 
 ``perf/tokens_per_s``                   throughput of the step: prompt and response tokens processed per second
 ``perf/update_tflops_per_gpu``          the update's model FLOPs (forward and backward, recompute not counted) per
                                         second of the update phase, per training GPU; dense decoders only
-``perf/recompiles``, ``/graph_captures`` graphs compiled / decode steps captured in the step (0 once warm)
+``perf/recompiles``, ``/graph_captures`` graphs compiled / decode steps captured in the step (0 once warm, but
+                                        for captures in the step after a validation, whose one answer a
+                                        prompt re-sizes the fast engine's KV stores)
 ``perf/max_memory_allocated_gb``,      the GPU's peak memory allocated / reserved by torch during the step (GiB,
 ``/max_memory_reserved_gb``             CUDA only), the most of any rank
 ``perf/host_memory_peak_gb``            the most host memory a rank's process has held so far (peak resident, GiB)

@@ -57,6 +57,7 @@ __all__ = [
     "export_hf",
     "is_complete",
     "latest_checkpoint",
+    "later_checkpoints",
     "latest_of_folder",
     "load_checkpoint",
     "load_model_weights",
@@ -100,6 +101,13 @@ def _complete_checkpoints(run_dir: str | os.PathLike) -> dict[int, Path]:
         if match and is_complete(path):
             found[int(match.group(1))] = path
     return found
+
+
+def later_checkpoints(run_dir: str | os.PathLike, step: int) -> list[Path]:
+    """The run's complete checkpoints past ``step``, oldest first: what a run resumed at ``step`` abandons (its
+    first save discards them, see ``_prune``)."""
+    found = _complete_checkpoints(run_dir)
+    return [found[s] for s in sorted(found) if s > step]
 
 
 def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:

@@ -47,8 +47,8 @@ from longqa.rollout.remote import RemoteRolloutEngine, serve, stop_sampler
 from longqa.rollout.vllm_engine import VLLMRolloutEngine, import_vllm, logprobs_mode_for
 from longqa.support import check_machine
 from longqa.train.actor import Actor, Samples, TrainingError
-from longqa.train.checkpoint import (checkpoints_dir, load_checkpoint, read_trainer_state, resolve_resume, rng_state,
-                                     save_checkpoint, set_rng_state)
+from longqa.train.checkpoint import (checkpoints_dir, later_checkpoints, load_checkpoint, read_trainer_state,
+                                     resolve_resume, rng_state, save_checkpoint, set_rng_state)
 from longqa.train.checkpoint_space import check_checkpoint_space, count_parameters
 from longqa.train.preemption import StopRequest, preempted_message
 from longqa.train.resume import CHANGES_KEY, DATA_KEY, change_history, check_resume, data_fingerprint, describe_changes
@@ -469,7 +469,7 @@ class Trainer:
                 print(f"compiled the update for {count} packed lengths in {time.perf_counter() - start:.0f} s",
                       flush=True)
         # What a step compiles or captures once the process is warm, and why (said after its first step).
-        self.compile_watch, self.warm = CompileWatch(self.engine), False
+        self.compile_watch, self.warm, self.validated_since_step = CompileWatch(self.engine), False, False
         self.stops = tuple(stop_token_ids(self.tokenizer))
         # The trainer recomputes the old policy's log-probs itself; vLLM returns exact sample log-probs except
         # for tempered *and* top-k/top-p-filtered sampling, where it is not asked for them.
@@ -728,7 +728,10 @@ class Trainer:
     def _say_built_again(self, step: int) -> None:
         """After this process's first step (which compiles and captures what the run needs), say what a step
         compiled or captured again and why: ``perf/recompiles`` counts it, this says what changed shape."""
-        news = self.compile_watch.news()
+        # A validation asks the engine for one answer per prompt, so it re-sizes the KV stores (dropping captured
+        # graphs) and the next step's sampling re-sizes them back: by design, not a warm step building again.
+        news = self.compile_watch.news(engine_events=not self.validated_since_step)
+        self.validated_since_step = False
         if news and self.warm and self.env.is_main:
             shown = "; ".join(news[:4]) + (f"; and {len(news) - 4} more" if len(news) > 4 else "")
             print(f"note: step {step + 1} (or a validation before it) compiled or captured again, which a warm "
@@ -854,9 +857,20 @@ class Trainer:
         step = state["step"]
         self.ahead = self._restored_ahead(state.get(AHEAD_KEY))
         self.changes_on_resume = change_history(state, step, self.resume_changes)
-        for line in [f"resumed from {resume} at step {step}", *describe_changes(self.resume_changes, step)]:
+        for line in [f"resumed from {resume} at step {step}", *describe_changes(self.resume_changes, step),
+                     *self._abandoned(step)]:
             self._say(line)
         return step, resume
+
+    def _abandoned(self, step: int) -> list[str]:
+        """The line saying what a resume from an earlier checkpoint of this run gives up: its later checkpoints,
+        which the first save discards, and the metrics logged after ``step``, which this run's replace."""
+        later = later_checkpoints(self.run_dir, step)
+        if not later:
+            return []
+        return [f"{self.run_dir} holds later checkpoints ({', '.join(p.name for p in later)}): this run goes on from "
+                f"step {step} instead, discards them at its first save, and its metrics from step {step + 1} on "
+                f"replace theirs"]
 
     def _ahead_state(self) -> dict | None:
         """The groups sampled ahead (rollout.mode=one_step_off) for a checkpoint: what a resume needs to update on
@@ -924,6 +938,7 @@ class Trainer:
         start = time.perf_counter()
         metrics = self.validate()
         self.seconds["validate"] = time.perf_counter() - start
+        self.validated_since_step = True
         return metrics
 
     def _save(self, done: int) -> Path:
