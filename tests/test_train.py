@@ -865,7 +865,7 @@ def test_what_the_epochs_leave_out_is_said():
         return describe_epochs(load_config(None, ["data.train_batch_size=6", *extra]), 16)
 
     capped, left = lines("trainer.max_steps=5", "trainer.total_epochs=1", "data.shuffle=false")
-    assert capped == ("trainer.max_steps=5 is capped at 2 by trainer.total_epochs=1 (16 prompts, 6 a step): raise "
+    assert capped == ("note: trainer.max_steps=5 is capped at 2 by trainer.total_epochs=1 (16 prompts, 6 a step): raise "
                       "trainer.total_epochs to go on")
     assert left.startswith("note: 4 of 16 prompts (the last 4 of the file order) are left out of every epoch: 16 is "
                            "not a multiple of data.train_batch_size=6")

@@ -139,21 +139,12 @@ def _verl_start() -> str:
 
 def cmd_config_show(args: argparse.Namespace) -> None:
     from longqa.support import check_machine, named_device_type
+    from longqa.train.trainer import check_settings
 
     cfg = run_config(args)
     check_machine(cfg, named_device_type(cfg.trainer.device))  # what train would refuse before any work
-    _check_settings(cfg)
+    check_settings(cfg)
     print(to_yaml(cfg), end="")
-
-
-def _check_settings(cfg: Config) -> None:
-    """The checks of settings against each other that train makes before it loads anything (no data files, run
-    folder or device needed), so that a config `config show` prints is not one train refuses at once."""
-    from longqa.train.trainer import (check_groups, check_offload, check_one_step_off, check_response_lengths,
-                                      check_speculative)
-
-    for check in (check_groups, check_response_lengths, check_speculative, check_one_step_off, check_offload):
-        check(cfg)
 
 
 def cmd_config_keys(args: argparse.Namespace) -> None:
@@ -330,13 +321,12 @@ def cmd_export(args: argparse.Namespace) -> None:
 
     from longqa.config import load_config_dict
     from longqa.model.load import config_tokenizer, load_model
-    from longqa.train.checkpoint import (CheckpointError, check_export_folder, export_hf, is_complete,
-                                         latest_checkpoint)
+    from longqa.train.checkpoint import CheckpointError, check_export_folder, export_hf, is_complete, latest_of_folder
 
     _writable(args.output, "the output folder", folder=True)  # transformers only logs that it cannot write a file
     checkpoint = Path(args.checkpoint)
     if not (checkpoint / "trainer_state.json").is_file():  # a run folder (or its checkpoints/): its latest
-        latest = latest_checkpoint(checkpoint.parent if checkpoint.name == "checkpoints" else checkpoint)
+        latest = latest_of_folder(checkpoint)
         if latest is None:
             raise CheckpointError(f"{checkpoint} is neither a checkpoint (no trainer_state.json) nor a run folder "
                                   f"with a complete one: give runs/NAME/checkpoints/step_XXXXXXXX or runs/NAME")

@@ -204,7 +204,8 @@ def describe_losses(prompts: PromptSet, name: str, options: PromptOptions) -> li
     return lines
 
 
-def _file_digest(path: Path) -> str:
+def file_digest(path: Path) -> str:
+    """A digest of the file's bytes: what the cache keys by, and what a checkpoint records of its data."""
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "blake2b").hexdigest()[:32]
 
@@ -214,7 +215,7 @@ def cache_key(files: Sequence[Path], fingerprint: str, options: PromptOptions) -
     h = hashlib.blake2b(digest_size=16)
     h.update(json.dumps([CACHE_FORMAT, fingerprint, dataclasses.asdict(options)]).encode())
     for path in files:
-        h.update(_file_digest(path).encode())
+        h.update(file_digest(path).encode())
     return h.hexdigest()
 
 

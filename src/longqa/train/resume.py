@@ -139,10 +139,10 @@ class DataChange(Change):
 def _digest(path: str) -> str | None:
     """The file's content digest, as the prompt cache keys its entries by (None for a missing file, which the
     data loading reports)."""
-    from longqa.data.prompts import _file_digest
+    from longqa.data.prompts import file_digest
 
     path = Path(os.path.expanduser(path))
-    return _file_digest(path) if path.is_file() else None
+    return file_digest(path) if path.is_file() else None
 
 
 def data_fingerprint(cfg: Config) -> dict[str, list[str | None]]:

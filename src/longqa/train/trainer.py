@@ -173,15 +173,18 @@ def check_data_files(cfg: Config) -> None:
             raise DataFileError(f"{path}: not readable")
 
 
+def check_settings(cfg: Config) -> None:
+    """The checks of settings against each other that need no data file, run folder or device: what `longqa
+    config show` runs too, so that it never prints a config that train refuses at once."""
+    for check in (check_groups, check_response_lengths, check_speculative, check_one_step_off, check_offload):
+        check(cfg)
+
+
 def check_before_workers(cfg: Config) -> None:
     """What the trainer checks of the config, the data files and the run folder before anything loads, run where
     ``trainer.launcher=ray`` is driven, before Ray starts: a mistake found on the workers comes back through Ray
     after its own start, once per worker (and once per restart)."""
-    check_groups(cfg)
-    check_response_lengths(cfg)
-    check_speculative(cfg)
-    check_one_step_off(cfg)
-    check_offload(cfg)
+    check_settings(cfg)
     reward_function(cfg)
     check_data_files(cfg)
     run_dir = Path(cfg.trainer.output_dir).expanduser()
@@ -198,7 +201,7 @@ def describe_epochs(cfg: Config, prompts: int) -> list[str]:
     per_epoch, left = divmod(prompts, batch)
     lines = []
     if t.max_steps and t.max_steps > t.total_epochs * per_epoch:
-        lines.append(f"trainer.max_steps={t.max_steps} is capped at {t.total_epochs * per_epoch} by "
+        lines.append(f"note: trainer.max_steps={t.max_steps} is capped at {t.total_epochs * per_epoch} by "
                      f"trainer.total_epochs={t.total_epochs} ({prompts} prompts, {batch} a step): raise "
                      f"trainer.total_epochs to go on")
     if left:
