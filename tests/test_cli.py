@@ -542,3 +542,12 @@ def test_config_show_refuses_what_train_refuses_before_loading(overrides, messag
     assert main(["config", "show", *overrides]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_version_is_said(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0
+    assert capsys.readouterr().out == f"longqa {version('longqa')}\n"

@@ -849,8 +849,11 @@ def _add_config_commands(groups: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from importlib.metadata import version
+
     parser = argparse.ArgumentParser(prog="longqa", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"longqa {version('longqa')}")
     groups = parser.add_subparsers(dest="group", metavar="COMMAND", required=True)
     _add_data_commands(groups)
     _add_model_commands(groups)
