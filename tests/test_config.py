@@ -305,3 +305,15 @@ def test_a_verl_key_in_a_file_is_noted_like_on_the_command_line(tmp_path, capsys
     path = write(tmp_path / "n.yaml", "trainer:\n  balance_batch: true\n")
     run_config(argparse.Namespace(config=str(path), overrides=[]))
     assert "trainer.balance_batch" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["model.gguf", "model.safetensors", "pytorch_model.bin", "a_model_folder"])
+def test_a_model_given_as_the_config_is_named_a_model(tmp_path, name):
+    path = tmp_path / name
+    if name == "a_model_folder":
+        path.mkdir()
+        (path / "config.json").write_text("{}")
+    else:
+        path.write_bytes(b"\x00\xff GGUF")
+    with pytest.raises(ConfigError, match=f"is a model, not a YAML config file: give it as model.path={path}$"):
+        load_config(path)

@@ -61,6 +61,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
 
 # Files that hold data, not a config: named as such when given where the config file goes.
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".arrow", ".csv", ".tsv", ".gz", ".zst")
+# Files and folders that hold a model, not a config: named as such (`longqa train model.gguf` is a common first try).
+MODEL_SUFFIXES = (".gguf", ".safetensors", ".bin", ".pt", ".pth")
 
 
 def _not_a_config(path: Path, why: str) -> ConfigError:
@@ -73,6 +75,8 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     Whatever else is given where the config file goes (a folder, a data file, a key without its value) is said
     in one line, not met as a decoding traceback."""
     path = Path(path)
+    if path.suffix.lower() in MODEL_SUFFIXES or (path / "config.json").is_file():
+        raise ConfigError(f"{path} is a model, not a YAML config file: give it as model.path={path}")
     if path.is_dir():
         raise ConfigError(f"config file {path} is a folder: give a YAML config file")
     if not path.is_file():
