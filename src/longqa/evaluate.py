@@ -262,20 +262,14 @@ def check_model_folder(path: str | None, flag: str = "--model") -> None:
         raise ConfigError(f"{flag} {path} holds no model ({why}): give a model folder, hub id or GGUF file")
 
 
-# ``describe_losses`` names the config keys of `longqa train`; a command with flags names its flags instead.
-LOSS_FLAGS = (("data.max_prompt_length", "--max-prompt-length"), ("data.skip_bad_rows=true", "--skip-bad-rows"))
-
-
 def describe_prompt_losses(prompts, options, name: str = "prompts") -> list[str]:
     """What preparing ``prompts`` dropped or cut, per reason, data_source and context length, in the words
     `longqa train` uses but naming the flags: a source that vanished would otherwise only be missed in the
     table."""
     from longqa.data.prompts import describe_losses
 
-    lines = describe_losses(prompts, name, options)
-    for key, flag in LOSS_FLAGS:
-        lines = [line.replace(key, flag) for line in lines]
-    return lines
+    return describe_losses(prompts, name, options, length_setting="--max-prompt-length",
+                           skip_setting="--skip-bad-rows")
 
 
 def prompt_counts(prompts) -> dict:

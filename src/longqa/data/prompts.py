@@ -183,17 +183,20 @@ def tally(prompts: PromptSet, group: str) -> dict:
     return dict(sorted(tallies.items()))
 
 
-def describe_losses(prompts: PromptSet, name: str, options: PromptOptions) -> list[str]:
+def describe_losses(prompts: PromptSet, name: str, options: PromptOptions,
+                    length_setting: str = "data.max_prompt_length",
+                    skip_setting: str = "data.skip_bad_rows=true") -> list[str]:
     """Lines saying what preparing ``prompts`` dropped or cut, by reason, then per data_source and per context
     length (``target_tokens``) that lost rows: a run says this before it starts, since a source or a length
-    that is gone would otherwise only be missed in the metrics."""
+    that is gone would otherwise only be missed in the metrics. ``length_setting`` and ``skip_setting`` name
+    the settings behind the limit and the skipping, as for ``prepare_prompts`` (a command's flags, say)."""
     stats = prompts.stats
     if not stats.lost:
         return [f"{name}: all {stats.kept} kept whole"]
     reasons = Counter(entry["reason"] for entry in stats.lost)
-    limit = f"data.max_prompt_length={options.max_prompt_length}"
+    limit = f"{length_setting}={options.max_prompt_length}"
     said = {OVERLONG: f"{reasons[OVERLONG]} dropped over {limit}",
-            BAD_ROW: f"{reasons[BAD_ROW]} bad rows dropped (data.skip_bad_rows=true)",
+            BAD_ROW: f"{reasons[BAD_ROW]} bad rows dropped ({skip_setting})",
             TRUNCATED: f"{reasons[TRUNCATED]} truncated to {limit} (data.truncation={options.truncation})"}
     lines = [f"{name}: {stats.kept} of {stats.rows_read} kept; "
              + "; ".join(said[r] for r in LOST_REASONS if reasons[r])]
@@ -325,6 +328,19 @@ def _commit(work: Path, entry: Path) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def readable_files(files: Sequence[str | os.PathLike]) -> list[Path]:
+    """``files`` as paths (``~`` expanded), each an existing readable file; at least one."""
+    paths = [Path(os.path.expanduser(str(f))) for f in files]
+    if not paths:
+        raise DataFileError("no data files given (set data.train_files)")
+    for path in paths:
+        if not path.is_file():
+            raise DataFileError(f"{path}: no such file")
+        if not os.access(path, os.R_OK):
+            raise DataFileError(f"{path}: not readable")
+    return paths
+
+
 def prepare_prompts(files: Sequence[str | os.PathLike], tokenizer, options: PromptOptions,
                     cache_dir: str | os.PathLike | None = None,
                     length_setting: str = "data.max_prompt_length",
@@ -337,14 +353,7 @@ def prepare_prompts(files: Sequence[str | os.PathLike], tokenizer, options: Prom
     ``skip_bad_rows``); overlong prompts are filtered and counted, or truncated, per ``options``.
     """
     start = time.perf_counter()
-    paths = [Path(os.path.expanduser(str(f))) for f in files]
-    if not paths:
-        raise DataFileError("no data files given (set data.train_files)")
-    for path in paths:
-        if not path.is_file():
-            raise DataFileError(f"{path}: no such file")
-        if not os.access(path, os.R_OK):
-            raise DataFileError(f"{path}: not readable")
+    paths = readable_files(files)
     entry = None
     if cache_dir is not None:
         root = Path(os.path.expanduser(str(cache_dir))) / "prompts"

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import os
 import random
 import resource
 import time
@@ -28,8 +27,8 @@ from longqa.bench import counts_flops, group_flops
 from longqa.compile_cache import load_run_cache, save_run_cache, use_user_cache
 from longqa.compile_watch import CompileWatch
 from longqa.config import Config, ConfigError, to_dict
-from longqa.data.io import DataFileError
-from longqa.data.prompts import GROUPS, PromptOptions, PromptSet, describe_losses, prepare_prompts, tally
+from longqa.data.prompts import (GROUPS, PromptOptions, PromptSet, describe_losses, prepare_prompts, readable_files,
+                                 tally)
 from longqa.distributed.deepspeed import check_deepspeed
 from longqa.distributed.env import DistEnv, Split, all_reduce, gather_objects, leave_group
 from longqa.distributed.planner import (SAMPLER_KV_SHARE, check_data_parallel, check_run, check_sampler_ranks,
@@ -162,15 +161,10 @@ def check_fresh_folder(cfg: Config, resume_from: Path | None, say=print) -> None
 
 
 def check_data_files(cfg: Config) -> None:
-    """The data files exist and can be read (``prepare_prompts`` says it the same way, later, on each rank)."""
-    if not cfg.data.train_files:
-        raise DataFileError("no data files given (set data.train_files)")
-    for name in (*cfg.data.train_files, *cfg.data.val_files):
-        path = Path(name).expanduser()
-        if not path.is_file():
-            raise DataFileError(f"{path}: no such file")
-        if not os.access(path, os.R_OK):
-            raise DataFileError(f"{path}: not readable")
+    """The data files exist and can be read, as ``prepare_prompts`` checks them later on each rank."""
+    readable_files(cfg.data.train_files)
+    if cfg.data.val_files:
+        readable_files(cfg.data.val_files)
 
 
 def check_settings(cfg: Config) -> None:
