@@ -162,6 +162,48 @@ def test_several_tokens_per_row(queries, window, softcap, max_block_m):
                queries=queries, max_block_m=max_block_m)
 
 
+@needs_triton
+@pytest.mark.parametrize("window, queries", [(None, 1), (9, 2)])
+def test_reads_on_the_device_shorter_than_the_views(window, queries):
+    """A call whose views are the stores' whole caps (as a CUDA graph captured once is) and whose ``reads`` tensor
+    says how far the groups got: the same attention as the naive one, each split covering ``chunk_of`` of the
+    keys read (not of the view), and nothing past the reads touched (NaN there)."""
+    from longqa.rollout.decode_kernel import chunk_of
+
+    torch.manual_seed(queries)
+    groups, n, kv_heads, r, d, block_n, scaling = 2, 3, 2, 2, 16, 16, 0.3
+    prompt_cap, own_cap = 96, 40
+    for prefix_len, own_len in (([33, 20], [queries, 7, 0, 11, queries + 1, 5]), ([70, 96], [40, 3, 9, 1, 22, 40])):
+        if window is not None:  # (a row's tokens have positions once it holds them)
+            own_len = [max(queries, length) for length in own_len]
+        pk, pv = store(groups, kv_heads, prompt_cap, d, prefix_len)
+        sk, sv = store(groups * n, kv_heads, own_cap, d, own_len)
+        q = torch.randn(groups * n * queries, kv_heads * r, d, device=DEVICE)
+        reads = torch.tensor([max(prefix_len), max(own_len)], dtype=torch.int32, device=DEVICE)
+        out, parts, lse = shared_prefix_attention(
+            q, pk, pv, torch.tensor(prefix_len, device=DEVICE), sk, sv, torch.tensor(own_len, device=DEVICE), n,
+            prompt_cap, own_cap, scaling, block_n, splits=(4, 2), window=window, queries=queries, partials=True,
+            reads=reads)
+        chunk = chunk_of(max(prefix_len), 4, block_n)
+        for row in range(groups * n):
+            g = row // n
+            for s in range(4):  # the prompt splits: keys [s * chunk, (s + 1) * chunk) of those read
+                lo, hi = s * chunk, min((s + 1) * chunk, prefix_len[g])
+                if hi <= lo:
+                    assert torch.all(lse[row * queries, :, s] == float("-inf"))
+                elif window is None:
+                    ref, _ = naive(q[row * queries], pk[g, :, lo:hi], pv[g, :, lo:hi], scaling)
+                    torch.testing.assert_close(parts[row * queries, :, s].cpu().double(), ref, atol=1e-5, rtol=1e-5)
+            for i in range(queries):
+                own = max(0, own_len[row] - queries + 1 + i)
+                keys = torch.cat([pk[g, :, :prefix_len[g]], sk[row, :, :own]], 1)
+                values = torch.cat([pv[g, :, :prefix_len[g]], sv[row, :, :own]], 1)
+                if window is not None:
+                    keys, values = keys[:, -window:], values[:, -window:]
+                ref, _ = naive(q[row * queries + i], keys, values, scaling)
+                torch.testing.assert_close(out[row * queries + i].cpu().double(), ref, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("queries, window, softcap", [(1, None, None), (3, None, None), (4, 5, 0.5)])
 def test_the_matmul_attention_with_several_tokens_per_row(queries, window, softcap):
     """The batched-matmul decode attention (the path without Triton) against the same reference: token i
@@ -271,35 +313,41 @@ def test_cuda_bf16(d):
 @needs_triton
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: CUDA graph capture")
 def test_cuda_graph_capture():
-    """No host synchronisation inside: the attention captures in a CUDA graph and replays with new lengths."""
+    """No host synchronisation inside: the attention captured once in a CUDA graph at the stores' whole views
+    replays with new lengths and new reads (shorter and longer than at the capture), as the engine's decode
+    step does."""
     torch.manual_seed(0)
     groups, n, kv_heads, r, d, view, own_view = 2, 4, 2, 2, 64, 512, 128
     rows, heads, scaling = groups * n, kv_heads * r, 0.125
     pk, pv = (torch.randn(groups, kv_heads, view, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     sk, sv = (torch.randn(rows, kv_heads, own_view, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     q = torch.randn(rows, heads, d, device="cuda", dtype=torch.bfloat16)
-    prefix_t = torch.tensor([512, 300], device="cuda")
+    prefix_t = torch.tensor([300, 200], device="cuda")
     own_t = torch.full((rows,), 5, device="cuda")
+    reads = torch.tensor([300, 5], dtype=torch.int32, device="cuda")
 
     def step():
-        return shared_prefix_attention(q, pk, pv, prefix_t, sk, sv, own_t, n, view, own_view, scaling)
+        return shared_prefix_attention(q, pk, pv, prefix_t, sk, sv, own_t, n, view, own_view, scaling, reads=reads)
 
     step()  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = step()
-    prefix_t.copy_(torch.tensor([100, 511], device="cuda"))
-    own_t.copy_(torch.arange(rows, device="cuda") * 7 + 1)
-    graph.replay()
-    torch.testing.assert_close(out, step(), atol=0, rtol=0)
-    for row in range(rows):
-        g = row // n
-        p, o = int(prefix_t[g]), int(own_t[row])
-        keys = torch.cat([pk[g, :, :p], sk[row, :, :o]], 1)
-        values = torch.cat([pv[g, :, :p], sv[row, :, :o]], 1)
-        ref, _ = naive(q[row], keys, values, scaling)
-        torch.testing.assert_close(out[row].cpu().double(), ref, atol=2e-2, rtol=2e-2)
+    for prefix, own in (([100, 511], torch.arange(rows) * 7 + 1), ([40, 3], torch.arange(rows) % 3 + 1),
+                        ([512, 512], torch.full((rows,), 128))):
+        prefix_t.copy_(torch.tensor(prefix, device="cuda"))
+        own_t.copy_(own.to("cuda"))
+        reads.copy_(torch.tensor([max(prefix), int(own.max())], dtype=torch.int32))
+        graph.replay()
+        torch.testing.assert_close(out, step(), atol=0, rtol=0)
+        for row in range(rows):
+            g = row // n
+            p, o = int(prefix_t[g]), int(own_t[row])
+            keys = torch.cat([pk[g, :, :p], sk[row, :, :o]], 1)
+            values = torch.cat([pv[g, :, :p], sv[row, :, :o]], 1)
+            ref, _ = naive(q[row], keys, values, scaling)
+            torch.testing.assert_close(out[row].cpu().double(), ref, atol=2e-2, rtol=2e-2)
 
 
 @needs_triton
@@ -325,3 +373,63 @@ def test_the_engine_samples_the_same_with_the_kernel_as_with_matmuls(family):
         for a, b in zip(group_a, group_b):
             assert a.token_ids == b.token_ids
             assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
+
+
+@needs_triton
+def test_with_the_kernel_every_decode_step_has_the_same_graph_key(monkeypatch):
+    """The decode step's views (its CUDA graph's key) through runs whose groups hold prompts of 1 to 70 tokens and
+    responses that end early: with the Triton attention they stay at the KV stores' caps, so on a GPU one capture
+    serves every step of a GRPO run; the batched-matmul attention narrows them to the lengths (in steps of 4
+    tokens here), a key per view."""
+    from longqa.rollout import fast
+    from longqa.rollout.base import SamplingParams
+    from longqa.rollout.fast import FastRolloutEngine
+    from tiny_models import VOCAB, tiny_lm
+
+    monkeypatch.setattr(fast, "PROMPT_VIEW_STEP", 4)
+    monkeypatch.setattr(fast, "RESPONSE_VIEW_STEP", 4)
+    model = tiny_lm(head_dim=16).to(DEVICE)
+    g = torch.Generator().manual_seed(4)
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=9, stop_token_ids=(5,))
+    for kernel in ("triton", "bmm"):
+        engine = FastRolloutEngine(model, max_groups=2, sync_every=4, decode_kernel=kernel, cuda_graphs=False,
+                                   prompt_tokens=70)
+        views, step = [], engine._step
+
+        def recorded(*args):
+            views.append((engine.kv.prompt_view, engine.kv.response_view))
+            return step(*args)
+
+        engine._step = recorded
+        for lengths in ((5, 70, 1), (2, 3), (40,)):
+            prompts = [torch.randint(6, VOCAB, (length,), generator=g).tolist() for length in lengths]
+            engine.generate(prompts, params, seeds=range(len(lengths)), stop_at=[[2, 9, 4]] * len(lengths))
+        if kernel == "triton":
+            assert set(views) == {(engine.kv.prompt_cap, engine.kv.own_cap)}
+        else:
+            assert len(set(views)) > 1
+
+
+@needs_triton
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: CUDA graph capture")
+def test_the_engine_captures_one_graph_for_every_length():
+    """On a GPU: prompts of other lengths, and responses ending at other lengths, in later calls replay the graph
+    captured in the first (the same samples as an engine that captures nothing)."""
+    from longqa.rollout.base import SamplingParams
+    from longqa.rollout.fast import FastRolloutEngine
+    from tiny_models import VOCAB, tiny_lm
+
+    model = tiny_lm(head_dim=16).cuda()
+    g = torch.Generator().manual_seed(5)
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=40, stop_token_ids=(5,))
+    graphs = FastRolloutEngine(model, max_groups=2, prompt_tokens=300)
+    eager = FastRolloutEngine(model, max_groups=2, prompt_tokens=300, cuda_graphs=False)
+    for lengths, stop_at in (((5, 300, 1), [[2, 40, 4]] * 3), ((20, 3), [[40, 40, 40]] * 2), ((150,), [[7, 1, 33]])):
+        prompts = [torch.randint(6, VOCAB, (length,), generator=g).tolist() for length in lengths]
+        got, want = (engine.generate(prompts, params, seeds=range(len(lengths)), stop_at=stop_at)
+                     for engine in (graphs, eager))
+        for group_a, group_b in zip(got, want):
+            for a, b in zip(group_a, group_b):
+                assert a.token_ids == b.token_ids
+                assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
+    assert graphs.graph_captures == 1, graphs.graph_events

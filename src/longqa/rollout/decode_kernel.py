@@ -16,9 +16,11 @@ to fill the GPU when there are few groups and long prompts, and with both halves
 short own-half programs fill in behind the long prompt-half ones instead of waiting for them to
 finish. The second launch merges each (token, head)'s splits.
 
-Nothing here reads tensor values on the host: grid and key ranges depend on shapes, views and
-split counts only, so the step can be captured in a CUDA graph (one graph per view). Triton is
-imported when the kernel is first asked for, so longqa imports without it.
+Nothing here reads tensor values on the host: the grid depends on shapes, views and split counts
+only, and the key positions a call reads (``reads``) can be a device tensor that the kernel reads,
+each split taking its share of them. So one CUDA graph, captured at the stores' whole views, serves
+every decode step whatever the lengths its groups have reached. Triton is imported when the kernel is
+first asked for, so longqa imports without it.
 """
 
 from __future__ import annotations
@@ -33,23 +35,29 @@ MAX_BLOCK_M = 128  # the most query cells of one prompt-half tile; a group with 
 WAVES = 2  # the default split count aims at this many programs per SM (measured: benchmarks/decode_attention_sweep.py)
 
 
+def chunk_of(view: int, splits: int, block_n: int) -> int:
+    """Keys per split when ``splits`` splits share ``view`` keys: ``ceil(view/splits)`` rounded up to a multiple
+    of ``block_n`` (every block a program loads is full-width except the last), at least one block. The kernel
+    computes the same from the views it reads on the device (``decode_triton.partial_kernel``)."""
+    return max(block_n, math.ceil(math.ceil(view / splits) / block_n) * block_n)
+
+
 def split_plan(view: int, splits: int | None, block_n: int, programs: int, sms: int = SM_FALLBACK,
                waves: float = WAVES) -> tuple[int, int]:
-    """``(splits, chunk)``: split ``s`` reads keys ``[s*chunk, (s+1)*chunk)`` (clipped to ``view``).
+    """``(splits, chunk)``: split ``s`` reads keys ``[s*chunk, (s+1)*chunk)`` (clipped to ``view``), ``chunk``
+    being ``chunk_of(view, splits, block_n)``.
 
-    ``chunk`` is ``ceil(view/splits)`` rounded up to a multiple of ``block_n``, so every block a program
-    loads is full-width except the last. Without ``splits``, enough splits that ``programs * splits``
-    reaches ``WAVES * sms`` (latency of one program hides behind the others), but no split shorter
-    than one block, and no split that starts past ``view`` (it would only write -inf).
+    Without ``splits``, enough splits that ``programs * splits`` reaches ``WAVES * sms`` (latency of one
+    program hides behind the others), but no split shorter than one block, and no split that starts past
+    ``view`` (it would only write -inf).
     """
     if splits is None:
         blocks = max(1, math.ceil(view / block_n))
         want = min(blocks, max(1, math.ceil(waves * sms / max(programs, 1))))
-        chunk = math.ceil(blocks / want) * block_n
-        return max(1, math.ceil(view / chunk)), chunk  # fewer when the rounding left the last ones empty
-    if splits < 1:
+        splits = max(1, math.ceil(view / (math.ceil(blocks / want) * block_n)))  # fewer when the last are empty
+    elif splits < 1:
         raise ValueError(f"splits must be >= 1, got {splits}")
-    return splits, max(block_n, math.ceil(math.ceil(view / splits) / block_n) * block_n)
+    return splits, chunk_of(view, splits, block_n)
 
 
 @functools.cache
@@ -88,7 +96,7 @@ def shared_prefix_attention(q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_
                             dtype: torch.dtype | None = None, waves: float = WAVES, num_warps: int = 4,
                             num_stages: int = 3, splits: tuple[int | None, int | None] = (None, None),
                             partials: bool = False, window: int | None = None, softcap: float | None = None,
-                            queries: int = 1, max_block_m: int = MAX_BLOCK_M):
+                            queries: int = 1, max_block_m: int = MAX_BLOCK_M, reads: torch.Tensor | None = None):
     """One layer's decode attention over the store: ``q`` ``[rows * queries, heads, d]`` (rows =
     groups*n, group-major; ``queries`` consecutive tokens per row) against its group's prompt keys
     ``[0, prefix_len[g])`` and its own keys -> ``[rows * queries, heads, d]`` in ``dtype`` (default
@@ -98,8 +106,11 @@ def shared_prefix_attention(q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_
 
     ``prefix_k``/``prefix_v`` ``[groups, kv_heads, >= prompt_view, d]`` and ``suffix_k``/``suffix_v``
     ``[rows, kv_heads, >= own_view, d]`` may have any strides with a contiguous last dimension (layer
-    slices of the store, never copied); the views bound the key positions read (static numbers, so a
-    CUDA graph per view). ``splits`` fixes each half's split count (default: ``split_plan``).
+    slices of the store, never copied); the views bound the key positions read and size the grid (each half's
+    split count: ``split_plan``, or fixed by ``splits``). ``reads``: a ``[2]`` integer tensor on the device, the
+    prompt and own key positions this call reads, at most the views (default: the views): the kernel reads
+    it and spreads those positions over the splits, so a step captured once at the stores' whole views
+    (a CUDA graph) reads no more than the groups' longest prompt and own keys at every replay.
     ``partials=True`` also returns every split's output ``[rows * queries, heads, S, d]`` and log-sum-exp
     ``[rows * queries, heads, S]`` (base 2; -inf where a split has no key), prompt splits first.
     ``window``: a token at position ``p`` (token i of a row: ``prefix_len[g] + own_len[row] - queries +
@@ -129,9 +140,10 @@ def shared_prefix_attention(q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_
     block_m = max(16, _next_power_of_2(max(min(n * queries * r, max_block_m), queries * r)))
     m_blocks = -(-n * queries * r // block_m)
     sms = _sm_count(q.device)
-    prompt_splits, prompt_chunk = split_plan(prompt_view, splits[0], block_n, groups * kv_heads * m_blocks, sms,
-                                             waves)
-    own_splits, own_chunk = split_plan(own_view, splits[1], block_n, rows * kv_heads, sms, waves)
+    prompt_splits, _ = split_plan(prompt_view, splits[0], block_n, groups * kv_heads * m_blocks, sms, waves)
+    own_splits, _ = split_plan(own_view, splits[1], block_n, rows * kv_heads, sms, waves)
+    if reads is None:
+        reads = torch.tensor([prompt_view, own_view], dtype=torch.int32, device=q.device)
     total = prompt_splits + own_splits
     cells = rows * queries  # query rows of q
     out = torch.empty(cells, heads, total, d, dtype=torch.float32, device=q.device)
@@ -143,8 +155,7 @@ def shared_prefix_attention(q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_
             q, prefix_k, prefix_v, prefix_len.contiguous(), suffix_k, suffix_v, own_len.contiguous(), out, lse,
             q.stride(0), q.stride(1), *prefix_k.stride()[:3], *prefix_v.stride()[:3], *suffix_k.stride()[:3],
             *suffix_v.stride()[:3], scaling * math.log2(math.e), float(softcap or 0.0), int(window or 0), kv_heads,
-            n, r, queries, heads, prompt_view, own_view, prompt_chunk, own_chunk, prompt_splits, own_splits,
-            prompt_programs, m_blocks, BLOCK_M=block_m, BLOCK_N=block_n, D=d,
+            n, r, queries, heads, reads, prompt_splits, own_splits, prompt_programs, m_blocks, BLOCK_M=block_m, BLOCK_N=block_n, D=d,
             IEEE=q.dtype == torch.float32, WINDOW=window is not None, SOFTCAP=softcap is not None,
             CAUSAL=queries > 1, num_warps=num_warps, num_stages=num_stages)
         merge_kernel[(cells * heads,)](out, lse, result, total, BLOCK_S=_next_power_of_2(max(total, 2)), D=d)

@@ -73,19 +73,20 @@ def partial_kernel(
         Q, PK, PV, PLEN, SK, SV, OLEN, OUT, LSE,
         stride_qr, stride_qh, stride_pkb, stride_pkh, stride_pkn, stride_pvb, stride_pvh, stride_pvn,
         stride_skb, stride_skh, stride_skn, stride_svb, stride_svh, stride_svn,
-        scale_log2, softcap, window, kv_heads, n, r, queries, heads, prompt_view, own_view, prompt_chunk, own_chunk,
-        prompt_splits, own_splits, prompt_programs, m_blocks,
+        scale_log2, softcap, window, kv_heads, n, r, queries, heads, READS, prompt_splits, own_splits, prompt_programs,
+        m_blocks,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr,
         WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr):
     """Programs ``[0, prompt_programs)`` take the prompt half (a group's cells in ``m_blocks`` tiles), the
     rest the own half. Row ``b`` feeds ``queries`` tokens, Q rows ``b * queries + i``; token i sits at
     position ``PLEN[group] + OLEN[b] - queries + i``, reads own keys below ``OLEN[b] - queries + 1 + i``
-    and, with a window, keys at positions ``> its position - window`` only."""
+    and, with a window, keys at positions ``> its position - window`` only. ``READS``: the prompt and own key
+    positions read (``[2]``), each half's split covering ``decode_kernel.chunk_of`` of them."""
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     total_splits = prompt_splits + own_splits
     if pid < prompt_programs:  # prompt half: cell c = (j*queries + i)*r + t is token i of row b*n + j, head h*r + t
-        split, b, h, lo, hi = locate(pid // m_blocks, prompt_splits, prompt_chunk, kv_heads, PLEN, prompt_view)
+        split, b, h, lo, hi = locate(pid // m_blocks, prompt_splits, BLOCK_N, kv_heads, PLEN, tl.load(READS))
         cell = pid % m_blocks * BLOCK_M + offs_m
         q_rows = b * n * queries + cell // r
         valid_m = cell < n * queries * r
@@ -98,7 +99,7 @@ def partial_kernel(
                      stride_qr, stride_qh, stride_pkn, stride_pvn, scale_log2, softcap, heads, total_splits, BLOCK_M,
                      BLOCK_N, D, IEEE, WINDOW, SOFTCAP, False)
     else:  # own half: cell m = i*r + t is token i of row b, head h*r + t
-        split, b, h, lo, hi = locate(pid - prompt_programs, own_splits, own_chunk, kv_heads, OLEN, own_view)
+        split, b, h, lo, hi = locate(pid - prompt_programs, own_splits, BLOCK_N, kv_heads, OLEN, tl.load(READS + 1))
         token = offs_m // r
         key_hi = tl.load(OLEN + b).to(tl.int32) - queries + 1 + token  # token i reads own keys [0, key_hi)
         key_lo = tl.zeros([BLOCK_M], tl.int32)
@@ -111,9 +112,10 @@ def partial_kernel(
 
 
 @triton.jit
-def locate(p, splits, chunk, kv_heads, LENGTHS, view):
+def locate(p, splits, block_n, kv_heads, LENGTHS, view):
     """Program ``p`` of a half -> its split, batch entry, kv head and key range ``[lo, hi)`` (empty past
-    the entry's length)."""
+    the entry's length): ``view`` keys in ``splits`` chunks of ``decode_kernel.chunk_of(view, splits, block_n)``."""
+    chunk = tl.maximum(block_n, tl.cdiv(tl.cdiv(view, splits), block_n) * block_n)
     split = p % splits
     b = (p // splits // kv_heads).to(tl.int64)
     h = (p // splits % kv_heads).to(tl.int64)

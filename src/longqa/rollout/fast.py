@@ -21,9 +21,12 @@ per layer); other models run their own modules with attention routed through lon
 
 Groups stream through a fixed number of slots sized from a memory budget: when all n samples of a
 group stop, its slot takes the next prompt. The decode step works on fixed-size tensors (every slot,
-finished or not), so on a GPU it is captured once per (prompt, response) length bucket as a CUDA
-graph and replayed; the host looks at the device only every ``sync_every`` steps, to retire
-finished groups and admit new ones.
+finished or not), so on a GPU it is captured as a CUDA graph and replayed; the host looks at the
+device only every ``sync_every`` steps, to retire finished groups and admit new ones. The Triton
+attention reads how far the groups have got from the device, so one graph per sampling setting
+serves a KV store's whole life: a warm GRPO step captures nothing. The batched-matmul attention
+reads views of the stores as wide as the longest prompt and response still running, rounded up to
+steps, and is captured once per such (prompt, response) view.
 
 ``generate(..., stop_at=...)`` ends each sample at a given length as if it had sampled EOS there, so
 that benchmarks on random-weight models (which never sample it) see the varied lengths of real
@@ -193,8 +196,12 @@ class SharedPrefixKV:
         # A prefill forward's tokens, in order: (slot, start, length) pieces, each a prompt's tokens from
         # ``start`` on (several prompts per forward; a prompt longer than a forward comes in several pieces).
         self.prefill_pieces: list[tuple[int, int, int]] = []
-        self.prompt_view = prompt_cap  # how much of the stores a decode step reads (length buckets)
+        # How much of the stores a decode step may read (the bmm attention's widths; the Triton kernel's grid).
+        self.prompt_view = prompt_cap
         self.response_view = self.own_cap
+        # The prompt and own key positions the step reads, set on the device by each step: the Triton kernel
+        # spreads them over its splits, so a graph captured at the whole views serves every length.
+        self.reads = torch.tensor([prompt_cap, self.own_cap], dtype=torch.int32, device=device)
 
     def set_write_at(self, write_at: torch.Tensor) -> None:
         """Place this step's new tokens: row i's j-th at own index ``write_at[i] + j`` (in place: graphs)."""
@@ -260,7 +267,7 @@ class SharedPrefixKV:
             out = shared_prefix_attention(q.reshape(rows * m, heads, d), self.prefix_k[layer], self.prefix_v[layer],
                                           self.prompt_read, self.suffix_k[layer], self.suffix_v[layer], self.own_len,
                                           self.n, self.prompt_view, self.response_view, scaling, window=spec.window,
-                                          softcap=spec.softcap, queries=m)
+                                          softcap=spec.softcap, queries=m, reads=self.reads)
             return out.view(rows, m, heads, d)
         math_fn = _compiled_decode_attention() if q.is_cuda else decode_attention
         return math_fn(q, self.prefix_k[layer], self.prefix_v[layer], self.suffix_k[layer], self.suffix_v[layer],
@@ -357,7 +364,8 @@ class FastRolloutEngine(RolloutEngine):
     ``kv_cache_bytes`` bounds the KV stores (default: ``kv_share`` of the free GPU memory, 40%, which leaves the
     rest to a colocated update; 2 GiB on a CPU); as many groups run at once as fit. ``prefill_chunk`` bounds the
     tokens of one prefill forward, which holds several prompts where they fit (default: ``prefill_tokens(model)``).
-    ``cuda_graphs`` captures the decode step per length bucket (CUDA only). ``fused_decode`` runs the
+    ``cuda_graphs`` captures the decode step as CUDA graphs (CUDA only): one per sampling setting with the
+    Triton attention, one per (prompt, response) view with the batched-matmul one. ``fused_decode`` runs the
     decode step of Llama-family models as a few compiled kernels per layer (``decode_step.py``; compiled
     on a GPU only); ``None`` uses it wherever the model is supported, ``False`` runs the model's modules.
     ``decode_kernel`` computes decode attention with a Triton split-K kernel (``triton``, the default on a
@@ -407,7 +415,7 @@ class FastRolloutEngine(RolloutEngine):
         self.kv: SharedPrefixKV | None = None
         self.state: DecodeState | None = None  # sized with the KV stores (graphs capture both)
         self.graphs: dict = {}
-        self.graph_captures = 0  # decode-step graphs captured so far (one per length bucket once warm)
+        self.graph_captures = 0  # decode-step graphs captured so far
         self.graph_events: list[str] = []  # each capture and KV re-sizing, said (compile_watch.CompileWatch)
         self.stop_ids: dict = {}
         self.last_run: dict = {}  # how the last generate used the slots: see _run
@@ -568,10 +576,11 @@ class FastRolloutEngine(RolloutEngine):
             occupied = [g for g in range(kv.groups) if slot_prompt[g] is not None]
             longest_prompt = max(slot_prompt_len[g] for g in occupied)
             for _ in range(self.sync_every):
-                # own keys a step reads: the fed tokens' (from the row's last one on) and all before them
-                longest_response = max(slot_reach[g] for g in occupied) + self.queries - 1
-                kv.prompt_view = _bucket(longest_prompt, PROMPT_VIEW_STEP, kv.prompt_cap)
-                kv.response_view = _bucket(longest_response, RESPONSE_VIEW_STEP, kv.own_cap)
+                if kv.kernel != "triton":  # (the Triton kernel reads the lengths on the device: views stay whole)
+                    # own keys a step reads: the fed tokens' (from the row's last one on) and all before them
+                    longest_response = max(slot_reach[g] for g in occupied) + self.queries - 1
+                    kv.prompt_view = _bucket(longest_prompt, PROMPT_VIEW_STEP, kv.prompt_cap)
+                    kv.response_view = _bucket(longest_response, RESPONSE_VIEW_STEP, kv.own_cap)
                 self._decode_step(params, state, stops)
                 self.last_run["decode_steps"] += 1
                 slot_age = [age + 1 for age in slot_age]
@@ -679,6 +688,8 @@ class FastRolloutEngine(RolloutEngine):
         kv.set_write_at((index - 1).clamp(0, kv.response_cap - 1))
         kv.own_len.copy_(torch.where(state.active, kv.write_at + m, 0))
         kv.prompt_read.copy_(torch.where(state.active.view(-1, n).any(1), kv.prefix_len, 0))
+        if kv.kernel == "triton":
+            kv.reads.copy_(torch.stack([kv.prompt_read.max(), kv.own_len.max()]))
         positions = kv.prefix_len.repeat_interleave(n) + index - 1
         feed = state.last[:, None]
         if self.speculation:
