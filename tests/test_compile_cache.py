@@ -1,6 +1,6 @@
 """Compiled graphs outlive the process that built them: a second start finds them in the user's cache
-folder, and a start on another machine in the run folder's copy, which training writes with its
-checkpoints."""
+folder, and a start on another machine in the run folder's copy, which training writes after the first
+step and after any step that compiled something new."""
 
 import json
 import os
@@ -53,16 +53,21 @@ def test_a_second_start_finds_its_graphs_in_the_user_s_cache_folder(tmp_path):
 
 
 def test_the_user_s_folder_follows_xdg_and_home(monkeypatch, tmp_path):
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    """Inductor's caches and Triton's (kernels compiled outside Inductor too) in one folder of the user's."""
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "XDG_CACHE_HOME", "TRITON_CACHE_DIR"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
     assert use_user_cache() == str(tmp_path / ".cache" / "longqa" / "torch-compile")
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / ".cache" / "longqa" / "torch-compile" / "triton")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))  # the user's own setting wins
+    use_user_cache()
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
 
 
-def test_a_run_s_checkpoints_carry_its_graphs_to_a_machine_that_never_compiled_them(tiny_model_dir, data_dir,
-                                                                                     tmp_path, monkeypatch):
+def test_a_run_folder_carries_its_graphs_to_a_machine_that_never_compiled_them(tiny_model_dir, data_dir,
+                                                                                tmp_path, monkeypatch):
     """A run that compiles (here one function, in its second update) leaves ``compile_cache.bin`` in its
-    folder with its checkpoints; a process with an empty cache folder that loads it compiles nothing."""
+    folder; a process with an empty cache folder that loads it compiles nothing."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "this-machine"))
     compiled = eval(FUNCTION)  # noqa: S307 - the shared source above
     update, calls = Actor.update, []
@@ -88,3 +93,32 @@ def test_a_copy_torch_cannot_read_costs_only_the_compile(tmp_path):
     (tmp_path / RUN_CACHE_FILE).write_bytes(b"not a cache")
     result = compile_in_a_new_process(fresh_env(TORCHINDUCTOR_CACHE_DIR=tmp_path / "cache"), tmp_path)
     assert not result["loaded"] and result["misses"] >= 1
+
+
+def test_the_graphs_are_in_the_run_folder_from_the_first_step_on_without_a_checkpoint(tiny_model_dir, data_dir,
+                                                                                      tmp_path, monkeypatch):
+    """A run that saves no checkpoint (trainer.save_freq=0: one whose checkpoints do not fit its disk, or a job
+    preempted before its first) has its first step's graphs in the run folder before its second step begins,
+    and rewrites the copy only after a step that compiled something new."""
+    from longqa.train import trainer
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "this-machine"))
+    compiled = eval(FUNCTION)  # noqa: S307 - the shared source above
+    update, seen, writes = Actor.update, [], []
+    run = tmp_path / "run"
+
+    def update_and_compile_first(self, samples):
+        seen.append((run / RUN_CACHE_FILE).is_file())
+        if len(seen) == 1:
+            compiled(torch.randn(8, 16))
+        return update(self, samples)
+
+    save = trainer.save_run_cache
+    monkeypatch.setattr(Actor, "update", update_and_compile_first)
+    monkeypatch.setattr(trainer, "save_run_cache", lambda folder: writes.append(folder) or save(folder))
+    assert main(["train", *overrides(tiny_model_dir, data_dir, run, **{"trainer.max_steps": 3, "trainer.test_freq": 0,
+                                                                       "trainer.save_freq": 0})]) == 0
+    assert seen == [False, True, True] and writes == [run]
+    assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())
+    elsewhere = compile_in_a_new_process(fresh_env(TORCHINDUCTOR_CACHE_DIR=tmp_path / "another-machine"), run)
+    assert elsewhere["loaded"] and elsewhere["hits"] >= 1 and elsewhere["misses"] == 0

@@ -9,9 +9,13 @@ Here:
 
 - the caches live in the user's cache folder, ``$XDG_CACHE_HOME/longqa/torch-compile`` (by default
   ``~/.cache/longqa/torch-compile``), unless ``TORCHINDUCTOR_CACHE_DIR`` (torch's own setting) names another;
+  Triton's kernels, longqa's own decode attention among them, go in its ``triton`` folder unless
+  ``TRITON_CACHE_DIR`` names another;
 - the run folder keeps a portable copy of what the run compiled, ``compile_cache.bin`` (torch's
-  ``save_cache_artifacts``), rewritten with a checkpoint whenever something new was compiled since, and
-  loaded when a run starts in that folder: a resume on another machine then finds its graphs built.
+  ``save_cache_artifacts``), written after the first step and again after any step that compiled something
+  new, and loaded when a run starts in that folder: a restart on another machine (a preempted job rescheduled
+  elsewhere, each node of a cluster) then finds its graphs built. Dynamo still traces each graph (seconds),
+  and the fast engine captures its CUDA graphs again (no cache keeps them); the compiling is what it saves.
 """
 
 from __future__ import annotations
@@ -28,13 +32,15 @@ def use_user_cache() -> str:
     """Point Inductor's caches (and Triton's, which live inside them) at the user's cache folder unless
     ``TORCHINDUCTOR_CACHE_DIR`` names a folder of the user's; returns the folder in use. Importing parts of
     torch sets that variable to torch's temporary default, so that value counts as unset. Call it before
-    anything compiles."""
+    anything compiles. Triton's own cache (kernels compiled outside Inductor, like the fast engine's decode
+    attention, would otherwise land in ``~/.triton``) goes inside it, unless ``TRITON_CACHE_DIR`` is set."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if not given or os.path.abspath(given) == os.path.abspath(default_cache_dir()):
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, "longqa", "torch-compile")
+    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"], "triton"))
     return os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 

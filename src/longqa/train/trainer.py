@@ -921,11 +921,21 @@ class Trainer:
             if self._validates(done):
                 metrics.update(self._validate_timed())
             logger.log(done, metrics)
+            self._keep_compiled()
             if self.cfg.trainer.save_freq and (done % self.cfg.trainer.save_freq == 0 or done == self.total_steps):
                 self._save(done)
             if self.stopping:
                 break
         return done
+
+    def _keep_compiled(self) -> None:
+        """Copy what this process has compiled into the run folder (``compile_cache.bin``) after a step that
+        compiled something new: the first, then only a recompilation. Kept apart from the checkpoints, so that a
+        start with the run folder on a machine whose caches are empty is warm also before the first checkpoint
+        and for a run whose checkpoints do not fit its disk."""
+        if self.env.is_main and compiled_graphs() > self.compiled_when_cached:
+            save_run_cache(self.run_dir)
+            self.compiled_when_cached = compiled_graphs()
 
     def _validates(self, done: int) -> bool:
         test_freq = self.cfg.trainer.test_freq
@@ -947,9 +957,6 @@ class Trainer:
                                trainer_state={"step": done, "bad_steps": self.actor.bad_steps, "config": to_dict(cfg),
                                               CHANGES_KEY: self.changes_on_resume, AHEAD_KEY: self._ahead_state(),
                                               DATA_KEY: self.data_fingerprint})
-        if self.env.is_main and compiled_graphs() > self.compiled_when_cached:  # something new to keep
-            save_run_cache(self.run_dir)
-            self.compiled_when_cached = compiled_graphs()
         self.seconds["save"] = time.perf_counter() - start
         self.saved = (done, path)
         return path
