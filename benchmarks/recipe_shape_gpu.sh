@@ -3,7 +3,7 @@
 # 16,384-token prompts and responses of drawn lengths up to 2,048 tokens (`rollout.response_lengths=lognormal`: a
 # random model never samples EOS), 8 prompts x 8 samples a step, ZeRO-3 with the optimizer offloaded to the host.
 # Prints `longqa plan`'s prediction for the same settings, then the run's steps (per-phase times, tokens/s, the GPU's
-# and the host's peak memory per step: metrics.jsonl), and the run's peak host memory from /usr/bin/time.
+# and the host's peak memory per step: metrics.jsonl), and the run's peak host memory (its largest resident size).
 #
 # Usage, from the repository root:  bash benchmarks/recipe_shape_gpu.sh [OUTPUT_DIR]
 # Needs one CUDA GPU of about 140 GB (an H200), DeepSpeed (pip install 'longqa[deepspeed]'; its CPU Adam compiles
@@ -16,9 +16,11 @@
 #   CHECKPOINT [0]  1: also save after step STEPS-1 and resume from it in a second run, whose last step must log
 #              what the uninterrupted run's did. An 8B ZeRO-3 checkpoint (float32 masters and two AdamW moments) takes
 #              about 98 GB of disk: `longqa train` refuses the run if the first does not fit.
-#   RESTART [0]  1: then start the same run again in a new folder for one step, to time a second start: it finds
-#              the first start's compiled graphs in the compile cache (OUTPUT_DIR/compile-cache, emptied at the start
-#              so that the first start is cold). Every line of a run is prefixed with the seconds since it began.
+#   RESTART [0]  1: then start the same run again for one step as on another machine: a new folder holding only the
+#              first run's compile_cache.bin (what a run folder carries), and empty user caches (OUTPUT_DIR/
+#              compile-cache-elsewhere; the first start's are OUTPUT_DIR/compile-cache, emptied at the start so that
+#              it is cold). Prints each start's seconds to its update compiled and to its first step's end.
+#   Every line of a run is prefixed with the seconds since it began (and kept in OUTPUT_DIR/NAME.log).
 #   RANKS [1]  processes under torchrun, one per GPU; with EXTRA="rollout.sampler_ranks=S rollout.mode=one_step_off"
 #              the last S of them only sample (`longqa plan CONFIG --gpus RANKS --split` says which S): run once
 #              without and once with it to compare the steady steps' tokens/s per GPU, printed at the end.
@@ -30,8 +32,8 @@ shape=${SHAPE:-qwen3-8b}; prompt=${PROMPT:-16384}; response=${RESPONSE:-2048}; n
 steps=${STEPS:-7}; tokenizer=${TOKENIZER:-../shared/tokenizers/qwen2.5}; strategy=${STRATEGY:-deepspeed}
 checkpoint=${CHECKPOINT:-0}; device=${DEVICE:-cuda}; ranks=${RANKS:-1}; restart=${RESTART:-0}
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-export XDG_CACHE_HOME=$out/compile-cache  # (longqa's compile cache is under it: the first start is cold)
-unset TORCHINDUCTOR_CACHE_DIR
+export XDG_CACHE_HOME=$out/compile-cache  # (longqa's compile caches are under it: the first start is cold)
+unset TORCHINDUCTOR_CACHE_DIR TRITON_CACHE_DIR
 longqa() { python -m longqa.cli "$@"; }
 mkdir -p "$out"
 rm -rf "$XDG_CACHE_HOME"
@@ -85,10 +87,22 @@ start = time.time()
 for line in sys.stdin:
     print(f"{time.time() - start:8.1f}  {line}", end="", flush=True)'
 }
-train() {  # train RUN_DIR [more overrides]: the run, its peak host memory, its steps
+peak() {  # peak COMMAND...: run it, then its peak host memory (as /usr/bin/time's %M, which a GPU image may lack)
+    python -c 'import resource, subprocess, sys, time
+start = time.time()
+code = subprocess.call(sys.argv[1:])
+kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+print(f"peak host memory of the run: {kb} KB, {time.time() - start:.2f} s", flush=True)
+sys.exit(code)' "$@"
+}
+train() {  # train RUN_DIR [more overrides]: the run, its peak host memory, its steps (also in RUN_DIR.log)
     local run=$1; shift
-    /usr/bin/time -f "peak host memory of the run: %M KB, %e s" \
-        "${launch[@]}" train configs/loongrl-qwen3-8b.yaml "${settings[@]}" "trainer.output_dir=$run" "$@" 2>&1 | stamp
+    peak "${launch[@]}" train configs/loongrl-qwen3-8b.yaml "${settings[@]}" "trainer.output_dir=$run" "$@" 2>&1 | stamp \
+        | tee "$run.log"
+}
+started() {  # started LOG: the seconds from a start to its update compiled and to its first step's end
+    awk -v name="$(basename "$1" .log)" '/compiled the update/ && !c {c = $1} / step 1\// && !s {s = $1}
+        END {printf "%s: update compiled at %s s, first step done at %s s\n", name, c ? c : "-", s ? s : "-"}' "$1"
 }
 echo "== $steps steps"
 save=0; [ "$checkpoint" = 1 ] && save=$((steps - 1))
@@ -118,7 +132,15 @@ print("the resumed run's last step logs the uninterrupted run's:", straight == r
 PY
 fi
 if [ "$restart" = 1 ]; then
-    echo "== the same run started again (a warm start), one step"
+    echo "== the same run started as on another machine: its run folder's compiled graphs, empty user caches"
+    du -sh "$XDG_CACHE_HOME"
+    export XDG_CACHE_HOME=$out/compile-cache-elsewhere
+    rm -rf "$XDG_CACHE_HOME" "$out/restart"
+    mkdir -p "$out/restart"
+    if [ -f "$out/run/compile_cache.bin" ]; then du -sh "$out/run/compile_cache.bin"; cp "$out/run/compile_cache.bin" "$out/restart/"
+    else echo "the run folder holds no compile_cache.bin (nothing compiled: $device)"; fi
     train "$out/restart" "trainer.max_steps=1" "trainer.save_freq=0" || exit 1
+    started "$out/run.log"
+    started "$out/restart.log"
 fi
 du -sh "$XDG_CACHE_HOME"
