@@ -48,6 +48,7 @@ import functools
 import importlib.util
 import math
 import numbers
+import time
 from collections import deque
 from collections.abc import Sequence
 
@@ -655,10 +656,11 @@ class FastRolloutEngine(RolloutEngine):
         key = (self.kv.prompt_view, self.kv.response_view, params, self.queries)
         graph = self.graphs.get(key)
         if graph is None:
+            start = time.perf_counter()
             graph = self.graphs[key] = self._capture(params, state, stops)
             self.graph_captures += 1
             self.graph_events.append(f"captured the decode step for prompt view {key[0]}, response view {key[1]} "
-                                     f"({self.kv.groups} groups of {params.n})")
+                                     f"({self.kv.groups} groups of {params.n}) in {time.perf_counter() - start:.2f} s")
         graph.replay()
 
     def _capture(self, params, state, stops):

@@ -729,10 +729,12 @@ class Trainer:
         # graphs) and the next step's sampling re-sizes them back: by design, not a warm step building again.
         news = self.compile_watch.news(engine_events=not self.validated_since_step)
         self.validated_since_step = False
+        shown = "; ".join(news[:4]) + (f"; and {len(news) - 4} more" if len(news) > 4 else "")
         if news and self.warm and self.env.is_main:
-            shown = "; ".join(news[:4]) + (f"; and {len(news) - 4} more" if len(news) > 4 else "")
             print(f"note: step {step + 1} (or a validation before it) compiled or captured again, which a warm "
                   f"step should not: {shown}", flush=True)
+        elif news and self.env.is_main:  # the first step: what the rest of the run replays (and what it cost)
+            print(f"the first step {shown}", flush=True)
         self.warm = True
 
     def _say_no_gradient(self, step: int, groups: int, rewards: torch.Tensor, reasons: Counter) -> None:
