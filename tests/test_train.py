@@ -911,3 +911,51 @@ def test_resuming_an_earlier_checkpoint_says_what_it_gives_up(tiny_model_dir, da
     said = capsys.readouterr()
     assert (f"{out} holds later checkpoints (step_00000002, step_00000003): this run goes on from step 1 instead, "
             f"discards them at its first save, and its metrics from step 2 on replace theirs") in said.out + said.err
+
+
+def test_a_damaged_checkpoint_is_refused_by_train_and_export_naming_the_file(tiny_model_dir, data_dir, tmp_path,
+                                                                              capsys):
+    """400 bytes overwritten in place (the size unchanged), or a JSON file cut short: `train` (resuming) and
+    `export` refuse it in one line naming the file, before any weight moves or any export is written. A checkpoint
+    without digests (an earlier version's) resumes, said once."""
+    out = tmp_path / "run"
+    settings = {"trainer.max_steps": 1, "trainer.save_freq": 1, "trainer.test_freq": 0}
+    assert main(["train", *overrides(tiny_model_dir, data_dir, out, **settings)]) == 0
+    step = out / "checkpoints" / "step_00000001"
+    kept = {p.name: p.read_bytes() for p in step.iterdir() if p.is_file()}
+    damage = {"model.pt": "the contents of model.pt differ from those written (its sha256 digest)",
+              "trainer_state.json": "trainer_state.json is not valid JSON (cut short?)",
+              "COMPLETE": "COMPLETE is not valid JSON (cut short?)"}
+    settings["trainer.max_steps"] = 2
+    for name, what in damage.items():
+        data = bytearray(kept[name])
+        if name == "model.pt":
+            middle = len(data) // 2
+            data[middle:middle + 400] = bytes(255 - b for b in data[middle:middle + 400])
+        else:
+            data = data[:len(data) // 2]
+        (step / name).write_bytes(data)
+        if name == "trainer_state.json":  # its size in the marker too, so that only reading it finds out
+            marker = json.loads(kept["COMPLETE"])
+            marker["files"][name] = len(data)
+            del marker["sha256"]
+            (step / "COMPLETE").write_text(json.dumps(marker))
+        capsys.readouterr()
+        expected = f"longqa: error: checkpoint {step} is damaged: {what}; resume or export an earlier checkpoint"
+        assert main(["train", *overrides(tiny_model_dir, data_dir, out, **settings)]) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1].startswith(expected), name  # (after progress bars)
+        assert main(["export", str(out), str(tmp_path / "hf")]) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1].startswith(expected), name
+        assert not (tmp_path / "hf").exists() and sorted(p.name for p in (out / "checkpoints").iterdir()) == [step.name]
+        for restored, data in kept.items():
+            (step / restored).write_bytes(data)
+
+    marker = json.loads(kept["COMPLETE"])  # as an earlier version wrote it: sizes only
+    del marker["sha256"]
+    (step / "COMPLETE").write_text(json.dumps(marker))
+    capsys.readouterr()
+    assert main(["train", *overrides(tiny_model_dir, data_dir, out, **settings)]) == 0
+    said = capsys.readouterr().out
+    assert said.count(f"note: checkpoint {step} records no digests of its files (an earlier longqa wrote it): they "
+                      f"are checked by size only\n") == 1
+    assert f"resumed from {step} at step 1" in said

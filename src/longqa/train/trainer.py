@@ -848,7 +848,7 @@ class Trainer:
         if resume is None:
             return 0, None
         state = load_checkpoint(resume, model=self.model, optimizer=self.actor.optimizer,
-                                scheduler=self.actor.scheduler, engine=self.actor.engine)
+                                scheduler=self.actor.scheduler, engine=self.actor.engine, say=self._say)
         self.actor.follow_config()  # this run's learning rate, optimizer settings and schedule, at the restored step
         self.actor.bad_steps = state["bad_steps"]
         bump_weights_version(self.model)  # new weights: an engine holding a copy must load them
