@@ -201,6 +201,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = run_config(args)
     _check_verl_data(args, cfg)
+    _writable(cfg.trainer.output_dir, "trainer.output_dir", folder=True)
     if uses_demo_data(cfg):  # the demo's own files, whichever config names them: made on first use
         ensure_demo_data(cfg)
     result = train(cfg)
@@ -208,6 +209,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         return EXIT_PREEMPTED
     if result["report"]:  # rank 0 (or the only process)
         print(f"done: {_steps_done(result)}; report: {result['report']}")
+    elif result.get("trained") and os.environ.get("RANK", "0") == "0":  # (the report is drawn from the jsonl)
+        print(f"done: {_steps_done(result)}; no report: trainer.logger=[{','.join(cfg.trainer.logger)}] writes no "
+              f"jsonl to draw it from")
     return 0
 
 
