@@ -759,8 +759,8 @@ def test_disk_full_while_checkpointing_keeps_the_last_checkpoint(tiny_model_dir,
                                                                       "trainer.test_freq": 0})]) == 0
     real = checkpoint._write_temp
 
-    def full(tmp, files, step):
-        real(tmp, dict(list(files.items())[:1]), step)
+    def full(tmp, files, step, *digests):
+        real(tmp, dict(list(files.items())[:1]), step, *digests)
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(checkpoint, "_write_temp", full)
