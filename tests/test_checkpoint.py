@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import random
 import subprocess
@@ -21,6 +22,8 @@ from longqa.train.checkpoint import (
     export_hf,
     latest_checkpoint,
     load_checkpoint,
+    load_model_weights,
+    read_trainer_state,
     resolve_resume,
     save_checkpoint,
 )
@@ -193,6 +196,97 @@ def test_a_damaged_checkpoint_is_refused(tmp_path):
         f.truncate(100)
     with pytest.raises(CheckpointError, match="damaged: model.pt has 100 bytes"):
         load_checkpoint(path, model=training[0], optimizer=training[1], scheduler=training[2])
+
+
+def overwrite_middle(path: Path, count: int = 400) -> None:
+    """Damage a file in place at its own size, as a bad disk block or a stray write would."""
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.seek(size // 2)
+        f.write(bytes(255 - b for b in path.read_bytes()[size // 2:size // 2 + count]))
+    assert path.stat().st_size == size
+
+
+@pytest.mark.parametrize("name", ["model.pt", "optimizer.pt", "scheduler.pt", "rng.json", "trainer_state.json"])
+def test_a_file_damaged_at_its_own_size_is_refused_by_name(tmp_path, name):
+    """Sizes alone would take it for good: the marker's digests name the file, before anything is loaded. The
+    weights alone (what an export reads) are refused only for a file they need."""
+    training = make_training(0)
+    path = save(tmp_path, 1, training)
+    overwrite_middle(path / name, count=20)
+    fresh = make_training(1)
+    before = {k: v.clone() for k, v in fresh[0].state_dict().items()}
+    with pytest.raises(CheckpointError) as error:
+        load_checkpoint(path, model=fresh[0], optimizer=fresh[1], scheduler=fresh[2])
+    assert str(error.value) == (f"checkpoint {path} is damaged: the contents of {name} differ from those written "
+                                f"(its sha256 digest); resume or export an earlier checkpoint (trainer.resume=PATH, "
+                                f"longqa export PATH)")
+    assert all(torch.equal(before[k], v) for k, v in fresh[0].state_dict().items())  # nothing loaded
+    if name in ("model.pt", "trainer_state.json"):
+        with pytest.raises(CheckpointError, match=f"damaged: the contents of {name} differ"):
+            load_model_weights(path, fresh[0])
+    else:
+        load_model_weights(path, fresh[0])
+    if name == "trainer_state.json":  # read on its own before anything loads (the config a resume compares)
+        with pytest.raises(CheckpointError, match=f"damaged: the contents of {name} differ"):
+            read_trainer_state(path)
+
+
+@pytest.mark.parametrize("name", ["COMPLETE", "trainer_state.json", "rng.json"])
+def test_a_json_file_cut_short_is_damaged_in_one_line(tmp_path, name):
+    """Cut short, and the marker of an earlier version (sizes only) rewritten to match, so that only reading it
+    finds out."""
+    training = make_training(0)
+    path = save(tmp_path, 1, training)
+    text = (path / name).read_text()
+    (path / name).write_text(text[:len(text) // 2])
+    if name != "COMPLETE":
+        marker = json.loads((path / "COMPLETE").read_text())
+        marker["files"][name] = len(text) // 2
+        del marker["sha256"]
+        (path / "COMPLETE").write_text(json.dumps(marker))
+    reads = [lambda: load_checkpoint(path, model=training[0], optimizer=training[1], scheduler=training[2])]
+    if name != "rng.json":
+        reads.append(lambda: read_trainer_state(path))
+    for read in reads:
+        with pytest.raises(CheckpointError) as error:
+            read()
+        assert str(error.value).startswith(f"checkpoint {path} is damaged: {name} is not valid JSON (cut short?)")
+        assert "\n" not in str(error.value)
+
+
+def test_a_checkpoint_without_digests_still_loads_checked_by_size_and_says_so(tmp_path):
+    """A checkpoint written before digests were recorded resumes as before, and says it once per load."""
+    training = make_training(0)
+    path = save(tmp_path, 1, training)
+    marker = json.loads((path / "COMPLETE").read_text())
+    del marker["sha256"]
+    (path / "COMPLETE").write_text(json.dumps(marker))
+    said = []
+    fresh = make_training(1)
+    assert load_checkpoint(path, model=fresh[0], optimizer=fresh[1], scheduler=fresh[2], say=said.append)["step"] == 1
+    assert said == [f"note: checkpoint {path} records no digests of its files (an earlier longqa wrote it): they "
+                    f"are checked by size only"]
+    assert all(torch.equal(a, b) for a, b in zip(fresh[0].state_dict().values(), training[0].state_dict().values()))
+
+
+def test_weights_that_are_not_finite_are_refused_naming_the_parameter(tmp_path):
+    """A checkpoint of a run whose weights went NaN or infinite (its digests match) is refused on resume and on
+    export, naming the first such parameter and how many more have some."""
+    training = make_training(0)
+    with torch.no_grad():
+        training[0].model.layers[0].mlp.up_proj.weight[0, :3] = float("nan")
+        training[0].model.norm.weight[0] = float("inf")
+    path = save(tmp_path, 1, training)
+    fresh = make_training(1)
+    expected = (f"checkpoint {path} holds weights that are not finite: model.layers.0.mlp.up_proj.weight has 3 NaN "
+                f"or infinite values (1 more parameters have some); resume or export an earlier checkpoint")
+    with pytest.raises(CheckpointError) as error:
+        load_checkpoint(path, model=fresh[0], optimizer=fresh[1], scheduler=fresh[2])
+    assert str(error.value).startswith(expected)
+    with pytest.raises(CheckpointError) as error:
+        load_model_weights(path, make_training(2)[0])
+    assert str(error.value).startswith(expected)
 
 
 KILLED_TRAINER = textwrap.dedent("""

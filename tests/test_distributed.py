@@ -1,5 +1,7 @@
 """Data-parallel training with FSDP2 over gloo on the CPU equals the single-process step."""
 
+import hashlib
+import json
 import socket
 
 import pytest
@@ -334,6 +336,9 @@ def test_checkpoints_resume_on_another_number_of_ranks(run_inputs, tmp_path):
         launch(run_inputs, out, first, **extra, **{"trainer.save_freq": 1})  # steps 1-2, checkpoint at 2
         saved = out / "checkpoints" / "step_00000002"
         assert (saved / "state").is_dir() == (first == 2) and (saved / "model.pt").is_file() == (first == 1)
+        marker = json.loads((saved / "COMPLETE").read_text())  # every file's digest, the ranks' shards included
+        assert marker["sha256"] == {name: hashlib.sha256((saved / name).read_bytes()).hexdigest()
+                                    for name in marker["files"]}
         resumed = launch(run_inputs, out, then, **extra, **{"trainer.max_steps": 3})
         assert [r["step"] for r in resumed] == [0, 1, 2, 3]
         assert_same_records(straight[-1], resumed[-1])

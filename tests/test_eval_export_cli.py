@@ -110,6 +110,27 @@ def test_export_writes_weights_others_can_read_and_replaces_only_an_export(run_f
     assert "holds files no export writes (checkpoints)" in capsys.readouterr().err
 
 
+def test_export_refuses_weights_that_are_not_finite_naming_the_parameter(tmp_path, capsys):
+    """A checkpoint of a run whose weights went NaN (its files intact) exports nothing, in one line."""
+    from longqa.config import Config, to_dict
+    from longqa.model.load import load_model
+    from longqa.train.checkpoint import save_checkpoint
+
+    model, _ = load_model(None)
+    name, weight = next(iter(model.named_parameters()))
+    with torch.no_grad():
+        weight.view(-1)[:5] = float("nan")
+    run = tmp_path / "run"
+    step = save_checkpoint(run, 1, model=model, optimizer=torch.optim.AdamW(model.parameters()),
+                           trainer_state={"config": to_dict(Config()), "step": 1}, keep_last=1)
+    capsys.readouterr()
+    assert main(["export", str(run), str(tmp_path / "hf")]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"longqa: error: checkpoint {step} holds weights that are not finite: {name} has 5 NaN or infinite values; "
+        f"resume or export an earlier checkpoint (trainer.resume=PATH, longqa export PATH)")
+    assert not (tmp_path / "hf").exists()
+
+
 def test_export_folder_rule():
     """The rule `longqa export --help` states, on paths alone."""
     from pathlib import Path

@@ -255,8 +255,9 @@ def test_a_set_that_lost_nothing_says_so(files, tokenizer):
 def test_a_validation_set_that_loses_rows_is_said_and_named_in_its_metrics(tmp_path, tokenizer, mode):
     """At every limit that changes what is kept: what a validation set loses (dropped or cut rows, of any
     source, with a context length or without) is said per source and length before anything loads, and each
-    source and length that lost some rows but not all gets the metric suffix saying how many it scores whole
-    (a bucket that lost every row gets none: it is not scored). Training prompts are said alike."""
+    source and length that dropped some rows but not all gets the metric suffix saying how many it scores (a
+    bucket that dropped every row gets none: it is not scored; a cut row is scored, no loss). Training prompts
+    are said alike."""
     from longqa.config import load_config
     from longqa.train.trainer import load_prompts, lost_row_suffixes, validation_metric
 
@@ -273,8 +274,8 @@ def test_a_validation_set_that_loses_rows_is_said_and_named_in_its_metrics(tmp_p
         cfg = load_config(None, [*base, f"data.train_files={train}", f"data.val_files={val}"])
         _, kept = load_prompts(cfg, tokenizer, say=said_lines.append)
         assert len(kept) == len(rows) - sum(c[1] for c in expected["data_source"].values())
-        suffixes = {(group, key): f"_whole_{c[0] - c[1] - c[2]}_of_{c[0]}" for group, counts in expected.items()
-                    for key, c in counts.items() if (c[1] or c[2]) and c[1] < c[0]}  # lost some, not all
+        suffixes = {(group, key): f"_whole_{c[0] - c[1]}_of_{c[0]}" for group, counts in expected.items()
+                    for key, c in counts.items() if 0 < c[1] < c[0]}  # dropped some, not all
         assert lost_row_suffixes(kept) == suffixes
         val_lines = said_lines[said_lines.index(next(x for x in said_lines if x.startswith("validation"))):]
         assert (f"  by data_source: {'; '.join(sources)}" in val_lines) == bool(sources)
@@ -289,4 +290,5 @@ def test_a_validation_set_that_loses_rows_is_said_and_named_in_its_metrics(tmp_p
         said_lines.clear()
         load_prompts(load_config(None, [*base, f"data.train_files={train}"]), tokenizer, say=said_lines.append)
         assert said_lines[0].startswith("training prompts: ")
-    assert 0 < partial_limits < len(limits_that_cut(rows, tokenizer))  # both outcomes were met
+    # both outcomes were met (truncating drops no row: never a suffix)
+    assert (0 < partial_limits < len(limits_that_cut(rows, tokenizer))) if mode == "filter" else not partial_limits

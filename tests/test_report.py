@@ -61,6 +61,17 @@ def test_console_prints_one_line_per_step_when_not_a_terminal(tmp_path, capsys):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+def test_the_eta_counts_training_steps_not_the_validation_before_them(tmp_path, capsys):
+    """The validation before the first step (logged as step 0) takes longer than a step: counted as one, it made
+    the first ETAs several times too long."""
+    with MetricsLogger(tmp_path, ["console"], total_steps=40) as logger:
+        logger.log(0, {"val/accuracy": 0.5, "time/step_s": 38.0})
+        logger.log(1, {**STEP, "time/step_s": 9.0})
+        logger.log(2, {**STEP, "time/step_s": 11.0})
+    assert [line.rpartition(" | ")[2] for line in capsys.readouterr().out.splitlines()] == [
+        "val/accuracy 0.500", "ETA 0:05:51", "ETA 0:06:20"]  # 39 steps of 9 s, then 38 of the mean 10 s
+
+
 def test_console_shows_reward_errors_when_there_are_any(tmp_path, capsys):
     with MetricsLogger(tmp_path, ["console"], total_steps=2) as logger:
         logger.log(1, {**STEP, "reward_errors": 3})

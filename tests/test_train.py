@@ -495,7 +495,11 @@ def test_learning_rate_schedule():
      "rollout.prompt_lookup_min=5 must not exceed rollout.prompt_lookup_max=4"),
     ({"rollout.n": 1}, "rollout.n=1: algo.adv_estimator=grpo compares the samples of each prompt"),
     ({"algo.adv_estimator": "rloo", "rollout.n": 1}, "rollout.n=1: algo.adv_estimator=rloo"),
-    ({"trainer.output_dir": "{tmp}/a-file/run"}, "Not a directory: '{tmp}/a-file/run"),
+    ({"trainer.output_dir": "{tmp}/a-file/run"},
+     "trainer.output_dir {tmp}/a-file/run: {tmp}/a-file is a file, so nothing can be made below it"),
+    ({"trainer.output_dir": "{tmp}/a-file"}, "trainer.output_dir {tmp}/a-file is a file: give a folder to write"),
+    ({"trainer.save_freq": -7}, "config key 'trainer.save_freq' must be >= 0 (0: never; verl's -1 is taken as 0), "
+                                "got -7"),
 ])
 def test_bad_input_gets_one_clear_message(tiny_model_dir, data_dir, tmp_path, capsys, extra, message):
     (tmp_path / "a-file").write_text("")  # an output folder below a file cannot be made
@@ -755,8 +759,8 @@ def test_disk_full_while_checkpointing_keeps_the_last_checkpoint(tiny_model_dir,
                                                                       "trainer.test_freq": 0})]) == 0
     real = checkpoint._write_temp
 
-    def full(tmp, files, step):
-        real(tmp, dict(list(files.items())[:1]), step)
+    def full(tmp, files, step, *digests):
+        real(tmp, dict(list(files.items())[:1]), step, *digests)
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(checkpoint, "_write_temp", full)
@@ -911,3 +915,133 @@ def test_resuming_an_earlier_checkpoint_says_what_it_gives_up(tiny_model_dir, da
     said = capsys.readouterr()
     assert (f"{out} holds later checkpoints (step_00000002, step_00000003): this run goes on from step 1 instead, "
             f"discards them at its first save, and its metrics from step 2 on replace theirs") in said.out + said.err
+
+
+def test_a_damaged_checkpoint_is_refused_by_train_and_export_naming_the_file(tiny_model_dir, data_dir, tmp_path,
+                                                                              capsys):
+    """400 bytes overwritten in place (the size unchanged), or a JSON file cut short: `train` (resuming) and
+    `export` refuse it in one line naming the file, before any weight moves or any export is written. A checkpoint
+    without digests (an earlier version's) resumes, said once."""
+    out = tmp_path / "run"
+    settings = {"trainer.max_steps": 1, "trainer.save_freq": 1, "trainer.test_freq": 0}
+    assert main(["train", *overrides(tiny_model_dir, data_dir, out, **settings)]) == 0
+    step = out / "checkpoints" / "step_00000001"
+    kept = {p.name: p.read_bytes() for p in step.iterdir() if p.is_file()}
+    damage = {"model.pt": "the contents of model.pt differ from those written (its sha256 digest)",
+              "trainer_state.json": "trainer_state.json is not valid JSON (cut short?)",
+              "COMPLETE": "COMPLETE is not valid JSON (cut short?)"}
+    settings["trainer.max_steps"] = 2
+    for name, what in damage.items():
+        data = bytearray(kept[name])
+        if name == "model.pt":
+            middle = len(data) // 2
+            data[middle:middle + 400] = bytes(255 - b for b in data[middle:middle + 400])
+        else:
+            data = data[:len(data) // 2]
+        (step / name).write_bytes(data)
+        if name == "trainer_state.json":  # its size in the marker too, so that only reading it finds out
+            marker = json.loads(kept["COMPLETE"])
+            marker["files"][name] = len(data)
+            del marker["sha256"]
+            (step / "COMPLETE").write_text(json.dumps(marker))
+        capsys.readouterr()
+        expected = f"longqa: error: checkpoint {step} is damaged: {what}; resume or export an earlier checkpoint"
+        assert main(["train", *overrides(tiny_model_dir, data_dir, out, **settings)]) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1].startswith(expected), name  # (after progress bars)
+        assert main(["export", str(out), str(tmp_path / "hf")]) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1].startswith(expected), name
+        assert not (tmp_path / "hf").exists() and sorted(p.name for p in (out / "checkpoints").iterdir()) == [step.name]
+        for restored, data in kept.items():
+            (step / restored).write_bytes(data)
+
+    marker = json.loads(kept["COMPLETE"])  # as an earlier version wrote it: sizes only
+    del marker["sha256"]
+    (step / "COMPLETE").write_text(json.dumps(marker))
+    capsys.readouterr()
+    assert main(["train", *overrides(tiny_model_dir, data_dir, out, **settings)]) == 0
+    said = capsys.readouterr().out
+    assert said.count(f"note: checkpoint {step} records no digests of its files (an earlier longqa wrote it): they "
+                      f"are checked by size only\n") == 1
+    assert f"resumed from {step} at step 1" in said
+
+
+HOLDER = """
+import sys, time
+from longqa.train.run_lock import hold_run_folder
+with hold_run_folder(sys.argv[1]):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_run_folder_is_held_by_one_run_at_a_time(tiny_model_dir, data_dir, tmp_path, capsys):
+    """A second `train` in the folder of a live run is refused in one line naming that run (host, pid, start
+    time), with nothing written there; the lock a killed run leaves is taken over, said; a run gives it back."""
+    import socket
+
+    out = tmp_path / "run"
+    src = str(ROOT / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
+    other = subprocess.Popen([sys.executable, "-c", HOLDER, str(out)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert other.stdout.readline() == "held\n"
+        before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+        assert main(["train", *overrides(tiny_model_dir, data_dir, out, **{"trainer.max_steps": 1})]) == 2
+        err = capsys.readouterr().err
+        assert re.fullmatch(rf"longqa: error: trainer.output_dir={re.escape(str(out))} is in use by another run "
+                            rf"\(host {re.escape(socket.gethostname())}, pid {other.pid}, started "
+                            rf"\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d\): wait for it to end or stop it, or give this run "
+                            rf"another trainer.output_dir\n", err), err
+        assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before  # (its lock alone)
+    finally:
+        other.kill()
+        other.wait()
+    assert main(["train", *overrides(tiny_model_dir, data_dir, out, **{"trainer.max_steps": 1})]) == 0
+    said = capsys.readouterr().out
+    assert re.search(rf"^note: trainer.output_dir={re.escape(str(out))} was held by a run that is gone \(host "
+                     rf"{re.escape(socket.gethostname())}, pid {other.pid}, started [-\d: ]+; its process is gone\): "
+                     rf"this run takes it over$", said, re.M), said
+    assert [r["step"] for r in records(out)] == [0, 1]
+    assert sorted(p.name for p in out.iterdir()) == ["cache", "checkpoints", "metrics.jsonl", "report"]
+
+
+def test_validation_prompts_cut_to_the_limit_are_scored_not_lost(tiny_model_dir, data_dir, tmp_path, capsys,
+                                                                  tokenizer):
+    """With data.truncation=left (and no filtering) a prompt over the limit is kept, its start cut: said at the
+    start as truncated, and validation scores it under the bucket's own name, with no val/lost_prompts."""
+    from longqa.data.prompts import PromptOptions, prepare_prompts
+    from longqa.data.synth import generate
+
+    by_length = tmp_path / "by-length"
+    generate(by_length, rows_per_task=4, context_lengths=(256, 512), max_hops=2, test_ratio=0.25, seed=5)
+    val = prepare_prompts([by_length / "merged" / "test.parquet"], tokenizer, PromptOptions(100_000))
+    limit = int(sorted(val.lengths)[-3])  # the two longest cut
+    extra = {"data.max_prompt_length": limit, "data.filter_overlong_prompts": False, "data.truncation": "left",
+             "data.val_files": f"{by_length}/merged/test.parquet", "trainer.max_steps": 1, "trainer.test_freq": 1,
+             "trainer.save_freq": 0, "data.train_batch_size": 2, "actor.ppo_mini_batch_size": 2}
+    run = tmp_path / "run"
+    assert main(["train", *overrides(tiny_model_dir, data_dir, run, **extra)]) == 0
+    said = capsys.readouterr().out
+    assert (f"validation prompts: {len(val)} of {len(val)} kept; 2 truncated to data.max_prompt_length={limit} "
+            f"(data.truncation=left)\n") in said
+    assert "validation logs a source or length" not in said
+    names = {f"val/accuracy@{m['extra_info']['target_tokens']}" for m in val.meta}
+    names |= {f"val/{m['data_source']}/accuracy" for m in val.meta}
+    for record in records(run):
+        assert "val/lost_prompts" not in record
+        assert {k for k in record if k.startswith("val/") and "accuracy" in k and k != "val/accuracy"} == names
+
+
+def test_save_freq_never_is_said_at_the_start_and_a_console_only_run_still_says_done(tiny_model_dir, data_dir,
+                                                                                     tmp_path, capsys):
+    """trainer.save_freq=-1 is verl's never, longqa's 0: the run says at its start that it writes no checkpoint
+    (so that an export finding none is no surprise); and a run logging to the console alone, which writes no
+    report, still ends with its done line, saying why there is no report."""
+    out = tmp_path / "run"
+    extra = {"trainer.save_freq": -1, "trainer.logger": "[console]", "trainer.max_steps": 1, "trainer.test_freq": 0}
+    assert main(["train", *overrides(tiny_model_dir, data_dir, out, **extra)]) == 0
+    said = capsys.readouterr().out.splitlines()
+    assert ("note: trainer.save_freq=0 (never; verl's -1 is the same): this run writes no checkpoint but on a stop "
+            "by SIGTERM/SIGINT, so a crash loses it and longqa export finds nothing to export") in said
+    assert said[-1] == "done: 1 steps; no report: trainer.logger=[console] writes no jsonl to draw it from"
+    assert not (out / "checkpoints").exists() and not (out / "report").exists()

@@ -201,6 +201,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = run_config(args)
     _check_verl_data(args, cfg)
+    _writable(cfg.trainer.output_dir, "trainer.output_dir", folder=True)
     if uses_demo_data(cfg):  # the demo's own files, whichever config names them: made on first use
         ensure_demo_data(cfg)
     result = train(cfg)
@@ -208,6 +209,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         return EXIT_PREEMPTED
     if result["report"]:  # rank 0 (or the only process)
         print(f"done: {_steps_done(result)}; report: {result['report']}")
+    elif result.get("trained") and os.environ.get("RANK", "0") == "0":  # (the report is drawn from the jsonl)
+        print(f"done: {_steps_done(result)}; no report: trainer.logger=[{','.join(cfg.trainer.logger)}] writes no "
+              f"jsonl to draw it from")
     return 0
 
 
@@ -317,11 +321,10 @@ def _eval_longbench(args: argparse.Namespace) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> None:
-    import json
-
     from longqa.config import load_config_dict
     from longqa.model.load import config_tokenizer, load_model
-    from longqa.train.checkpoint import CheckpointError, check_export_folder, export_hf, is_complete, latest_of_folder
+    from longqa.train.checkpoint import (CheckpointError, check_export_folder, export_hf, is_complete, latest_of_folder,
+                                         read_trainer_state)
 
     _writable(args.output, "the output folder", folder=True)  # transformers only logs that it cannot write a file
     checkpoint = Path(args.checkpoint)
@@ -335,11 +338,10 @@ def cmd_export(args: argparse.Namespace) -> None:
     elif not is_complete(checkpoint):
         raise CheckpointError(f"{checkpoint} is incomplete (its writing was interrupted): export an earlier step")
     check_export_folder(args.output, checkpoint)
-    state = json.loads((checkpoint / "trainer_state.json").read_text())
-    cfg = load_config_dict(state["config"])
+    cfg = load_config_dict(read_trainer_state(checkpoint)["config"])
     model, tokenizer = load_model(cfg.model.path, gguf_file=cfg.model.gguf_file, dtype=cfg.model.dtype,
                                   tokenizer=config_tokenizer(cfg.model))
-    print(f"wrote {export_hf(checkpoint, tokenizer, args.output, model=model)}")
+    print(f"wrote {export_hf(checkpoint, tokenizer, args.output, model=model, say=print)}")
 
 
 def cmd_sft(args: argparse.Namespace) -> None:

@@ -223,7 +223,8 @@ class TrainerConfig:
     max_steps: Optional[int] = opt(None, "stop after this many steps (before total_epochs ends)", *positive)
     test_freq: int = opt(10, "validate every this many steps (0: never)", *non_negative)
     val_before_train: bool = opt(True, "with test_freq > 0, also validate before the first step (the baseline)")
-    save_freq: int = opt(10, "checkpoint every this many steps (0: never)", *non_negative)
+    save_freq: int = opt(10, "checkpoint every this many steps (0, or verl's -1: never; a stop by SIGTERM/SIGINT "
+                         "still saves one)", lambda v: v >= 0, ">= 0 (0: never; verl's -1 is taken as 0)")
     keep_last: int = opt(2, "checkpoints kept on disk", *positive)
     resume: str = opt("auto", "auto (latest checkpoint in output_dir), none, or a checkpoint path", path=True)
     resume_allow_changes: bool = opt(False, "resume even where settings that change what the run computes (model, "

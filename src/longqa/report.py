@@ -8,7 +8,7 @@ The trainer logs a flat dict per step. These keys are the ones the console line 
 ``val/<name>``                          validation metrics, on the steps that ran validation
 ``val/accuracy@<length>``               validation accuracy at one context length, when the validation rows
                                         carry one (``longqa data synth --context-lengths``); a source or
-                                        length that lost rows to the length limit ends in ``_whole_<k>_of_<n>``
+                                        length that dropped rows (too long, or bad) ends in ``_whole_<k>_of_<n>``
 ``response_length/mean``, ``/max``      response lengths in tokens
 ``perf/tokens_per_s``                   throughput of the step: prompt and response tokens processed per second
 ``perf/update_tflops_per_gpu``          the update's model FLOPs (forward and backward, recompute not counted) per
@@ -116,14 +116,16 @@ class ConsoleLine:
             parts.append(f"reward errors {errors}")
         parts += [f"{key} {value}" if isinstance(value, int) else f"{key} {value:.3f}" for key, value in record.items()
                   if key.startswith(VAL_PREFIX) and _is_number(value)]  # (counts as counts)
-        if self.total_steps:
+        if self.total_steps and self.step_times:
             remaining = max(self.total_steps - step, 0)
             parts.append(f"ETA {_hms(remaining * sum(self.step_times) / len(self.step_times))}")
         return " | ".join(parts)
 
     def write(self, step: int, record: dict) -> None:
-        """On a terminal, a validation step keeps its line (newline) so its numbers stay on screen."""
-        self.step_times.append(record[STEP_TIME])
+        """On a terminal, a validation step keeps its line (newline) so its numbers stay on screen. Step 0 is the
+        validation before training, no step: its time is not counted into the ETA (which it has none of yet)."""
+        if step > 0:
+            self.step_times.append(record[STEP_TIME])
         line = self.format(step, record)
         out = sys.stdout
         if out.isatty():

@@ -152,6 +152,11 @@ def world_size() -> int:
     return dist.get_world_size(_TRAINING_GROUP) if dist.is_available() and dist.is_initialized() else 1
 
 
+def rank() -> int:
+    """This process's rank among the training ranks (0 in a single process)."""
+    return dist.get_rank(_TRAINING_GROUP) if dist.is_available() and dist.is_initialized() else 0
+
+
 def gather_objects(value) -> list:
     """Every rank's ``value`` (picklable), in rank order; ``[value]`` in a single process."""
     if world_size() == 1:

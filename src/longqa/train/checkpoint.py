@@ -20,7 +20,11 @@ Layout of one checkpoint, ``<run_dir>/checkpoints/step_00000012/``:
 ``trainer_state.json``
     The trainer's own JSON-able dict: step, epoch, position in the epoch's data order, data seed, history.
 ``COMPLETE``
-    Written last; lists every file with its size. A folder without it is never resumed from.
+    Written last; lists every file with its size and its content digest (sha256). A folder without it is never
+    resumed from, and a file whose size or digest differs from it is refused by name on resume and export: a
+    file damaged in place, at its own size, would otherwise load as weights and train (or export) as NaN.
+    The digests cost no second read of what this process writes (hashed on its way to the file); the files
+    the ranks write themselves (``state/``, ``deepspeed/``) are read once, each rank hashing its share.
 
 Why a crash cannot leave a half checkpoint that looks whole: everything is written (and fsynced) into a
 hidden ``.tmp-*`` folder next to the final one, the marker last, and only then is the folder renamed to
@@ -30,13 +34,14 @@ looks like a checkpoint. Hidden leftovers of a crash are removed by the next sav
 
 A run folder holds one timeline: saving step N removes checkpoints of later steps (left by a run that was
 resumed from an older checkpoint), so that ``trainer.resume=auto`` can never jump back to the abandoned
-run. One process saves into a run folder at a time.
+run. One run saves into a run folder at a time (``run_lock``).
 """
 
 from __future__ import annotations
 
 import errno
 import fnmatch
+import hashlib
 import json
 import os
 import random
@@ -69,6 +74,7 @@ __all__ = [
 ]
 
 MARKER = "COMPLETE"
+DIGESTS = "sha256"  # the marker's {file: hex digest of its bytes}; checkpoints of earlier versions have none
 MODEL, OPTIMIZER, SCHEDULER, RNG, TRAINER_STATE, SHARDED = (
     "model.pt", "optimizer.pt", "scheduler.pt", "rng.json", "trainer_state.json", "state")
 _STEP_DIR = re.compile(r"step_(\d+)")
@@ -166,16 +172,52 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_file(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
-    """Write through a Python file object and fsync it.
+class _Hashing:
+    """A file object whose writes are hashed on their way to the file: the digest costs no second read."""
+
+    def __init__(self, f: IO[bytes]):
+        self.f, self.hash = f, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.hash.update(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _write_file(path: Path, write: Callable[[IO[bytes]], Any]) -> str:
+    """Write through a Python file object and fsync it; returns the digest of what was written.
 
     ``torch.save`` given a path reports a full disk as an opaque RuntimeError from its C++ writer; given a
     file object, the OSError (ENOSPC) surfaces, so a full disk can be told apart from a bug.
     """
     with open(path, "wb") as f:
-        write(f)
+        hashing = _Hashing(f)
+        write(hashing)
         f.flush()
         os.fsync(f.fileno())
+    return hashing.hash.hexdigest()
+
+
+def _file_digest(path: Path) -> str:
+    """The digest of a file's bytes, in one streaming pass."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, DIGESTS).hexdigest()
+
+
+def _files_of(folder: Path) -> list[str]:
+    """Every file below ``folder``, as paths relative to it, sorted."""
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+
+
+def _spread(names: list[str], work: Callable[[str], Any]) -> dict[str, Any]:
+    """``work`` on each of ``names``, shared out over the training ranks (every rank calls it, with the same
+    names), the results of all gathered on every rank: one pass over a sharded checkpoint, not one per rank."""
+    from longqa.distributed.env import gather_objects, rank, world_size
+
+    mine = {name: work(name) for name in names[rank()::world_size()]}
+    return {name: result for part in gather_objects(mine) for name, result in part.items()}
 
 
 def _torch_file(obj: Any) -> Callable[[IO[bytes]], Any]:
@@ -249,14 +291,25 @@ def _os_error(exc: BaseException) -> OSError | None:
     return None
 
 
-def _write_temp(tmp: Path, files: dict[str, Callable[[IO[bytes]], Any]], step: int) -> None:
-    """Write every file into ``tmp`` (which may already hold the ranks' shards), then the marker naming
-    them all with their sizes, and make it all durable."""
+def _ranks_digests(tmp: Path) -> dict[str, str]:
+    """The digests of the files the ranks wrote into ``tmp`` (shards), each rank hashing its share of them. The
+    names are rank 0's listing: another node may not see every file in its own listing yet (a shared file
+    system caches folders), though it reads each file whole once opened."""
+    from longqa.distributed.env import gather_objects, is_main
+
+    names = gather_objects(_files_of(tmp) if is_main() and tmp.is_dir() else None)[0]
+    return _spread(names, lambda name: _file_digest(tmp / name))
+
+
+def _write_temp(tmp: Path, files: dict[str, Callable[[IO[bytes]], Any]], step: int,
+                digests: dict[str, str]) -> None:
+    """Write every file into ``tmp`` (which may already hold the ranks' shards, of ``digests``), then the marker
+    naming them all with their sizes and digests, and make it all durable."""
     tmp.mkdir(exist_ok=True)
-    for name, write in files.items():
-        _write_file(tmp / name, write)
-    sizes = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
-    _write_file(tmp / MARKER, _json_file({"step": step, "files": sizes}))
+    digests = {**digests, **{name: _write_file(tmp / name, write) for name, write in files.items()}}
+    names = _files_of(tmp)
+    sizes = {name: (tmp / name).stat().st_size for name in names}
+    _write_file(tmp / MARKER, _json_file({"step": step, "files": sizes, DIGESTS: {n: digests[n] for n in names}}))
     _fsync_dir(tmp)
 
 
@@ -334,8 +387,9 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Mo
             dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp / SHARDED,
                      process_group=training_group())
             barrier()
+        digests = _ranks_digests(tmp) if engine is not None or sharded else {}
         if is_main():
-            _write_temp(tmp, files, step)
+            _write_temp(tmp, files, step, digests)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         os_error = _os_error(exc)
@@ -358,15 +412,93 @@ def _load(path: Path) -> Any:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def _check(path: Path) -> None:
-    """Refuse a folder that is not a finished checkpoint, or whose files changed size since it was written."""
+def _damaged(path: Path, what: str) -> CheckpointError:
+    return CheckpointError(f"checkpoint {path} is damaged: {what}; resume or export an earlier checkpoint "
+                           f"(trainer.resume=PATH, longqa export PATH)")
+
+
+def _read_json(path: Path, name: str) -> Any:
+    """A JSON file of checkpoint ``path``; one cut short (a crash or a full disk outside the save) is damaged."""
+    try:
+        return json.loads((path / name).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise _damaged(path, f"{name} is not valid JSON (cut short?)") from None
+
+
+def _marker(path: Path) -> dict:
+    """The marker's record of the checkpoint's files: {"files": {name: size}, DIGESTS: {name: digest}}."""
+    marker = _read_json(path, MARKER)
+    if not (isinstance(marker, dict) and isinstance(marker.get("files"), dict)):
+        raise _damaged(path, f"{MARKER} lists no files")
+    return marker
+
+
+def _check_size(path: Path, name: str, size: int) -> None:
+    actual = (path / name).stat().st_size if (path / name).is_file() else None
+    if actual != size:
+        raise _damaged(path, f"{name} has {actual} bytes, expected {size}")
+
+
+def _changed(path: Path, name: str) -> CheckpointError:
+    return _damaged(path, f"the contents of {name} differ from those written (its {DIGESTS} digest)")
+
+
+def _check(path: Path, skip: Iterable[str] = (), say: Callable[[str], Any] | None = None) -> None:
+    """Refuse a folder that is not a finished checkpoint, or whose files (but those in ``skip``, which the caller
+    does not read) changed since they were written: size, then content, the files hashed by all the training
+    ranks together (every rank calls this). A checkpoint of a version that recorded no digests is checked by
+    size alone, which ``say`` is told."""
     if not is_complete(path):
         raise CheckpointError(f"{path} is not a complete checkpoint (no {MARKER} marker)")
-    expected = json.loads((path / MARKER).read_text())["files"]
-    for name, size in expected.items():
-        actual = (path / name).stat().st_size if (path / name).is_file() else None
-        if actual != size:
-            raise CheckpointError(f"checkpoint {path} is damaged: {name} has {actual} bytes, expected {size}")
+    marker, skip = _marker(path), set(skip)
+    names = sorted(name for name in marker["files"] if name not in skip)
+    for name in names:
+        _check_size(path, name, marker["files"][name])
+    digests = marker.get(DIGESTS)
+    if digests is None:
+        if say is not None:
+            say(f"note: checkpoint {path} records no digests of its files (an earlier longqa wrote it): they are "
+                f"checked by size only")
+        return
+    found = _spread(names, lambda name: _file_digest(path / name) == digests.get(name))
+    if changed := [name for name in names if not found[name]]:
+        raise _changed(path, changed[0])
+
+
+def _check_file(path: Path, name: str) -> None:
+    """One file of a complete checkpoint checked alone (size and digest): one small file read before the rest."""
+    if not is_complete(path):
+        return
+    marker = _marker(path)
+    if name in marker["files"]:
+        _check_size(path, name, marker["files"][name])
+    digest = (marker.get(DIGESTS) or {}).get(name)
+    if digest is not None and _file_digest(path / name) != digest:
+        raise _changed(path, name)
+
+
+def _check_finite(path: Path, model: torch.nn.Module) -> None:
+    """Refuse weights holding NaN or infinity, naming the first such parameter: a model that cannot compute
+    anything, whatever wrote it (a run that diverged, a file damaged before its digest was taken). Each rank
+    looks at its shard (a ZeRO-3 partition, an FSDP2 local shard), and every rank raises alike."""
+    from longqa.distributed.env import gather_objects
+
+    mine = {}
+    for name, param in model.named_parameters():
+        local = getattr(param, "ds_tensor", None)
+        local = local if local is not None else param.to_local() if hasattr(param, "to_local") else param
+        if local.is_floating_point() and (count := int((~torch.isfinite(local.detach())).sum())):
+            mine[name] = count
+    bad: dict[str, int] = {}
+    for part in gather_objects(mine):
+        for name, count in part.items():
+            bad[name] = bad.get(name, 0) + count
+    if bad:
+        name = next(n for n, _ in model.named_parameters() if n in bad)
+        others = f" ({len(bad) - 1} more parameters have some)" if len(bad) > 1 else ""
+        raise CheckpointError(f"checkpoint {path} holds weights that are not finite: {name} has {bad[name]} NaN or "
+                              f"infinite values{others}; resume or export an earlier checkpoint (trainer.resume=PATH, "
+                              f"longqa export PATH)")
 
 
 def _saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
@@ -430,17 +562,20 @@ def _load_states(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
                        options=options)
 
 
-def load_model_weights(path: str | os.PathLike, model: torch.nn.Module) -> None:
+def load_model_weights(path: str | os.PathLike, model: torch.nn.Module,
+                       say: Callable[[str], Any] | None = None) -> None:
     """Load only the model weights of checkpoint ``path`` into ``model`` (same architecture, not sharded
-    by DeepSpeed: a DeepSpeed checkpoint's partitions are put together here, in this process)."""
+    by DeepSpeed: a DeepSpeed checkpoint's partitions are put together here, in this process). The files it
+    does not read (the optimizer's, scheduler's and random states) are not checked; ``say``: see ``_check``."""
     path = Path(path)
-    _check(path)
+    _check(path, skip=(OPTIMIZER, SCHEDULER, RNG), say=say)
     if (path / DEEPSPEED).is_dir():
         from longqa.distributed import deepspeed
 
         model.load_state_dict(deepspeed.fp32_state_dict(path))
     else:
         _load_states(path, model, None)
+    _check_finite(path, model)
 
 
 def _check_strategy(path: Path, engine: Any) -> None:
@@ -454,11 +589,12 @@ def _check_strategy(path: Path, engine: Any) -> None:
 
 
 def load_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler: Any = None, engine: Any = None) -> dict:
+                    scheduler: Any = None, engine: Any = None, say: Callable[[str], Any] | None = None) -> dict:
     """Restore model, optimizer, scheduler and random states in place; returns the trainer_state dict.
-    ``engine``: the DeepSpeed engine holding ``model`` and ``optimizer``, which reads them itself."""
+    ``engine``: the DeepSpeed engine holding ``model`` and ``optimizer``, which reads them itself. With several
+    ranks every rank calls it. ``say``: see ``_check``."""
     path = Path(path)
-    _check(path)
+    _check(path, say=say)
     _check_strategy(path, engine)
     if scheduler is not None and not (path / SCHEDULER).is_file():
         raise CheckpointError(f"checkpoint {path} holds no scheduler state, but a scheduler was given")
@@ -473,24 +609,30 @@ def load_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module, optimize
         deepspeed.load(engine, path)
     else:
         _load_states(path, model, optimizer)
+    _check_finite(path, model)
     if scheduler is not None:
         scheduler.load_state_dict(_load(path / SCHEDULER))
-    set_rng_state(json.loads((path / RNG).read_text()))
+    set_rng_state(_read_json(path, RNG))
     return read_trainer_state(path)
 
 
 def read_trainer_state(path: str | os.PathLike) -> dict:
     """The trainer_state dict of checkpoint ``path`` alone (the config it was written with, its step), read
-    before anything is loaded into a model."""
-    return json.loads((Path(path) / TRAINER_STATE).read_text())
+    before anything is loaded into a model: checked against the marker first, so a damaged one is refused as
+    such rather than read as other settings."""
+    path = Path(path)
+    _check_file(path, TRAINER_STATE)
+    return _read_json(path, TRAINER_STATE)
 
 
 def export_hf(checkpoint_path_or_model: str | os.PathLike | torch.nn.Module, tokenizer: Any,
-              out_dir: str | os.PathLike, *, model: torch.nn.Module | None = None) -> Path:
+              out_dir: str | os.PathLike, *, model: torch.nn.Module | None = None,
+              say: Callable[[str], Any] | None = None) -> Path:
     """Write a Hugging Face folder (safetensors weights, config, tokenizer) for ``from_pretrained``.
 
     Given a checkpoint path, its weights are loaded into ``model`` (a skeleton of the same architecture,
-    such as the loaded base model; it is modified in place). Given a model, that model is written as it is.
+    such as the loaded base model; it is modified in place), checked first (``load_model_weights``, which
+    ``say`` is for). Given a model, that model is written as it is.
     safetensors is the only format transformers 5 writes and the default since 4.35, so no flag is passed.
     """
     if isinstance(checkpoint_path_or_model, torch.nn.Module):
@@ -498,7 +640,7 @@ def export_hf(checkpoint_path_or_model: str | os.PathLike | torch.nn.Module, tok
     elif model is None:
         raise ValueError("export_hf from a checkpoint path needs model=<a model of the same architecture>")
     else:
-        load_model_weights(checkpoint_path_or_model, model)
+        load_model_weights(checkpoint_path_or_model, model, say=say)
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)

@@ -51,6 +51,7 @@ from longqa.train.checkpoint import (checkpoints_dir, later_checkpoints, load_ch
 from longqa.train.checkpoint_space import check_checkpoint_space, count_parameters
 from longqa.train.preemption import StopRequest, preempted_message
 from longqa.train.resume import CHANGES_KEY, DATA_KEY, change_history, check_resume, data_fingerprint, describe_changes
+from longqa.train.run_lock import hold_run_folder
 
 AHEAD_KEY = "sampled_ahead"  # in trainer_state.json: rollout.mode=one_step_off's groups for the next step
 
@@ -89,8 +90,8 @@ def load_prompts(cfg: Config, tokenizer, say=print) -> tuple[PromptSet, PromptSe
                 say(line)
     if val is not None and (suffixes := lost_row_suffixes(val)):
         names = [validation_metric(group, key, suffix) for (group, key), suffix in suffixes.items()]
-        say(f"  validation logs a source or length that lost some rows under a name saying how many it scores "
-            f"whole: {', '.join(names[:2])}{', ...' if len(names) > 2 else ''}")
+        say(f"  validation logs a source or length that dropped some rows under a name saying how many it scores: "
+            f"{', '.join(names[:2])}{', ...' if len(names) > 2 else ''}")
     if d.train_batch_size > len(train):
         raise ConfigError(f"data.train_batch_size={d.train_batch_size} is larger than the {len(train)} training "
                           f"prompts left after filtering")
@@ -102,15 +103,17 @@ def load_prompts(cfg: Config, tokenizer, say=print) -> tuple[PromptSet, PromptSe
 
 def lost_row_suffixes(val: PromptSet) -> dict[tuple[str, object], str]:
     """``(group, key) -> suffix`` for each data_source and context length (``target_tokens``) of the validation
-    set that lost rows (dropped as overlong or bad, or truncated) but not all of them.
+    set that lost rows (dropped as overlong or bad) but not all of them.
 
     Validation is compared across steps and runs by metric name: ``val/musique/accuracy`` or
     ``val/accuracy@2048`` computed on the questions that happened to fit would sit beside the same names from a
     run that scored them all, and a length whose long questions were dropped looks easier than it is. So a
-    bucket that lost rows logs under a name that says how many of its rows it scores whole
-    (``val/accuracy@2048_whole_4_of_9``); a bucket that lost every row logs nothing ("none left" at the start)."""
-    return {(group, key): f"_whole_{t.rows - t.dropped - t.truncated}_of_{t.rows}"
-            for group in GROUPS for key, t in tally(val, group).items() if t.lost and t.dropped < t.rows}
+    bucket that dropped rows logs under a name that says how many of its rows it scores
+    (``val/accuracy@2048_whole_4_of_9``); a bucket that lost every row logs nothing ("none left" at the start).
+    A prompt cut to the length limit (``data.truncation``) is kept and scored, so it is no loss here (the start
+    of the run says how many were cut)."""
+    return {(group, key): f"_whole_{t.rows - t.dropped}_of_{t.rows}"
+            for group in GROUPS for key, t in tally(val, group).items() if 0 < t.dropped < t.rows}
 
 
 def validation_metric(group: str, key, suffix: str) -> str:
@@ -422,6 +425,9 @@ class Trainer:
         self.total_steps = min(total, cfg.trainer.max_steps or total)
         for line in describe_epochs(cfg, len(self.train_set)):
             self._say(line)
+        if not cfg.trainer.save_freq:
+            self._say("note: trainer.save_freq=0 (never; verl's -1 is the same): this run writes no checkpoint but on a "
+                      "stop by SIGTERM/SIGINT, so a crash loses it and longqa export finds nothing to export")
         partial_offload = deepspeed and cfg.actor.cpu_offload and cfg.actor.cpu_offload_ratio < 1
         if self.env.is_main and (cfg.trainer.save_freq or partial_offload):  # (the other ranks stop with it)
             params = count_parameters(model_config)
@@ -779,8 +785,8 @@ class Trainer:
                "val/seconds": result["seconds"]}
         if result["reward_errors"]:  # a reward function failing on some answers, not scoring them 0
             out["val/reward_errors"] = result["reward_errors"]
-        if self.val_set.stats.lost:
-            out["val/lost_prompts"] = len(self.val_set.stats.lost)
+        if dropped := self.val_set.stats.overlong_filtered + self.val_set.stats.bad_rows:  # (cut ones are scored)
+            out["val/lost_prompts"] = dropped
 
         def name(group: str, key) -> str:
             return validation_metric(group, key, self.val_suffixes.get((group, key), ""))
@@ -848,7 +854,7 @@ class Trainer:
         if resume is None:
             return 0, None
         state = load_checkpoint(resume, model=self.model, optimizer=self.actor.optimizer,
-                                scheduler=self.actor.scheduler, engine=self.actor.engine)
+                                scheduler=self.actor.scheduler, engine=self.actor.engine, say=self._say)
         self.actor.follow_config()  # this run's learning rate, optimizer settings and schedule, at the restored step
         self.actor.bad_steps = state["bad_steps"]
         bump_weights_version(self.model)  # new weights: an engine holding a copy must load them
@@ -1012,21 +1018,29 @@ class _Silent:
         pass
 
 
-def train(cfg: Config, stop_file: str | None = None) -> dict:
-    """Train in this process (one rank of several under torchrun or Ray) or on Ray Train workers.
+def train(cfg: Config, stop_file: str | None = None, run_lock: str | None = None) -> dict:
+    """Train in this process (one rank of several under torchrun or Ray) or on Ray Train workers, holding the run
+    folder for this run alone while it runs (``run_lock``).
 
     ``preempted`` in the result is set when SIGTERM/SIGINT stopped the run early (``preemption``);
-    ``stop_file`` is where a Ray driver asks its workers for that stop.
+    ``stop_file`` is where a Ray driver asks its workers for that stop, and ``run_lock`` the token of the run
+    folder's lock that it holds for them.
     """
     job = DistEnv.from_environment()
     if cfg.rollout.sampler_ranks:
         check_sampler_ranks(cfg, job.world_size)
-    if cfg.trainer.launcher == "ray":
-        from longqa.distributed.ray_launcher import run_with_ray
+    with hold_run_folder(Path(cfg.trainer.output_dir).expanduser(), holder=job.rank == 0, job=run_lock) as token:
+        if cfg.trainer.launcher == "ray":
+            from longqa.distributed.ray_launcher import run_with_ray
 
-        check_before_workers(cfg)
+            check_before_workers(cfg)
 
-        return run_with_ray(cfg, train)
+            return run_with_ray(cfg, functools.partial(train, run_lock=token))
+        return _train_here(cfg, stop_file, job)
+
+
+def _train_here(cfg: Config, stop_file: str | None, job: DistEnv) -> dict:
+    """``train`` in this process, one rank of the job."""
     split = None
     if cfg.rollout.sampler_ranks:
         split = job.init_split(job.device(cfg.trainer.device), cfg.rollout.sampler_ranks)
