@@ -537,6 +537,7 @@ def test_a_verl_line_without_a_config_says_in_one_line_every_way_its_start_diffe
     (["actor.cpu_offload_ratio=0.5"], "actor.cpu_offload_ratio=0.5 needs actor.strategy=deepspeed"),
     (["rollout.engine=hf", "rollout.speculative=prompt_lookup"], "rollout.speculative=prompt_lookup needs"),
     (["rollout.n=1"], "rollout.n=1"),
+    (["rollout.temperature=0"], "rollout.temperature=0: algo.adv_estimator=grpo compares the samples of each prompt"),
 ])
 def test_config_show_refuses_what_train_refuses_before_loading(overrides, message, capsys):
     assert main(["config", "show", *overrides]) == 2

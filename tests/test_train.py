@@ -485,7 +485,7 @@ def test_learning_rate_schedule():
     ({"data.train_files": "/nope/train.parquet"}, "/nope/train.parquet: no such file"),
     ({"model.path": "/nope/model"}, "model path /nope/model does not exist"),
     ({"data.max_prompt_length": 8}, "no prompt left: 18 rows read, 18 over data.max_prompt_length=8"),
-    ({"data.train_batch_size": 99}, "data.train_batch_size=99 is larger than the 18 training prompts"),
+    ({"data.train_batch_size": 98}, "data.train_batch_size=98 is larger than the 18 training prompts"),
     ({"reward.path": "/nope/reward.py"}, "reward.path / reward.name"),
     ({"rollout.engine": "hf", "rollout.response_lengths": "lognormal"},
      "rollout.response_lengths=lognormal needs rollout.engine=fast (got rollout.engine=hf)"),
@@ -495,6 +495,9 @@ def test_learning_rate_schedule():
      "rollout.prompt_lookup_min=5 must not exceed rollout.prompt_lookup_max=4"),
     ({"rollout.n": 1}, "rollout.n=1: algo.adv_estimator=grpo compares the samples of each prompt"),
     ({"algo.adv_estimator": "rloo", "rollout.n": 1}, "rollout.n=1: algo.adv_estimator=rloo"),
+    ({"rollout.temperature": 0}, "rollout.temperature=0: algo.adv_estimator=grpo compares the samples of each "
+                                 "prompt, and greedy sampling makes the rollout.n=2 samples one response"),
+    ({"actor.ppo_mini_batch_size": 3}, "actor.ppo_mini_batch_size=3 must divide data.train_batch_size=4: "),
     ({"trainer.output_dir": "{tmp}/a-file/run"}, "Not a directory: '{tmp}/a-file/run"),
 ])
 def test_bad_input_gets_one_clear_message(tiny_model_dir, data_dir, tmp_path, capsys, extra, message):

@@ -460,7 +460,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     if samplers:  # the job's last ranks only sample: the plan is a training rank's, over the others
         check_sampler_ranks(cfg, args.gpus)
         args.gpus -= samplers
-    if args.gpus > 1 and not args.split:  # as the trainer checks it under torchrun or Ray, one rank per GPU
+    if not args.split:  # as the trainer checks it, one rank per GPU (plan --split checks each split's)
         check_data_parallel(cfg, args.gpus)
     per_node = args.gpus_per_node or min(args.gpus, 8)
     used = min(args.gpus, per_node)  # the run's GPUs on a node: the default host memory is theirs
@@ -506,21 +506,24 @@ def _plan_split(cfg, sizes, machine, response_length: int | None, what: str) -> 
     """``longqa plan --split``: every split of the GPUs between sampler and training ranks, and the proposal."""
     from longqa.distributed.planner import PlanError, describe_training
     from longqa.distributed.split_plan import best_split, plan_splits, splits_table
+    from longqa.distributed.step_time import seconds
 
     colocated, splits = plan_splits(cfg, sizes, machine, response_length)
     print(f"{what}, {describe_training(cfg)}; rollout.mode=one_step_off with sampler ranks of their own "
           f"(rollout.sampler_ranks), each step's time per split (H200s, the fast engine):\n"
           f"{splits_table(colocated, splits)}")
-    best = best_split(splits)
-    if best is None:
-        raise PlanError("no split of these GPUs fits: see each split's reason above")
-    if best.step_s >= colocated.total:
-        print(f"proposed: every GPU samples and trains (rollout.sampler_ranks=0): the fastest split, "
-              f"rollout.sampler_ranks={best.samplers}, would take {best.step_s:.1f} s a step against "
-              f"{colocated.total:.1f} s")
+    best, together = best_split(splits), colocated.step.total
+    if best is None and colocated.error is not None:
+        raise PlanError("no layout of these GPUs fits, split or not: see each one's reason above")
+    if best is None or (colocated.error is None and best.step_s >= together):
+        why = ("no split fits" if best is None else f"the fastest split, rollout.sampler_ranks={best.samplers}, "
+               f"would take {seconds(best.step_s)} s a step against {seconds(together)} s")
+        print(f"proposed: every GPU samples and trains (rollout.sampler_ranks=0): {why}")
         return
+    speed = (f"{together / best.step_s:.2f}x the synchronous step's speed" if colocated.error is None
+             else "every GPU sampling then training does not fit")
     print(f"proposed: rollout.sampler_ranks={best.samplers} rollout.mode=one_step_off, {best.trainers} training "
-          f"rank(s): {best.step_s:.1f} s a step, {colocated.total / best.step_s:.2f}x the synchronous step's speed")
+          f"rank(s): {seconds(best.step_s)} s a step, {speed}")
 
 
 def _count(n: int) -> str:

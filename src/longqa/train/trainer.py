@@ -31,8 +31,8 @@ from longqa.data.prompts import (GROUPS, PromptOptions, PromptSet, describe_loss
                                  tally)
 from longqa.distributed.deepspeed import check_deepspeed
 from longqa.distributed.env import DistEnv, Split, all_reduce, gather_objects, leave_group
-from longqa.distributed.planner import (SAMPLER_KV_SHARE, check_data_parallel, check_run, check_sampler_ranks,
-                                        describe_training, float32_masters)
+from longqa.distributed.planner import (SAMPLER_KV_SHARE, check_batch_shares, check_data_parallel, check_run,
+                                        check_sampler_ranks, describe_training, float32_masters)
 from longqa.evaluate import evaluate, stop_token_ids
 from longqa.lengths import draw_response_lengths
 from longqa.model.load import (compile_decoder_layers, compiled_graphs, config_tokenizer, load_model,
@@ -94,9 +94,6 @@ def load_prompts(cfg: Config, tokenizer, say=print) -> tuple[PromptSet, PromptSe
     if d.train_batch_size > len(train):
         raise ConfigError(f"data.train_batch_size={d.train_batch_size} is larger than the {len(train)} training "
                           f"prompts left after filtering")
-    if cfg.actor.ppo_mini_batch_size > d.train_batch_size:
-        raise ConfigError(f"actor.ppo_mini_batch_size={cfg.actor.ppo_mini_batch_size} is larger than "
-                          f"data.train_batch_size={d.train_batch_size}")
     return train, val
 
 
@@ -170,7 +167,8 @@ def check_data_files(cfg: Config) -> None:
 def check_settings(cfg: Config) -> None:
     """The checks of settings against each other that need no data file, run folder or device: what `longqa
     config show` runs too, so that it never prints a config that train refuses at once."""
-    for check in (check_groups, check_response_lengths, check_speculative, check_one_step_off, check_offload):
+    for check in (check_groups, check_batch_shares, check_response_lengths, check_speculative, check_one_step_off,
+                  check_offload):
         check(cfg)
 
 
@@ -207,11 +205,17 @@ def describe_epochs(cfg: Config, prompts: int) -> list[str]:
 
 
 def check_groups(cfg: Config) -> None:
-    """Every advantage estimator here compares the samples of one prompt: a group of one has nothing to
-    compare with, every advantage is 0 and the run would train nothing, silently."""
-    if cfg.rollout.n < 2:
-        raise ConfigError(f"rollout.n={cfg.rollout.n}: algo.adv_estimator={cfg.algo.adv_estimator} compares the "
-                          f"samples of each prompt, and one sample gives every advantage 0; set rollout.n to 2 or more")
+    """Every advantage estimator here compares the samples of one prompt: a group of one, or of greedy samples
+    (temperature 0: n copies of one response), has nothing to compare with, every advantage is 0 and the run
+    would train nothing, silently."""
+    r, estimator = cfg.rollout, cfg.algo.adv_estimator
+    if r.n < 2:
+        raise ConfigError(f"rollout.n={r.n}: algo.adv_estimator={estimator} compares the samples of each prompt, and "
+                          f"one sample gives every advantage 0; set rollout.n to 2 or more")
+    if r.temperature == 0:
+        raise ConfigError(f"rollout.temperature=0: algo.adv_estimator={estimator} compares the samples of each "
+                          f"prompt, and greedy sampling makes the rollout.n={r.n} samples one response, which gives "
+                          f"every advantage 0; set rollout.temperature above 0 (1.0 samples the model as it is)")
 
 
 def check_response_lengths(cfg: Config) -> None:
@@ -366,8 +370,8 @@ class Trainer:
         check_one_step_off(cfg)
         self.env = DistEnv.from_environment() if split is None else split.training_env()
         deepspeed = cfg.actor.strategy == "deepspeed"
+        check_data_parallel(cfg, self.env.world_size)
         if self.env.distributed:
-            check_data_parallel(cfg, self.env.world_size)
             self.device = self.env.device(cfg.trainer.device)
         else:
             self.device = pick_device(cfg.trainer.device)
