@@ -428,6 +428,27 @@ def _no_work(*args, **kwargs):
     raise AssertionError("the work began before the bad setting was refused")
 
 
+@pytest.mark.parametrize("setting, package", [("rollout.engine=vllm", "vllm"), ("actor.strategy=deepspeed", "deepspeed"),
+                                              ("trainer.launcher=ray", "ray"), ("trainer.device=cuda", None)])
+def test_config_show_refuses_what_this_machine_cannot_run_as_train_does(monkeypatch, capsys, setting, package):
+    """A setting whose package is missing here, or a device this machine lacks: `config show` fails in the words
+    `train` refuses it with, before any work."""
+    import longqa.support
+
+    if package is None:
+        if torch.cuda.is_available():
+            pytest.skip("a machine without a GPU")
+        refusal = "longqa: error: trainer.device=cuda but no CUDA device is available\n"
+    else:
+        monkeypatch.setattr(longqa.support, "installed", lambda name: name != package)
+        refusal = f"longqa: error: {setting} needs the {package} package: pip install 'longqa[{package}]'\n"
+    assert main(["config", "show", setting]) == 2
+    assert capsys.readouterr().err == refusal
+    monkeypatch.setattr("longqa.train.trainer.load_model", _no_work)
+    assert main(["train", setting, "data.train_files=x.parquet"]) == 2
+    assert capsys.readouterr().err == refusal
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a GPU")
 def test_the_flex_backend_on_the_cpu_is_refused_before_the_model_loads(monkeypatch, capsys):
     """trainer.device=auto is the CPU here: the trainer refuses once it has picked the device."""

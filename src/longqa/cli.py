@@ -138,11 +138,11 @@ def _verl_start() -> str:
 
 
 def cmd_config_show(args: argparse.Namespace) -> None:
-    from longqa.support import check_machine, named_device_type
+    from longqa.support import check_machine, run_device_type
     from longqa.train.trainer import check_settings
 
     cfg = run_config(args)
-    check_machine(cfg, named_device_type(cfg.trainer.device))  # what train would refuse before any work
+    check_machine(cfg, run_device_type(cfg))  # what train would refuse on this machine before any work
     check_settings(cfg)
     print(to_yaml(cfg), end="")
 

@@ -176,6 +176,7 @@ def check_before_workers(cfg: Config) -> None:
     """What the trainer checks of the config, the data files and the run folder before anything loads, run where
     ``trainer.launcher=ray`` is driven, before Ray starts: a mistake found on the workers comes back through Ray
     after its own start, once per worker (and once per restart)."""
+    check_machine(cfg, None)  # (the driver's: Ray itself)
     check_settings(cfg)
     reward_function(cfg)
     check_data_files(cfg)
