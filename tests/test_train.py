@@ -90,19 +90,35 @@ def test_training_end_to_end(tiny_model_dir, data_dir, tmp_path, capsys):
 
 def test_steps_without_a_gradient_are_said_with_their_reasons(tiny_model_dir, data_dir, tmp_path, capsys):
     """A random model never writes \\boxed{}: every group scores 0 alike, so no update changes anything. The run
-    says so at its first such step and at every tenth after, with the reasons; a reward that scores every sample
-    alike is said too."""
+    says so at its first such step and at every tenth after, with the reasons: responses cut at
+    data.max_response_length (here all of them) before the answer at their end, or, where they ended, no
+    \\boxed{} answer; a reward that scores every sample alike is said too."""
     extra = {"trainer.total_epochs": 3, "trainer.max_steps": 12, "trainer.test_freq": 0, "trainer.save_freq": 0}
     assert main(["train", *overrides(tiny_model_dir, data_dir, tmp_path / "a", **extra)]) == 0
     said = [line for line in capsys.readouterr().out.splitlines() if "no gradient" in line]
+    logged = {r["step"]: r for r in records(tmp_path / "a")}
+
+    def cut(step: int) -> str:
+        return (f"{round(8 * logged[step]['response/truncated'])} of 8 samples were cut at data.max_response_length=6 "
+                f"tokens before they ended, so the answer a response ends with was never written; raise "
+                f"data.max_response_length")
+    assert said == [
+        f"warning: step 1: no gradient: all 4 groups scored alike (mean reward 0.000; reasons: no_boxed 8 of 8 "
+        f"samples): {cut(1)}",
+        f"warning: step 10: no gradient for 10 steps in a row: all 4 groups scored alike (mean reward 0.000; "
+        f"reasons: no_boxed 8 of 8 samples): {cut(10)}"]
+    assert all(r["zero_variance_groups"] == 4 and r["response/truncated"] > 0.5 for r in logged.values())
+
+    # A stop string the random model writes at once ends every response well before the limit: no cut
+    extra = {"trainer.max_steps": 1, "trainer.test_freq": 0, "trainer.save_freq": 0, "rollout.stop": "[e]",
+             "data.max_response_length": 64}
+    assert main(["train", *overrides(tiny_model_dir, data_dir, tmp_path / "ended", **extra)]) == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if "no gradient" in line]
+    assert records(tmp_path / "ended")[-1]["response/truncated"] == 0.0
     assert said == [
         "warning: step 1: no gradient: all 4 groups scored alike (mean reward 0.000; reasons: no_boxed 8 of 8 "
         "samples): the model writes no \\boxed{} answer for the reward to read. A short `longqa sft` teaches the "
-        "format (or an instruction in the prompts may ask for it)",
-        "warning: step 10: no gradient for 10 steps in a row: all 4 groups scored alike (mean reward 0.000; "
-        "reasons: no_boxed 8 of 8 samples): the model writes no \\boxed{} answer for the reward to read. A short "
-        "`longqa sft` teaches the format (or an instruction in the prompts may ask for it)"]
-    assert all(r["zero_variance_groups"] == 4 for r in records(tmp_path / "a")[1:])
+        "format (or an instruction in the prompts may ask for it)"]
 
     reward_file = tmp_path / "always.py"
     reward_file.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"

@@ -672,7 +672,7 @@ class Trainer:
         zero_var, tokens = sum(p["zero_var"] for p in every), sum(p["tokens"] for p in every)
         flops = None if None in (p["flops"] for p in every) else sum(p["flops"] for p in every)
         if zero_var == sum(p["groups"] for p in every):
-            self._say_no_gradient(step, zero_var, rewards, reasons)
+            self._say_no_gradient(step, zero_var, rewards, reasons, sum(truncated))
         else:
             self.no_gradient_since = None
         # Each phase's time and the compilations and graph captures (0 once warm): the most of any rank.
@@ -742,10 +742,11 @@ class Trainer:
             print(f"the first step {shown}", flush=True)
         self.warm = True
 
-    def _say_no_gradient(self, step: int, groups: int, rewards: torch.Tensor, reasons: Counter) -> None:
+    def _say_no_gradient(self, step: int, groups: int, rewards: torch.Tensor, reasons: Counter, cut: int) -> None:
         """Say it when a step's groups all scored alike, so that its update changed nothing: once at the first
         such step of a run of them, and again at every tenth. A run that logs a flat reward for an hour has
-        learnt nothing, and the reasons say why (an untouched instruct model that never writes ``\\boxed{}``)."""
+        learnt nothing, and the reasons say why: most responses ``cut`` at data.max_response_length before the
+        answer at their end, or an untouched instruct model that never writes ``\\boxed{}``."""
         if self.no_gradient_since is None:
             self.no_gradient_since = step
         streak = step - self.no_gradient_since + 1
@@ -756,7 +757,11 @@ class Trainer:
         why = f"; reasons: {why} of {len(rewards)} samples" if why else ""
         line = (f"warning: step {step + 1}: no gradient{f' for {streak} steps in a row' if streak > 1 else ''}: "
                 f"all {groups} groups scored alike (mean reward {mean:.3f}{why})")
-        if mean == 0 and reasons and reasons.most_common(1)[0][0] == "no_boxed":
+        if mean <= 0 and 2 * cut > len(rewards):  # no reward, and most responses never reached their end
+            line += (f": {cut} of {len(rewards)} samples were cut at data.max_response_length="
+                     f"{self.cfg.data.max_response_length} tokens before they ended, so the answer a response ends "
+                     f"with was never written; raise data.max_response_length")
+        elif mean == 0 and reasons and reasons.most_common(1)[0][0] == "no_boxed":
             line += (": the model writes no \\boxed{} answer for the reward to read. A short `longqa sft` teaches "
                      "the format (or an instruction in the prompts may ask for it)")
         elif mean > 0 and bool((rewards == rewards[0]).all()):
