@@ -52,7 +52,7 @@ def test_training_end_to_end(tiny_model_dir, data_dir, tmp_path, capsys):
     rows = records(out)
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     assert "val/accuracy" in rows[0] and "val/accuracy" in rows[2] and "val/accuracy" in rows[4]
-    for key in ("reward/mean", "accuracy", "clip_fraction", "entropy", "grad_norm", "lr", "response_length/mean",
+    for key in ("reward/mean", "reward/full_fraction", "clip_fraction", "entropy", "grad_norm", "lr", "response_length/mean",
                 "response_length/max", "response/truncated", "zero_variance_groups", "reward_errors"):
         assert key in rows[1], key
     assert rows[1]["lr"] < rows[2]["lr"]  # warmup then cosine
@@ -574,16 +574,23 @@ def test_a_custom_reward_failing_on_some_answers_is_counted_on_every_one_stops_t
 
 
 def test_validation_scores_with_the_custom_reward(tiny_model_dir, data_dir, tmp_path, capsys):
-    """reward.path decides validation accuracy as it decides the training reward; failing on every validation
-    answer stops the run before the first step."""
+    """reward.path decides validation accuracy (the mean score) as it decides the training reward; a reward of
+    0.75 is a full reward for none of the samples, and the console says each under its own name. Failing on every
+    validation answer stops the run before the first step."""
     path = tmp_path / "reward.py"
     path.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw):\n"
                     "    return 0.75\n")
     out = tmp_path / "run"
     args = overrides(tiny_model_dir, data_dir, out, **{"reward.path": path, "trainer.max_steps": 1,
-                                                       "trainer.test_freq": 1})
+                                                       "trainer.test_freq": 1, "trainer.logger": "[console,jsonl]"})
+    capsys.readouterr()
     assert main(["train", *args]) == 0
     assert [r["val/accuracy"] for r in records(out)] == [0.75, 0.75]
+    step = records(out)[1]
+    assert step["reward/mean"] == 0.75 and step["reward/full_fraction"] == 0.0 and "accuracy" not in step
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("step 1/1 |"))
+    assert "| reward 0.750 | full reward 0.0% |" in line and "| val/accuracy 0.750 |" in line
+    assert re.search(r"\| [\d,]+ sample tok/s \|", line)
     path.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw):\n"
                     "    return 'right'\n")
     assert main(["train", *args, f"trainer.output_dir={tmp_path}/again"]) == 2

@@ -684,7 +684,7 @@ class Trainer:
         metrics = {
             "epoch": step // self.steps_per_epoch,
             "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-            "accuracy": float((rewards >= 1.0).float().mean()),
+            "reward/full_fraction": float((rewards >= 1.0).float().mean()),
             "response_length/mean": float(lengths.mean()), "response_length/max": int(lengths.max()),
             "response/truncated": float(np.mean(truncated)),
             "zero_variance_groups": zero_var, "reward_errors": reward_errors,
