@@ -585,7 +585,9 @@ def _add_data_commands(groups: argparse._SubParsersAction) -> None:
     p.add_argument("--rows-per-task", type=COUNT, default=400, help="rows per task before the split (default 400)")
     length = p.add_mutually_exclusive_group()
     length.add_argument("--context-tokens", type=int, default=1024,
-                        help="target context length in tokens (default 1024)")
+                        help="target context length in tokens (default 1024): contexts end within 10%% of it, "
+                        "and how many did not (a short target cannot hold the passages some questions need) is "
+                        "said")
     length.add_argument("--context-lengths", type=int, nargs="+", metavar="TOKENS",
                         help="the same questions at each of these context lengths, longer contexts adding only "
                         "distractor passages: ctx<TOKENS>/ holds each length's files, merged/ every length's "
