@@ -63,6 +63,22 @@ def test_prepare_errors_are_one_line(tmp_path, tokenizer_dir, capsys):
     assert "nope.parquet: no such file" in capsys.readouterr().err
 
 
+def test_a_folder_given_as_a_data_file_is_said_to_be_a_folder(tmp_path, tokenizer_dir, capsys):
+    """Where a data file goes, a folder is named as one, with the data files it holds to pick from."""
+    (tmp_path / "merged").mkdir()
+    for name in ("train.parquet", "test.parquet", "notes.txt"):
+        (tmp_path / "merged" / name).write_text("")
+    for argv in (["eval", "--data", f"{tmp_path}/merged", "--device", "cpu"],
+                 ["data", "prepare", f"model.path={tokenizer_dir}", f"data.train_files={tmp_path}/merged",
+                  f"data.cache_dir={tmp_path}/cache"]):
+        assert main(argv) == 2
+        assert capsys.readouterr().err == (f"longqa: error: {tmp_path}/merged is a folder, not a data file: give one "
+                                           f"of its files (test.parquet, train.parquet)\n")
+    assert main(["train", f"data.train_files={tmp_path}", "trainer.device=cpu"]) == 2
+    assert capsys.readouterr().err == (f"longqa: error: {tmp_path} is a folder, not a data file: give a .parquet, "
+                                       f".jsonl or .json file\n")
+
+
 def test_synth_by_length_then_eval_scores_each_length(tmp_path, capsys):
     out_dir, scores = tmp_path / "data", tmp_path / "new-folder" / "scores.json"  # its folder is made
     assert main(["data", "synth", "--output-dir", str(out_dir), "--rows-per-task", "4", "--tasks", "hotpotqa",
