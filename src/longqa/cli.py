@@ -754,7 +754,8 @@ def _add_bench_commands(groups: argparse._SubParsersAction) -> None:
                               description="New tokens/s for n samples of random prompts (temperature 1, each "
                               "response ending at its --lengths length): transformers' generate for one group, the "
                               "fast engine for each --groups count, the fast engine's decode time against its "
-                              "HBM-bandwidth floor for those lengths and how full it kept its slots.")
+                              "HBM-bandwidth floor for those lengths (an H200's: null on a CPU) and how full it kept "
+                              "its slots.")
     _add_bench_args(p, cmd_bench_rollout)
     p.add_argument("--new-tokens", type=COUNT, default=1024, help="most new tokens per sample (default 1024)")
     p.add_argument("--groups", type=COUNT, nargs="+", default=[1, 16], help="prompts per run (default 1 16)")
@@ -766,7 +767,8 @@ def _add_bench_commands(groups: argparse._SubParsersAction) -> None:
     p = bench_cmds.add_parser("step", help="a whole GRPO step: fast-engine rollout + packed update, per phase",
                               description="Seconds per phase of GRPO steps on a random-weight model: rollout with "
                               "the fast engine, rewards (random: such a model cannot answer) and advantages, one "
-                              "packed shared-prompt update. The first step includes warm-up.")
+                              "packed shared-prompt update, and each phase against an H200's floor (null on a "
+                              "CPU). The first step includes warm-up.")
     _add_bench_args(p, cmd_bench_step)
     p.add_argument("--response", type=COUNT, default=1024, help="most new tokens per sample (default 1024)")
     p.add_argument("--prompts", type=COUNT, default=16, help="prompts per step (default 16)")
