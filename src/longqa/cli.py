@@ -432,7 +432,7 @@ def cmd_cluster(args: argparse.Namespace) -> None:
     hosts = cluster.parse_hostfile(args.hostfile)
     if args.command == "up":
         cluster.run_steps(cluster.up_commands(hosts, args.port, args.ray), args.dry_run)
-        print(cluster.reach_message(hosts, args.hostfile, args.port))
+        print(cluster.reach_message(hosts, args.hostfile, args.port, args.dry_run))
     elif args.command == "down":
         cluster.run_steps(cluster.down_commands(hosts, args.ray), args.dry_run)
     else:
