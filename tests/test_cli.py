@@ -414,6 +414,15 @@ def test_data_prepare_says_what_it_dropped_per_source_as_train_does(data_dir, tm
      "data.train_batch_size=256 must be a multiple of the 24 ranks"),
     (["plan", "--gpus", "3", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "--shape", "qwen3-tiny"],
      "data.train_batch_size=4 must be a multiple of the 3 ranks"),
+    (["plan", "--gpus", "8", "--gpus-per-node", "3", "--shape", "qwen3-tiny"],
+     "--gpus 8 spans nodes of --gpus-per-node 3 but is not a whole number of them: plan --gpus 6 or 9, or give the "
+     "nodes' own --gpus-per-node"),
+    (["plan", "--gpus", "12", "--shape", "qwen3-tiny"],
+     "--gpus 12 spans nodes of --gpus-per-node 8 (the default) but is not a whole number of them: plan --gpus 8 or "
+     "16"),
+    (["plan", "--response-length", "999999", "--shape", "qwen3-tiny"],
+     "--response-length 999999 is longer than data.max_response_length=128, the longest response a step samples: "
+     "give at most 128, or raise data.max_response_length"),
     (["cluster", "up", "--hostfile", "h", "--port", "0"], "argument --port: must be at least 1, got 0"),
     (["cluster", "up", "--hostfile", "h", "--port", "99999"], "argument --port: must be at most 65535, got 99999"),
 ])

@@ -454,6 +454,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
         raise ConfigError(f"--gpus {args.gpus}, but the config runs trainer.ray_workers={workers} Ray workers, one per "
                           f"GPU: plan for --gpus {workers}, or set trainer.ray_workers={args.gpus}")
     args.gpus = args.gpus or workers or 1
+    _check_plan_flags(args, cfg)
     if args.largest and args.split:
         raise ConfigError("--largest tries every known shape, --split splits the GPUs of one: give either")
     samplers = 0 if args.split else cfg.rollout.sampler_ranks
@@ -500,6 +501,22 @@ def cmd_plan(args: argparse.Namespace) -> None:
           f"fast engine):\n{step.table()}")
     check_run_plan(cfg, gpu, host, sizes)
     print("fits")
+
+
+def _check_plan_flags(args: argparse.Namespace, cfg: Config) -> None:
+    """A machine and a length a run can have: GPUs spanning nodes in whole nodes (the host memory and the links
+    are planned per node), and a mean response no longer than the longest one a step samples."""
+    gpus, per_node = args.gpus, args.gpus_per_node or min(args.gpus, 8)
+    if gpus > per_node and gpus % per_node:  # (fewer than a node: the share of one)
+        fewer, more = gpus // per_node * per_node, (gpus // per_node + 1) * per_node
+        raise ConfigError(f"--gpus {gpus} spans nodes of --gpus-per-node {per_node}"
+                          f"{'' if args.gpus_per_node else ' (the default)'} but is not a whole number of them: "
+                          f"plan --gpus {fewer} or {more}, or give the nodes' own --gpus-per-node")
+    limit = cfg.data.max_response_length
+    if args.response_length and args.response_length > limit:
+        raise ConfigError(f"--response-length {args.response_length} is longer than data.max_response_length={limit}, "
+                          f"the longest response a step samples: give at most {limit}, or raise "
+                          f"data.max_response_length")
 
 
 def _plan_split(cfg, sizes, machine, response_length: int | None, what: str) -> None:
@@ -824,12 +841,13 @@ def _add_scale_out_commands(groups: argparse._SubParsersAction) -> None:
                    "trainer.ray_workers under trainer.launcher=ray, else 1)")
     p.add_argument("--gpu-memory-gib", type=_within(1, kind=float), default=141.0,
                    help="memory of one GPU (default 141, an H200)")
-    p.add_argument("--gpus-per-node", type=COUNT, help="GPUs of one node (default: --gpus, at most 8)")
+    p.add_argument("--gpus-per-node", type=COUNT, help="GPUs of one node (default: --gpus, at most 8); --gpus past "
+                   "one node fills whole nodes")
     p.add_argument("--host-memory-gib", type=_within(1, kind=float),
                    help="host memory of one node (default: 125 per GPU the run uses on the node, what the kernel "
                    "counts on the measurement machines; an 8-GPU H200 server often has more)")
     p.add_argument("--response-length", type=COUNT,
-                   help="mean response length for the step time (default data.max_response_length)")
+                   help="mean response length for the step time (default, and at most, data.max_response_length)")
     p.add_argument("--shape", choices=sorted(SHAPES), help="a known model shape instead of model.path's config")
     p.add_argument("--largest", action="store_true",
                    help="instead: the largest known shape that fits, as CONFIG asks or with actor.cpu_offload=true")
