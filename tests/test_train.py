@@ -333,6 +333,33 @@ def test_sigterm_saves_the_finished_step_and_the_rerun_continues_exactly(tiny_mo
     assert same_weights(run / "checkpoints" / "step_00000005", straight_run / "checkpoints" / "step_00000005")
 
 
+def test_ctrl_c_during_validation_says_at_once_that_the_run_is_stopping(tiny_model_dir, data_dir, tmp_path, capfd,
+                                                                         monkeypatch):
+    """Ctrl-C while the baseline validation runs: the run says at once that it is stopping (the validation still
+    ends first), then stops before the first step, with nothing to save, and exits 75."""
+    from longqa.train.trainer import Trainer
+
+    monkeypatch.delenv("RANK", raising=False)
+    said_while_validating = []
+    validate = Trainer.validate
+
+    def interrupted(self):
+        if not said_while_validating:
+            signal.raise_signal(signal.SIGINT)
+            said_while_validating.append(capfd.readouterr().err)
+        return validate(self)
+
+    monkeypatch.setattr(Trainer, "validate", interrupted)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
+    try:
+        code = main(["train", *overrides(tiny_model_dir, data_dir, tmp_path / "run")])
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert code == 75
+    assert "longqa: SIGINT: stopping once the sampling, update or validation in flight ends" in said_while_validating[0]
+    assert "preempted at step 0: no step finished, nothing to save" in capfd.readouterr().out
+
+
 SIGNAL_WHILE_SCORING = '''
 import os
 import random
