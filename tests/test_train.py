@@ -536,11 +536,11 @@ def test_learning_rate_schedule():
      "rollout.speculative=prompt_lookup needs rollout.engine=fast (got rollout.engine=hf)"),
     ({"rollout.prompt_lookup_min": 5, "rollout.prompt_lookup_max": 4},
      "rollout.prompt_lookup_min=5 must not exceed rollout.prompt_lookup_max=4"),
-    ({"rollout.n": 1}, "rollout.n=1: algo.adv_estimator=grpo compares the samples of each prompt"),
-    ({"algo.adv_estimator": "rloo", "rollout.n": 1}, "rollout.n=1: algo.adv_estimator=rloo"),
     ({"rollout.temperature": 0}, "rollout.temperature=0: algo.adv_estimator=grpo compares the samples of each "
                                  "prompt, and greedy sampling makes the rollout.n=2 samples one response"),
     ({"actor.ppo_mini_batch_size": 3}, "actor.ppo_mini_batch_size=3 must divide data.train_batch_size=4: "),
+    ({"rollout.n": 1}, "rollout.n=1: algo.adv_estimator=grpo compares the samples of each prompt"),
+    ({"algo.adv_estimator": "rloo", "rollout.n": 1}, "rollout.n=1: algo.adv_estimator=rloo"),
     ({"trainer.output_dir": "{tmp}/a-file/run"}, "Not a directory: '{tmp}/a-file/run"),
 ])
 def test_bad_input_gets_one_clear_message(tiny_model_dir, data_dir, tmp_path, capsys, extra, message):
