@@ -63,6 +63,22 @@ def test_prepare_errors_are_one_line(tmp_path, tokenizer_dir, capsys):
     assert "nope.parquet: no such file" in capsys.readouterr().err
 
 
+def test_a_folder_given_as_a_data_file_is_said_to_be_a_folder(tmp_path, tokenizer_dir, capsys):
+    """Where a data file goes, a folder is named as one, with the data files it holds to pick from."""
+    (tmp_path / "merged").mkdir()
+    for name in ("train.parquet", "test.parquet", "notes.txt"):
+        (tmp_path / "merged" / name).write_text("")
+    for argv in (["eval", "--data", f"{tmp_path}/merged", "--device", "cpu"],
+                 ["data", "prepare", f"model.path={tokenizer_dir}", f"data.train_files={tmp_path}/merged",
+                  f"data.cache_dir={tmp_path}/cache"]):
+        assert main(argv) == 2
+        assert capsys.readouterr().err == (f"longqa: error: {tmp_path}/merged is a folder, not a data file: give one "
+                                           f"of its files (test.parquet, train.parquet)\n")
+    assert main(["train", f"data.train_files={tmp_path}", "trainer.device=cpu"]) == 2
+    assert capsys.readouterr().err == (f"longqa: error: {tmp_path} is a folder, not a data file: give a .parquet, "
+                                       f".jsonl or .json file\n")
+
+
 def test_synth_by_length_then_eval_scores_each_length(tmp_path, capsys):
     out_dir, scores = tmp_path / "data", tmp_path / "new-folder" / "scores.json"  # its folder is made
     assert main(["data", "synth", "--output-dir", str(out_dir), "--rows-per-task", "4", "--tasks", "hotpotqa",
@@ -398,6 +414,15 @@ def test_data_prepare_says_what_it_dropped_per_source_as_train_does(data_dir, tm
      "data.train_batch_size=256 must be a multiple of the 24 ranks"),
     (["plan", "--gpus", "3", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "--shape", "qwen3-tiny"],
      "data.train_batch_size=4 must be a multiple of the 3 ranks"),
+    (["plan", "--gpus", "8", "--gpus-per-node", "3", "--shape", "qwen3-tiny"],
+     "--gpus 8 spans nodes of --gpus-per-node 3 but is not a whole number of them: plan --gpus 6 or 9, or give the "
+     "nodes' own --gpus-per-node"),
+    (["plan", "--gpus", "12", "--shape", "qwen3-tiny"],
+     "--gpus 12 spans nodes of --gpus-per-node 8 (the default) but is not a whole number of them: plan --gpus 8 or "
+     "16"),
+    (["plan", "--response-length", "999999", "--shape", "qwen3-tiny"],
+     "--response-length 999999 is longer than data.max_response_length=128, the longest response a step samples: "
+     "give at most 128, or raise data.max_response_length"),
     (["cluster", "up", "--hostfile", "h", "--port", "0"], "argument --port: must be at least 1, got 0"),
     (["cluster", "up", "--hostfile", "h", "--port", "99999"], "argument --port: must be at most 65535, got 99999"),
 ])
@@ -426,6 +451,27 @@ def test_a_logger_whose_package_is_missing_is_refused_before_any_work(monkeypatc
 
 def _no_work(*args, **kwargs):
     raise AssertionError("the work began before the bad setting was refused")
+
+
+@pytest.mark.parametrize("setting, package", [("rollout.engine=vllm", "vllm"), ("actor.strategy=deepspeed", "deepspeed"),
+                                              ("trainer.launcher=ray", "ray"), ("trainer.device=cuda", None)])
+def test_config_show_refuses_what_this_machine_cannot_run_as_train_does(monkeypatch, capsys, setting, package):
+    """A setting whose package is missing here, or a device this machine lacks: `config show` fails in the words
+    `train` refuses it with, before any work."""
+    import longqa.support
+
+    if package is None:
+        if torch.cuda.is_available():
+            pytest.skip("a machine without a GPU")
+        refusal = "longqa: error: trainer.device=cuda but no CUDA device is available\n"
+    else:
+        monkeypatch.setattr(longqa.support, "installed", lambda name: name != package)
+        refusal = f"longqa: error: {setting} needs the {package} package: pip install 'longqa[{package}]'\n"
+    assert main(["config", "show", setting]) == 2
+    assert capsys.readouterr().err == refusal
+    monkeypatch.setattr("longqa.train.trainer.load_model", _no_work)
+    assert main(["train", setting, "data.train_files=x.parquet"]) == 2
+    assert capsys.readouterr().err == refusal
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a GPU")
@@ -537,6 +583,7 @@ def test_a_verl_line_without_a_config_says_in_one_line_every_way_its_start_diffe
     (["actor.cpu_offload_ratio=0.5"], "actor.cpu_offload_ratio=0.5 needs actor.strategy=deepspeed"),
     (["rollout.engine=hf", "rollout.speculative=prompt_lookup"], "rollout.speculative=prompt_lookup needs"),
     (["rollout.n=1"], "rollout.n=1"),
+    (["rollout.temperature=0"], "rollout.temperature=0: algo.adv_estimator=grpo compares the samples of each prompt"),
 ])
 def test_config_show_refuses_what_train_refuses_before_loading(overrides, message, capsys):
     assert main(["config", "show", *overrides]) == 2

@@ -77,12 +77,19 @@ def test_run_steps_stops_at_a_real_failure_only(tmp_path, capsys):
 
 
 def test_cli_dry_run_prints_the_commands_and_how_to_connect(tmp_path, capsys):
+    """--dry-run prints the commands, says that none of them ran and started nothing, then what they would
+    start and how to reach it."""
     path = write(tmp_path, "10.9.0.1 slots=8\n10.9.0.2 slots=8\n")
     assert main(["cluster", "up", "--hostfile", str(path), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "10.9.0.2 'ray start --address=10.9.0.1:6379" in out and "RAY_ADDRESS=10.9.0.1:6379" in out
+    assert out.splitlines()[-3:] == [
+        "dry run: none of these commands was run",
+        "nothing was started; without --dry-run they start a Ray cluster of 2 host(s), 16 GPU slot(s): head "
+        "10.9.0.1:6379, dashboard http://10.9.0.1:8265",
+        f"  then connect with RAY_ADDRESS=10.9.0.1:6379; stop it with: longqa cluster down --hostfile {path}"]
     assert main(["cluster", "down", "--hostfile", str(path), "--dry-run"]) == 0
-    assert "stop it with: longqa cluster down --hostfile " + str(path) in out
+    assert capsys.readouterr().out.splitlines()[-1] == "dry run: none of these commands was run"
     bad = write(tmp_path, "10.9.0.1 slots=eight\n")
     assert main(["cluster", "up", "--hostfile", str(bad), "--dry-run"]) == 2
     assert "line 1" in capsys.readouterr().err

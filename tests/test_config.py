@@ -104,7 +104,11 @@ def test_logger_sinks_match_the_report_module():
     from longqa import config_schema, report, support
 
     (sink,) = typing.get_args(typing.get_type_hints(config_schema.TrainerConfig)["logger"])
-    assert set(typing.get_args(sink)) == set(report.SINKS) >= set(support.SINK_PACKAGES)
+    sinks = {setting.removeprefix("trainer.logger=") for setting in support.PACKAGES}
+    assert set(typing.get_args(sink)) == set(report.SINKS) >= sinks & set(report.SINKS)
+    for setting in support.PACKAGES:  # each names a value its key takes
+        key, value = setting.split("=")
+        config_schema.checked(key, [value] if key == "trainer.logger" else value)
 
 
 def test_the_reward_mode_s_default_comes_from_the_environment_when_set(monkeypatch, tmp_path):

@@ -213,7 +213,8 @@ def test_the_plan_names_the_partial_offload_where_host_memory_runs_out(capsys):
     """Qwen3-8B on one H200 of 64 GiB host memory: the offloaded optimizer (122 GiB) cannot be held, and the plan
     names the ratio that fits the host; with it, the plan fits and says what steps where."""
     base = ["plan", "configs/loongrl-qwen3-8b.yaml", "--shape", "qwen3-8b", "--host-memory-gib", "96",
-            "actor.strategy=deepspeed", "actor.cpu_offload=true", "data.train_batch_size=2"]
+            "actor.strategy=deepspeed", "actor.cpu_offload=true", "data.train_batch_size=2",
+            "actor.ppo_mini_batch_size=2"]
     assert main(base) == 2
     ratio = re.search(r"actor.cpu_offload_ratio=([0-9.]+) or lower", capsys.readouterr().err).group(1)
     assert main([*base, f"actor.cpu_offload_ratio={ratio}"]) == 0
@@ -348,13 +349,45 @@ def test_each_split_of_the_gpus_takes_the_longer_side_and_the_fastest_that_fits_
     assert best.step_s == min(s.step_s for s in splits[1:])
     assert main(["plan", "--gpus", "6", "--split", *run]) == 0
     out = capsys.readouterr().out
-    assert (best.step_s < colocated.total) == split_wins
-    assert f"synchronous, every GPU sampling then training: {colocated.total:.1f} s a step" in out
+    assert colocated.error is None and (best.step_s < colocated.step.total) == split_wins
+    assert f"synchronous, every GPU sampling then training: {colocated.step.total:.1f} s a step; fits: yes" in out
     if split_wins:
         assert f"proposed: rollout.sampler_ranks={best.samplers} rollout.mode=one_step_off, {best.trainers} " in out
     else:  # no split beats every GPU sampling then training: that is the proposal
         assert f"proposed: every GPU samples and trains (rollout.sampler_ranks=0): the fastest split, " \
                f"rollout.sampler_ranks={best.samplers}, would take {best.step_s:.1f} s" in out
+
+
+def test_a_split_plan_proposes_only_a_layout_that_plan_accepts(capsys):
+    """On 3 GPUs a batch of 16 cannot be shared out: `longqa plan --gpus 3` refuses it, so `plan --split` marks
+    every GPU sampling then training as not fitting, with the same words, and proposes a split that `plan` then
+    accepts; a small model's times are shown in milliseconds, not as 0.0."""
+    assert main(["plan", "--gpus", "3"]) == 2
+    refusal = capsys.readouterr().err.strip().removeprefix("longqa: error: ")
+    assert refusal == "data.train_batch_size=16 must be a multiple of the 3 ranks: each rank owns whole groups"
+    assert main(["plan", "--split", "--gpus", "3"]) == 0
+    out = capsys.readouterr().out
+    synchronous = re.search(r"every GPU sampling then training: (\S+) s a step; fits: (.*)", out)
+    assert float(synchronous.group(1)) > 0 and synchronous.group(2) == f"no: {refusal}"
+    proposed = re.search(r"proposed: (rollout.sampler_ranks=\d+) (rollout.mode=one_step_off), .*: (\S+) s a step, "
+                         r"every GPU sampling then training does not fit", out)
+    assert proposed and float(proposed.group(3)) > 0
+    assert main(["plan", "--gpus", "3", proposed.group(1), proposed.group(2)]) == 0
+    assert capsys.readouterr().out.endswith("fits\n")
+
+
+def test_a_mini_batch_that_does_not_divide_the_batch_is_refused_on_one_rank_as_on_several(capsys):
+    """Mini-batches of 3 groups out of 4 would make a last mini-batch of 1 on one rank, as they give a rank of
+    two no whole share: one rule refuses it in `plan` for any number of GPUs, in `config show` and in `train`."""
+    message = ("actor.ppo_mini_batch_size=3 must divide data.train_batch_size=4{}: each optimizer step takes a "
+               "mini-batch of that many groups, and every mini-batch must be alike; use {} (or another such size)")
+    for gpus, ranks, use in ((1, "", 2), (2, " and be a multiple of the 2 ranks", 2), (4, " and be a multiple of "
+                                                                                           "the 4 ranks", 4)):
+        assert main(["plan", "--gpus", str(gpus), "--shape", "qwen3-tiny", "data.train_batch_size=4",
+                     "actor.ppo_mini_batch_size=3"]) == 2
+        assert capsys.readouterr().err == f"longqa: error: {message.format(ranks, use)}\n"
+    assert main(["config", "show", "data.train_batch_size=4", "actor.ppo_mini_batch_size=3"]) == 2
+    assert capsys.readouterr().err == f"longqa: error: {message.format('', 2)}\n"
 
 
 def test_a_training_rank_beside_sampler_ranks_plans_no_engine():

@@ -40,6 +40,25 @@ def test_a_signal_is_noted_and_the_handlers_come_back(handlers, signum):
     assert {s: signal.getsignal(s) for s in handlers} == own
 
 
+def test_the_first_signal_is_said_at_once_by_one_rank_and_its_echo_is_not(handlers, capfd, monkeypatch):
+    """What is in flight may take a while yet (a validation): the stop is said when it is asked for, by the one
+    process of a job that speaks (RANK 0, or none set), and once."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for rank, said in ((None, True), ("0", True), ("1", False)):
+        if rank is None:
+            monkeypatch.delenv("RANK", raising=False)
+        else:
+            monkeypatch.setenv("RANK", rank)
+        with StopRequest():
+            signal.raise_signal(signal.SIGINT)
+            first = capfd.readouterr().err
+            signal.raise_signal(signal.SIGINT)  # an echo of the same request
+            assert capfd.readouterr().err == ""
+        assert first.strip() == ("longqa: SIGINT: stopping once the sampling, update or validation in flight ends; "
+                                 "the last finished step is then saved and the run exits 75 (another signal, 5 s "
+                                 "or more after this one, ends it at once)" if said else "")
+
+
 def test_a_signal_the_process_ignores_stays_ignored(handlers):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # as under nohup, or in a shell's background job
     with StopRequest() as request:

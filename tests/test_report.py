@@ -14,7 +14,7 @@ import torch
 
 from longqa.report import SINKS, MetricsLogger, read_metrics, write_report
 
-STEP = {"reward/mean": 0.5, "accuracy": 0.375, "response_length/mean": 812.4, "response_length/max": 2048,
+STEP = {"reward/mean": 0.5, "reward/full_fraction": 0.375, "response_length/mean": 812.4, "response_length/max": 2048,
         "perf/tokens_per_s": 1234.4, "time/step_s": 2.0}
 
 
@@ -55,7 +55,7 @@ def test_console_prints_one_line_per_step_when_not_a_terminal(tmp_path, capsys):
         logger.log(2, STEP)
         logger.log(3, {"reward/mean": 0.25, "val/accuracy": 0.5, "time/step_s": 4.0})
     assert capsys.readouterr().out.splitlines() == [
-        "step 2/10 | reward 0.500 | acc 37.5% | len 812 | 1,234 tok/s | ETA 0:00:16",
+        "step 2/10 | reward 0.500 | full reward 37.5% | len 812 | 1,234 sample tok/s | ETA 0:00:16",
         "step 3/10 | reward 0.250 | val/accuracy 0.500 | ETA 0:00:21",  # 7 steps left at the mean of 2 s and 4 s
     ]
     assert not (tmp_path / "metrics.jsonl").exists()
@@ -163,7 +163,7 @@ def write_metrics(run_dir, records, tail: str = "") -> None:
 
 
 def test_write_report_plots_and_summarises(tmp_path):
-    records = [{"step": s, "reward/mean": s / 20, "accuracy": s / 40, "response_length/mean": 100.0 + s,
+    records = [{"step": s, "reward/mean": s / 20, "reward/full_fraction": s / 40, "response_length/mean": 100.0 + s,
                 "response_length/max": 200 + 2 * s, "perf/tokens_per_s": 1000.0, "time/step_s": 3.0}
                for s in range(1, 21)]
     for r in records[4::5]:
@@ -181,6 +181,7 @@ def test_write_report_plots_and_summarises(tmp_path):
     assert "| reward/mean | 0.05 | 1 | 1 (step 20) |" in text
     assert "| val/accuracy | 0.1 | 0.4 | 0.4 (step 20) |" in text
     assert "| response_length/max | 202 | 240 | — |" in text
+    assert "| reward/full_fraction | 0.025 | 0.5 | 0.5 (step 20) |" in text
     assert "![accuracy](accuracy.png)" in text
 
 

@@ -166,6 +166,32 @@ def test_context_length_with_the_approximate_counter():
     assert sum(lengths) / len(lengths) >= 0.97 * target
 
 
+def test_data_synth_says_how_many_contexts_missed_their_target_and_by_how_much(tmp_path, capsys):
+    """At 256 tokens most questions' own passages alone take more: `data synth` says how many of each target's
+    contexts are more than 10% from it, and how far, as the rows record them; a target every context meets
+    within 10% is not mentioned."""
+    from longqa.cli import main
+
+    assert main(["data", "synth", "--output-dir", str(tmp_path / "one"), "--context-tokens", "256",
+                 "--rows-per-task", "10"]) == 0
+    rows = [r for split in ("train", "test") for r in read_rows(tmp_path / "one" / "merged" / f"{split}.parquet")]
+    counts = sorted(r["extra_info"]["context_tokens"] for r in rows)
+    over = [n for n in counts if n > 1.1 * 256]
+    assert over and not [n for n in counts if n < 0.9 * 256]
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")]
+    assert notes == [f"note: the 256-token contexts (median {counts[15]} tokens): {len(over)} of 30 are more than "
+                     f"10% over 256 (up to {over[-1]}): the passages their questions need, with the prompt around "
+                     f"them, take more"]
+
+    assert main(["data", "synth", "--output-dir", str(tmp_path / "two"), "--context-lengths", "256", "1024",
+                 "--rows-per-task", "10"]) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")]
+    assert len(notes) == 1 and notes[0].startswith("note: the 256-token contexts of ctx256/ (median ")
+    longer = [r["extra_info"]["context_tokens"] for split in ("train", "test")
+              for r in read_rows(tmp_path / "two" / "ctx1024" / "merged" / f"{split}.parquet")]
+    assert all(0.9 * 1024 <= n <= 1.1 * 1024 for n in longer)
+
+
 def test_context_length_with_a_real_tokenizer(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 

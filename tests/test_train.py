@@ -52,7 +52,7 @@ def test_training_end_to_end(tiny_model_dir, data_dir, tmp_path, capsys):
     rows = records(out)
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     assert "val/accuracy" in rows[0] and "val/accuracy" in rows[2] and "val/accuracy" in rows[4]
-    for key in ("reward/mean", "accuracy", "clip_fraction", "entropy", "grad_norm", "lr", "response_length/mean",
+    for key in ("reward/mean", "reward/full_fraction", "clip_fraction", "entropy", "grad_norm", "lr", "response_length/mean",
                 "response_length/max", "response/truncated", "zero_variance_groups", "reward_errors"):
         assert key in rows[1], key
     assert rows[1]["lr"] < rows[2]["lr"]  # warmup then cosine
@@ -90,19 +90,35 @@ def test_training_end_to_end(tiny_model_dir, data_dir, tmp_path, capsys):
 
 def test_steps_without_a_gradient_are_said_with_their_reasons(tiny_model_dir, data_dir, tmp_path, capsys):
     """A random model never writes \\boxed{}: every group scores 0 alike, so no update changes anything. The run
-    says so at its first such step and at every tenth after, with the reasons; a reward that scores every sample
-    alike is said too."""
+    says so at its first such step and at every tenth after, with the reasons: responses cut at
+    data.max_response_length (here all of them) before the answer at their end, or, where they ended, no
+    \\boxed{} answer; a reward that scores every sample alike is said too."""
     extra = {"trainer.total_epochs": 3, "trainer.max_steps": 12, "trainer.test_freq": 0, "trainer.save_freq": 0}
     assert main(["train", *overrides(tiny_model_dir, data_dir, tmp_path / "a", **extra)]) == 0
     said = [line for line in capsys.readouterr().out.splitlines() if "no gradient" in line]
+    logged = {r["step"]: r for r in records(tmp_path / "a")}
+
+    def cut(step: int) -> str:
+        return (f"{round(8 * logged[step]['response/truncated'])} of 8 samples were cut at data.max_response_length=6 "
+                f"tokens before they ended, so the answer a response ends with was never written; raise "
+                f"data.max_response_length")
+    assert said == [
+        f"warning: step 1: no gradient: all 4 groups scored alike (mean reward 0.000; reasons: no_boxed 8 of 8 "
+        f"samples): {cut(1)}",
+        f"warning: step 10: no gradient for 10 steps in a row: all 4 groups scored alike (mean reward 0.000; "
+        f"reasons: no_boxed 8 of 8 samples): {cut(10)}"]
+    assert all(r["zero_variance_groups"] == 4 and r["response/truncated"] > 0.5 for r in logged.values())
+
+    # A stop string the random model writes at once ends every response well before the limit: no cut
+    extra = {"trainer.max_steps": 1, "trainer.test_freq": 0, "trainer.save_freq": 0, "rollout.stop": "[e]",
+             "data.max_response_length": 64}
+    assert main(["train", *overrides(tiny_model_dir, data_dir, tmp_path / "ended", **extra)]) == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if "no gradient" in line]
+    assert records(tmp_path / "ended")[-1]["response/truncated"] == 0.0
     assert said == [
         "warning: step 1: no gradient: all 4 groups scored alike (mean reward 0.000; reasons: no_boxed 8 of 8 "
         "samples): the model writes no \\boxed{} answer for the reward to read. A short `longqa sft` teaches the "
-        "format (or an instruction in the prompts may ask for it)",
-        "warning: step 10: no gradient for 10 steps in a row: all 4 groups scored alike (mean reward 0.000; "
-        "reasons: no_boxed 8 of 8 samples): the model writes no \\boxed{} answer for the reward to read. A short "
-        "`longqa sft` teaches the format (or an instruction in the prompts may ask for it)"]
-    assert all(r["zero_variance_groups"] == 4 for r in records(tmp_path / "a")[1:])
+        "format (or an instruction in the prompts may ask for it)"]
 
     reward_file = tmp_path / "always.py"
     reward_file.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
@@ -317,6 +333,33 @@ def test_sigterm_saves_the_finished_step_and_the_rerun_continues_exactly(tiny_mo
     assert same_weights(run / "checkpoints" / "step_00000005", straight_run / "checkpoints" / "step_00000005")
 
 
+def test_ctrl_c_during_validation_says_at_once_that_the_run_is_stopping(tiny_model_dir, data_dir, tmp_path, capfd,
+                                                                         monkeypatch):
+    """Ctrl-C while the baseline validation runs: the run says at once that it is stopping (the validation still
+    ends first), then stops before the first step, with nothing to save, and exits 75."""
+    from longqa.train.trainer import Trainer
+
+    monkeypatch.delenv("RANK", raising=False)
+    said_while_validating = []
+    validate = Trainer.validate
+
+    def interrupted(self):
+        if not said_while_validating:
+            signal.raise_signal(signal.SIGINT)
+            said_while_validating.append(capfd.readouterr().err)
+        return validate(self)
+
+    monkeypatch.setattr(Trainer, "validate", interrupted)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
+    try:
+        code = main(["train", *overrides(tiny_model_dir, data_dir, tmp_path / "run")])
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert code == 75
+    assert "longqa: SIGINT: stopping once the sampling, update or validation in flight ends" in said_while_validating[0]
+    assert "preempted at step 0: no step finished, nothing to save" in capfd.readouterr().out
+
+
 SIGNAL_WHILE_SCORING = '''
 import os
 import random
@@ -485,7 +528,7 @@ def test_learning_rate_schedule():
     ({"data.train_files": "/nope/train.parquet"}, "/nope/train.parquet: no such file"),
     ({"model.path": "/nope/model"}, "model path /nope/model does not exist"),
     ({"data.max_prompt_length": 8}, "no prompt left: 18 rows read, 18 over data.max_prompt_length=8"),
-    ({"data.train_batch_size": 99}, "data.train_batch_size=99 is larger than the 18 training prompts"),
+    ({"data.train_batch_size": 98}, "data.train_batch_size=98 is larger than the 18 training prompts"),
     ({"reward.path": "/nope/reward.py"}, "reward.path / reward.name"),
     ({"rollout.engine": "hf", "rollout.response_lengths": "lognormal"},
      "rollout.response_lengths=lognormal needs rollout.engine=fast (got rollout.engine=hf)"),
@@ -493,6 +536,9 @@ def test_learning_rate_schedule():
      "rollout.speculative=prompt_lookup needs rollout.engine=fast (got rollout.engine=hf)"),
     ({"rollout.prompt_lookup_min": 5, "rollout.prompt_lookup_max": 4},
      "rollout.prompt_lookup_min=5 must not exceed rollout.prompt_lookup_max=4"),
+    ({"rollout.temperature": 0}, "rollout.temperature=0: algo.adv_estimator=grpo compares the samples of each "
+                                 "prompt, and greedy sampling makes the rollout.n=2 samples one response"),
+    ({"actor.ppo_mini_batch_size": 3}, "actor.ppo_mini_batch_size=3 must divide data.train_batch_size=4: "),
     ({"rollout.n": 1}, "rollout.n=1: algo.adv_estimator=grpo compares the samples of each prompt"),
     ({"algo.adv_estimator": "rloo", "rollout.n": 1}, "rollout.n=1: algo.adv_estimator=rloo"),
     ({"trainer.output_dir": "{tmp}/a-file/run"},
@@ -559,16 +605,23 @@ def test_a_custom_reward_failing_on_some_answers_is_counted_on_every_one_stops_t
 
 
 def test_validation_scores_with_the_custom_reward(tiny_model_dir, data_dir, tmp_path, capsys):
-    """reward.path decides validation accuracy as it decides the training reward; failing on every validation
-    answer stops the run before the first step."""
+    """reward.path decides validation accuracy (the mean score) as it decides the training reward; a reward of
+    0.75 is a full reward for none of the samples, and the console says each under its own name. Failing on every
+    validation answer stops the run before the first step."""
     path = tmp_path / "reward.py"
     path.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw):\n"
                     "    return 0.75\n")
     out = tmp_path / "run"
     args = overrides(tiny_model_dir, data_dir, out, **{"reward.path": path, "trainer.max_steps": 1,
-                                                       "trainer.test_freq": 1})
+                                                       "trainer.test_freq": 1, "trainer.logger": "[console,jsonl]"})
+    capsys.readouterr()
     assert main(["train", *args]) == 0
     assert [r["val/accuracy"] for r in records(out)] == [0.75, 0.75]
+    step = records(out)[1]
+    assert step["reward/mean"] == 0.75 and step["reward/full_fraction"] == 0.0 and "accuracy" not in step
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("step 1/1 |"))
+    assert "| reward 0.750 | full reward 0.0% |" in line and "| val/accuracy 0.750 |" in line
+    assert re.search(r"\| [\d,]+ sample tok/s \|", line)
     path.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw):\n"
                     "    return 'right'\n")
     assert main(["train", *args, f"trainer.output_dir={tmp_path}/again"]) == 2

@@ -8,7 +8,9 @@ the pairs its mask allows; the gradient-checkpointing recompute excluded) over t
 
 ``bench rollout`` and ``bench step`` sample from random-weight models, which never sample EOS: each
 response is given a length drawn from ``longqa.lengths`` (``lengths="lognormal"``, the realistic case) or
-the maximum (``"max"``, the worst case), and ends there as if it had sampled EOS.
+the maximum (``"max"``, the worst case), and ends there as if it had sampled EOS. Their floors (an H200's HBM
+bandwidth and bf16 peak) and the fractions of them are null on a CPU, as ``bench train``'s MFU: a CPU has no
+such floor, and a fraction of an H200's would only read 0.0.
 """
 
 from __future__ import annotations
@@ -304,7 +306,7 @@ def bench_rollout(shape: str = "qwen3-1.7b", prompt: int = 8192, new_tokens: int
         seconds = time.perf_counter() - start
         row = {"engine": "longqa fast", **(engine_options or {}), "groups": count, "n": n, "prompt": prompt,
                "new_tokens": new_tokens, "lengths": lengths, "groups_in_flight": engine.kv.groups,
-               **_fast_timings(model.config, prompt, out, engine, seconds, prefill)}
+               **_fast_timings(model.config, prompt, out, engine, seconds, prefill, dev)}
         results.append(row)
         print(json.dumps(row), flush=True)
     if results and results[0]["engine"] == "transformers generate":
@@ -313,8 +315,14 @@ def bench_rollout(shape: str = "qwen3-1.7b", prompt: int = 8192, new_tokens: int
     return results
 
 
-def _fast_timings(config, prompt: int, out, engine, seconds: float, prefill: float) -> dict:
-    """Speed of one fast-engine run against the floor for the lengths it made; per step means per step
+def gpu_floors(device: torch.device, figures: dict) -> dict:
+    """``figures`` measured against an H200's floor as they are on a GPU; null on any other device, which has no
+    such floor (a fraction of an H200's would read 0.0 and say nothing)."""
+    return figures if device.type == "cuda" else dict.fromkeys(figures)
+
+
+def _fast_timings(config, prompt: int, out, engine, seconds: float, prefill: float, device: torch.device) -> dict:
+    """Speed of one fast-engine run against the floor for the lengths it made (on a GPU); per step means per step
     of the ideal schedule (for equal lengths, all groups in flight: one per new token)."""
     made = [[len(s.token_ids) for s in group] for group in out]
     total, decode, in_flight = sum(map(sum, made)), seconds - prefill, engine.kv.groups
@@ -326,8 +334,10 @@ def _fast_timings(config, prompt: int, out, engine, seconds: float, prefill: flo
     return {"seconds": round(seconds, 3), "prefill_seconds": round(prefill, 3),
             "new_tokens_per_s": round(total / seconds), "decode_tokens_per_s": round(total / decode),
             **_length_stats(made), "decode_ms_per_step": round(1e3 * decode / steps, 3),
-            "floor_ms_per_step": round(1e3 * floor / steps, 3), "fraction_of_floor": round(floor / decode, 3),
-            "floor_ms_per_step_unshared": round(1e3 * unshared / steps, 3), "decode_steps": run["decode_steps"],
+            **gpu_floors(device, {"floor_ms_per_step": round(1e3 * floor / steps, 3),
+                                  "fraction_of_floor": round(floor / decode, 3),
+                                  "floor_ms_per_step_unshared": round(1e3 * unshared / steps, 3)}),
+            "decode_steps": run["decode_steps"],
             "slot_occupancy": round(run["busy_slot_steps"] / slot_steps, 3) if slot_steps else None,
             "row_occupancy": round(run["live_row_steps"] / (slot_steps * run["n"]), 3) if slot_steps else None,
             **speculation_stats(run)}
@@ -503,9 +513,10 @@ def bench_grpo_step(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int
                "new_tokens": new_tokens, **_length_stats(made),
                "recompiles": compiled_graphs() - compiled, "graph_captures": engine.graph_captures - captured,
                "compile_events": watch.news(),  # what the step compiled again (and why) or captured
-               "rollout_floor_s": round(floor["rollout"], 3), "update_floor_s": round(floor["update"], 3),
-               "fraction_of_floor": round((floor["rollout"] + floor["update"]) / (t3 - t0), 3),
-               "update_mfu": round(floor["update"] / ((t_updated if overlap else t3) - t2), 3),
+               **gpu_floors(dev, {"rollout_floor_s": round(floor["rollout"], 3),
+                                  "update_floor_s": round(floor["update"], 3),
+                                  "fraction_of_floor": round((floor["rollout"] + floor["update"]) / (t3 - t0), 3),
+                                  "update_mfu": round(floor["update"] / ((t_updated if overlap else t3) - t2), 3)}),
                "rollout_new_tokens_per_s": round(new_tokens / rollout_s),
                "update_tokens_per_s": round((prompts_per_step * prompt + new_tokens) / (t3 - t2)),
                "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if dev.type == "cuda" else None,

@@ -138,11 +138,11 @@ def _verl_start() -> str:
 
 
 def cmd_config_show(args: argparse.Namespace) -> None:
-    from longqa.support import check_machine, named_device_type
+    from longqa.support import check_machine, run_device_type
     from longqa.train.trainer import check_settings
 
     cfg = run_config(args)
-    check_machine(cfg, named_device_type(cfg.trainer.device))  # what train would refuse before any work
+    check_machine(cfg, run_device_type(cfg))  # what train would refuse on this machine before any work
     check_settings(cfg)
     print(to_yaml(cfg), end="")
 
@@ -434,7 +434,7 @@ def cmd_cluster(args: argparse.Namespace) -> None:
     hosts = cluster.parse_hostfile(args.hostfile)
     if args.command == "up":
         cluster.run_steps(cluster.up_commands(hosts, args.port, args.ray), args.dry_run)
-        print(cluster.reach_message(hosts, args.hostfile, args.port))
+        print(cluster.reach_message(hosts, args.hostfile, args.port, args.dry_run))
     elif args.command == "down":
         cluster.run_steps(cluster.down_commands(hosts, args.ray), args.dry_run)
     else:
@@ -456,13 +456,14 @@ def cmd_plan(args: argparse.Namespace) -> None:
         raise ConfigError(f"--gpus {args.gpus}, but the config runs trainer.ray_workers={workers} Ray workers, one per "
                           f"GPU: plan for --gpus {workers}, or set trainer.ray_workers={args.gpus}")
     args.gpus = args.gpus or workers or 1
+    _check_plan_flags(args, cfg)
     if args.largest and args.split:
         raise ConfigError("--largest tries every known shape, --split splits the GPUs of one: give either")
     samplers = 0 if args.split else cfg.rollout.sampler_ranks
     if samplers:  # the job's last ranks only sample: the plan is a training rank's, over the others
         check_sampler_ranks(cfg, args.gpus)
         args.gpus -= samplers
-    if args.gpus > 1 and not args.split:  # as the trainer checks it under torchrun or Ray, one rank per GPU
+    if not args.split:  # as the trainer checks it, one rank per GPU (plan --split checks each split's)
         check_data_parallel(cfg, args.gpus)
     per_node = args.gpus_per_node or min(args.gpus, 8)
     used = min(args.gpus, per_node)  # the run's GPUs on a node: the default host memory is theirs
@@ -504,25 +505,44 @@ def cmd_plan(args: argparse.Namespace) -> None:
     print("fits")
 
 
+def _check_plan_flags(args: argparse.Namespace, cfg: Config) -> None:
+    """A machine and a length a run can have: GPUs spanning nodes in whole nodes (the host memory and the links
+    are planned per node), and a mean response no longer than the longest one a step samples."""
+    gpus, per_node = args.gpus, args.gpus_per_node or min(args.gpus, 8)
+    if gpus > per_node and gpus % per_node:  # (fewer than a node: the share of one)
+        fewer, more = gpus // per_node * per_node, (gpus // per_node + 1) * per_node
+        raise ConfigError(f"--gpus {gpus} spans nodes of --gpus-per-node {per_node}"
+                          f"{'' if args.gpus_per_node else ' (the default)'} but is not a whole number of them: "
+                          f"plan --gpus {fewer} or {more}, or give the nodes' own --gpus-per-node")
+    limit = cfg.data.max_response_length
+    if args.response_length and args.response_length > limit:
+        raise ConfigError(f"--response-length {args.response_length} is longer than data.max_response_length={limit}, "
+                          f"the longest response a step samples: give at most {limit}, or raise "
+                          f"data.max_response_length")
+
+
 def _plan_split(cfg, sizes, machine, response_length: int | None, what: str) -> None:
     """``longqa plan --split``: every split of the GPUs between sampler and training ranks, and the proposal."""
     from longqa.distributed.planner import PlanError, describe_training
     from longqa.distributed.split_plan import best_split, plan_splits, splits_table
+    from longqa.distributed.step_time import seconds
 
     colocated, splits = plan_splits(cfg, sizes, machine, response_length)
     print(f"{what}, {describe_training(cfg)}; rollout.mode=one_step_off with sampler ranks of their own "
           f"(rollout.sampler_ranks), each step's time per split (H200s, the fast engine):\n"
           f"{splits_table(colocated, splits)}")
-    best = best_split(splits)
-    if best is None:
-        raise PlanError("no split of these GPUs fits: see each split's reason above")
-    if best.step_s >= colocated.total:
-        print(f"proposed: every GPU samples and trains (rollout.sampler_ranks=0): the fastest split, "
-              f"rollout.sampler_ranks={best.samplers}, would take {best.step_s:.1f} s a step against "
-              f"{colocated.total:.1f} s")
+    best, together = best_split(splits), colocated.step.total
+    if best is None and colocated.error is not None:
+        raise PlanError("no layout of these GPUs fits, split or not: see each one's reason above")
+    if best is None or (colocated.error is None and best.step_s >= together):
+        why = ("no split fits" if best is None else f"the fastest split, rollout.sampler_ranks={best.samplers}, "
+               f"would take {seconds(best.step_s)} s a step against {seconds(together)} s")
+        print(f"proposed: every GPU samples and trains (rollout.sampler_ranks=0): {why}")
         return
+    speed = (f"{together / best.step_s:.2f}x the synchronous step's speed" if colocated.error is None
+             else "every GPU sampling then training does not fit")
     print(f"proposed: rollout.sampler_ranks={best.samplers} rollout.mode=one_step_off, {best.trainers} training "
-          f"rank(s): {best.step_s:.1f} s a step, {colocated.total / best.step_s:.2f}x the synchronous step's speed")
+          f"rank(s): {seconds(best.step_s)} s a step, {speed}")
 
 
 def _count(n: int) -> str:
@@ -584,7 +604,9 @@ def _add_data_commands(groups: argparse._SubParsersAction) -> None:
     p.add_argument("--rows-per-task", type=COUNT, default=400, help="rows per task before the split (default 400)")
     length = p.add_mutually_exclusive_group()
     length.add_argument("--context-tokens", type=int, default=1024,
-                        help="target context length in tokens (default 1024)")
+                        help="target context length in tokens (default 1024): contexts end within 10%% of it, "
+                        "and how many did not (a short target cannot hold the passages some questions need) is "
+                        "said")
     length.add_argument("--context-lengths", type=int, nargs="+", metavar="TOKENS",
                         help="the same questions at each of these context lengths, longer contexts adding only "
                         "distractor passages: ctx<TOKENS>/ holds each length's files, merged/ every length's "
@@ -751,7 +773,8 @@ def _add_bench_commands(groups: argparse._SubParsersAction) -> None:
                               description="New tokens/s for n samples of random prompts (temperature 1, each "
                               "response ending at its --lengths length): transformers' generate for one group, the "
                               "fast engine for each --groups count, the fast engine's decode time against its "
-                              "HBM-bandwidth floor for those lengths and how full it kept its slots.")
+                              "HBM-bandwidth floor for those lengths (an H200's: null on a CPU) and how full it kept "
+                              "its slots.")
     _add_bench_args(p, cmd_bench_rollout)
     p.add_argument("--new-tokens", type=COUNT, default=1024, help="most new tokens per sample (default 1024)")
     p.add_argument("--groups", type=COUNT, nargs="+", default=[1, 16], help="prompts per run (default 1 16)")
@@ -763,7 +786,8 @@ def _add_bench_commands(groups: argparse._SubParsersAction) -> None:
     p = bench_cmds.add_parser("step", help="a whole GRPO step: fast-engine rollout + packed update, per phase",
                               description="Seconds per phase of GRPO steps on a random-weight model: rollout with "
                               "the fast engine, rewards (random: such a model cannot answer) and advantages, one "
-                              "packed shared-prompt update. The first step includes warm-up.")
+                              "packed shared-prompt update, and each phase against an H200's floor (null on a "
+                              "CPU). The first step includes warm-up.")
     _add_bench_args(p, cmd_bench_step)
     p.add_argument("--response", type=COUNT, default=1024, help="most new tokens per sample (default 1024)")
     p.add_argument("--prompts", type=COUNT, default=16, help="prompts per step (default 16)")
@@ -819,12 +843,13 @@ def _add_scale_out_commands(groups: argparse._SubParsersAction) -> None:
                    "trainer.ray_workers under trainer.launcher=ray, else 1)")
     p.add_argument("--gpu-memory-gib", type=_within(1, kind=float), default=141.0,
                    help="memory of one GPU (default 141, an H200)")
-    p.add_argument("--gpus-per-node", type=COUNT, help="GPUs of one node (default: --gpus, at most 8)")
+    p.add_argument("--gpus-per-node", type=COUNT, help="GPUs of one node (default: --gpus, at most 8); --gpus past "
+                   "one node fills whole nodes")
     p.add_argument("--host-memory-gib", type=_within(1, kind=float),
                    help="host memory of one node (default: 125 per GPU the run uses on the node, what the kernel "
                    "counts on the measurement machines; an 8-GPU H200 server often has more)")
     p.add_argument("--response-length", type=COUNT,
-                   help="mean response length for the step time (default data.max_response_length)")
+                   help="mean response length for the step time (default, and at most, data.max_response_length)")
     p.add_argument("--shape", choices=sorted(SHAPES), help="a known model shape instead of model.path's config")
     p.add_argument("--largest", action="store_true",
                    help="instead: the largest known shape that fits, as CONFIG asks or with actor.cpu_offload=true")

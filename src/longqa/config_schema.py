@@ -130,7 +130,8 @@ class RolloutConfig:
                              "With mode=one_step_off they sample the next step while the training ranks update; "
                              "0: every rank samples and trains", *non_negative)
     n: int = opt(8, "responses sampled per prompt (the GRPO group size)", *positive)
-    temperature: float = opt(1.0, "sampling temperature; 0 means greedy", *non_negative)
+    temperature: float = opt(1.0, "sampling temperature; 0 (greedy) is refused: every sample of a prompt would be "
+                             "the same response, with no advantage to learn from", *non_negative)
     top_p: float = opt(1.0, "nucleus sampling mass", lambda v: 0 < v <= 1, "in (0, 1]")
     top_k: int = opt(-1, "sample from the k most likely tokens; -1 for all", lambda v: v == -1 or v > 0, "-1 or > 0")
     stop: list[str] = opt([], "extra stop strings (EOS always stops)", lambda v: all(v), "a list of non-empty strings")

@@ -4,13 +4,21 @@ report (plots and a summary table) made from the JSONL file afterwards.
 The trainer logs a flat dict per step. These keys are the ones the console line and the report know:
 
 ``reward/mean``                         mean reward of the step's responses
-``accuracy``                            fraction of responses that were right (train)
-``val/<name>``                          validation metrics, on the steps that ran validation
+``reward/full_fraction``                fraction of the step's responses that earned a full reward (1 or more);
+                                        the console's "full reward". With a reward of 0 or 1 it is reward/mean
+``val/<name>``                          validation metrics, on the steps that ran validation; ``val/accuracy``
+                                        (and per source and length) is the accuracy: the mean score of the
+                                        greedy answers, which is the fraction answered right where scores are
+                                        0 or 1, as ``longqa eval``'s ``acc``
 ``val/accuracy@<length>``               validation accuracy at one context length, when the validation rows
                                         carry one (``longqa data synth --context-lengths``); a source or
                                         length that dropped rows (too long, or bad) ends in ``_whole_<k>_of_<n>``
 ``response_length/mean``, ``/max``      response lengths in tokens
-``perf/tokens_per_s``                   throughput of the step: prompt and response tokens processed per second
+``perf/tokens_per_s``                   sample tokens per second of the step: each sample's prompt and response,
+                                        a prompt counted once per sample (n times a group, as verl counts
+                                        throughput), over the step's whole time; the console's "sample tok/s".
+                                        Fewer are computed: the engine prefills a group's prompt once, and
+                                        actor.shared_prompt packs it once for the update
 ``perf/update_tflops_per_gpu``          the update's model FLOPs (forward and backward, recompute not counted) per
                                         second of the update phase, per training GPU; dense decoders only
 ``perf/recompiles``, ``/graph_captures`` graphs compiled / decode steps captured in the step (0 once warm, but
@@ -40,7 +48,7 @@ from typing import Any
 __all__ = ["LENGTH_ACCURACY", "MetricsLogger", "SINKS", "read_metrics", "write_report"]
 
 SINKS = ("console", "jsonl", "tensorboard", "wandb")
-REWARD, ACCURACY, VAL_PREFIX = "reward/mean", "accuracy", "val/"
+REWARD, FULL_REWARD, VAL_PREFIX = "reward/mean", "reward/full_fraction", "val/"
 LENGTH_MEAN, LENGTH_MAX = "response_length/mean", "response_length/max"
 TOKENS_PER_S, STEP_TIME, REWARD_ERRORS = "perf/tokens_per_s", "time/step_s", "reward_errors"
 METRICS_FILE, WANDB_ID_FILE, REPORT_DIR = "metrics.jsonl", "wandb_run_id", "report"
@@ -101,8 +109,8 @@ def _import_wandb():
 class ConsoleLine:
     """One progress line per step: rewritten in place on a terminal, one printed line per step otherwise."""
 
-    FIELDS = ((REWARD, "reward {:.3f}"), (ACCURACY, "acc {:.1%}"), (LENGTH_MEAN, "len {:.0f}"),
-              (TOKENS_PER_S, "{:,.0f} tok/s"))
+    FIELDS = ((REWARD, "reward {:.3f}"), (FULL_REWARD, "full reward {:.1%}"), (LENGTH_MEAN, "len {:.0f}"),
+              (TOKENS_PER_S, "{:,.0f} sample tok/s"))
 
     def __init__(self, total_steps: int | None):
         self.total_steps = total_steps
@@ -338,8 +346,8 @@ def write_report(run_dir: str | os.PathLike) -> Path:
     length_keys = _length_keys(records)  # their own plot: accuracy against length, not against step
 
     plots = {
-        "reward.png": ("Reward", "mean reward", [REWARD]),
-        "accuracy.png": ("Accuracy", "accuracy", [ACCURACY, *val_keys]),
+        "reward.png": ("Reward", "reward", [REWARD, FULL_REWARD]),
+        "accuracy.png": ("Validation accuracy", "accuracy", val_keys),
         "response_length.png": ("Response length", "tokens", [LENGTH_MEAN, LENGTH_MAX]),
     }
     written = [name for name, (title, ylabel, keys) in plots.items()
@@ -347,7 +355,7 @@ def write_report(run_dir: str | os.PathLike) -> Path:
     if _plot_by_length(out / LENGTH_PLOT, records, length_keys):
         written.append(LENGTH_PLOT)
 
-    rows = [(REWARD, True), (ACCURACY, True), *[(k, True) for k in (*val_keys, *length_keys)],
+    rows = [(REWARD, True), (FULL_REWARD, True), *[(k, True) for k in (*val_keys, *length_keys)],
             (LENGTH_MEAN, False), (LENGTH_MAX, False), (TOKENS_PER_S, True)]
     table = [row for key, better in rows if (row := _summary_row(records, key, better))]
     total_time = sum(r[STEP_TIME] for r in records if _is_number(r.get(STEP_TIME)))

@@ -1,12 +1,13 @@
 """What a machine supports of what a config or a command asks for: the devices and packages some choices need.
 
 The config checks each value on its own (``config_schema.py``); whether this machine can run it depends on its
-devices and installed packages, which a config file does not know. These checks run before any work:
-``longqa config show`` and ``longqa train`` (where ``trainer.device`` names the device, else the trainer
-once it has picked one) and the benches for their flags. Each problem is said in words naming the setting,
-instead of a traceback from deep inside a kernel after the model has loaded and sampled.
+devices and installed packages, which a config file does not know. These checks run before any work, the same
+in ``longqa config show`` and ``longqa train`` (the trainer once it has picked its device; under
+``trainer.launcher=ray`` the driver, then each worker on its own machine) and in the benches for their flags.
+Each problem is said in words naming the setting, instead of a traceback from deep inside a kernel after the
+model has loaded and sampled, or an exit status of 0 from ``config show`` for what ``train`` refuses.
 
-Nothing here imports torch: ``longqa config show`` stays quick.
+Nothing here imports torch but ``run_device_type``, which asks it for the devices.
 """
 
 from __future__ import annotations
@@ -16,8 +17,12 @@ import os
 
 from longqa.config import Config, ConfigError
 
-# The optional package each metric sink needs (report.py imports it).
-SINK_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
+# The optional package a setting's value needs, and how to install it (each is imported where it is used).
+PACKAGES = {"trainer.logger=tensorboard": ("tensorboard", "pip install tensorboard"),
+            "trainer.logger=wandb": ("wandb", "pip install wandb"),
+            "rollout.engine=vllm": ("vllm", "pip install 'longqa[vllm]'"),
+            "actor.strategy=deepspeed": ("deepspeed", "pip install 'longqa[deepspeed]'"),
+            "trainer.launcher=ray": ("ray", "pip install 'longqa[ray]'")}
 
 
 def installed(package: str) -> bool:
@@ -56,16 +61,34 @@ def decode_kernel_problem(kernel: str, device_type: str) -> str | None:
     return None
 
 
-def named_device_type(device: str) -> str | None:
-    """The device type a ``trainer.device`` value names, None for ``auto`` (known only when the run starts)."""
-    return None if device == "auto" else device.split(":")[0]
+def run_device_type(cfg: Config) -> str | None:
+    """The device type a run of ``cfg`` started here trains on: ``trainer.device`` as the trainer picks it (auto:
+    a GPU when there is one), refused in the trainer's words where this machine has no such device; None under
+    ``trainer.launcher=ray``, whose workers pick theirs on their own machines."""
+    if cfg.trainer.launcher == "ray":
+        return None
+    from longqa.model.load import pick_device
+
+    return pick_device(cfg.trainer.device).type
+
+
+def _package_problems(cfg: Config) -> list[str]:
+    """The settings of ``cfg`` whose package is not installed here. Under ``trainer.launcher=ray`` this machine
+    only drives the Ray Train workers: it needs Ray, and each worker checks the rest on its own machine."""
+    if cfg.trainer.launcher == "ray":
+        chosen = ["trainer.launcher=ray"]
+    else:
+        chosen = [f"rollout.engine={cfg.rollout.engine}", f"actor.strategy={cfg.actor.strategy}",
+                  *(f"trainer.logger={sink}" for sink in cfg.trainer.logger)]
+    return [f"{setting} needs the {PACKAGES[setting][0]} package: {PACKAGES[setting][1]}"
+            for setting in chosen if setting in PACKAGES and not installed(PACKAGES[setting][0])]
 
 
 def check_machine(cfg: Config, device_type: str | None) -> None:
     """Refuse, in one ConfigError naming the settings, what this machine cannot run of ``cfg`` on ``device_type``
-    (None: not known yet, so only the package checks)."""
-    problems = [f"trainer.logger={sink} needs the {package} package: pip install {package}"
-                for sink, package in SINK_PACKAGES.items() if sink in cfg.trainer.logger and not installed(package)]
+    (None: not this machine's, so only the package checks): the packages its settings need, and what the device
+    cannot do."""
+    problems = _package_problems(cfg)
     if device_type is not None:
         checks = {f"actor.attention_backend={cfg.actor.attention_backend}":
                   attention_backend_problem(cfg.actor.attention_backend, device_type),

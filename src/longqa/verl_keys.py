@@ -168,7 +168,8 @@ FIXED: dict[str, Fixed] = {
     ACTOR + "optim.lr_warmup_steps": Fixed((-1, None), "longqa warms up over a fraction of the steps "
                                            "(actor_rollout_ref.actor.optim.lr_warmup_steps_ratio, actor.warmup_ratio)"),
     MODEL + "use_remove_padding": Fixed((True,), "longqa packs sequences without padding"),
-    ROLLOUT + "do_sample": Fixed((True,), "longqa always samples (rollout.temperature=0 is greedy)"),
+    ROLLOUT + "do_sample": Fixed((True,), "longqa always samples: greedy decoding makes a prompt's samples one "
+                                 "response, which GRPO has nothing to compare in (rollout.temperature=0 is refused)"),
     ROLLOUT + "val_kwargs.temperature": Fixed((0,), _GREEDY_VALIDATION),
     ROLLOUT + "val_kwargs.do_sample": Fixed((False,), _GREEDY_VALIDATION),
     ROLLOUT + "val_kwargs.n": Fixed((1,), _GREEDY_VALIDATION),

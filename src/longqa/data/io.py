@@ -26,11 +26,22 @@ class DataFileError(ValueError):
     """A data file is missing, unreadable or holds something other than rows."""
 
 
+def check_data_file(path: Path) -> None:
+    """``path`` is a file rows can be read from: a folder given where a data file goes is said as a folder (with
+    the data files it holds), and a path that names nothing as missing."""
+    if path.is_dir():
+        inside = sorted(p.name for p in path.iterdir() if p.suffix.lower() in ROW_FILE_SUFFIXES and p.is_file())
+        what = (f"one of its files ({', '.join(inside[:4])}{', ...' if len(inside) > 4 else ''})" if inside
+                else f"a {', '.join(ROW_FILE_SUFFIXES[:-1])} or {ROW_FILE_SUFFIXES[-1]} file")
+        raise DataFileError(f"{path} is a folder, not a data file: give {what}")
+    if not path.is_file():
+        raise DataFileError(f"{path}: no such file")
+
+
 def iter_rows(path: str | os.PathLike, batch_size: int = 256) -> Iterator[dict]:
     """Yield the rows of one file as plain Python objects, without holding the whole file twice."""
     path = Path(path)
-    if not path.is_file():
-        raise DataFileError(f"{path}: no such file")
+    check_data_file(path)
     suffix = path.suffix.lower()
     try:
         if suffix == ".parquet":

@@ -24,7 +24,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from longqa.data.io import DataFileError, iter_rows
+from longqa.data.io import DataFileError, check_data_file, iter_rows
 from longqa.data.schema import row_problem
 from longqa.model.tokenizer import tokenizer_fingerprint
 
@@ -334,8 +334,7 @@ def readable_files(files: Sequence[str | os.PathLike]) -> list[Path]:
     if not paths:
         raise DataFileError("no data files given (set data.train_files)")
     for path in paths:
-        if not path.is_file():
-            raise DataFileError(f"{path}: no such file")
+        check_data_file(path)
         if not os.access(path, os.R_OK):
             raise DataFileError(f"{path}: not readable")
     return paths

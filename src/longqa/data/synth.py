@@ -42,7 +42,9 @@ Prompt lengths are counted passage by passage and summed, never by re-tokenizing
 with the tokenizer given, else with ``approx_tokens`` (within about 5% of Qwen2.5's tokenizer on this
 text). A context is full when the next passages no longer fit, so it ends a fraction of one passage
 short of the target; only the question's own passages and the keychain, which are always included, can
-push a short context past it.
+push a short context past it. A context within ``LENGTH_TOLERANCE`` (10%) of its target meets it;
+``generate`` says how many of each target's contexts did not, and how far they are from it (at 256 tokens
+most questions' own passages alone take more).
 
 With ``context_lengths`` (``longqa data synth --context-lengths 1024 4096 16384``) every row is written
 at each length, so that accuracy can be measured against length with nothing else changing. The rows of
@@ -77,7 +79,7 @@ from .io import task_splits, write_splits, write_task_splits
 from .schema import QA_PREFIX, SYSTEM_PROMPT, make_row, question_suffix, with_system_prompt
 
 __all__ = ["STYLES", "TASKS", "SynthConfig", "approx_tokens", "generate", "generate_rows", "keychain_count",
-           "length_folder", "make_synth_row", "make_synth_rows", "token_counter"]
+           "length_folder", "length_misses", "make_synth_row", "make_synth_rows", "token_counter"]
 
 TASKS = ("hotpotqa", "musique", "2wikimqa")
 STYLES = {
@@ -94,6 +96,7 @@ MAX_HOPS = 6  # deeper nesting reads as noise rather than as a question
 KEYCHAIN_HOPS = 4  # key:value pairs per chain, the last value being a question
 KEY_HEX_DIGITS = 8
 MAX_MISSES = 16  # passages in a row that did not fit before the context counts as full
+LENGTH_TOLERANCE = 0.10  # a context within 10% of its target length meets it; `generate` says how many did not
 
 KEYCHAIN_PREFIX = "Please read the following text.\n"
 KEYCHAIN_INSTRUCTION = (
@@ -1124,6 +1127,26 @@ def _length_splits(rows: dict[int, dict[str, list[dict]]], test_ratio: float,
     return splits
 
 
+def length_misses(rows: list[dict], target: int, where: str = "") -> str | None:
+    """A line saying how many of ``rows``' contexts are further than ``LENGTH_TOLERANCE`` from their ``target``
+    tokens, and how far (None when every one is within it): a context must not pass for a length it is not,
+    and a short target cannot hold the passages some questions need. ``where``: the target's folder."""
+    counts = sorted(row["extra_info"]["context_tokens"] for row in rows)
+    over = [n for n in counts if n > target * (1 + LENGTH_TOLERANCE)]
+    under = [n for n in counts if n < target * (1 - LENGTH_TOLERANCE)]
+    if not over and not under:
+        return None
+    misses = []
+    if over:
+        misses.append(f"{len(over)} of {len(rows)} are more than {LENGTH_TOLERANCE:.0%} over {target} (up to "
+                      f"{over[-1]}): the passages their questions need, with the prompt around them, take more")
+    if under:
+        misses.append(f"{len(under)} of {len(rows)} are more than {LENGTH_TOLERANCE:.0%} under {target} (down to "
+                      f"{under[0]}): the next passages did not fit")
+    return (f"note: the {target}-token contexts{where} (median {counts[len(counts) // 2]} tokens): "
+            + "; ".join(misses))
+
+
 def generate_rows(task: str, n: int, *, context_tokens: int = DEFAULT_CONTEXT_TOKENS, min_hops: int = 2,
                   max_hops: int = 4, keychain: bool = False, seed: int = 42,
                   tokenizer: str | os.PathLike | None = None, workers: int = 1,
@@ -1139,9 +1162,11 @@ def generate(output_dir: str | os.PathLike, *, rows_per_task: int = DEFAULT_ROWS
              context_tokens: int = DEFAULT_CONTEXT_TOKENS, tasks: tuple[str, ...] = TASKS, min_hops: int = 2,
              max_hops: int = 4, keychain: bool = False, test_ratio: float = 0.05, seed: int = 42,
              tokenizer: str | os.PathLike | None = None, workers: int = 1,
-             context_lengths: Sequence[int] = (), near_misses: bool = False) -> dict[str, dict[str, int]]:
+             context_lengths: Sequence[int] = (), near_misses: bool = False,
+             say: Callable[[str], None] = print) -> dict[str, dict[str, int]]:
     """Write ``<task>/{train,test}.parquet`` and ``merged/{train,test}.parquet`` under ``output_dir``,
-    as the recipe lays its data out, and return the row count of every file.
+    as the recipe lays its data out, and return the row count of every file. How many contexts of each
+    target missed it by more than ``LENGTH_TOLERANCE`` is said (``say``).
 
     With ``context_lengths`` (in place of ``context_tokens``) the same questions at each length: that
     layout for each length under ``ctx<length>/``, and ``merged/{train,test}.parquet`` with every length.
@@ -1155,7 +1180,13 @@ def generate(output_dir: str | os.PathLike, *, rows_per_task: int = DEFAULT_ROWS
     made = _make_rows(jobs, config, workers, lengths)
     by_task = {t: made[k * rows_per_task:(k + 1) * rows_per_task] for k, t in enumerate(tasks)}
     if not lengths:
+        if line := length_misses(made, context_tokens):
+            say(line)
         return write_task_splits(by_task, output_dir, test_ratio, seed)
     rows = {length: {t: [group[k] for group in groups] for t, groups in by_task.items()}
             for k, length in enumerate(lengths)}
+    for length, rows_by_task in rows.items():
+        if line := length_misses([r for part in rows_by_task.values() for r in part], length,
+                                 f" of {length_folder(length)}/"):
+            say(line)
     return write_splits(_length_splits(rows, test_ratio, seed), output_dir)

@@ -137,7 +137,8 @@ def status_command(hosts: list[Host], port: int = RAY_PORT, ray: str = "ray") ->
 
 
 def run_steps(steps: list[Step], dry_run: bool = False) -> None:
-    """Run each command in turn (or only print it), stopping at the first failure that matters."""
+    """Run each command in turn (or only print it, and say that none ran), stopping at the first failure that
+    matters."""
     for step in steps:
         print("$ " + shlex.join(step.argv), flush=True)
         if dry_run:
@@ -148,11 +149,18 @@ def run_steps(steps: list[Step], dry_run: bool = False) -> None:
             raise HostfileError(f"cannot run {step.argv[0]!r}: {e.strerror} (is it installed?)") from e
         if code and not step.may_fail:
             raise HostfileError(f"command failed with exit status {code}: {shlex.join(step.argv)}")
+    if dry_run:
+        print("dry run: none of these commands was run", flush=True)
 
 
-def reach_message(hosts: list[Host], hostfile: str | Path, port: int = RAY_PORT) -> str:
+def reach_message(hosts: list[Host], hostfile: str | Path, port: int = RAY_PORT, dry_run: bool = False) -> str:
+    """How to reach the cluster ``up`` started; after ``--dry-run``, the cluster those commands would start."""
     head = endpoint(hosts[0].address, port)
     gpus = sum(h.slots for h in hosts)
-    return (f"Ray cluster of {len(hosts)} host(s), {gpus} GPU slot(s): head {head}, dashboard "
-            f"http://{endpoint(hosts[0].address, DASHBOARD_PORT)}\n  connect with RAY_ADDRESS={head}; "
+    cluster = (f"Ray cluster of {len(hosts)} host(s), {gpus} GPU slot(s): head {head}, dashboard "
+               f"http://{endpoint(hosts[0].address, DASHBOARD_PORT)}")
+    if dry_run:
+        return (f"nothing was started; without --dry-run they start a {cluster}\n  then connect with "
+                f"RAY_ADDRESS={head}; stop it with: longqa cluster down --hostfile {shlex.quote(str(hostfile))}")
+    return (f"{cluster}\n  connect with RAY_ADDRESS={head}; "
             f"stop it with: longqa cluster down --hostfile {shlex.quote(str(hostfile))}")

@@ -495,13 +495,34 @@ def model_sizes(cfg) -> ModelSizes:
     return ModelSizes.from_config(config)
 
 
+def check_batch_shares(cfg, world: int = 1) -> None:
+    """The one rule of ``data.train_batch_size`` and ``actor.ppo_mini_batch_size``, on one rank as on ``world``:
+    each rank owns whole groups of the batch and of every mini-batch, and the mini-batches split the batch
+    evenly. A mini-batch size that does not divide the batch leaves a last, smaller mini-batch, whose optimizer
+    step takes the full learning rate on a few groups' noisier gradient (and on several ranks gives some rank no
+    group of it)."""
+    batch, mini = cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size
+    if batch % world:
+        raise ConfigError(f"data.train_batch_size={batch} must be a multiple of the {world} ranks: each rank owns "
+                          f"whole groups")
+    if mini > batch:
+        raise ConfigError(f"actor.ppo_mini_batch_size={mini} is larger than data.train_batch_size={batch}")
+    if batch % mini or mini % world:
+        sizes = [size for size in range(world, batch + 1, world) if batch % size == 0]  # (world is one)
+        fits = max((size for size in sizes if size <= mini), default=world)
+        ranks = f" and be a multiple of the {world} ranks" if world > 1 else ""
+        raise ConfigError(f"actor.ppo_mini_batch_size={mini} must divide data.train_batch_size={batch}{ranks}: "
+                          f"each optimizer step takes a mini-batch of that many groups, and every mini-batch must "
+                          f"be alike; use {fits} (or another such size)")
+
+
 def check_data_parallel(cfg, world: int) -> None:
-    """What data parallelism over ``world`` ranks needs: checked by the trainer before anything loads, and by
-    ``longqa plan`` for its ``--gpus``, so that a plan that fits is one the trainer runs."""
-    for key, value in (("data.train_batch_size", cfg.data.train_batch_size),
-                       ("actor.ppo_mini_batch_size", cfg.actor.ppo_mini_batch_size)):
-        if value % world:
-            raise ConfigError(f"{key}={value} must be a multiple of the {world} ranks: each rank owns whole groups")
+    """What ``world`` ranks (one included) need of the batch and of the other settings: checked by the trainer
+    before anything loads, by ``longqa plan`` for its ``--gpus`` and by ``plan --split`` for each split's
+    training ranks, so that a plan that fits is one the trainer runs."""
+    check_batch_shares(cfg, world)
+    if world == 1:
+        return
     unsupported = {"rollout.engine=hf": cfg.rollout.engine == "hf",
                    "algo.dynamic_sampling=true": cfg.algo.dynamic_sampling,
                    # each rank runs its own vLLM engine on its own device; a tensor-parallel group spanning

@@ -100,7 +100,13 @@ class StepTime:
                 (f"update ({self.micro_batches} micro-batches)", self.update),
                 (f"optimizer ({self.optimizer_steps} step{'s' if self.optimizer_steps > 1 else ''})", self.optimizer),
                 ("weight refresh (engine's copy)", self.refresh), ("step", self.total)]
-        return "\n".join(f"  {name:<40} {value:8.1f} s" for name, value in rows)
+        return "\n".join(f"  {name:<40} {seconds(value):>8} s" for name, value in rows)
+
+
+def seconds(value: float) -> str:
+    """A time as the plans print it: one decimal from a second up, two significant digits below, so that a
+    small model's milliseconds are not all shown as 0.0."""
+    return f"{value:.1f}" if value >= 1 or value == 0 else f"{value:.2g}"
 
 
 def attention_mfu(head_dim: int) -> float:

@@ -12,8 +12,10 @@ interrupts nothing) and the trainer acts on it at the next of two points:
   and save; otherwise it drops the step's samples and saves the last finished step, whose weights are
   still the ones in memory.
 
-Sampling and updates always run to their end: an update stopped halfway leaves weights and optimizer
-state of no step, and sampling holds no state worth the risk of stopping code at an arbitrary line.
+Sampling, updates and validations always run to their end: an update stopped halfway leaves weights and
+optimizer state of no step, and sampling holds no state worth the risk of stopping code at an arbitrary line.
+The first signal is said at once on stderr, with what happens next, since what is in flight (a validation,
+say) may take a while yet and a silent wait reads as a hang.
 When what is left of them outlasts the grace period, SIGKILL comes first and the run resumes from the
 last periodic checkpoint, as after any crash. A second signal ends the process at once, as if none
 were caught, unless it comes within ``ECHO_S`` of the first: that is the same stop delivered twice,
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import threading
 import time
@@ -83,6 +86,18 @@ def _die_of(signum: int) -> None:
     """The second signal: end as an uncaught one would, at once (status 128 + signum)."""
     signal.signal(signum, signal.SIG_DFL)
     signal.raise_signal(signum)
+
+
+def _say_stopping(signum: int) -> None:
+    """Say that the stop asked for by ``signum`` is under way, from one process of a job (RANK 0, or none set:
+    torchrun's ranks get the signal alike). Written to the stderr descriptor itself: a handler runs between two
+    lines of whatever it interrupted, which may be in the middle of writing to the buffered ``sys.stderr``."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    line = (f"longqa: {signal.Signals(signum).name}: stopping once the sampling, update or validation in flight "
+            f"ends; the last finished step is then saved and the run exits {EXIT_PREEMPTED} (another signal, "
+            f"{ECHO_S:g} s or more after this one, ends it at once)\n")
+    os.write(2, ("\n" if os.isatty(1) else "").encode() + line.encode())  # (past a console line left open)
 
 
 def _request_time(first: float | None, signum: int) -> float:
@@ -130,7 +145,9 @@ class StopRequest:
         self._previous = {}
 
     def _note(self, signum: int, frame) -> None:
-        """Only note the time: the trainer stops at a point where stopping is safe."""
+        """Only note the time (and say so, the first time): the trainer stops at a point where stopping is safe."""
+        if self.received_at is None:
+            _say_stopping(signum)
         self.received_at = _request_time(self.received_at, signum)
 
     def waited(self) -> float | None:
@@ -167,6 +184,8 @@ class ForwardedStop:
         blocked in ``fit()``, so no other code of ours runs to pass the request on. Blocked there, in Ray's
         ``get``, it runs this handler only when Ray checks for signals, about once a second, so the grace
         period is counted from up to a second after the signal."""
+        if self.received_at is None:
+            _say_stopping(signum)
         self.received_at = _request_time(self.received_at, signum)
         self.request_file.write_text(f"{self.received_at}\n")
 

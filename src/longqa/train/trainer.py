@@ -31,8 +31,8 @@ from longqa.data.prompts import (GROUPS, PromptOptions, PromptSet, describe_loss
                                  tally)
 from longqa.distributed.deepspeed import check_deepspeed
 from longqa.distributed.env import DistEnv, Split, all_reduce, gather_objects, leave_group
-from longqa.distributed.planner import (SAMPLER_KV_SHARE, check_data_parallel, check_run, check_sampler_ranks,
-                                        describe_training, float32_masters)
+from longqa.distributed.planner import (SAMPLER_KV_SHARE, check_batch_shares, check_data_parallel, check_run,
+                                        check_sampler_ranks, describe_training, float32_masters)
 from longqa.evaluate import evaluate, stop_token_ids
 from longqa.lengths import draw_response_lengths
 from longqa.model.load import (compile_decoder_layers, compiled_graphs, config_tokenizer, load_model,
@@ -95,9 +95,6 @@ def load_prompts(cfg: Config, tokenizer, say=print) -> tuple[PromptSet, PromptSe
     if d.train_batch_size > len(train):
         raise ConfigError(f"data.train_batch_size={d.train_batch_size} is larger than the {len(train)} training "
                           f"prompts left after filtering")
-    if cfg.actor.ppo_mini_batch_size > d.train_batch_size:
-        raise ConfigError(f"actor.ppo_mini_batch_size={cfg.actor.ppo_mini_batch_size} is larger than "
-                          f"data.train_batch_size={d.train_batch_size}")
     return train, val
 
 
@@ -173,7 +170,8 @@ def check_data_files(cfg: Config) -> None:
 def check_settings(cfg: Config) -> None:
     """The checks of settings against each other that need no data file, run folder or device: what `longqa
     config show` runs too, so that it never prints a config that train refuses at once."""
-    for check in (check_groups, check_response_lengths, check_speculative, check_one_step_off, check_offload):
+    for check in (check_groups, check_batch_shares, check_response_lengths, check_speculative, check_one_step_off,
+                  check_offload):
         check(cfg)
 
 
@@ -181,6 +179,7 @@ def check_before_workers(cfg: Config) -> None:
     """What the trainer checks of the config, the data files and the run folder before anything loads, run where
     ``trainer.launcher=ray`` is driven, before Ray starts: a mistake found on the workers comes back through Ray
     after its own start, once per worker (and once per restart)."""
+    check_machine(cfg, None)  # (the driver's: Ray itself)
     check_settings(cfg)
     reward_function(cfg)
     check_data_files(cfg)
@@ -210,11 +209,17 @@ def describe_epochs(cfg: Config, prompts: int) -> list[str]:
 
 
 def check_groups(cfg: Config) -> None:
-    """Every advantage estimator here compares the samples of one prompt: a group of one has nothing to
-    compare with, every advantage is 0 and the run would train nothing, silently."""
-    if cfg.rollout.n < 2:
-        raise ConfigError(f"rollout.n={cfg.rollout.n}: algo.adv_estimator={cfg.algo.adv_estimator} compares the "
-                          f"samples of each prompt, and one sample gives every advantage 0; set rollout.n to 2 or more")
+    """Every advantage estimator here compares the samples of one prompt: a group of one, or of greedy samples
+    (temperature 0: n copies of one response), has nothing to compare with, every advantage is 0 and the run
+    would train nothing, silently."""
+    r, estimator = cfg.rollout, cfg.algo.adv_estimator
+    if r.n < 2:
+        raise ConfigError(f"rollout.n={r.n}: algo.adv_estimator={estimator} compares the samples of each prompt, and "
+                          f"one sample gives every advantage 0; set rollout.n to 2 or more")
+    if r.temperature == 0:
+        raise ConfigError(f"rollout.temperature=0: algo.adv_estimator={estimator} compares the samples of each "
+                          f"prompt, and greedy sampling makes the rollout.n={r.n} samples one response, which gives "
+                          f"every advantage 0; set rollout.temperature above 0 (1.0 samples the model as it is)")
 
 
 def check_response_lengths(cfg: Config) -> None:
@@ -369,8 +374,8 @@ class Trainer:
         check_one_step_off(cfg)
         self.env = DistEnv.from_environment() if split is None else split.training_env()
         deepspeed = cfg.actor.strategy == "deepspeed"
+        check_data_parallel(cfg, self.env.world_size)
         if self.env.distributed:
-            check_data_parallel(cfg, self.env.world_size)
             self.device = self.env.device(cfg.trainer.device)
         else:
             self.device = pick_device(cfg.trainer.device)
@@ -673,7 +678,7 @@ class Trainer:
         zero_var, tokens = sum(p["zero_var"] for p in every), sum(p["tokens"] for p in every)
         flops = None if None in (p["flops"] for p in every) else sum(p["flops"] for p in every)
         if zero_var == sum(p["groups"] for p in every):
-            self._say_no_gradient(step, zero_var, rewards, reasons)
+            self._say_no_gradient(step, zero_var, rewards, reasons, sum(truncated))
         else:
             self.no_gradient_since = None
         # Each phase's time and the compilations and graph captures (0 once warm): the most of any rank.
@@ -685,7 +690,7 @@ class Trainer:
         metrics = {
             "epoch": step // self.steps_per_epoch,
             "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-            "accuracy": float((rewards >= 1.0).float().mean()),
+            "reward/full_fraction": float((rewards >= 1.0).float().mean()),
             "response_length/mean": float(lengths.mean()), "response_length/max": int(lengths.max()),
             "response/truncated": float(np.mean(truncated)),
             "zero_variance_groups": zero_var, "reward_errors": reward_errors,
@@ -743,10 +748,11 @@ class Trainer:
             print(f"the first step {shown}", flush=True)
         self.warm = True
 
-    def _say_no_gradient(self, step: int, groups: int, rewards: torch.Tensor, reasons: Counter) -> None:
+    def _say_no_gradient(self, step: int, groups: int, rewards: torch.Tensor, reasons: Counter, cut: int) -> None:
         """Say it when a step's groups all scored alike, so that its update changed nothing: once at the first
         such step of a run of them, and again at every tenth. A run that logs a flat reward for an hour has
-        learnt nothing, and the reasons say why (an untouched instruct model that never writes ``\\boxed{}``)."""
+        learnt nothing, and the reasons say why: most responses ``cut`` at data.max_response_length before the
+        answer at their end, or an untouched instruct model that never writes ``\\boxed{}``."""
         if self.no_gradient_since is None:
             self.no_gradient_since = step
         streak = step - self.no_gradient_since + 1
@@ -757,7 +763,11 @@ class Trainer:
         why = f"; reasons: {why} of {len(rewards)} samples" if why else ""
         line = (f"warning: step {step + 1}: no gradient{f' for {streak} steps in a row' if streak > 1 else ''}: "
                 f"all {groups} groups scored alike (mean reward {mean:.3f}{why})")
-        if mean == 0 and reasons and reasons.most_common(1)[0][0] == "no_boxed":
+        if mean <= 0 and 2 * cut > len(rewards):  # no reward, and most responses never reached their end
+            line += (f": {cut} of {len(rewards)} samples were cut at data.max_response_length="
+                     f"{self.cfg.data.max_response_length} tokens before they ended, so the answer a response ends "
+                     f"with was never written; raise data.max_response_length")
+        elif mean == 0 and reasons and reasons.most_common(1)[0][0] == "no_boxed":
             line += (": the model writes no \\boxed{} answer for the reward to read. A short `longqa sft` teaches "
                      "the format (or an instruction in the prompts may ask for it)")
         elif mean > 0 and bool((rewards == rewards[0]).all()):
