@@ -102,12 +102,12 @@ def test_export_writes_weights_others_can_read_and_replaces_only_an_export(run_f
     capsys.readouterr()
     assert main(["export", str(run_folder), str(sft)]) == 2
     assert capsys.readouterr().err == (f"longqa: error: the output folder {sft} holds files no export writes "
-                                       f"(README.md): give a new or empty folder, or a previous export's, which is "
+                                       f"(README.md): give a new or empty folder, or a previous export, which is "
                                        f"replaced\n")
     assert main(["export", str(run_folder), str(inside)]) == 2
     assert "is inside" in capsys.readouterr().err and not inside.exists()
-    assert main(["export", str(run_folder), str(run_folder)]) == 2  # the run folder itself holds checkpoints/
-    assert "holds files no export writes (checkpoints)" in capsys.readouterr().err
+    assert main(["export", str(run_folder), str(run_folder)]) == 2  # the run folder itself, which it reads
+    assert f"the output folder {run_folder} is the checkpoint's folder, which this command reads" in capsys.readouterr().err
 
 
 def test_export_folder_rule():
