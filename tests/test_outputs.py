@@ -209,3 +209,14 @@ def test_no_output_takes_the_place_of_an_input_or_another_commands_folder(places
     if name == "own input":
         assert writer.input_setting in err  # both settings named
     assert _digest(places.root) == before
+
+
+def test_a_file_kept_in_another_commands_folder_is_replaced_by_its_own_command(places, capsys):
+    """Only the files that make a folder what it is are refused: an eval's scores and samples kept in a run or
+    model folder are the eval's, written again when it runs again."""
+    scores, samples = places.run / "eval.json", places.model / "answers.jsonl"
+    argv = _eval(places, "--data", str(places.test_file), "--output", str(scores), "--samples", str(samples))
+    assert main(argv) == 0 and main(argv) == 0
+    assert json.loads(scores.read_text())["all"]["n"] == 1 and len(samples.read_text().splitlines()) == 1
+    scores.unlink()
+    samples.unlink()

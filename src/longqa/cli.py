@@ -731,7 +731,8 @@ def _add_model_commands(groups: argparse._SubParsersAction) -> None:
                           "that transformers (and vLLM) load. The output folder must be new, empty, or a previous "
                           "export (only the files an export writes: config, safetensors weights, tokenizer), which "
                           "is replaced; a folder inside the run's checkpoints folder is refused, since training "
-                          "deletes old checkpoints there.")
+                          "deletes old checkpoints there, and so is a folder another command made (a longqa sft "
+                          "model, a run or data folder).")
     p.add_argument("checkpoint", help="runs/NAME/checkpoints/step_XXXXXXXX, or a run folder runs/NAME")
     p.add_argument("output", help="output folder: new, empty, or a previous export to replace")
     p.set_defaults(func=cmd_export)
@@ -745,7 +746,9 @@ def _add_sft_command(groups: argparse._SubParsersAction) -> None:
                           description="Train a model on the reference responses of verl-schema rows "
                           "(extra_info.reference_response, written by `longqa data synth`): a new small Qwen3 with a "
                           "tokenizer trained on the data, or --init MODEL to continue from one. Evaluates greedy "
-                          "held-out accuracy as it goes and writes the model folder with a model card.")
+                          "held-out accuracy as it goes and writes the model folder with a model card. The output "
+                          "folder must be new, empty, or a previous longqa sft folder, which is replaced: an export "
+                          "or any other model folder, a run or data folder is refused.")
     _add_dataclass_args(p, SFTOptions)
     p.set_defaults(func=cmd_sft, sft_defaults={name: p.get_default(name) for name in SFT_NEW_MODEL_OPTIONS})
 

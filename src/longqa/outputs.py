@@ -68,21 +68,39 @@ def _reads(reads: Reads | None) -> list[tuple[str, str, Path]]:
     return [(setting, str(p), _path(p)) for setting, paths in (reads or {}).items() for p in paths if p]
 
 
+def _kind_files(kind: str | None) -> tuple[str, ...]:
+    """The files that make a folder of ``kind`` what it is, as patterns of their paths inside it: what its command
+    wrote there (a folder no command made: all its files). Others, such as an eval's JSON kept in a run or model
+    folder, belong to whoever wrote them."""
+    from longqa.report import METRICS_FILE, REPORT_DIR, WANDB_ID_FILE
+    from longqa.train.checkpoint import EXPORT_FILES, checkpoints_dir
+
+    model = (*EXPORT_FILES, MODEL_CARD, SFT_SUMMARY, "*.gguf")
+    return {RUN: (METRICS_FILE, WANDB_ID_FILE, f"{REPORT_DIR}/*", f"{checkpoints_dir('').name}/*"),
+            SFT_MODEL: model, MODEL: model, DATA: ("*.parquet",)}.get(kind, ("*",))
+
+
+def _belongs(path: Path, folder: Path) -> bool:
+    """Whether the file ``path`` inside ``folder`` is one of the files that make ``folder`` what it is."""
+    inside = str(path.relative_to(folder))
+    return any(fnmatch.fnmatch(inside, pattern) for pattern in _kind_files(folder_kind(folder)))
+
+
 def check_output_file(path: str | os.PathLike, setting: str, reads: Reads | None = None) -> None:
-    """Refuse a file to write that is one the command reads (``reads``: each setting's paths, files or folders),
-    or an existing file of a folder another command made (found in its folder or the one above: a model's
-    config.json, a data folder's parquet, a run's metrics or report)."""
+    """Refuse a file to write that is one the command reads (``reads``: each setting's paths, files or folders,
+    whose files count as read), or an existing file of a folder another command made, found in the file's folder
+    or the one above: a model's config.json, a data folder's parquet, a run's metrics or report."""
     target = _path(path)
     for read_setting, given, read in _reads(reads):
         if target == read:
             raise ConfigError(f"{setting} {path} is {read_setting}'s file, which this command reads: give another "
                               f"path")
-        if target.exists() and read in target.parents:
+        if target.is_file() and read in target.parents and _belongs(target, read):
             raise ConfigError(f"{setting} {path} is a file of {read_setting} {given}, which this command reads: "
                               f"give another path")
-    if target.exists():
+    if target.is_file():
         for folder in list(target.parents)[:2]:
-            if kind := folder_kind(folder):
+            if (kind := folder_kind(folder)) and _belongs(target, folder):
                 raise ConfigError(f"{setting} {path} is a file of {kind}, {folder}: give another path")
 
 
