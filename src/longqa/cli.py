@@ -218,7 +218,6 @@ def cmd_data_synth(args: argparse.Namespace) -> None:
 def cmd_data_prepare(args: argparse.Namespace) -> None:
     from longqa.data.prompts import PromptOptions, describe_losses, prepare_prompts
     from longqa.model.load import config_tokenizer
-
     from longqa.outputs import check_config_outputs
 
     cfg = run_config(args)

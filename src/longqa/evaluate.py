@@ -92,10 +92,10 @@ def greedy_responses(model, tokenizer, prompts: Sequence[Sequence[int]], max_new
         out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
                              max_new_tokens=max_new_tokens, eos_token_id=stops,
                              pad_token_id=pad, temperature=None, top_p=None, top_k=None)
+        stopped = torch.isin(out[:, width:], torch.as_tensor(stops, device=out.device)).any(dim=1).tolist()
         for row, i in enumerate(chunk):
-            new = out[row, width:]
-            stopped = bool(torch.isin(new, torch.as_tensor(stops, device=new.device)).any())
-            responses[i] = Response(tokenizer.decode(new, skip_special_tokens=True), "stop" if stopped else "length")
+            responses[i] = Response(tokenizer.decode(out[row, width:], skip_special_tokens=True),
+                                    "stop" if stopped[row] else "length")
     model.train(was_training)
     return responses
 

@@ -40,13 +40,13 @@ def folder_kind(path: str | os.PathLike) -> str | None:
     checkpoint (its trainer state or completion marker), a run folder (its checkpoints folder or metrics; also
     the checkpoints folder itself), a model folder (a config.json or a GGUF file; one made by ``longqa sft``
     holds its summary), a data folder (parquet files in it or in its subfolders, as ``longqa data`` lays out)."""
-    # checkpoint.py loads torch: imported only where there is a folder to look at
-    from longqa.report import METRICS_FILE
-    from longqa.train.checkpoint import MARKER, TRAINER_STATE, checkpoints_dir
-
     folder = Path(os.path.expanduser(str(path)))
     if not folder.is_dir():
         return None
+    # (checkpoint.py loads torch: imported only where there is a folder to look at)
+    from longqa.report import METRICS_FILE
+    from longqa.train.checkpoint import MARKER, TRAINER_STATE, checkpoints_dir
+
     if (folder / TRAINER_STATE).is_file() or (folder / MARKER).is_file():
         return CHECKPOINT
     if (folder.name == checkpoints_dir("").name or checkpoints_dir(folder).is_dir()
@@ -80,10 +80,11 @@ def _kind_files(kind: str | None) -> tuple[str, ...]:
             SFT_MODEL: model, MODEL: model, DATA: ("*.parquet",)}.get(kind, ("*",))
 
 
-def _belongs(path: Path, folder: Path) -> bool:
-    """Whether the file ``path`` inside ``folder`` is one of the files that make ``folder`` what it is."""
+def _belongs(path: Path, folder: Path, kind: str | None) -> bool:
+    """Whether the file ``path`` inside ``folder``, a folder of ``kind``, is one of the files that make it what
+    it is."""
     inside = str(path.relative_to(folder))
-    return any(fnmatch.fnmatch(inside, pattern) for pattern in _kind_files(folder_kind(folder)))
+    return any(fnmatch.fnmatch(inside, pattern) for pattern in _kind_files(kind))
 
 
 def check_output_file(path: str | os.PathLike, setting: str, reads: Reads | None = None) -> None:
@@ -95,12 +96,12 @@ def check_output_file(path: str | os.PathLike, setting: str, reads: Reads | None
         if target == read:
             raise ConfigError(f"{setting} {path} is {read_setting}'s file, which this command reads: give another "
                               f"path")
-        if target.is_file() and read in target.parents and _belongs(target, read):
+        if target.is_file() and read in target.parents and _belongs(target, read, folder_kind(read)):
             raise ConfigError(f"{setting} {path} is a file of {read_setting} {given}, which this command reads: "
                               f"give another path")
     if target.is_file():
         for folder in list(target.parents)[:2]:
-            if (kind := folder_kind(folder)) and _belongs(target, folder):
+            if (kind := folder_kind(folder)) and _belongs(target, folder, kind):
                 raise ConfigError(f"{setting} {path} is a file of {kind}, {folder}: give another path")
 
 
