@@ -593,7 +593,8 @@ def _count(n: int) -> str:
 
 
 def _add_dataclass_args(p: argparse.ArgumentParser, cls: type) -> None:
-    """One --flag per field of an options dataclass, typed by its annotation (``int | None``: an int or unset)."""
+    """One --flag per field of an options dataclass, typed by its annotation (``int | None``: an int or unset),
+    its help the field's ``help`` metadata, else its default."""
     import dataclasses
     import typing
 
@@ -607,7 +608,8 @@ def _add_dataclass_args(p: argparse.ArgumentParser, cls: type) -> None:
                            help=f"default {' '.join(map(str, f.default_factory())) or 'none'}")
         else:
             kind = next(t for t in (*typing.get_args(hints[f.name]), hints[f.name]) if t is not type(None))
-            p.add_argument(flag, dest=f.name, type=kind, default=f.default, help=f"default {f.default}")
+            p.add_argument(flag, dest=f.name, type=kind, default=f.default,
+                           help=f.metadata.get("help", f"default {f.default}"))
 
 
 def _print_counts(output_dir: str, counts: dict[str, dict[str, int]]) -> None:
