@@ -598,3 +598,31 @@ def test_version_is_said(capsys):
         main(["--version"])
     assert stop.value.code == 0
     assert capsys.readouterr().out == f"longqa {version('longqa')}\n"
+
+
+def _commands(parser, path=()):
+    import argparse
+
+    subparsers = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subparsers:
+        yield path, parser
+    for name, sub in (subparsers[0].choices.items() if subparsers else ()):
+        yield from _commands(sub, (*path, name))
+
+
+def test_every_option_says_its_default_in_help(capsys):
+    """`longqa COMMAND --help` says each option's default (a switch is off unless given; a required option has
+    none): a default nobody can see is a setting nobody knows they ran with."""
+    import argparse
+
+    for command, parser in _commands(build_parser()):
+        with pytest.raises(SystemExit):
+            main([*command, "--help"])
+        shown = "".join(capsys.readouterr().out.split())  # (lines wrap at spaces and hyphens)
+        required = {a for group in parser._mutually_exclusive_groups if group.required for a in group._group_actions}
+        for action in parser._actions:
+            if (isinstance(action, (argparse._HelpAction, argparse._VersionAction)) or action.nargs == 0
+                    or action.required or action in required):
+                continue
+            text = "".join(parser._get_formatter()._expand_help(action).split()) if action.help else ""
+            assert "default" in text and text in shown, (command, action.dest, text)

@@ -102,12 +102,12 @@ def test_export_writes_weights_others_can_read_and_replaces_only_an_export(run_f
     capsys.readouterr()
     assert main(["export", str(run_folder), str(sft)]) == 2
     assert capsys.readouterr().err == (f"longqa: error: the output folder {sft} holds files no export writes "
-                                       f"(README.md): give a new or empty folder, or a previous export's, which is "
+                                       f"(README.md): give a new or empty folder, or a previous export, which is "
                                        f"replaced\n")
     assert main(["export", str(run_folder), str(inside)]) == 2
     assert "is inside" in capsys.readouterr().err and not inside.exists()
-    assert main(["export", str(run_folder), str(run_folder)]) == 2  # the run folder itself holds checkpoints/
-    assert "holds files no export writes (checkpoints)" in capsys.readouterr().err
+    assert main(["export", str(run_folder), str(run_folder)]) == 2  # the run folder itself, which it reads
+    assert f"the output folder {run_folder} is the checkpoint's folder, which this command reads" in capsys.readouterr().err
 
 
 def test_export_refuses_weights_that_are_not_finite_naming_the_parameter(tmp_path, capsys):
@@ -173,3 +173,52 @@ def test_ctrl_c_in_a_command_ends_in_one_line_with_status_130(monkeypatch, capsy
     assert main(["eval", "--data", "x.parquet", "--device", "cpu"]) == 130
     captured = capsys.readouterr()
     assert captured.err == "longqa: interrupted\n" and "Traceback" not in captured.out + captured.err
+
+
+def test_eval_counts_and_says_the_responses_max_new_tokens_cut(tmp_path, capsys):
+    """A response cut by --max-new-tokens is scored as it stands (most often 0, for an answer it never wrote):
+    how many were cut is said beside the scores and recorded, apart from the prompts cut to --max-prompt-length,
+    and each sample says why it ended."""
+    data, scores, samples = tmp_path / "data", tmp_path / "scores.json", tmp_path / "samples.jsonl"
+    assert main(["data", "synth", "--output-dir", str(data), "--rows-per-task", "8", "--tasks", "hotpotqa",
+                 "--context-tokens", "256", "--max-hops", "2", "--test-ratio", "0.5"]) == 0
+    test = str(data / "merged" / "test.parquet")
+    capsys.readouterr()
+    assert main(["eval", "--data", test, "--max-new-tokens", "3", "--device", "cpu", "--output", str(scores),
+                 "--samples", str(samples)]) == 0
+    out = capsys.readouterr().out
+    assert ("responses: 4 of 4 cut at --max-new-tokens=3 before they ended, scored as they stand (most often "
+            "without an answer): raise --max-new-tokens to let them finish\n") in out
+    result = json.loads(scores.read_text())
+    assert (result["responses_cut"], result["prompts_truncated"], result["max_new_tokens"]) == (4, 0, 3)
+    assert "truncated" not in result
+    assert [json.loads(line)["finish_reason"] for line in samples.read_text().splitlines()] == ["length"] * 4
+    # the embedded model ends its answers well within 200 tokens
+    assert main(["eval", "--data", test, "--max-new-tokens", "200", "--device", "cpu", "--limit", "2",
+                 "--output", str(scores), "--samples", str(samples)]) == 0
+    assert "responses: none cut at --max-new-tokens=200\n" in capsys.readouterr().out
+    assert json.loads(scores.read_text())["responses_cut"] == 0
+    assert [json.loads(line)["finish_reason"] for line in samples.read_text().splitlines()] == ["stop"] * 2
+
+
+def test_sft_replaces_only_a_folder_of_its_own(run_folder, tmp_path, capsys):
+    """`longqa sft --output-dir` refuses a model folder it did not make (an export: its weights stay as they
+    were), as export refuses an sft folder; a folder of its own it replaces."""
+    from longqa.data.synth import generate
+
+    generate(tmp_path / "data", rows_per_task=4, context_tokens=256, max_hops=2, test_ratio=0.25, seed=5)
+    export = tmp_path / "export"
+    assert main(["export", str(run_folder), str(export)]) == 0
+    weights = (export / "model.safetensors").read_bytes()
+    sft = ["sft", "--train-files", str(tmp_path / "data/merged/train.parquet"), "--vocab-size", "400",
+           "--hidden-size", "32", "--num-layers", "2", "--num-heads", "4", "--num-kv-heads", "2", "--max-steps", "1",
+           "--warmup-steps", "1", "--batch-tokens", "8192", "--device", "cpu", "--output-dir"]
+    capsys.readouterr()
+    assert main([*sft, str(export)]) == 2
+    assert capsys.readouterr().err == (f"longqa: error: --output-dir {export} is a model folder: give a new or empty "
+                                       f"folder, or a previous longqa sft folder, which is replaced\n")
+    assert (export / "model.safetensors").read_bytes() == weights
+    out = tmp_path / "sft"
+    assert main([*sft, str(out)]) == 0 and main([*sft, str(out)]) == 0  # its own folder: replaced
+    assert main(["export", str(run_folder), str(out)]) == 2
+    assert f"the output folder {out} is a model folder made by longqa sft" in capsys.readouterr().err

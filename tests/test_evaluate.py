@@ -128,3 +128,24 @@ def test_generate_batches_stay_within_their_attention_mask_budget(tokenizer):
     assert all(rows <= 3 and (rows == 1 or 4 * rows * width * width <= budget) for rows, width in shapes)
     assert shapes == [(3, 33), (2, 64), (1, 75), (1, 90)]  # short prompts three at a time, the longest alone
     assert batched == [greedy_responses(model, tokenizer, [p], 6)[0] for p in prompts]
+
+
+def test_generate_tells_a_response_that_stopped_from_one_the_limit_cut(tokenizer, monkeypatch):
+    """In one padded batch, a response that wrote a stop token ends with ``stop`` and one that ran into
+    max_new_tokens with ``length``, as the engines' samples say it."""
+    import torch
+
+    import longqa.evaluate as evaluation
+    from tiny_models import tiny_lm
+
+    model = tiny_lm()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(6, 60, (n,), generator=g).tolist() for n in (12, 20, 16, 9, 30)]
+    alone = [model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=6, pad_token_id=0)[0, len(p):].tolist()
+             for p in prompts]
+    stop = alone[0][2]  # the first response's third token: it stops there; others that never write it run on
+    expected = ["stop" if stop in tokens else "length" for tokens in alone]
+    assert {"stop", "length"} <= set(expected)
+    monkeypatch.setattr(evaluation, "stop_token_ids", lambda tokenizer: [stop])
+    responses = evaluation.greedy_responses(model, tokenizer, prompts, 6, batch_size=8)
+    assert [r.finish_reason for r in responses] == expected

@@ -27,6 +27,31 @@ Command groups:
 """
 
 
+class _DefaultsShown(argparse.HelpFormatter):
+    """Help that ends each option's text with its default, unless the text says it in its own words (``default``)
+    or there is none to say: a switch (off unless given) or an unset default, whose meaning the text gives."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, argparse.SUPPRESS) or action.nargs == 0:
+            return text
+        value = action.default
+        shown = " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+        return f"{text} (default: {shown.replace('%', '%%')})".lstrip()
+
+
+class _Parser(argparse.ArgumentParser):
+    """Every command's parser: each option's help says its default (``_DefaultsShown``). The commands' parsers
+    are made by ``add_parser``, which makes them of their parent's class."""
+
+    def __init__(self, *args, formatter_class: type = _DefaultsShown, **kwargs):
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
+
+
+class _RootFormatter(argparse.RawDescriptionHelpFormatter, _DefaultsShown):
+    """``longqa --help``: the command list as written in ``DESCRIPTION``."""
+
+
 def _within(low: int | float, high: int | float = math.inf, kind: type = int):
     """An argparse type: a finite ``kind`` number from ``low`` to ``high``, so that a count of 0, a negative size
     or a port past 65535 is refused with the flag's name before any work (it failed deep inside, with a
@@ -43,6 +68,9 @@ def _within(low: int | float, high: int | float = math.inf, kind: type = int):
 
     parse.__name__ = kind.__name__
     return parse
+
+
+DEVICE_HELP = "auto (the GPU when there is one), cpu or cuda[:i]"
 
 
 def _fraction(text: str) -> float:
@@ -81,9 +109,9 @@ def _writable(path: str, setting: str, folder: bool = False) -> Path:
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", nargs="?", help="YAML config file (optional)")
+    p.add_argument("config", nargs="?", help="YAML config file (default: the embedded demo's, configs/demo.yaml)")
     p.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="dotted overrides, e.g. data.max_prompt_length=16384 rollout.n=8")
+                   help="dotted overrides, e.g. data.max_prompt_length=16384 rollout.n=8 (default: none)")
 
 
 def _add_layout_args(p: argparse.ArgumentParser, seed_help: str) -> None:
@@ -158,10 +186,19 @@ def cmd_config_keys(args: argparse.Namespace) -> None:
         print(f"{key:32s} {text} [default: {default!r}]")
 
 
+def _data_output(output_dir: str, reads: dict) -> None:
+    """``--output-dir`` of the data commands, checked before any work: it can be written, and it is neither what the
+    command reads nor a folder another command made (a data folder's files are written anew)."""
+    from longqa.outputs import DATA, check_output_folder
+
+    _writable(output_dir, "--output-dir", folder=True)
+    check_output_folder(output_dir, "--output-dir", reads, makes=DATA)
+
+
 def cmd_data_loongrl(args: argparse.Namespace) -> None:
     from longqa.data.loongrl import prepare_loongrl
 
-    _writable(args.output_dir, "--output-dir", folder=True)
+    _data_output(args.output_dir, {"--source": [args.source]})
     counts = prepare_loongrl(args.output_dir, source=args.source, test_ratio=args.test_ratio, seed=args.seed)
     _print_counts(args.output_dir, counts)
 
@@ -169,7 +206,7 @@ def cmd_data_loongrl(args: argparse.Namespace) -> None:
 def cmd_data_synth(args: argparse.Namespace) -> None:
     from longqa.data.synth import generate
 
-    _writable(args.output_dir, "--output-dir", folder=True)
+    _data_output(args.output_dir, {"--tokenizer": [args.tokenizer]})
     counts = generate(args.output_dir, rows_per_task=args.rows_per_task, context_tokens=args.context_tokens,
                       tasks=tuple(args.tasks), min_hops=args.min_hops, max_hops=args.max_hops,
                       keychain=args.keychain, test_ratio=args.test_ratio, seed=args.seed,
@@ -181,8 +218,10 @@ def cmd_data_synth(args: argparse.Namespace) -> None:
 def cmd_data_prepare(args: argparse.Namespace) -> None:
     from longqa.data.prompts import PromptOptions, describe_losses, prepare_prompts
     from longqa.model.load import config_tokenizer
+    from longqa.outputs import check_config_outputs
 
     cfg = run_config(args)
+    check_config_outputs(cfg, run=False)
     options = PromptOptions.from_config(cfg.data)
     tokenizer = config_tokenizer(cfg.model)  # as train reads it: model.path unset is the embedded model
     for name, files in (("train", cfg.data.train_files), ("val", cfg.data.val_files)):
@@ -261,12 +300,11 @@ def cmd_eval(args: argparse.Namespace) -> None:
     import json
 
     from longqa.data.prompts import PromptOptions, prepare_prompts
-    from longqa.evaluate import (answer_engine, check_model_folder, describe_prompt_losses, evaluate, format_groups,
-                                 format_table, mode_reward, prompt_counts)
+    from longqa.evaluate import (answer_engine, check_model_folder, describe_cut_responses, describe_prompt_losses,
+                                 evaluate, format_groups, format_table, mode_reward, prompt_counts)
     from longqa.model.load import answer_dtype, load_model, load_model_tokenizer, pick_device, position_limit_warning
 
-    output = _writable(args.output, "--output") if args.output else None
-    samples = _writable(args.samples, "--samples") if args.samples else None
+    output, samples = _eval_outputs(args, {"--data": args.data, "--model": [args.model]})
     device = pick_device(args.device, "--device")
     check_model_folder(args.model)
     tokenizer = load_model_tokenizer(args.model)  # the data before the weights: a bad file fails fast
@@ -283,11 +321,29 @@ def cmd_eval(args: argparse.Namespace) -> None:
         print(warning, file=sys.stderr)
     result = evaluate(model, tokenizer, prompts, args.max_new_tokens, args.batch_size, samples, mode_reward(mode),
                       engine=answer_engine(model, tokenizer, args.engine, args.batch_size), files=args.data)
-    result.update(dtype=dtype, reward_mode=mode, reward_mode_from=mode_from, **prompt_counts(prompts))
+    result.update(dtype=dtype, reward_mode=mode, reward_mode_from=mode_from, max_new_tokens=args.max_new_tokens,
+                  **prompt_counts(prompts))
     print(format_table(result) + format_groups(result))
+    print(describe_cut_responses(result["responses_cut"], result["all"]["n"], args.max_new_tokens))
     if output is not None:
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(json.dumps(result, indent=1))
+
+
+def _eval_outputs(args: argparse.Namespace, reads: dict, folder: bool = False) -> tuple[Path | None, Path | None]:
+    """``--output`` (with ``folder``: a folder) and ``--samples``, when given, checked before any work: each can be
+    written, neither is what the command reads or another command's, and they are not one file."""
+    from longqa.outputs import check_output_file, check_output_folder
+
+    output = _writable(args.output, "--output", folder=folder) if args.output else None
+    samples = _writable(args.samples, "--samples") if args.samples else None
+    if output is not None:
+        (check_output_folder if folder else check_output_file)(output, "--output", reads)
+    if samples is not None:
+        check_output_file(samples, "--samples", reads)
+        if output is not None and samples.resolve() == output.resolve():
+            raise ConfigError(f"--samples {args.samples} is also --output: give each a file of its own")
+    return output, samples
 
 
 def _eval_longbench(args: argparse.Namespace) -> None:
@@ -300,20 +356,19 @@ def _eval_longbench(args: argparse.Namespace) -> None:
             raise ConfigError("--longbench needs --output: the folder for the prediction files and result.json")
         if args.max_prompt_length < 2:
             raise ConfigError(f"--max-prompt-length must be at least 2, got {args.max_prompt_length}")
-        from longqa.evaluate import answer_engine
+        from longqa.evaluate import answer_engine, describe_cut_responses
         from longqa.model.load import answer_dtype, load_model, pick_device
 
-        _writable(args.output, "--output", folder=True)
-        if args.samples:
-            _writable(args.samples, "--samples")
+        _eval_outputs(args, {"--longbench": [args.longbench], "--model": [args.model]}, folder=True)
         device = pick_device(args.device, "--device")
         examples = longbench.read_longbench(args.longbench, args.limit)  # before the weights: bad files fail fast
         model, tokenizer = load_model(args.model, device=device, dtype=answer_dtype(args.dtype, device))
         done = longbench.predict(model, tokenizer, examples, args.output, args.max_new_tokens,
                                  args.max_prompt_length, args.batch_size, args.samples,
                                  answer_engine(model, tokenizer, args.engine, args.batch_size))
-        print(f"{done['rows']} rows answered in {done['seconds']:.1f}s; {done['truncated']} prompts over "
-              f"--max-prompt-length={args.max_prompt_length} lost their middle")
+        print(f"{done['rows']} rows answered in {done['seconds']:.1f}s; {done['prompts_truncated']} prompts over "
+              f"--max-prompt-length={args.max_prompt_length} lost their middle\n"
+              + describe_cut_responses(done["responses_cut"], done["rows"], args.max_new_tokens))
         folder, datasets = args.output, list(examples)  # only what was just answered, not older files there
     result = longbench.score_folder(folder, datasets)
     path = longbench.save_result(folder, result)
@@ -323,10 +378,13 @@ def _eval_longbench(args: argparse.Namespace) -> None:
 def cmd_export(args: argparse.Namespace) -> None:
     from longqa.config import load_config_dict
     from longqa.model.load import config_tokenizer, load_model
-    from longqa.train.checkpoint import (CheckpointError, check_export_folder, export_hf, is_complete, latest_of_folder,
-                                         read_trainer_state)
+    from longqa.outputs import MODEL, check_output_folder
+    from longqa.train.checkpoint import (EXPORT_FILES, CheckpointError, check_export_folder, export_hf, is_complete,
+                                         latest_of_folder, read_trainer_state)
 
     _writable(args.output, "the output folder", folder=True)  # transformers only logs that it cannot write a file
+    check_output_folder(args.output, "the output folder", {"the checkpoint": [args.checkpoint]}, makes=MODEL,
+                        files=EXPORT_FILES, writer="export")
     checkpoint = Path(args.checkpoint)
     if not (checkpoint / "trainer_state.json").is_file():  # a run folder (or its checkpoints/): its latest
         latest = latest_of_folder(checkpoint)
@@ -385,7 +443,9 @@ def _check_bench(args: argparse.Namespace, backend: str = "auto") -> None:
     if problems:
         raise ConfigError("; ".join(problems))
     if args.json:
-        _writable(args.json, "--json")
+        from longqa.outputs import check_output_file
+
+        check_output_file(_writable(args.json, "--json"), "--json")
 
 
 def cmd_bench_train(args: argparse.Namespace) -> None:
@@ -554,7 +614,8 @@ def _count(n: int) -> str:
 
 
 def _add_dataclass_args(p: argparse.ArgumentParser, cls: type) -> None:
-    """One --flag per field of an options dataclass, typed by its annotation (``int | None``: an int or unset)."""
+    """One --flag per field of an options dataclass, typed by its annotation (``int | None``: an int or unset),
+    its help the field's ``help`` metadata, else its default."""
     import dataclasses
     import typing
 
@@ -564,10 +625,12 @@ def _add_dataclass_args(p: argparse.ArgumentParser, cls: type) -> None:
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             p.add_argument(flag, dest=f.name, required=True, nargs="+" if "list" in str(f.type) else None)
         elif f.default_factory is not dataclasses.MISSING:
-            p.add_argument(flag, dest=f.name, nargs="+", default=f.default_factory())
+            p.add_argument(flag, dest=f.name, nargs="+", default=f.default_factory(),
+                           help=f"default {' '.join(map(str, f.default_factory())) or 'none'}")
         else:
             kind = next(t for t in (*typing.get_args(hints[f.name]), hints[f.name]) if t is not type(None))
-            p.add_argument(flag, dest=f.name, type=kind, default=f.default, help=f"default {f.default}")
+            p.add_argument(flag, dest=f.name, type=kind, default=f.default,
+                           help=f.metadata.get("help", f"default {f.default}"))
 
 
 def _print_counts(output_dir: str, counts: dict[str, dict[str, int]]) -> None:
@@ -610,7 +673,8 @@ def _add_data_commands(groups: argparse._SubParsersAction) -> None:
     length.add_argument("--context-lengths", type=int, nargs="+", metavar="TOKENS",
                         help="the same questions at each of these context lengths, longer contexts adding only "
                         "distractor passages: ctx<TOKENS>/ holds each length's files, merged/ every length's "
-                        "(longqa eval and validation then score accuracy per length)")
+                        "(longqa eval and validation then score accuracy per length; default: one length, "
+                        "--context-tokens)")
     p.add_argument("--tasks", nargs="+", default=["hotpotqa", "musique", "2wikimqa"], help="tasks to generate")
     p.add_argument("--min-hops", type=int, default=2, help="fewest hops of MuSiQue-style chains (default 2)")
     p.add_argument("--max-hops", type=int, default=4, help="most hops of MuSiQue-style chains (default 4)")
@@ -659,7 +723,8 @@ def _add_model_commands(groups: argparse._SubParsersAction) -> None:
     inputs.add_argument("--longbench-scores", metavar="PRED_DIR",
                         help="score the LongBench prediction files <dataset>.jsonl in PRED_DIR (no model); "
                         "writes PRED_DIR/result.json")
-    p.add_argument("--max-new-tokens", type=COUNT, default=256)
+    p.add_argument("--max-new-tokens", type=COUNT, default=256,
+                   help="most tokens of each response: the responses it cuts are counted and said")
     p.add_argument("--max-prompt-length", type=COUNT, default=16384,
                    help="most prompt tokens: a longer prompt is left out with --data, and loses its middle "
                    "with --longbench (as in LongBench)")
@@ -673,15 +738,15 @@ def _add_model_commands(groups: argparse._SubParsersAction) -> None:
                    "else hardened)")
     p.add_argument("--skip-bad-rows", action="store_true",
                    help="skip and count rows that break verl's schema instead of stopping at the first")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="the weights' and activations' type while answering; auto: bfloat16 on a GPU (as training "
                    "there computes), float32 on the CPU")
     p.add_argument("--output", help="write the scores as JSON here (with --longbench: the folder for the "
-                   "prediction files and result.json)")
-    p.add_argument("--samples", help="write every answer as JSONL here")
+                   "prediction files and result.json; default: not written)")
+    p.add_argument("--samples", help="write every answer as JSONL here, with why it ended (default: not written)")
     p.add_argument("--limit", type=COUNT, help="answer the first N rows of each --data file or LongBench set "
-                   "(quick runs)")
+                   "(quick runs; default: every row)")
     p.set_defaults(func=cmd_eval, eval_defaults={dest: p.get_default(dest) for options, _ in
                                                  EVAL_UNUSED_OPTIONS.values() for dest in options})
 
@@ -690,7 +755,8 @@ def _add_model_commands(groups: argparse._SubParsersAction) -> None:
                           "that transformers (and vLLM) load. The output folder must be new, empty, or a previous "
                           "export (only the files an export writes: config, safetensors weights, tokenizer), which "
                           "is replaced; a folder inside the run's checkpoints folder is refused, since training "
-                          "deletes old checkpoints there.")
+                          "deletes old checkpoints there, and so is a folder another command made (a longqa sft "
+                          "model, a run or data folder).")
     p.add_argument("checkpoint", help="runs/NAME/checkpoints/step_XXXXXXXX, or a run folder runs/NAME")
     p.add_argument("output", help="output folder: new, empty, or a previous export to replace")
     p.set_defaults(func=cmd_export)
@@ -704,7 +770,9 @@ def _add_sft_command(groups: argparse._SubParsersAction) -> None:
                           description="Train a model on the reference responses of verl-schema rows "
                           "(extra_info.reference_response, written by `longqa data synth`): a new small Qwen3 with a "
                           "tokenizer trained on the data, or --init MODEL to continue from one. Evaluates greedy "
-                          "held-out accuracy as it goes and writes the model folder with a model card.")
+                          "held-out accuracy as it goes and writes the model folder with a model card. The output "
+                          "folder must be new, empty, or a previous longqa sft folder, which is replaced: an export "
+                          "or any other model folder, a run or data folder is refused.")
     _add_dataclass_args(p, SFTOptions)
     p.set_defaults(func=cmd_sft, sft_defaults={name: p.get_default(name) for name in SFT_NEW_MODEL_OPTIONS})
 
@@ -713,11 +781,11 @@ def _add_bench_args(p: argparse.ArgumentParser, func) -> None:
     """The arguments every bench takes: model shape, prompt, n, device, JSON output."""
     from longqa.model.shapes import SHAPES
 
-    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-1.7b")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-1.7b", help="the model's shape")
     p.add_argument("--prompt", type=COUNT, default=8192, help="prompt tokens (default 8192)")
     p.add_argument("-n", type=COUNT, default=8, help="samples per prompt (default 8)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--json", help="also write the results here")
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
+    p.add_argument("--json", help="also write the results here (default: not written)")
     p.set_defaults(func=func)
 
 
@@ -731,12 +799,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     # rollout.speculative's methods, read from the schema: the engine's module would load torch for --help
     methods = [m for m in get_args(get_type_hints(RolloutConfig)["speculative"]) if m != "off"]
 
-    p.add_argument("--decode-kernel", choices=["bmm", "triton"], help="fast engine decode attention")
+    p.add_argument("--decode-kernel", choices=["bmm", "triton"],
+                   help="fast engine decode attention (default: the engine's choice, triton on a GPU with Triton)")
     p.add_argument("--no-fused-decode", action="store_true", help="decode through the model's own modules")
     p.add_argument("--speculative", choices=methods,
                    help="fast engine speculative decoding (drafts from each sample's own text, verified in the "
                    "step; random prompts and weights give no right drafts, so a step then measures the cost of "
-                   "verifying k+1 tokens per sample)")
+                   "verifying k+1 tokens per sample; default: off)")
     p.add_argument("--num-speculative-tokens", type=COUNT, default=4, metavar="K",
                    help="with --speculative: most drafted tokens per sample and step (default 4)")
     p.add_argument("--lengths", choices=LENGTH_KINDS, default="lognormal",
@@ -756,7 +825,8 @@ def _add_bench_commands(groups: argparse._SubParsersAction) -> None:
                               "peak) and peak memory. bf16 on CUDA, float32 on the CPU.")
     _add_bench_args(p, cmd_bench_train)
     p.add_argument("--response", type=COUNT, default=1024, help="tokens of each response (default 1024)")
-    p.add_argument("--layouts", nargs="+", choices=["naive", "packed"], default=["naive", "packed"])
+    p.add_argument("--layouts", nargs="+", choices=["naive", "packed"], default=["naive", "packed"],
+                   help="the layouts to time")
     p.add_argument("--repeat", type=COUNT, default=3, help="timed repetitions after one warm-up (default 3)")
     p.add_argument("--backend", choices=["auto", "dense", "flex", "split"], default="auto",
                    help="packed attention backend")
@@ -793,7 +863,7 @@ def _add_bench_commands(groups: argparse._SubParsersAction) -> None:
     p.add_argument("--prompts", type=COUNT, default=16, help="prompts per step (default 16)")
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="recompute activations in the backward pass (off, as in longqa train)")
-    p.add_argument("--steps", type=COUNT, default=2)
+    p.add_argument("--steps", type=COUNT, default=2, help="GRPO steps to time")
     p.add_argument("--budget", type=COUNT, help="micro-batch token budget of the update (default: one group of "
                    "--prompt + n x --response tokens)")
     p.add_argument("--backend", choices=["auto", "dense", "flex", "split"], default="auto",
@@ -850,7 +920,8 @@ def _add_scale_out_commands(groups: argparse._SubParsersAction) -> None:
                    "counts on the measurement machines; an 8-GPU H200 server often has more)")
     p.add_argument("--response-length", type=COUNT,
                    help="mean response length for the step time (default, and at most, data.max_response_length)")
-    p.add_argument("--shape", choices=sorted(SHAPES), help="a known model shape instead of model.path's config")
+    p.add_argument("--shape", choices=sorted(SHAPES),
+                   help="a known model shape to plan for (default: model.path's config)")
     p.add_argument("--largest", action="store_true",
                    help="instead: the largest known shape that fits, as CONFIG asks or with actor.cpu_offload=true")
     p.add_argument("--split", action="store_true",
@@ -878,8 +949,7 @@ def _add_config_commands(groups: argparse._SubParsersAction) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from importlib.metadata import version
 
-    parser = argparse.ArgumentParser(prog="longqa", description=DESCRIPTION,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="longqa", description=DESCRIPTION, formatter_class=_RootFormatter)
     parser.add_argument("--version", action="version", version=f"longqa {version('longqa')}")
     groups = parser.add_subparsers(dest="group", metavar="COMMAND", required=True)
     _add_data_commands(groups)

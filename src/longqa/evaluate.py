@@ -26,6 +26,7 @@ import torch
 
 from longqa import reward
 from longqa.config import ConfigError
+from longqa.outputs import CHECKPOINT, RUN, folder_kind
 
 
 # A reward function: (data_source, response, ground_truth, extra_info) -> reward.RewardResult, as the trainer
@@ -48,6 +49,15 @@ def stop_token_ids(tokenizer) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
+@dataclass(frozen=True)
+class Response:
+    """One greedy response and why it ended: ``stop`` at a stop token, ``length`` when the token limit cut it
+    (its answer, if any, is scored as it stands: most often there is none yet)."""
+
+    text: str
+    finish_reason: str
+
+
 # transformers' generate on a left-padded batch builds a float attention mask of rows x length x length: 256 MiB a
 # row at 8K tokens, 1 GiB at 16K. A batch holds at most this much of it (and at least one row).
 GENERATE_MASK_BYTES = 2 << 30
@@ -55,16 +65,17 @@ GENERATE_MASK_BYTES = 2 << 30
 
 @torch.inference_mode()
 def greedy_responses(model, tokenizer, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                     batch_size: int = 64, mask_bytes: int = GENERATE_MASK_BYTES) -> list[str]:
+                     batch_size: int = 64, mask_bytes: int = GENERATE_MASK_BYTES) -> list[Response]:
     """Greedy responses in prompt order, batched by similar lengths (less padding), at most ``batch_size``
-    prompts a batch and fewer where their attention mask would pass ``mask_bytes``."""
+    prompts a batch and fewer where their attention mask would pass ``mask_bytes``. A response without a stop
+    token ran to ``max_new_tokens`` (generate stops a batch early only when every row has stopped)."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     stops = stop_token_ids(tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    texts: list[str] = [""] * len(prompts)
+    responses: list[Response | None] = [None] * len(prompts)
     start = 0
     while start < len(order):
         end = start + 1  # the batch grows while its prefill's mask (rows x width x width floats) fits
@@ -81,13 +92,16 @@ def greedy_responses(model, tokenizer, prompts: Sequence[Sequence[int]], max_new
         out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
                              max_new_tokens=max_new_tokens, eos_token_id=stops,
                              pad_token_id=pad, temperature=None, top_p=None, top_k=None)
+        stopped = torch.isin(out[:, width:], torch.as_tensor(stops, device=out.device)).any(dim=1).tolist()
         for row, i in enumerate(chunk):
-            texts[i] = tokenizer.decode(out[row, width:], skip_special_tokens=True)
+            responses[i] = Response(tokenizer.decode(out[row, width:], skip_special_tokens=True),
+                                    "stop" if stopped[row] else "length")
     model.train(was_training)
-    return texts
+    return responses
 
 
-def engine_greedy_responses(engine, tokenizer, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[str]:
+def engine_greedy_responses(engine, tokenizer, prompts: Sequence[Sequence[int]],
+                            max_new_tokens: int) -> list[Response]:
     """Greedy responses from a rollout engine (the trainer's validation: the engine holds the whole current
     model even when training shards it); equal to ``greedy_responses`` up to float ties."""
     from longqa.rollout.base import SamplingParams
@@ -96,7 +110,8 @@ def engine_greedy_responses(engine, tokenizer, prompts: Sequence[Sequence[int]],
                             stop_token_ids=tuple(stop_token_ids(tokenizer)), return_logprobs=False)
     # Greedy needs no randomness: fixed seeds leave the global generator (the training run's) untouched.
     groups = engine.generate([list(p) for p in prompts], params, seeds=[0] * len(prompts))
-    return [tokenizer.decode(group[0].token_ids, skip_special_tokens=True) for group in groups]
+    return [Response(tokenizer.decode(group[0].token_ids, skip_special_tokens=True), group[0].finish_reason)
+            for group in groups]
 
 
 def answer_engine(model, tokenizer, choice: str = "auto", batch_size: int = 64, dtype: torch.dtype | None = None):
@@ -198,17 +213,17 @@ def summarize_groups(meta: Sequence[dict], scored: Sequence[Scored]) -> dict[str
 SAMPLE_KEYS = ("index", "question_id", *GROUPINGS.values())
 
 
-def sample_record(meta: dict, response: str, scored: Scored, files: Sequence[str] = ()) -> dict:
+def sample_record(meta: dict, response: Response, scored: Scored, files: Sequence[str] = ()) -> dict:
     """One row of ``--samples``: where the question comes from (its file, named from ``files`` where given, its
-    row, data_source and ``SAMPLE_KEYS``), its ground truth, the answer read from the response, its scores and
-    the response."""
+    row, data_source and ``SAMPLE_KEYS``), its ground truth, the answer read from the response, its scores, the
+    response and why it ended (``finish_reason``: ``length`` when the token limit cut it)."""
     extra = meta.get("extra_info") or {}
     file = meta.get("file")
     return {"data_source": meta["data_source"], "file": str(files[file]) if file is not None and files else file,
             "row": meta.get("row"), **{key: extra[key] for key in SAMPLE_KEYS if key in extra},
-            "ground_truth": meta["ground_truth"], "answer": reward.extract_answer(response),
+            "ground_truth": meta["ground_truth"], "answer": reward.extract_answer(response.text),
             "score": scored.reward.score, "reason": scored.reward.reason, "em": scored.em, "f1": scored.f1,
-            "response": response}
+            "response": response.text, "finish_reason": response.finish_reason}
 
 
 def evaluate(model, tokenizer, prompts, max_new_tokens: int, batch_size: int = 64, samples_path: Path | None = None,
@@ -219,7 +234,8 @@ def evaluate(model, tokenizer, prompts, max_new_tokens: int, batch_size: int = 6
     ``shard`` ``(rank, world, gather)`` splits the engine's work over data-parallel ranks: each answers
     every ``world``-th question from ``rank`` (an engine answers each prompt on its own: the split changes
     no answer beyond float ties) and ``gather`` (every rank's list, in rank order) brings the rest.
-    ``result["reward_errors"]`` counts the answers whose scoring failed (a reason starting with ``error``)."""
+    ``result["reward_errors"]`` counts the answers whose scoring failed (a reason starting with ``error``),
+    ``result["responses_cut"]`` the responses that ``max_new_tokens`` cut before they ended."""
     start = time.perf_counter()
     ids = [prompts.ids(i) for i in range(len(prompts))]
     if engine is not None:
@@ -228,16 +244,17 @@ def evaluate(model, tokenizer, prompts, max_new_tokens: int, batch_size: int = 6
         responses = [parts[i % world][i // world] for i in range(len(ids))]
     else:
         responses = greedy_responses(model, tokenizer, ids, max_new_tokens, batch_size)
-    scored = score_answers(prompts.meta, responses, reward_fn)
+    scored = score_answers(prompts.meta, [r.text for r in responses], reward_fn)
     result = summarize(prompts.meta, scored)
     result.update(summarize_groups(prompts.meta, scored))
     result["reward_errors"] = sum(1 for s in scored if (s.reward.reason or "").startswith("error"))
+    result["responses_cut"] = sum(1 for r in responses if r.finish_reason == "length")
     result["seconds"] = time.perf_counter() - start
     if samples_path is not None:
         samples_path.parent.mkdir(parents=True, exist_ok=True)
         with open(samples_path, "w") as f:
-            for m, text, row in zip(prompts.meta, responses, scored):
-                f.write(json.dumps(sample_record(m, text, row, files)) + "\n")
+            for m, response, row in zip(prompts.meta, responses, scored):
+                f.write(json.dumps(sample_record(m, response, row, files)) + "\n")
     return result
 
 
@@ -246,17 +263,16 @@ def check_model_folder(path: str | None, flag: str = "--model") -> None:
     (its weights are a training state that ``longqa export`` turns into a model folder) or a folder without a
     model's config. Without this, transformers' tokenizer loader fails there with an unrelated complaint about
     missing tokenizer packages."""
-    from longqa.train.checkpoint import MARKER, TRAINER_STATE, checkpoints_dir
-
     folder = Path(path).expanduser() if path else None
     if folder is None or not folder.is_dir():
         return  # the embedded model, a hub id, a GGUF file, or a path the model loader reports
     export = f"run `longqa export {path} OUT` first and give {flag} OUT"
-    if (folder / TRAINER_STATE).is_file() or (folder / MARKER).is_file():
-        raise ConfigError(f"{flag} {path} is a training checkpoint, not a model folder: {export}")
-    if folder.name == checkpoints_dir("").name or checkpoints_dir(folder).is_dir():
-        raise ConfigError(f"{flag} {path} is a training run folder, not a model folder: {export} "
-                          f"(it exports the run's latest complete checkpoint)")
+    kind = folder_kind(folder)
+    if kind == CHECKPOINT:
+        raise ConfigError(f"{flag} {path} is {CHECKPOINT}, not a model folder: {export}")
+    if kind == RUN:
+        raise ConfigError(f"{flag} {path} is {RUN}, not a model folder: {export} (it exports the run's latest "
+                          f"complete checkpoint)")
     if not (folder / "config.json").is_file() and not any(folder.glob("*.gguf")):
         why = "it is empty" if not any(folder.iterdir()) else "no config.json"
         raise ConfigError(f"{flag} {path} holds no model ({why}): give a model folder, hub id or GGUF file")
@@ -274,16 +290,26 @@ def describe_prompt_losses(prompts, options, name: str = "prompts") -> list[str]
 
 def prompt_counts(prompts) -> dict:
     """The counts behind ``describe_prompt_losses``, for a JSON record: rows read, prompts kept, dropped as
-    overlong or bad and truncated, and per data_source that lost any (a list, so that a result's only
-    mappings stay its per-source scores)."""
+    overlong or bad and truncated (``prompts_truncated``: cut to the prompt length limit, unlike the responses
+    that ``evaluate`` counts as ``responses_cut``), and per data_source that lost any (a list, so that a
+    result's only mappings stay its per-source scores)."""
     from longqa.data.prompts import tally
 
     stats = prompts.stats
     return {"rows_read": stats.rows_read, "kept": stats.kept, "dropped_overlong": stats.overlong_filtered,
-            "bad_rows_skipped": stats.bad_rows, "truncated": stats.truncated,
+            "bad_rows_skipped": stats.bad_rows, "prompts_truncated": stats.truncated,
             "lost_by_source": [{"data_source": source, "rows": t.rows, "dropped": t.dropped,
                                 "truncated": t.truncated}
                                for source, t in tally(prompts, "data_source").items() if t.lost]}
+
+
+def describe_cut_responses(cut: int, n: int, max_new_tokens: int, setting: str = "--max-new-tokens") -> str:
+    """How many responses the token limit cut, said every time: a cut response is scored as it stands, most often
+    without the answer it had not reached, and nothing in the accuracy alone tells that apart from a wrong one."""
+    if not cut:
+        return f"responses: none cut at {setting}={max_new_tokens}"
+    return (f"responses: {cut} of {n} cut at {setting}={max_new_tokens} before they ended, scored as they stand "
+            f"(most often without an answer): raise {setting} to let them finish")
 
 
 def format_table(result: dict) -> str:

@@ -153,8 +153,9 @@ def predict(model, tokenizer, examples: dict[str, list[dict]], out_dir: str | os
             max_prompt_length: int, batch_size: int = 64, samples_path: str | os.PathLike | None = None,
             engine=None) -> dict:
     """Greedy answers to every example, written as LongBench prediction files (one per dataset), and
-    optionally every full response as JSONL; returns rows, truncated prompts and seconds. ``engine``: a rollout
-    engine that answers instead of ``model``'s ``generate`` (``evaluate.answer_engine``)."""
+    optionally every full response as JSONL (with its ``finish_reason``); returns rows, prompts truncated,
+    responses cut by ``max_new_tokens`` and seconds. ``engine``: a rollout engine that answers instead of
+    ``model``'s ``generate`` (``evaluate.answer_engine``)."""
     from longqa.evaluate import engine_greedy_responses, greedy_responses
 
     start = time.perf_counter()
@@ -165,16 +166,19 @@ def predict(model, tokenizer, examples: dict[str, list[dict]], out_dir: str | os
                  greedy_responses(model, tokenizer, ids, max_new_tokens, batch_size))
     start_of = 0
     for dataset, rows in examples.items():
-        answers = [prediction(r) for r in responses[start_of:start_of + len(rows)]]
+        answers = [prediction(r.text) for r in responses[start_of:start_of + len(rows)]]
         write_predictions(out_dir, dataset, rows, answers)
         start_of += len(rows)
     if samples_path is not None:
         Path(samples_path).parent.mkdir(parents=True, exist_ok=True)
         with open(samples_path, "w", encoding="utf-8") as f:
-            for (dataset, example), text in zip(order, responses):
-                f.write(json.dumps({"dataset": dataset, "_id": example.get("_id"), "pred": prediction(text),
-                                    "answers": example["answers"], "response": text}, ensure_ascii=False) + "\n")
-    return {"rows": len(order), "truncated": truncated, "seconds": time.perf_counter() - start}
+            for (dataset, example), response in zip(order, responses):
+                f.write(json.dumps({"dataset": dataset, "_id": example.get("_id"), "pred": prediction(response.text),
+                                    "answers": example["answers"], "response": response.text,
+                                    "finish_reason": response.finish_reason}, ensure_ascii=False) + "\n")
+    return {"rows": len(order), "prompts_truncated": truncated,
+            "responses_cut": sum(1 for r in responses if r.finish_reason == "length"),
+            "seconds": time.perf_counter() - start}
 
 
 # --- LongBench's scoring ------------------------------------------------------------------------------

@@ -32,10 +32,13 @@ from longqa.model.load import (DTYPES, answer_dtype, load_model, load_model_conf
                                qwen3_config, raise_position_limit, set_max_positions)
 from longqa.model.logprobs import token_logprobs
 from longqa.model.tokenizer import train_tokenizer
+from longqa.outputs import MODEL_CARD, SFT_MODEL, SFT_SUMMARY, check_output_folder
 from longqa.sft_options import SFTOptions
-from longqa.train.checkpoint import follow_umask
+from longqa.train.checkpoint import EXPORT_FILES, follow_umask
 
 END_OF_TURN = "<|im_end|>"
+# What `longqa sft` writes in its folder: a model folder's files, its model card and its summary.
+SFT_FILES = (*EXPORT_FILES, MODEL_CARD, SFT_SUMMARY)
 
 
 THINK_BLOCK = re.compile(r"<think>.*?</think>", re.DOTALL)
@@ -182,8 +185,17 @@ def _git_commit() -> str:
         return "unknown"
 
 
+def check_output(options: SFTOptions) -> None:
+    """Refuse, before any work, an output folder that holds what sft reads, or that another command made: an
+    export or another model it would overwrite, a data or run folder it would fill with model files."""
+    reads = {"--train-files": options.train_files, "--eval-files": options.eval_files, "--init": [options.init]}
+    check_output_folder(options.output_dir, "--output-dir", reads, makes=SFT_MODEL, files=SFT_FILES,
+                        writer="longqa sft")
+
+
 def run_sft(options: SFTOptions, command: str = "") -> dict:
     """Train, evaluate every ``eval_every`` steps, save the model folder and its card; return the summary."""
+    check_output(options)
     torch.manual_seed(options.seed)
     rng = random.Random(options.seed)
     device = pick_device(options.device, "--device")
@@ -285,7 +297,7 @@ def run_sft(options: SFTOptions, command: str = "") -> dict:
         log[-1]["saved_weights"] = True  # after rounding to the bfloat16 that is stored
         summary["final"] = final
         print(format_table(final), flush=True)
-    (out / "sft_summary.json").write_text(json.dumps(summary, indent=1))
+    (out / SFT_SUMMARY).write_text(json.dumps(summary, indent=1))
     write_model_card(out, summary)
     return summary
 
@@ -315,4 +327,4 @@ def write_model_card(out: Path, summary: dict) -> None:
         lines += ["| step | minutes | accuracy |", "| ---: | ---: | ---: |"]
         lines += [f"| {e['step']}{' (saved bf16 weights)' if e.get('saved_weights') else ''} | {e['minutes']} | "
                   f"{e['accuracy']:.3f} |" for e in summary["evals"]]
-    (out / "README.md").write_text("\n".join(lines) + "\n")
+    (out / MODEL_CARD).write_text("\n".join(lines) + "\n")

@@ -15,7 +15,8 @@ class SFTOptions:
     train_files: list[str]
     output_dir: str
     eval_files: list[str] = field(default_factory=list)
-    init: str | None = None  # continue from this model instead of building a new one
+    init: str | None = field(default=None, metadata={"help": "continue from this model folder, hub id or GGUF file "
+                                                     "(default: none, a new model built on the data)"})
     response_key: str = "reference_response"  # inside extra_info
     no_think_fraction: float = 0.0  # this share of responses answer at once: "<think> </think> \\boxed{...}"
     vocab_size: int = 2048
@@ -26,7 +27,9 @@ class SFTOptions:
     max_prompt_length: int = 2048
     # The model's position limit (max_position_embeddings): a new model's default is max(4096, twice
     # max_prompt_length); with --init, a RoPE model's limit can be raised to train it on longer examples.
-    max_positions: int | None = None
+    max_positions: int | None = field(default=None, metadata={
+        "help": "the model's position limit (default: a new model's max(4096, twice --max-prompt-length); --init's "
+                "own)"})
     lr: float = 1e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 200

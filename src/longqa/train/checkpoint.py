@@ -40,7 +40,6 @@ run. One run saves into a run folder at a time (``run_lock``).
 from __future__ import annotations
 
 import errno
-import fnmatch
 import hashlib
 import json
 import os
@@ -660,7 +659,7 @@ def follow_umask(paths: Iterable[str | os.PathLike]) -> None:
 
 # The files of a Hugging Face folder that an export writes (``save_pretrained`` of a model and of its tokenizer). An
 # output folder that holds only such files is a previous export, which a new export replaces; any other file in it
-# (an sft model card, a run's checkpoints) would end up beside weights it does not describe.
+# (an sft model card, a run's checkpoints) would end up beside weights it does not describe (``longqa.outputs``).
 EXPORT_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
                 "model-*-of-*.safetensors", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                 "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "added_tokens.json",
@@ -668,17 +667,11 @@ EXPORT_FILES = ("config.json", "generation_config.json", "model.safetensors", "m
 
 
 def check_export_folder(out_dir: str | os.PathLike, checkpoint: str | os.PathLike) -> None:
-    """Refuse, before any weight is read, an output folder that an export of ``checkpoint`` would spoil or lose:
-    one inside the checkpoint or its run's checkpoints folder (saving and ``keep_last`` delete step folders there),
-    or one holding files other than a previous export's (``EXPORT_FILES``)."""
+    """Refuse, before any weight is read, an output folder inside the checkpoint or its run's checkpoints folder,
+    where saving and ``keep_last`` delete step folders. (What an existing folder may hold is the rule of every
+    command's outputs, ``longqa.outputs.check_output_folder``.)"""
     out, checkpoint = Path(out_dir).resolve(), Path(checkpoint).resolve()
     folder = checkpoint.parent if checkpoint.parent.name == checkpoints_dir("").name else checkpoint
     if out == folder or folder in out.parents:
         raise CheckpointError(f"the output folder {out_dir} is inside {folder}, whose checkpoints training deletes "
                               f"as it goes: write the export elsewhere, such as next to the checkpoints folder")
-    others = sorted(p.name for p in out.iterdir() if not any(fnmatch.fnmatch(p.name, pattern)
-                                                              for pattern in EXPORT_FILES)) if out.is_dir() else []
-    if others:
-        shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
-        raise CheckpointError(f"the output folder {out_dir} holds files no export writes ({shown}): give a new or "
-                              f"empty folder, or a previous export's, which is replaced")

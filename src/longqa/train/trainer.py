@@ -37,6 +37,7 @@ from longqa.evaluate import evaluate, stop_token_ids
 from longqa.lengths import draw_response_lengths
 from longqa.model.load import (compile_decoder_layers, compiled_graphs, config_tokenizer, load_model,
                                load_model_config, pick_device, position_limit_warning, resolve_model_path)
+from longqa.outputs import check_config_outputs
 from longqa.report import LENGTH_ACCURACY, METRICS_FILE, MetricsLogger, read_metrics, write_report
 from longqa.rollout import HFRolloutEngine, SamplingParams
 from longqa.rollout.base import Sample, bump_weights_version, weights_version
@@ -1036,6 +1037,7 @@ def train(cfg: Config, stop_file: str | None = None, run_lock: str | None = None
     ``stop_file`` is where a Ray driver asks its workers for that stop, and ``run_lock`` the token of the run
     folder's lock that it holds for them.
     """
+    check_config_outputs(cfg)  # before anything is written: the run folder and the cache are no one else's
     job = DistEnv.from_environment()
     if cfg.rollout.sampler_ranks:
         check_sampler_ranks(cfg, job.world_size)
