@@ -116,7 +116,7 @@ def check_output_folder(path: str | os.PathLike, setting: str, reads: Reads | No
         if target == read:
             raise ConfigError(f"{setting} {path} is {read_setting}'s folder, which this command reads: give "
                               f"another folder")
-        if target == read.parent and not read.is_dir():
+        if target == read.parent and read.is_file():
             raise ConfigError(f"{setting} {path} holds {read_setting} {given}, which this command reads: give "
                               f"another folder")
     instead = f", or {GOES_ON_IN[makes]}" if makes else ""
