@@ -97,6 +97,17 @@ def test_prompt_half_per_split(n, r):
             torch.testing.assert_close(merged[row].cpu().double(), ref, atol=1e-5, rtol=1e-5)
 
 
+def naive_token(q, pk, pv, sk, sv, prefix_len, own_len, n, row, i, queries, scaling, window=None, softcap=None):
+    """The naive attention of token ``i`` of ``row`` (``queries`` tokens a row, the last ``queries`` of its own
+    keys): over its group's prompt keys and its own keys up to its own (with a window, the last ``window``)."""
+    g, own = row // n, max(0, own_len[row] - queries + 1 + i)
+    keys = torch.cat([pk[g, :, :prefix_len[g]], sk[row, :, :own]], 1)
+    values = torch.cat([pv[g, :, :prefix_len[g]], sv[row, :, :own]], 1)
+    if window is not None:
+        keys, values = keys[:, -window:], values[:, -window:]
+    return naive(q[row * queries + i], keys, values, scaling, softcap)[0]
+
+
 def check_full(groups, n, kv_heads, r, d, prefix_len, own_len, prompt_view, own_view, dtype=torch.float32, tol=1e-5,
                block_n=16, splits=(None, None), window=None, softcap=None, queries=1, max_block_m=128):
     """Both halves merged == naive attention over [group's prompt keys ; own keys] for every token (with a
@@ -112,14 +123,8 @@ def check_full(groups, n, kv_heads, r, d, prefix_len, own_len, prompt_view, own_
                                   max_block_m=max_block_m)
     assert got.shape == (rows * queries, heads, d) and got.dtype == dtype
     for row in range(rows):
-        g = row // n
         for i in range(queries):
-            own = max(0, own_len[row] - queries + 1 + i)
-            keys = torch.cat([pk[g, :, :prefix_len[g]], sk[row, :, :own]], 1)
-            values = torch.cat([pv[g, :, :prefix_len[g]], sv[row, :, :own]], 1)
-            if window is not None:
-                keys, values = keys[:, -window:], values[:, -window:]
-            ref, _ = naive(q[row * queries + i], keys, values, scaling, softcap)
+            ref = naive_token(q, pk, pv, sk, sv, prefix_len, own_len, n, row, i, queries, scaling, window, softcap)
             torch.testing.assert_close(got[row * queries + i].cpu().double(), ref, atol=tol, rtol=tol)
 
 
@@ -195,12 +200,7 @@ def test_reads_on_the_device_shorter_than_the_views(window, queries):
                     ref, _ = naive(q[row * queries], pk[g, :, lo:hi], pv[g, :, lo:hi], scaling)
                     torch.testing.assert_close(parts[row * queries, :, s].cpu().double(), ref, atol=1e-5, rtol=1e-5)
             for i in range(queries):
-                own = max(0, own_len[row] - queries + 1 + i)
-                keys = torch.cat([pk[g, :, :prefix_len[g]], sk[row, :, :own]], 1)
-                values = torch.cat([pv[g, :, :prefix_len[g]], sv[row, :, :own]], 1)
-                if window is not None:
-                    keys, values = keys[:, -window:], values[:, -window:]
-                ref, _ = naive(q[row * queries + i], keys, values, scaling)
+                ref = naive_token(q, pk, pv, sk, sv, prefix_len, own_len, n, row, i, queries, scaling, window)
                 torch.testing.assert_close(out[row * queries + i].cpu().double(), ref, atol=1e-5, rtol=1e-5)
 
 
