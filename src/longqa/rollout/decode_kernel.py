@@ -155,7 +155,8 @@ def shared_prefix_attention(q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_
             q, prefix_k, prefix_v, prefix_len.contiguous(), suffix_k, suffix_v, own_len.contiguous(), out, lse,
             q.stride(0), q.stride(1), *prefix_k.stride()[:3], *prefix_v.stride()[:3], *suffix_k.stride()[:3],
             *suffix_v.stride()[:3], scaling * math.log2(math.e), float(softcap or 0.0), int(window or 0), kv_heads,
-            n, r, queries, heads, reads, prompt_splits, own_splits, prompt_programs, m_blocks, BLOCK_M=block_m, BLOCK_N=block_n, D=d,
+            n, r, queries, heads, reads, prompt_splits, own_splits, prompt_programs, m_blocks, BLOCK_M=block_m,
+            BLOCK_N=block_n, D=d,
             IEEE=q.dtype == torch.float32, WINDOW=window is not None, SOFTCAP=softcap is not None,
             CAUSAL=queries > 1, num_warps=num_warps, num_stages=num_stages)
         merge_kernel[(cells * heads,)](out, lse, result, total, BLOCK_S=_next_power_of_2(max(total, 2)), D=d)
