@@ -169,8 +169,9 @@ def check_data_files(cfg: Config) -> None:
 
 
 def check_settings(cfg: Config) -> None:
-    """The checks of settings against each other that need no data file, run folder or device: what `longqa
-    config show` runs too, so that it never prints a config that train refuses at once."""
+    """The checks of settings against each other that need no data file, run folder or device: one list, which
+    the trainer, `longqa config show` and the Ray driver run, so that config show never prints a config that train
+    refuses at once."""
     for check in (check_groups, check_batch_shares, check_response_lengths, check_speculative, check_one_step_off,
                   check_offload):
         check(cfg)
@@ -369,13 +370,10 @@ class Trainer:
         self.beside = r.overlap or bool(split and r.mode == "one_step_off" and r.max_staleness)
         self.sampling_thread = ThreadPoolExecutor(1, "longqa-sampling") if self.beside else None
         self.sampling_stream = None
-        check_groups(cfg)
-        check_response_lengths(cfg)
-        check_speculative(cfg)
-        check_one_step_off(cfg)
         self.env = DistEnv.from_environment() if split is None else split.training_env()
         deepspeed = cfg.actor.strategy == "deepspeed"
-        check_data_parallel(cfg, self.env.world_size)
+        check_data_parallel(cfg, self.env.world_size)  # (before check_settings: its advice counts the ranks)
+        check_settings(cfg)
         if self.env.distributed:
             self.device = self.env.device(cfg.trainer.device)
         else:
@@ -384,7 +382,6 @@ class Trainer:
         check_vllm(cfg, self.device)
         check_deepspeed(cfg, self.device)
         check_layer_memory(cfg, self.device)
-        check_offload(cfg)
         # the micro-batch budget set where it is auto, and a plan that cannot fit refused, before anything loads
         # (and before the resume compares the config with the checkpoint's, which records the budget that ran)
         gpu_bytes = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else None
@@ -741,12 +738,13 @@ class Trainer:
         # graphs) and the next step's sampling re-sizes them back: by design, not a warm step building again.
         news = self.compile_watch.news(engine_events=not self.validated_since_step)
         self.validated_since_step = False
-        shown = "; ".join(news[:4]) + (f"; and {len(news) - 4} more" if len(news) > 4 else "")
-        if news and self.warm and self.env.is_main:
-            print(f"note: step {step + 1} (or a validation before it) compiled or captured again, which a warm "
-                  f"step should not: {shown}", flush=True)
-        elif news and self.env.is_main:  # the first step: what the rest of the run replays (and what it cost)
-            print(f"the first step {shown}", flush=True)
+        if news and self.env.is_main:
+            shown = "; ".join(news[:4]) + (f"; and {len(news) - 4} more" if len(news) > 4 else "")
+            if self.warm:
+                print(f"note: step {step + 1} (or a validation before it) compiled or captured again, which a warm "
+                      f"step should not: {shown}", flush=True)
+            else:  # the first step: what the rest of the run replays (and what it cost)
+                print(f"the first step {shown}", flush=True)
         self.warm = True
 
     def _say_no_gradient(self, step: int, groups: int, rewards: torch.Tensor, reasons: Counter, cut: int) -> None:
