@@ -20,7 +20,7 @@ def profile(shape: str, prompt: int, n: int, groups: int, steps: int, options: d
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from longqa.bench import random_model
+    from longqa.bench.speed import random_model
     from longqa.rollout.base import SamplingParams
     from longqa.rollout.fast import FastRolloutEngine
 

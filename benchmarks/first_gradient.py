@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     import pyarrow.parquet as pq
 
-    from longqa.evaluate import mode_reward, stop_token_ids
+    from longqa.evaluation.evaluate import mode_reward, stop_token_ids
     from longqa.model.load import answer_dtype, load_model, pick_device
     from longqa.rollout.base import SamplingParams
     from longqa.rollout.fast import FastRolloutEngine

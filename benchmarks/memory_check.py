@@ -4,12 +4,12 @@ For a grid of random-weight models built from shapes (``longqa.model.shapes``: S
 ``smollm2-135m``, Qwen3's; with vocabularies from 1K to 152K entries and fewer layers where asked), it runs
 one micro-batch of the GRPO update (the actor's packed micro-batch, forward, PPO-clip loss, backward) and
 one ``longqa sft`` step (the chunked loss and its backward), each once to warm up and once measured, and
-prints a table: the bytes ``activation_bytes`` predicts (``distributed/activations.py``: the activations and
+prints a table: the bytes ``activation_bytes`` predicts (``planning/activations.py``: the activations and
 LM-head terms that ``longqa train``'s and ``longqa sft``'s memory checks count), the peak measured above the
 weights and their gradients, and their ratio. The count is meant as an upper bound that is not far above:
 every row should have a ratio from 1 to 1.5, and the script exits with status 1 when one does not.
 
-How the peak is measured (``longqa.bench_memory.peak_bytes``): on CUDA, ``torch.cuda.max_memory_allocated``
+How the peak is measured (``longqa.bench.memory.peak_bytes``): on CUDA, ``torch.cuda.max_memory_allocated``
 after ``reset_peak_memory_stats``, less what was allocated before; on the CPU, the largest running total of
 the CPU allocator that torch's profiler reports with its allocation events (``profile_memory=True``), which
 counts only blocks allocated while it records: exact to the byte, kernels' scratch tensors included.
@@ -90,8 +90,8 @@ def gpu_grid() -> list[tuple[str, dict]]:
 
 
 def run_row(path: str, settings: dict, device: str):
-    """One measured case (``longqa.bench_memory``)."""
-    from longqa.bench_memory import grpo_case, sft_case
+    """One measured case (``longqa.bench.memory``)."""
+    from longqa.bench.memory import grpo_case, sft_case
 
     return (grpo_case if path == "grpo" else sft_case)(**settings, device=device)
 
@@ -101,8 +101,8 @@ def predicted_need(path: str, settings: dict) -> int:
     gradients (float32 for sft, which also keeps AdamW out of the measured step)."""
     from transformers import Qwen3Config
 
-    from longqa.distributed.activations import Compute, sft_activations, update_activations
-    from longqa.distributed.planner import ModelSizes
+    from longqa.planning.activations import Compute, sft_activations, update_activations
+    from longqa.planning.planner import ModelSizes
     from longqa.model.shapes import SHAPES
 
     shape = {**SHAPES[settings["shape"]], **({"vocab_size": settings["vocab"]} if settings.get("vocab") else {}),

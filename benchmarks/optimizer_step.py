@@ -57,10 +57,10 @@ def run(backend: str, shape: str, layers: int | None, prompt: int, response: int
         device: str) -> dict:
     from transformers import Qwen3Config
 
-    from longqa.bench import random_model
+    from longqa.bench.speed import random_model
     from longqa.config import load_config
     from longqa.distributed.env import DistEnv
-    from longqa.distributed.planner import ModelSizes
+    from longqa.planning.planner import ModelSizes
     from longqa.model.load import pick_device
     from longqa.model.shapes import SHAPES
     from longqa.train.actor import Actor

@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from longqa.bench import random_model
+from longqa.bench.speed import random_model
 from longqa.model.tokenizer import load_tokenizer
 
 shape, folder, tokenizer, device = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4]

@@ -14,7 +14,8 @@ import time
 
 import torch
 
-from longqa.bench import draw_response_lengths, random_model
+from longqa.bench.speed import random_model
+from longqa.rollout.lengths import draw_response_lengths
 from longqa.rollout.base import SamplingParams
 from longqa.rollout.fast import FastRolloutEngine
 

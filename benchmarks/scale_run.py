@@ -32,7 +32,7 @@ def prepare(shape: str, context_tokens: int, root: Path) -> tuple[Path, Path]:
     model_dir, data_dir = root / f"model-{shape}", root / f"data-{context_tokens}"
     done = root / f"ready-{shape}-{context_tokens}"
     if int(os.environ.get("RANK", 0)) == 0 and not done.exists():
-        from longqa.bench import random_model
+        from longqa.bench.speed import random_model
         from longqa.data.synth import generate
         from longqa.model.load import EMBEDDED_MODEL, load_model_tokenizer
 
@@ -53,7 +53,7 @@ def prepare(shape: str, context_tokens: int, root: Path) -> tuple[Path, Path]:
 
 
 def main() -> None:
-    from longqa.lengths import LENGTH_KINDS
+    from longqa.rollout.lengths import LENGTH_KINDS
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="qwen3-1.7b")

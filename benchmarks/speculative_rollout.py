@@ -63,8 +63,8 @@ def sameness(plain, out) -> dict:
 
 
 def main(argv=None) -> list[dict]:
-    from longqa.bench import speculation_stats
-    from longqa.evaluate import stop_token_ids
+    from longqa.bench.speed import speculation_stats
+    from longqa.evaluation.evaluate import stop_token_ids
     from longqa.model.load import load_model, pick_device
     from longqa.rollout.base import SamplingParams
     from longqa.rollout.fast import FastRolloutEngine

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Start-up: how long a start takes to reach its first GRPO step with nothing compiled yet (cold) and when the
 # same run starts again on the same machine (warm), the second finding the first's compiled graphs and Triton
-# kernels in the user's compile cache (`longqa/compile_cache.py`). Each start is a `longqa bench step` of
+# kernels in the user's compile cache (`longqa/model/compile_cache.py`). Each start is a `longqa bench step` of
 # Qwen3-1.7B (16 prompts x 8 samples, 8,192-token prompts, drawn response lengths up to 1,024 tokens, 2 steps),
 # which sets up as `longqa train` does: model, engine, the update's decoder layers compiled at every packed
 # length, then step 0 (whose rollout compiles the engine's functions and captures its CUDA graphs).

@@ -54,7 +54,7 @@ def main() -> None:
         raise SystemExit(f"trl_grpo_step.py needs TRL and datasets ({err}): pip install trl datasets") from None
     from transformers import TrainerCallback
 
-    from longqa.bench import random_model
+    from longqa.bench.speed import random_model
     from longqa.model.load import EMBEDDED_MODEL, load_model_tokenizer, pick_device
 
     dev = pick_device("auto")

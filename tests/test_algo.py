@@ -1,4 +1,4 @@
-"""Tests for longqa.algo: every function against numbers worked out by hand, and gradient accumulation with
+"""Tests for longqa.train.algo: every function against numbers worked out by hand, and gradient accumulation with
 global denominators reproducing the full mini-batch gradient exactly."""
 
 from __future__ import annotations
@@ -8,10 +8,11 @@ import math
 import pytest
 import torch
 
-from longqa.algo import (
+from longqa.model.logprobs import entropy_from_logits
+
+from longqa.train.algo import (
     AGG_MODES,
     aggregate,
-    entropy_from_logits,
     global_denominators,
     group_advantages,
     keep_informative_groups,

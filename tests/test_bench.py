@@ -5,13 +5,14 @@ import json
 import pytest
 
 from longqa.cli import main
-from longqa.lengths import draw_response_lengths
+from longqa.rollout.lengths import draw_response_lengths
 
 
 def test_step_floor_adds_prefill_decode_and_update_at_their_limits():
     from transformers import Qwen3Config
 
-    from longqa.bench import SHAPES, decode_floor_s, group_flops, step_floor_s
+    from longqa.model.shapes import SHAPES
+    from longqa.planning.flops import decode_floor_s, group_flops, step_floor_s
 
     config = Qwen3Config(**SHAPES["qwen3-1.7b"])
     lengths = [[100, 300], [50, 900]]
@@ -32,7 +33,7 @@ def test_group_flops_count_what_a_flop_counter_counts(family):
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from longqa.bench import counts_flops, group_flops
+    from longqa.planning.flops import counts_flops, group_flops
     from tiny_models import tiny_lm
 
     model = tiny_lm(family)
@@ -178,7 +179,8 @@ def test_the_decode_floor_of_the_qwen3_1_7b_shape():
     per token, at 4.3 TB/s."""
     from transformers import Qwen3Config
 
-    from longqa.bench import SHAPES, decode_floor_s
+    from longqa.model.shapes import SHAPES
+    from longqa.planning.flops import decode_floor_s
 
     config = Qwen3Config(**SHAPES["qwen3-1.7b"])
 
@@ -198,7 +200,8 @@ def test_the_decode_floor_of_drawn_lengths_counts_the_ideal_schedule():
     prompt once per step it lives (unshared: once per sample step); each sample its own KV so far."""
     from transformers import Qwen3Config
 
-    from longqa.bench import SHAPES, decode_floor_s, ideal_decode_steps
+    from longqa.model.shapes import SHAPES
+    from longqa.planning.flops import decode_floor_s, ideal_decode_steps
 
     config = Qwen3Config(**SHAPES["qwen3-1.7b"])
     lengths = [[5, 2], [3, 3], [1, 4]]

@@ -182,7 +182,7 @@ def test_eval_engine_auto_is_generate_on_a_cpu_and_fast_refuses_a_model_it_canno
     from transformers import MambaConfig, MambaForCausalLM
 
     from longqa.config import ConfigError
-    from longqa.evaluate import answer_engine
+    from longqa.evaluation.evaluate import answer_engine
     from longqa.rollout.fast import FastRolloutEngine
     from tiny_models import tiny_lm
 
@@ -201,7 +201,7 @@ def test_eval_engine_auto_is_generate_on_a_cpu_and_fast_refuses_a_model_it_canno
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_eval_engine_auto_is_the_fast_engine_on_a_gpu():
-    from longqa.evaluate import answer_engine
+    from longqa.evaluation.evaluate import answer_engine
     from longqa.rollout.fast import FastRolloutEngine
     from tiny_models import tiny_lm
 
@@ -307,7 +307,7 @@ def test_every_numeric_sft_option_refuses_a_value_below_its_range():
     import typing
 
     from longqa.config import ConfigError
-    from longqa.sft_options import SFTOptions
+    from longqa.config.sft_options import SFTOptions
 
     hints = typing.get_type_hints(SFTOptions)
     numeric = [f.name for f in dataclasses.fields(SFTOptions) if f.name != "seed"
@@ -348,7 +348,7 @@ def test_config_show_shows_what_train_runs(tmp_path, monkeypatch, capsys):
     ran = []
     monkeypatch.setattr(longqa.train.trainer, "train", lambda cfg: ran.append(cfg) or
                         {"preempted": None, "report": None, "steps": 0})
-    monkeypatch.setattr("longqa.demo.ensure_demo_data", lambda cfg: None)
+    monkeypatch.setattr("longqa.data.demo.ensure_demo_data", lambda cfg: None)
     config = tmp_path / "c.yaml"
     config.write_text("rollout:\n  n: 4\n")
     for args in ([], ["trainer.max_steps=1"], [str(config), "rollout.n=6"],
@@ -438,9 +438,9 @@ def test_bad_values_are_refused_in_one_line_naming_the_setting(tmp_path, capsys,
 
 @pytest.mark.parametrize("sink, package", [("tensorboard", "tensorboard"), ("wandb", "wandb")])
 def test_a_logger_whose_package_is_missing_is_refused_before_any_work(monkeypatch, capsys, sink, package):
-    import longqa.support
+    import longqa.config.support
 
-    monkeypatch.setattr(longqa.support, "installed", lambda name: name != package)
+    monkeypatch.setattr(longqa.config.support, "installed", lambda name: name != package)
     assert main(["config", "show", f"trainer.logger=[console,{sink}]"]) == 2
     assert capsys.readouterr().err == (f"longqa: error: trainer.logger={sink} needs the {package} package: "
                                        f"pip install {package}\n")
@@ -458,14 +458,14 @@ def _no_work(*args, **kwargs):
 def test_config_show_refuses_what_this_machine_cannot_run_as_train_does(monkeypatch, capsys, setting, package):
     """A setting whose package is missing here, or a device this machine lacks: `config show` fails in the words
     `train` refuses it with, before any work."""
-    import longqa.support
+    import longqa.config.support
 
     if package is None:
         if torch.cuda.is_available():
             pytest.skip("a machine without a GPU")
         refusal = "longqa: error: trainer.device=cuda but no CUDA device is available\n"
     else:
-        monkeypatch.setattr(longqa.support, "installed", lambda name: name != package)
+        monkeypatch.setattr(longqa.config.support, "installed", lambda name: name != package)
         refusal = f"longqa: error: {setting} needs the {package} package: pip install 'longqa[{package}]'\n"
     assert main(["config", "show", setting]) == 2
     assert capsys.readouterr().err == refusal
@@ -484,7 +484,7 @@ def test_the_flex_backend_on_the_cpu_is_refused_before_the_model_loads(monkeypat
 
 def test_the_triton_decode_kernel_off_a_gpu_is_refused_before_the_bench(monkeypatch, capsys):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr("longqa.bench.bench_rollout", _no_work)
+    monkeypatch.setattr("longqa.bench.speed.bench_rollout", _no_work)
     assert main(["bench", "rollout", "--decode-kernel", "triton", "--device", "cpu"]) == 2
     assert "--decode-kernel triton: the Triton kernel runs on CUDA devices, not on cpu" in capsys.readouterr().err
 
@@ -505,7 +505,7 @@ def test_outputs_are_checked_before_the_work(tmp_path, monkeypatch, capsys):
     """An output that cannot be written is refused before the model loads or the bench runs, not after."""
     (tmp_path / "afile").write_text("")
     monkeypatch.setattr("longqa.model.load.load_model", _no_work)
-    monkeypatch.setattr("longqa.bench.bench_train", _no_work)
+    monkeypatch.setattr("longqa.bench.speed.bench_train", _no_work)
     cases = [(["eval", "--data", "x.parquet", "--output", f"{tmp_path}/afile/x.json"],
               f"--output {tmp_path}/afile/x.json: {tmp_path}/afile is a file, so nothing can be made below it"),
              (["eval", "--data", "x.parquet", "--samples", str(tmp_path)], f"--samples {tmp_path} is a folder"),
@@ -547,13 +547,13 @@ def test_the_demo_s_own_files_are_made_whichever_line_names_them(tmp_path, monke
     """The demo's data files, missing, are made on first use from its config file or with an override, as from
     no arguments; another config's files are not."""
     import longqa.train.trainer
-    from longqa.demo import DEMO_CONFIG
+    from longqa.data.demo import DEMO_CONFIG
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "configs").mkdir()
     (tmp_path / "configs" / "demo.yaml").write_text(DEMO_CONFIG.read_text())
     made = []
-    monkeypatch.setattr("longqa.demo.ensure_demo_data", lambda cfg: made.append(cfg.data.train_files))
+    monkeypatch.setattr("longqa.data.demo.ensure_demo_data", lambda cfg: made.append(cfg.data.train_files))
     monkeypatch.setattr(longqa.train.trainer, "train", lambda cfg: {"preempted": None, "report": None, "steps": 0})
     assert main(["train", *args, "trainer.max_steps=1"]) == 0
     assert made == [["runs/demo-data/merged/train.parquet"]]
@@ -566,8 +566,8 @@ def test_a_verl_line_without_a_config_says_in_one_line_every_way_its_start_diffe
     """verl keys and no config file start from longqa's defaults with verl's, not the demo: one note says so,
     naming every value of that start which differs from the demo's."""
     from longqa.config import load_config, to_dict
-    from longqa.demo import DEMO_CONFIG
-    from longqa.verl_keys import VERL_DEFAULTS
+    from longqa.data.demo import DEMO_CONFIG
+    from longqa.config.verl_keys import VERL_DEFAULTS
 
     assert main(["config", "show", "actor_rollout_ref.rollout.n=4"]) == 0
     notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note: ")]

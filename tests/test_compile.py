@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from longqa.compile_watch import CompileWatch
+from longqa.model.compile_watch import CompileWatch
 from longqa.config import load_config
 from longqa.model.attention import BLOCK, LENGTH_BUCKETS, length_step
 from longqa.model.load import compile_decoder_layers, compiled_graphs
-from longqa.rollout import SamplingParams
+from longqa.rollout.base import SamplingParams
 from longqa.rollout.fast import FastRolloutEngine
 from longqa.train.actor import Actor, Samples
 from tiny_models import VOCAB, tiny_lm

@@ -11,7 +11,7 @@ import textwrap
 import torch
 
 from longqa.cli import main
-from longqa.compile_cache import RUN_CACHE_FILE, use_user_cache
+from longqa.model.compile_cache import RUN_CACHE_FILE, use_user_cache
 from longqa.train.actor import Actor
 from test_train import overrides, tiny_model_dir  # noqa: F401 - a fixture
 
@@ -20,7 +20,7 @@ FUNCTION = "torch.compile(lambda x: torch.nn.functional.silu(x) * x.cos() + 1, d
 COMPILE = textwrap.dedent(f"""
     import json, sys, torch
     from torch._dynamo.utils import counters
-    from longqa.compile_cache import load_run_cache, use_user_cache
+    from longqa.model.compile_cache import load_run_cache, use_user_cache
     folder = use_user_cache()
     loaded = load_run_cache(sys.argv[1]) if len(sys.argv) > 1 else False
     {FUNCTION}(torch.randn(8, 16))

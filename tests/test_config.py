@@ -93,7 +93,8 @@ def test_every_key_has_help_and_parses():
 def test_reward_modes_match_the_reward_module():
     import typing
 
-    from longqa import config_schema, reward
+    from longqa import reward
+    from longqa.config import schema as config_schema
 
     assert set(typing.get_args(typing.get_type_hints(config_schema.RewardConfig)["mode"])) == set(reward.REWARD_MODES)
 
@@ -101,7 +102,8 @@ def test_reward_modes_match_the_reward_module():
 def test_logger_sinks_match_the_report_module():
     import typing
 
-    from longqa import config_schema, report, support
+    from longqa.config import schema as config_schema, support
+    from longqa.train import report
 
     (sink,) = typing.get_args(typing.get_type_hints(config_schema.TrainerConfig)["logger"])
     sinks = {setting.removeprefix("trainer.logger=") for setting in support.PACKAGES}

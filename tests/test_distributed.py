@@ -203,7 +203,7 @@ def test_one_process_steps_float32_masters_of_a_bf16_model(master_weights):
     import torch.distributed as dist
 
     from longqa.distributed.fsdp import full_state_dict
-    from longqa.distributed.planner import float32_masters
+    from longqa.planning.planner import float32_masters
 
     cfg = config("true", "token-mean", 40)
     cfg.model.dtype, cfg.actor.master_weights = "bfloat16", master_weights

@@ -24,7 +24,7 @@ import pytest
 
 from longqa.cli import _split_config_args, build_parser, main
 from longqa.config import load_config
-from longqa.distributed.planner import check_data_parallel
+from longqa.planning.planner import check_data_parallel
 
 ROOT = Path(__file__).resolve().parent.parent
 GUIDE = ROOT / "docs" / "recipe-on-a-cluster.md"
@@ -217,7 +217,7 @@ def test_no_file_speaks_of_how_the_work_was_organised():
 
 def test_the_launch_line_table_is_the_code_s():
     """docs/verl-launch-line.md's table is what the code does with each argument of the recipe's line."""
-    from longqa.verl_keys import launch_line_table
+    from longqa.config.verl_keys import launch_line_table
 
     line = [text for text in (ROOT / "tests" / "data" / "recipe_verl_launch_line.txt").read_text().splitlines()
             if text and not text.startswith("#")]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from longqa.evaluate import format_groups, format_table, score, score_answers, summarize_by, summarize_groups
+from longqa.evaluation.evaluate import format_groups, format_table, score, score_answers, summarize_by, summarize_groups
 
 
 def score_by(meta, responses, key):
@@ -77,7 +77,7 @@ def test_a_reward_function_decides_accuracy_and_its_failures_are_counted(tokeniz
     import numpy as np
 
     from longqa.data.prompts import PromptSet
-    from longqa.evaluate import evaluate
+    from longqa.evaluation.evaluate import evaluate
     from longqa.reward import RewardResult
     from longqa.rollout.base import Sample
 
@@ -108,7 +108,7 @@ def test_generate_batches_stay_within_their_attention_mask_budget(tokenizer):
     long prompts go in smaller batches, one at a time at worst, with the answers each prompt gets alone."""
     import torch
 
-    from longqa.evaluate import greedy_responses
+    from longqa.evaluation.evaluate import greedy_responses
     from tiny_models import tiny_lm
 
     model = tiny_lm()
@@ -135,7 +135,7 @@ def test_generate_tells_a_response_that_stopped_from_one_the_limit_cut(tokenizer
     max_new_tokens with ``length``, as the engines' samples say it."""
     import torch
 
-    import longqa.evaluate as evaluation
+    import longqa.evaluation.evaluate as evaluation
     from tiny_models import tiny_lm
 
     model = tiny_lm()

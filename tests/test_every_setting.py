@@ -16,8 +16,8 @@ import typing
 
 import pytest
 
-from longqa import config as config_module
-from longqa import verl_keys
+from longqa.config import load as config_module
+from longqa.config import verl_keys
 from longqa.cli import build_parser, main
 from test_cli import _commands  # every (command path, parser) of the command line
 

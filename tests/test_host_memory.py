@@ -3,9 +3,9 @@
 import pytest
 from transformers import Qwen3Config
 
-from longqa.distributed.host_memory import (HOST_MARGIN_BYTES, check_host_plan, fsdp2_offloaded_state,
+from longqa.planning.host_memory import (HOST_MARGIN_BYTES, check_host_plan, fsdp2_offloaded_state,
                                             offloaded_activations, pinned_bytes, plan_host_memory)
-from longqa.distributed.planner import GIB, ModelSizes, PlanError
+from longqa.planning.planner import GIB, ModelSizes, PlanError
 from longqa.model.shapes import SHAPES
 
 
@@ -86,7 +86,7 @@ def test_refusals_name_what_to_change():
 def test_the_ratio_named_for_a_partial_offload_fits_in_whole_sub_groups():
     """ZeRO-3 offloading Qwen3-8B's optimizer on one GPU (9 sub-groups of 10^9 parameters): the named ratio is the
     largest whose sub-groups fit the node; none is named where even the whole optimizer on the GPU would not do."""
-    from longqa.distributed.host_memory import fitting_offload_ratio
+    from longqa.planning.host_memory import fitting_offload_ratio
 
     qwen3_8b = sizes("qwen3-8b")
 

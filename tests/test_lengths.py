@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from longqa.lengths import draw_response_lengths
+from longqa.rollout.lengths import draw_response_lengths
 
 
 def test_lognormal_lengths_average_about_forty_percent_of_the_limit():

@@ -70,7 +70,7 @@ def test_without_a_supervised_stage_the_gain_is_over_the_starting_model(tmp_path
 @pytest.mark.slow
 def test_the_script_runs_every_stage_at_a_tiny_scale(tmp_path):
     from longqa.data.io import read_rows
-    from longqa.report import read_metrics
+    from longqa.train.report import read_metrics
 
     out = tmp_path / "run"
     done = subprocess.run(["bash", str(SCRIPT), str(out), "1", "actor.lr=2e-5"],

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from longqa import longbench
+from longqa.evaluation import longbench
 from longqa.cli import main
 from longqa.data.io import DataFileError
 from longqa.data.schema import QA_PREFIX, SYSTEM_PROMPT, question_suffix

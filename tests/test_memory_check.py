@@ -1,4 +1,4 @@
-"""The activation count the memory checks use (distributed/activations.py) against peaks measured on the CPU,
+"""The activation count the memory checks use (planning/activations.py) against peaks measured on the CPU,
 sft's check and loss, and the trainer's refusal of a micro-batch budget too large for its GPU."""
 
 import re
@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
-from longqa.bench_memory import grpo_case, peak_bytes, sft_case
-from longqa.distributed.activations import Compute, eager_layer_bytes
-from longqa.distributed.planner import GIB, ModelSizes, PlanError, check_sft, sft_bytes
+from longqa.bench.memory import grpo_case, peak_bytes, sft_case
+from longqa.planning.activations import Compute, eager_layer_bytes
+from longqa.planning.planner import GIB, ModelSizes, PlanError, check_sft, sft_bytes
 
 # SmolLM2-135M-Instruct's config.json, sized without its weights
 SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -113,8 +113,8 @@ def test_the_count_bounds_a_measured_sft_step(model, vocab, autocast, tokens):
 def test_sft_loss_is_the_model_s_own_loss_without_its_logits():
     """The chunked loss, with no attention mask on right-padded rows, against transformers' loss of the masked
     batch: the same value and the same gradient."""
-    from longqa.batching import collate_right
-    from longqa.sft import sft_loss
+    from longqa.train.batching import collate_right
+    from longqa.train.sft import sft_loss
 
     model = _tiny("qwen3")
     sequences = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [14, 15, 16, 17]]
@@ -150,7 +150,7 @@ def test_the_trainer_check_names_the_largest_micro_batch_budget_that_fits(tmp_pa
     dense backend, whose grouped heads leave SDPA its math kernel (scores kept in every layer). At 8K prompts not
     even one sample fits an H200 (the check says to use flex); at 2K it names the largest budget that fits."""
     from longqa.config import load_config
-    from longqa.distributed.planner import check_run, plan_config
+    from longqa.planning.planner import check_run, plan_config
 
     LlamaConfig(**SMOLLM2).save_pretrained(tmp_path)  # config.json alone: the check reads no weight
     sizes = ModelSizes.from_config(LlamaConfig(**SMOLLM2))
@@ -187,7 +187,7 @@ def test_auto_micro_batch_budget_is_the_largest_that_fits_in_steps(tmp_path, con
     more does not, or the whole mini-batch share when that fits (more saves nothing), or one sample's when not
     even that fits, which the check then refuses; what it chose is said, and a number given is left alone."""
     from longqa.config import load_config
-    from longqa.distributed.planner import (BUDGET_STEP, GIB, check_run, mini_batch_share_tokens, one_sample_tokens,
+    from longqa.planning.planner import (BUDGET_STEP, GIB, check_run, mini_batch_share_tokens, one_sample_tokens,
                                             plan_config)
 
     gpu_bytes = gpu_gib * GIB
@@ -199,7 +199,7 @@ def test_auto_micro_batch_budget_is_the_largest_that_fits_in_steps(tmp_path, con
     else:
         from transformers import Qwen3Config
 
-        from longqa.bench import SHAPES
+        from longqa.model.shapes import SHAPES
         Qwen3Config(**SHAPES["qwen3-8b"]).save_pretrained(tmp_path)
         overrides.append(f"model.path={tmp_path}")
     cfg = load_config(config, overrides)
@@ -236,7 +236,7 @@ def test_auto_micro_batch_budget_is_the_largest_that_fits_in_steps(tmp_path, con
 
 
 def model_sizes_of(cfg) -> ModelSizes:
-    from longqa.distributed.planner import model_sizes
+    from longqa.planning.planner import model_sizes
 
     return model_sizes(cfg)
 
@@ -246,15 +246,15 @@ def test_longqa_sft_refuses_on_a_gpu_before_building_the_model(tmp_path, monkeyp
     status 2, naming the largest --batch-tokens that fits, and no model built or written."""
     import types
 
-    import longqa.sft
+    import longqa.train.sft
     from longqa.cli import main
     from longqa.data.synth import generate
 
     generate(tmp_path / "data", rows_per_task=2, context_tokens=256, max_hops=2, test_ratio=0.5, seed=5)
-    monkeypatch.setattr(longqa.sft, "pick_device", lambda *args: torch.device("cuda"))
+    monkeypatch.setattr(longqa.train.sft, "pick_device", lambda *args: torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(
         total_memory=6 * GIB + 50 * 2**20))  # the margin and 50 MiB
-    monkeypatch.setattr(longqa.sft, "_model", lambda *args: pytest.fail("the model was built"))
+    monkeypatch.setattr(longqa.train.sft, "_model", lambda *args: pytest.fail("the model was built"))
     assert main(["sft", "--train-files", str(tmp_path / "data/merged/train.parquet"), "--output-dir",
                  str(tmp_path / "model"), "--vocab-size", "400", "--hidden-size", "32", "--num-layers", "2",
                  "--num-heads", "4", "--num-kv-heads", "2"]) == 2

@@ -14,7 +14,7 @@ from longqa.model.attention import use_longqa_attention
 from longqa.model.attention_spec import UnsupportedModelError
 from longqa.model.logprobs import packed_logprobs
 from longqa.model.packing import build_packed_batch, plan_packs
-from longqa.rollout import SamplingParams
+from longqa.rollout.base import SamplingParams
 from longqa.rollout.fast import FastRolloutEngine
 from model_zoo import VOCAB, ZooError, families, tiny_model
 

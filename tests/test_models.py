@@ -65,7 +65,7 @@ def test_missing_model_paths_are_clear(tmp_path):
 
 
 def test_batched_greedy_evaluation_equals_one_prompt_at_a_time(tokenizer):
-    from longqa.evaluate import greedy_responses
+    from longqa.evaluation.evaluate import greedy_responses
 
     model = tiny("qwen3", vocab=len(tokenizer))
     prompts = [tokenizer.encode(t) for t in ("Passage 1: Tarvos", "Question: who founded Quillex? " * 3, "a")]
@@ -207,7 +207,7 @@ def test_a_tokenizer_without_a_pad_token_pads_with_eos_outside_every_loss(tmp_pa
 
     from longqa.cli import main
     from longqa.model.load import load_model_tokenizer
-    from longqa.sft import _collate
+    from longqa.train.sft import _collate
     from tiny_models import save_tiny_qwen3
 
     no_pad = AutoTokenizer.from_pretrained(tokenizer_dir)

@@ -5,9 +5,9 @@ import re
 import pytest
 from transformers import Qwen3Config
 
-from longqa.bench import SHAPES
+from longqa.model.shapes import SHAPES
 from longqa.cli import main
-from longqa.distributed.planner import GIB, ModelSizes, PlanError, check_plan, plan_memory
+from longqa.planning.planner import GIB, ModelSizes, PlanError, check_plan, plan_memory
 
 H200 = 141 * GIB
 RECIPE = dict(micro_batch_tokens=16384, prompt_length=16384, response_length=4096, n=8, param_bytes=2)  # bf16
@@ -128,7 +128,7 @@ def test_loading_the_whole_model_on_each_gpu_is_checked_first():
 
 def test_the_trainer_check_refuses_before_loading(tmp_path):
     from longqa.config import load_config
-    from longqa.distributed.planner import check_run
+    from longqa.planning.planner import check_run
 
     cfg = load_config(None, [])  # the embedded default: tiny
     assert check_run(cfg, world_size=1, gpu_bytes=H200).total < H200
@@ -185,9 +185,9 @@ def test_a_partial_offload_keeps_zero3_s_first_sub_groups_on_the_gpu(gpus, ratio
     import math
 
     from longqa.config import load_config
-    from longqa.distributed.host_memory import plan_host_config
-    from longqa.distributed.planner import offload_fraction, plan_config
-    from longqa.distributed.step_time import step_time_config
+    from longqa.planning.host_memory import plan_host_config
+    from longqa.planning.planner import offload_fraction, plan_config
+    from longqa.planning.step_time import step_time_config
 
     qwen3_8b = sizes("qwen3-8b")
     groups = math.ceil(qwen3_8b.params / gpus / 10**9)
@@ -259,7 +259,7 @@ def test_a_kl_penalty_s_reference_model_is_counted_on_each_gpu():
     """algo.kl_coef > 0 keeps a frozen copy of the starting weights in model.dtype: whole while the actor is built,
     then sharded like the policy under FSDP2, whole beside a ZeRO-3 engine."""
     from longqa.config import load_config
-    from longqa.distributed.planner import plan_config
+    from longqa.planning.planner import plan_config
 
     qwen3_8b = sizes("qwen3-8b")
     base = ["model.dtype=bfloat16", "actor.cpu_offload=true"]
@@ -292,7 +292,7 @@ def test_plan_takes_the_gpu_count_a_ray_config_runs_and_refuses_another(capsys):
 ])
 def test_ray_workers_are_never_more_than_the_cluster_s_gpus(workers, gpus, use_gpu, expected):
     from longqa.config import ConfigError, load_config
-    from longqa.distributed.ray_launcher import ray_worker_count
+    from longqa.train.ray_launcher import ray_worker_count
 
     cfg = load_config(None, [f"trainer.ray_workers={workers}"] if workers else [])
     if expected is None:
@@ -306,7 +306,7 @@ def test_sampling_beside_the_update_counts_the_engine_s_copy_of_the_weights():
     """rollout.overlap=true: one process whose engine would share the model's tensors keeps a copy of them instead
     (the update changes the model's while the engine samples), and the plan counts it."""
     from longqa.config import load_config
-    from longqa.distributed.planner import plan_config
+    from longqa.planning.planner import plan_config
 
     smollm2 = sizes("smollm2-135m")
     plans = {overlap: plan_config(load_config(None, [
@@ -332,8 +332,8 @@ def test_each_split_of_the_gpus_takes_the_longer_side_and_the_fastest_that_fits_
     faster; the proposal is the fastest split that fits, unless every GPU sampling then training is faster still
     (at drawn lengths of mean about 400 tokens; not with every response at 4,096, where the rollout weighs more)."""
     from longqa.config import load_config
-    from longqa.distributed.fit import Machine, shape_sizes
-    from longqa.distributed.split_plan import best_split, plan_splits
+    from longqa.planning.fit import Machine, shape_sizes
+    from longqa.planning.split_plan import best_split, plan_splits
 
     run = [*SPLIT_RUN, setting]
     cfg = load_config(None, run[2:])
@@ -394,8 +394,8 @@ def test_a_training_rank_beside_sampler_ranks_plans_no_engine():
     """With rollout.sampler_ranks the plan (the trainer's memory check, and `longqa plan`) is a training rank's: the
     engine's copy of the weights and its KV cache are on the sampler ranks."""
     from longqa.config import load_config
-    from longqa.distributed.fit import shape_sizes
-    from longqa.distributed.planner import plan_config
+    from longqa.planning.fit import shape_sizes
+    from longqa.planning.planner import plan_config
 
     sizes = shape_sizes("qwen3-1.7b")
     colocated = plan_config(load_config(None, SPLIT_RUN[2:]), sizes, 2, 141 * GIB)

@@ -3,7 +3,7 @@
 import pytest
 
 from longqa.config import ConfigError
-from longqa.distributed.ray_launcher import _failure_config, check_placeable, describe_launch
+from longqa.train.ray_launcher import _failure_config, check_placeable, describe_launch
 
 
 def test_cpu_workers_past_the_clusters_cpus_are_refused_naming_what_there_is():
@@ -38,7 +38,7 @@ def test_a_workers_user_error_comes_back_alone():
     from ray.train import WorkerGroupError
 
     from longqa.data.io import DataFileError
-    from longqa.distributed.ray_launcher import user_error
+    from longqa.train.ray_launcher import user_error
 
     mistake = DataFileError("nope.parquet: no such file")
     wrapped = RayTaskError("train", "Traceback ...", mistake).as_instanceof_cause()
@@ -52,7 +52,7 @@ def test_a_workers_user_error_comes_back_alone():
 
 def test_worker_paths_expand_the_home_folder(tmp_path, monkeypatch):
     from longqa.config import load_config
-    from longqa.distributed.ray_launcher import _absolute
+    from longqa.train.ray_launcher import _absolute
 
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.chdir(tmp_path)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from longqa.report import SINKS, MetricsLogger, read_metrics, write_report
+from longqa.train.report import SINKS, MetricsLogger, read_metrics, write_report
 
 STEP = {"reward/mean": 0.5, "reward/full_fraction": 0.375, "response_length/mean": 812.4, "response_length/max": 2048,
         "perf/tokens_per_s": 1234.4, "time/step_s": 2.0}
@@ -192,7 +192,7 @@ def test_the_report_counts_training_steps_not_the_validation_before_them(tmp_pat
 
 
 def test_write_report_draws_accuracy_by_length_at_the_first_and_last_validation(tmp_path):
-    from longqa.report import _length_curves
+    from longqa.train.report import _length_curves
 
     records = [{"step": s, "reward/mean": 0.5, "time/step_s": 1.0} for s in range(0, 31)]
     for r in records[::10]:  # validations at steps 0, 10, 20, 30; 30 measured no length

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from longqa.rollout import HFRolloutEngine, SamplingParams, response_logprobs
+from longqa.rollout.base import SamplingParams
+from longqa.rollout.hf import HFRolloutEngine, response_logprobs
 from longqa.rollout.fast import FastRolloutEngine, KVBudgetError, first_argmax, log_softmax_at
 from tiny_models import VOCAB, tiny_lm
 

@@ -7,7 +7,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-from longqa.rollout import HFRolloutEngine, SamplingParams, response_logprobs
+from longqa.rollout.base import SamplingParams
+from longqa.rollout.hf import HFRolloutEngine, response_logprobs
 from longqa.rollout.hf import filter_logits
 
 FAMILIES = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),

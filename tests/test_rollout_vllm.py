@@ -13,7 +13,8 @@ import sys
 import pytest
 import torch
 
-from longqa.rollout import HFRolloutEngine, SamplingParams, response_logprobs
+from longqa.rollout.base import SamplingParams
+from longqa.rollout.hf import HFRolloutEngine, response_logprobs
 from longqa.rollout.base import StaleWeightsError, weights_version
 from longqa.rollout.fast import FastRolloutEngine
 from longqa.rollout.vllm_engine import VLLMMissingError, import_vllm, logprobs_mode_for, training_weights

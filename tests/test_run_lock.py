@@ -8,7 +8,7 @@ import time
 import pytest
 
 from longqa.config import ConfigError
-from longqa.train.run_lock import LOCK_FILE, STALE_S, hold_run_folder
+from longqa.outputs.lock import LOCK_FILE, STALE_S, hold_run_folder
 
 
 def test_a_lock_from_another_host_holds_until_it_goes_unrefreshed_for_the_stated_time(tmp_path, monkeypatch):

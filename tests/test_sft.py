@@ -32,7 +32,7 @@ def test_sft_builds_a_model_that_loads_and_a_card(tmp_path):
 def test_sft_loss_is_on_response_tokens_only():
     import numpy as np
 
-    from longqa.sft import _collate
+    from longqa.train.sft import _collate
 
     examples = [np.array([5, 6, 7, 8], dtype=np.int32), np.array([9, 10], dtype=np.int32)]
     ids, mask, labels = _collate(examples, np.array([3, 1]), [0, 1], pad=0, device="cpu")
@@ -41,7 +41,7 @@ def test_sft_loss_is_on_response_tokens_only():
 
 
 def test_a_seeded_share_of_targets_answers_without_thinking():
-    from longqa.sft import _responses, without_thinking
+    from longqa.train.sft import _responses, without_thinking
 
     reference = "<think> A works for B. B is in C. So the answer is C. </think> \\boxed{C}"
     assert without_thinking(reference) == "<think> </think> \\boxed{C}"

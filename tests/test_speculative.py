@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from longqa.rollout import SamplingParams
+from longqa.rollout.base import SamplingParams
 from longqa.rollout import fast
 from longqa.rollout.fast import FastRolloutEngine
 from longqa.rollout.prompt_lookup import NO_TOKEN, propose, row_text
@@ -222,11 +222,11 @@ def test_the_model_s_own_modules_windows_and_soft_caps(family, options):
 
 @pytest.fixture(scope="module")
 def demo_prompts(tmp_path_factory):
-    """The embedded model and prompts of its demo's data (``longqa.demo``: 2-3 hops, ~500-token contexts,
+    """The embedded model and prompts of its demo's data (``longqa.data.demo``: 2-3 hops, ~500-token contexts,
     the demo's seed), as `longqa train` prepares them."""
     from longqa.data.prompts import PromptOptions, prepare_prompts
     from longqa.data.synth import generate
-    from longqa.demo import DEMO_DATA
+    from longqa.data.demo import DEMO_DATA
     from longqa.model.load import load_model
 
     root = tmp_path_factory.mktemp("demo-data")
@@ -241,7 +241,7 @@ def demo_prompts(tmp_path_factory):
 def test_the_embedded_model_on_its_demo_prompts(demo_prompts, temperature):
     """The embedded model's rollouts of the demo (n=4, 128 new tokens as in configs/demo.yaml): the same
     samples and log-probs, and drafts it accepts (it copies from its passages)."""
-    from longqa.evaluate import stop_token_ids
+    from longqa.evaluation.evaluate import stop_token_ids
 
     model, tokenizer, ids = demo_prompts
     params = SamplingParams(n=4, temperature=temperature, max_new_tokens=128,

@@ -3,9 +3,9 @@
 import pytest
 from transformers import Qwen3Config
 
-from longqa.bench import decode_floor_s
-from longqa.distributed.planner import GIB, ModelSizes, plan_memory
-from longqa.distributed.step_time import (DECODE_FRACTION_OF_FLOOR, GPU_ADAM_S_PER_PARAM, HOST_ADAM_S_PER_PARAM,
+from longqa.planning.flops import decode_floor_s
+from longqa.planning.planner import GIB, ModelSizes, plan_memory
+from longqa.planning.step_time import (DECODE_FRACTION_OF_FLOOR, GPU_ADAM_S_PER_PARAM, HOST_ADAM_S_PER_PARAM,
                                           NVLINK_BYTES_PER_S, OFFLOAD_BYTES_PER_S, PCIE_BYTES_PER_S, PREFILL_MFU,
                                           UPDATE_MFU, attention_mfu, plan_step_time)
 from longqa.model.shapes import SHAPES
@@ -128,8 +128,8 @@ def test_drawn_lengths_hold_each_group_until_its_longest_sample():
     """rollout.response_lengths=lognormal: the plan decodes the drawn lengths, each group for as many steps as its
     longest sample, which takes longer than every sample at their mean length."""
     from longqa.config import load_config
-    from longqa.distributed.step_time import planned_lengths
-    from longqa.lengths import draw_response_lengths
+    from longqa.planning.step_time import planned_lengths
+    from longqa.rollout.lengths import draw_response_lengths
 
     sizes = tiny()
     cfg = load_config(None, ["rollout.response_lengths=lognormal", "rollout.n=8", "data.train_batch_size=6",

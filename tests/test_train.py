@@ -15,7 +15,7 @@ import torch
 
 from longqa.cli import main
 from longqa.config import load_config
-from longqa.lengths import draw_response_lengths
+from longqa.rollout.lengths import draw_response_lengths
 from longqa.train.actor import Actor, Samples, TrainingError, lr_lambda
 from tiny_models import save_tiny_qwen3
 
@@ -205,7 +205,7 @@ def test_what_a_warm_step_compiled_again_is_said_with_why(tiny_model_dir, data_d
 def test_validation_answers_through_the_rollout_engine(tiny_model_dir, data_dir, tmp_path, monkeypatch):
     """The fast engine answers the held-out questions (greedy, without touching the run's random state):
     the metrics are those of transformers' unpadded greedy generate on the same model."""
-    import longqa.evaluate as evaluation
+    import longqa.evaluation.evaluate as evaluation
     from longqa.train.trainer import Trainer
 
     cfg = load_config(None, overrides(tiny_model_dir, data_dir, tmp_path / "run", **{"data.max_response_length": 12}))
@@ -229,7 +229,7 @@ def test_a_sharded_validation_puts_every_answer_back_in_its_place(tokenizer):
     import numpy as np
 
     from longqa.data.prompts import PromptSet
-    from longqa.evaluate import engine_greedy_responses, evaluate
+    from longqa.evaluation.evaluate import engine_greedy_responses, evaluate
     from longqa.rollout.base import Sample
 
     class Echo:
@@ -414,7 +414,8 @@ def test_a_step_in_flight_is_finished_within_the_grace_period_or_dropped(tiny_mo
 
 def test_sampled_logprobs_equal_the_training_recompute(tiny_model_dir):
     from longqa.model.load import load_model
-    from longqa.rollout import HFRolloutEngine, SamplingParams
+    from longqa.rollout.base import SamplingParams
+    from longqa.rollout.hf import HFRolloutEngine
 
     model, tokenizer = load_model(str(tiny_model_dir))
     cfg = load_config(None, ["rollout.temperature=0.8", "data.train_batch_size=2", "actor.ppo_mini_batch_size=2"])
@@ -870,7 +871,7 @@ def test_an_update_raises_the_likelihood_of_better_than_average_responses(tiny_m
 
 
 def test_budget_batches_count_padded_tokens():
-    from longqa.batching import budget_batches
+    from longqa.train.batching import budget_batches
 
     assert budget_batches([5, 3, 9, 2], [0, 1, 2, 3], 12) == [[0, 1], [2], [3]]
     assert budget_batches([20, 1], [1, 0], 4) == [[1], [0]]  # an over-budget sample goes alone
@@ -1020,7 +1021,7 @@ def test_a_damaged_checkpoint_is_refused_by_train_and_export_naming_the_file(tin
 
 HOLDER = """
 import sys, time
-from longqa.train.run_lock import hold_run_folder
+from longqa.outputs.lock import hold_run_folder
 with hold_run_folder(sys.argv[1]):
     print("held", flush=True)
     time.sleep(600)

@@ -133,9 +133,9 @@ def run_config(args: argparse.Namespace) -> Config:
     read as well: CONFIG with the overrides; without CONFIG, the embedded demo adjusted by them, unless they are
     a verl launch line (a whole run of its own, on longqa's defaults with verl's where results differ). What the
     verl keys without a counterpart are is said on stderr."""
-    from longqa.demo import DEMO_CONFIG
+    from longqa.data.demo import DEMO_CONFIG
     from longqa.config import read_config_file
-    from longqa.verl_keys import VERL_DEFAULTS, file_notes, is_verl_line, verl_notes
+    from longqa.config.verl_keys import VERL_DEFAULTS, file_notes, is_verl_line, verl_notes
 
     path, overrides = _split_config_args(args)
     if path is None and is_verl_line(overrides):  # a whole run of its own, from verl's defaults
@@ -154,8 +154,8 @@ def run_config(args: argparse.Namespace) -> Config:
 def _verl_start() -> str:
     """What a verl line without a config file starts from, with every value of that start that differs from the
     embedded demo's (what a plain `longqa train` runs), so that nobody expects the demo's data or batch."""
-    from longqa.demo import DEMO_CONFIG
-    from longqa.verl_keys import VERL_DEFAULTS, verl_start_note
+    from longqa.data.demo import DEMO_CONFIG
+    from longqa.config.verl_keys import VERL_DEFAULTS, verl_start_note
 
     def flat(cfg: Config) -> dict:
         return {f"{section}.{key}": value for section, values in to_dict(cfg).items() for key, value in values.items()}
@@ -166,7 +166,7 @@ def _verl_start() -> str:
 
 
 def cmd_config_show(args: argparse.Namespace) -> None:
-    from longqa.support import check_machine, run_device_type
+    from longqa.config.support import check_machine, run_device_type
     from longqa.train.trainer import check_settings
 
     cfg = run_config(args)
@@ -177,7 +177,7 @@ def cmd_config_show(args: argparse.Namespace) -> None:
 
 def cmd_config_keys(args: argparse.Namespace) -> None:
     if args.verl:
-        from longqa.verl_keys import verl_key_table
+        from longqa.config.verl_keys import verl_key_table
 
         for key, becomes in verl_key_table():
             print(f"{key:56s} {becomes}")
@@ -189,7 +189,7 @@ def cmd_config_keys(args: argparse.Namespace) -> None:
 def _data_output(output_dir: str, reads: dict) -> None:
     """``--output-dir`` of the data commands, checked before any work: it can be written, and it is neither what the
     command reads nor a folder another command made (a data folder's files are written anew)."""
-    from longqa.outputs import DATA, check_output_folder
+    from longqa.outputs.paths import DATA, check_output_folder
 
     _writable(output_dir, "--output-dir", folder=True)
     check_output_folder(output_dir, "--output-dir", reads, makes=DATA)
@@ -218,7 +218,7 @@ def cmd_data_synth(args: argparse.Namespace) -> None:
 def cmd_data_prepare(args: argparse.Namespace) -> None:
     from longqa.data.prompts import PromptOptions, describe_losses, prepare_prompts
     from longqa.model.load import config_tokenizer
-    from longqa.outputs import check_config_outputs
+    from longqa.outputs.paths import check_config_outputs
 
     cfg = run_config(args)
     check_config_outputs(cfg, run=False)
@@ -234,7 +234,7 @@ def cmd_data_prepare(args: argparse.Namespace) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     """0 when the run finished; ``EXIT_PREEMPTED`` when SIGTERM/SIGINT stopped it with a checkpoint to resume."""
-    from longqa.demo import ensure_demo_data, uses_demo_data
+    from longqa.data.demo import ensure_demo_data, uses_demo_data
     from longqa.train.preemption import EXIT_PREEMPTED
     from longqa.train.trainer import train
 
@@ -256,7 +256,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _check_verl_data(args: argparse.Namespace, cfg: Config) -> None:
     """A verl line without a config file has no data files unless it names them: say why, not only that."""
-    from longqa.verl_keys import is_verl_line, verl_start_note
+    from longqa.config.verl_keys import is_verl_line, verl_start_note
 
     path, overrides = _split_config_args(args)
     if not cfg.data.train_files and path is None and is_verl_line(overrides):
@@ -300,7 +300,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     import json
 
     from longqa.data.prompts import PromptOptions, prepare_prompts
-    from longqa.evaluate import (answer_engine, check_model_folder, describe_cut_responses, describe_prompt_losses,
+    from longqa.evaluation.evaluate import (answer_engine, check_model_folder, describe_cut_responses, describe_prompt_losses,
                                  evaluate, format_groups, format_table, mode_reward, prompt_counts)
     from longqa.model.load import answer_dtype, load_model, load_model_tokenizer, pick_device, position_limit_warning
 
@@ -333,7 +333,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
 def _eval_outputs(args: argparse.Namespace, reads: dict, folder: bool = False) -> tuple[Path | None, Path | None]:
     """``--output`` (with ``folder``: a folder) and ``--samples``, when given, checked before any work: each can be
     written, neither is what the command reads or another command's, and they are not one file."""
-    from longqa.outputs import check_output_file, check_output_folder
+    from longqa.outputs.paths import check_output_file, check_output_folder
 
     output = _writable(args.output, "--output", folder=folder) if args.output else None
     samples = _writable(args.samples, "--samples") if args.samples else None
@@ -348,7 +348,7 @@ def _eval_outputs(args: argparse.Namespace, reads: dict, folder: bool = False) -
 
 def _eval_longbench(args: argparse.Namespace) -> None:
     """``eval --longbench`` (answer, then score the files written) and ``--longbench-scores`` (score alone)."""
-    from longqa import longbench
+    from longqa.evaluation import longbench
 
     folder, datasets = args.longbench_scores, None
     if args.longbench:
@@ -356,7 +356,7 @@ def _eval_longbench(args: argparse.Namespace) -> None:
             raise ConfigError("--longbench needs --output: the folder for the prediction files and result.json")
         if args.max_prompt_length < 2:
             raise ConfigError(f"--max-prompt-length must be at least 2, got {args.max_prompt_length}")
-        from longqa.evaluate import answer_engine, describe_cut_responses
+        from longqa.evaluation.evaluate import answer_engine, describe_cut_responses
         from longqa.model.load import answer_dtype, load_model, pick_device
 
         _eval_outputs(args, {"--longbench": [args.longbench], "--model": [args.model]}, folder=True)
@@ -378,7 +378,7 @@ def _eval_longbench(args: argparse.Namespace) -> None:
 def cmd_export(args: argparse.Namespace) -> None:
     from longqa.config import load_config_dict
     from longqa.model.load import config_tokenizer, load_model
-    from longqa.outputs import MODEL, check_output_folder
+    from longqa.outputs.paths import MODEL, check_output_folder
     from longqa.train.checkpoint import (EXPORT_FILES, CheckpointError, check_export_folder, export_hf, is_complete,
                                          latest_of_folder, read_trainer_state)
 
@@ -405,7 +405,7 @@ def cmd_export(args: argparse.Namespace) -> None:
 def cmd_sft(args: argparse.Namespace) -> None:
     import dataclasses
 
-    from longqa.sft import SFTOptions, run_sft
+    from longqa.train.sft import SFTOptions, run_sft
 
     options = SFTOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SFTOptions)})
     shape = [_flag(name) for name in SFT_NEW_MODEL_OPTIONS if getattr(args, name) != args.sft_defaults[name]]
@@ -433,7 +433,7 @@ def _check_bench(args: argparse.Namespace, backend: str = "auto") -> None:
     """What a bench is asked for and cannot do, refused before it builds its model: a device this machine
     lacks, a kernel or attention backend the device cannot run, a --json that cannot be written."""
     from longqa.model.load import pick_device
-    from longqa.support import attention_backend_problem, decode_kernel_problem
+    from longqa.config.support import attention_backend_problem, decode_kernel_problem
 
     device = pick_device(args.device, "--device").type
     kernel = getattr(args, "decode_kernel", None) or "auto"  # the benches that sample choose one
@@ -443,13 +443,13 @@ def _check_bench(args: argparse.Namespace, backend: str = "auto") -> None:
     if problems:
         raise ConfigError("; ".join(problems))
     if args.json:
-        from longqa.outputs import check_output_file
+        from longqa.outputs.paths import check_output_file
 
         check_output_file(_writable(args.json, "--json"), "--json")
 
 
 def cmd_bench_train(args: argparse.Namespace) -> None:
-    from longqa.bench import bench_train
+    from longqa.bench.speed import bench_train
 
     _check_bench(args, args.backend)
     _save_results(args, bench_train(args.shape, args.prompt, args.response, args.n, tuple(args.layouts), args.repeat,
@@ -459,7 +459,7 @@ def cmd_bench_train(args: argparse.Namespace) -> None:
 
 
 def cmd_bench_rollout(args: argparse.Namespace) -> None:
-    from longqa.bench import bench_rollout
+    from longqa.bench.speed import bench_rollout
 
     _check_bench(args)
     _save_results(args, bench_rollout(args.shape, args.prompt, args.new_tokens, args.n, tuple(args.groups),
@@ -476,7 +476,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
 
 
 def cmd_bench_step(args: argparse.Namespace) -> None:
-    from longqa.bench import bench_grpo_step
+    from longqa.bench.speed import bench_grpo_step
 
     _check_bench(args, args.backend)
     if args.overlap and args.profile:
@@ -502,11 +502,11 @@ def cmd_cluster(args: argparse.Namespace) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
-    from longqa.distributed.fit import Machine, check_run_plan, largest_shape, plan_run, shape_sizes
-    from longqa.distributed.host_memory import HOST_GIB_PER_GPU
-    from longqa.distributed.planner import (GIB, check_data_parallel, check_sampler_ranks, describe_training,
+    from longqa.planning.fit import Machine, check_run_plan, largest_shape, plan_run, shape_sizes
+    from longqa.planning.host_memory import HOST_GIB_PER_GPU
+    from longqa.planning.planner import (GIB, check_data_parallel, check_sampler_ranks, describe_training,
                                             model_sizes, resolve_micro_batch_tokens)
-    from longqa.distributed.step_time import planned_lengths, step_time_config
+    from longqa.planning.step_time import planned_lengths, step_time_config
 
     if args.largest and args.shape:
         raise ConfigError("--largest tries every known shape, --shape sizes one: give either")
@@ -583,9 +583,9 @@ def _check_plan_flags(args: argparse.Namespace, cfg: Config) -> None:
 
 def _plan_split(cfg, sizes, machine, response_length: int | None, what: str) -> None:
     """``longqa plan --split``: every split of the GPUs between sampler and training ranks, and the proposal."""
-    from longqa.distributed.planner import PlanError, describe_training
-    from longqa.distributed.split_plan import best_split, plan_splits, splits_table
-    from longqa.distributed.step_time import seconds
+    from longqa.planning.planner import PlanError, describe_training
+    from longqa.planning.split_plan import best_split, plan_splits, splits_table
+    from longqa.planning.step_time import seconds
 
     colocated, splits = plan_splits(cfg, sizes, machine, response_length)
     print(f"{what}, {describe_training(cfg)}; rollout.mode=one_step_off with sampler ranks of their own "
@@ -764,7 +764,7 @@ def _add_model_commands(groups: argparse._SubParsersAction) -> None:
 
 def _add_sft_command(groups: argparse._SubParsersAction) -> None:
     """``longqa sft``: its flags are the fields of ``SFTOptions``, so the two cannot drift apart."""
-    from longqa.sft_options import SFTOptions
+    from longqa.config.sft_options import SFTOptions
 
     p = groups.add_parser("sft", help="supervised warm-up on reference responses (builds the embedded default)",
                           description="Train a model on the reference responses of verl-schema rows "
@@ -793,8 +793,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     """The fast engine's decode-step choices, and the responses' lengths, for the benches that sample."""
     from typing import get_args, get_type_hints
 
-    from longqa.config_schema import RolloutConfig
-    from longqa.lengths import LENGTH_KINDS
+    from longqa.config.schema import RolloutConfig
+    from longqa.rollout.lengths import LENGTH_KINDS
 
     # rollout.speculative's methods, read from the schema: the engine's module would load torch for --help
     methods = [m for m in get_args(get_type_hints(RolloutConfig)["speculative"]) if m != "off"]
@@ -967,7 +967,7 @@ def _reported_errors() -> tuple[type[Exception], ...]:
     from longqa.data.io import DataFileError
     from longqa.data.loongrl import SourceError
     from longqa.distributed.cluster import HostfileError
-    from longqa.distributed.planner import PlanError
+    from longqa.planning.planner import PlanError
     from longqa.model.load import ModelError
     from longqa.model.tokenizer import TokenizerError
     from longqa.rollout.fast import KVBudgetError

@@ -13,10 +13,19 @@ import functools
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from longqa.algo import entropy_from_logits
 from longqa.model.attention import NO_MASK, prepare, use_longqa_attention
 from longqa.model.attention_spec import LogitsSpec, logits_spec
 from longqa.model.packing import PackedBatch
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) over the last dim, ``logsumexp(z) - sum(softmax(z) * z)``.
+
+    Never takes ``log(p)``, so it stays finite when probabilities underflow; half precision is computed in
+    float32. Apply it chunk-wise over the sequence to bound the ``[*, V]`` temporaries.
+    """
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
 
 
 def _head_chunk(hidden: torch.Tensor, weight: torch.Tensor, bias, targets: torch.Tensor, temperature: float,

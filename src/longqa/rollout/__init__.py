@@ -1,6 +1,3 @@
-"""Rollout: sampling the GRPO group of responses for each prompt, behind one engine interface."""
-
-from longqa.rollout.base import RolloutEngine, Sample, SamplingParams
-from longqa.rollout.hf import HFRolloutEngine, response_logprobs
-
-__all__ = ["HFRolloutEngine", "RolloutEngine", "Sample", "SamplingParams", "response_logprobs"]
+"""Rollout: sampling the GRPO group of responses for each prompt, behind one engine interface (``base``): the fast
+engine (``fast``, with its decode step and kernels), the plain transformers reference (``hf``), vLLM
+(``vllm_engine``) and sampler ranks of their own (``remote``)."""

@@ -10,6 +10,11 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     import torch
 
+ENGINE_KV_SHARE = 0.4  # the fast engine's default KV budget: this share of the GPU memory the model leaves free
+# A sampler rank's (rollout.sampler_ranks): no update shares its GPU, so its KV cache takes most of what the model
+# leaves; the rest is the prefill's activations, the logits and the decode step's graphs.
+SAMPLER_KV_SHARE = 0.85
+
 
 @dataclass(frozen=True, kw_only=True)
 class SamplingParams:

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 
 import torch
 
-from longqa import algo
-from longqa.batching import budget_batches, collate_right
+from longqa.train import algo
+from longqa.train.batching import budget_batches, collate_right
 from longqa.config import Config
 from longqa.distributed import deepspeed
 from longqa.distributed.env import all_reduce, world_size
 from longqa.distributed.fsdp import shard_model
-from longqa.distributed.planner import AUTO, ModelSizes, float32_masters, resolve_micro_batch_tokens
+from longqa.planning.planner import AUTO, ModelSizes, float32_masters, resolve_micro_batch_tokens
 from longqa.model.attention import PADDED_BACKENDS, length_step, resolve_backend, use_longqa_attention
 from longqa.model.logprobs import packed_logprobs, token_logprobs
 from longqa.model.packing import build_packed_batch, plan_packs

@@ -54,6 +54,7 @@ import numpy as np
 import torch
 
 from longqa.distributed.deepspeed import TAG as DEEPSPEED
+from longqa.outputs.layout import EXPORT_FILES, MARKER, TRAINER_STATE, checkpoints_dir
 
 __all__ = [
     "CheckpointError",
@@ -72,10 +73,8 @@ __all__ = [
     "set_rng_state",
 ]
 
-MARKER = "COMPLETE"
 DIGESTS = "sha256"  # the marker's {file: hex digest of its bytes}; checkpoints of earlier versions have none
-MODEL, OPTIMIZER, SCHEDULER, RNG, TRAINER_STATE, SHARDED = (
-    "model.pt", "optimizer.pt", "scheduler.pt", "rng.json", "trainer_state.json", "state")
+MODEL, OPTIMIZER, SCHEDULER, RNG, SHARDED = "model.pt", "optimizer.pt", "scheduler.pt", "rng.json", "state"
 _STEP_DIR = re.compile(r"step_(\d+)")
 _TMP, _TRASH = ".tmp-", ".trash-"
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -83,11 +82,6 @@ _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be written, found or read; the message says what to do about it."""
-
-
-def checkpoints_dir(run_dir: str | os.PathLike) -> Path:
-    """Where a run keeps its checkpoints, one ``step_*`` folder each."""
-    return Path(run_dir) / "checkpoints"
 
 
 def is_complete(path: str | os.PathLike) -> bool:
@@ -657,19 +651,10 @@ def follow_umask(paths: Iterable[str | os.PathLike]) -> None:
         os.chmod(path, 0o666 & ~umask)
 
 
-# The files of a Hugging Face folder that an export writes (``save_pretrained`` of a model and of its tokenizer). An
-# output folder that holds only such files is a previous export, which a new export replaces; any other file in it
-# (an sft model card, a run's checkpoints) would end up beside weights it does not describe (``longqa.outputs``).
-EXPORT_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
-                "model-*-of-*.safetensors", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "added_tokens.json",
-                "tokenizer.model")
-
-
 def check_export_folder(out_dir: str | os.PathLike, checkpoint: str | os.PathLike) -> None:
     """Refuse, before any weight is read, an output folder inside the checkpoint or its run's checkpoints folder,
     where saving and ``keep_last`` delete step folders. (What an existing folder may hold is the rule of every
-    command's outputs, ``longqa.outputs.check_output_folder``.)"""
+    command's outputs, ``longqa.outputs.paths.check_output_folder``.)"""
     out, checkpoint = Path(out_dir).resolve(), Path(checkpoint).resolve()
     folder = checkpoint.parent if checkpoint.parent.name == checkpoints_dir("").name else checkpoint
     if out == folder or folder in out.parents:

@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 
 from longqa.config import ConfigError
-from longqa.distributed.planner import master_bytes
+from longqa.planning.planner import master_bytes
 from longqa.train.checkpoint import checkpoints_dir, is_complete
 
 GB = 1e9

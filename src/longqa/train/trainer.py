@@ -22,37 +22,39 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from longqa import algo, reward
-from longqa.bench import counts_flops, group_flops
-from longqa.compile_cache import load_run_cache, save_run_cache, use_user_cache
-from longqa.compile_watch import CompileWatch
+from longqa import reward
+from longqa.train import algo
+from longqa.planning.flops import counts_flops, group_flops
+from longqa.model.compile_cache import load_run_cache, save_run_cache, use_user_cache
+from longqa.model.compile_watch import CompileWatch
 from longqa.config import Config, ConfigError, to_dict
 from longqa.data.prompts import (GROUPS, PromptOptions, PromptSet, describe_losses, prepare_prompts, readable_files,
                                  tally)
 from longqa.distributed.deepspeed import check_deepspeed
 from longqa.distributed.env import DistEnv, Split, all_reduce, gather_objects, leave_group
-from longqa.distributed.planner import (SAMPLER_KV_SHARE, check_batch_shares, check_data_parallel, check_run,
+from longqa.planning.planner import (check_batch_shares, check_data_parallel, check_run,
                                         check_sampler_ranks, describe_training, float32_masters)
-from longqa.evaluate import evaluate, stop_token_ids
-from longqa.lengths import draw_response_lengths
+from longqa.evaluation.evaluate import evaluate, stop_token_ids
+from longqa.rollout.lengths import draw_response_lengths
 from longqa.model.load import (compile_decoder_layers, compiled_graphs, config_tokenizer, load_model,
                                load_model_config, pick_device, position_limit_warning, resolve_model_path)
-from longqa.outputs import check_config_outputs
-from longqa.report import LENGTH_ACCURACY, METRICS_FILE, MetricsLogger, read_metrics, write_report
-from longqa.rollout import HFRolloutEngine, SamplingParams
-from longqa.rollout.base import Sample, bump_weights_version, weights_version
+from longqa.outputs.paths import check_config_outputs
+from longqa.train.report import LENGTH_ACCURACY, METRICS_FILE, MetricsLogger, read_metrics, write_report
+from longqa.rollout.base import SamplingParams
+from longqa.rollout.hf import HFRolloutEngine
+from longqa.rollout.base import SAMPLER_KV_SHARE, Sample, bump_weights_version, weights_version
 from longqa.rollout.decode_step import unsupported_reason
 from longqa.rollout.fast import FastRolloutEngine
 from longqa.rollout.remote import RemoteRolloutEngine, serve, stop_sampler
 from longqa.rollout.vllm_engine import VLLMRolloutEngine, import_vllm, logprobs_mode_for
-from longqa.support import check_machine
+from longqa.config.support import check_machine
 from longqa.train.actor import Actor, Samples, TrainingError
 from longqa.train.checkpoint import (checkpoints_dir, later_checkpoints, load_checkpoint, read_trainer_state,
                                      resolve_resume, rng_state, save_checkpoint, set_rng_state)
 from longqa.train.checkpoint_space import check_checkpoint_space, count_parameters
 from longqa.train.preemption import StopRequest, preempted_message
 from longqa.train.resume import CHANGES_KEY, DATA_KEY, change_history, check_resume, data_fingerprint, describe_changes
-from longqa.train.run_lock import hold_run_folder
+from longqa.outputs.lock import hold_run_folder
 
 AHEAD_KEY = "sampled_ahead"  # in trainer_state.json: rollout.mode=one_step_off's groups for the next step
 
@@ -1041,7 +1043,7 @@ def train(cfg: Config, stop_file: str | None = None, run_lock: str | None = None
         check_sampler_ranks(cfg, job.world_size)
     with hold_run_folder(Path(cfg.trainer.output_dir).expanduser(), holder=job.rank == 0, job=run_lock) as token:
         if cfg.trainer.launcher == "ray":
-            from longqa.distributed.ray_launcher import run_with_ray
+            from longqa.train.ray_launcher import run_with_ray
 
             check_before_workers(cfg)
 

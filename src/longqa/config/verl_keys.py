@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from longqa.config_schema import ConfigError, all_keys, checked, is_key, parse_value, split_override, unknown_key
+from longqa.config.schema import ConfigError, all_keys, checked, is_key, parse_value, split_override, unknown_key
 
 ACTOR, ROLLOUT, MODEL = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.", "actor_rollout_ref.model."
 # Top-level sections only verl has: a key under one of them is verl's, whatever its name.

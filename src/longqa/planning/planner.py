@@ -46,15 +46,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from longqa.config import ConfigError
-from longqa.distributed.activations import Activations, Compute, sft_activations, update_activations
+from longqa.rollout.base import ENGINE_KV_SHARE, SAMPLER_KV_SHARE
+from longqa.planning.activations import Activations, Compute, sft_activations, update_activations
 
 GIB = 2**30
 MARGIN_BYTES = 6 * GIB  # CUDA context, NCCL buffers, allocator fragmentation
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-ENGINE_KV_SHARE = 0.4  # the fast engine's default KV budget (rollout/fast.py): this share of the free GPU memory
-# A sampler rank's (rollout.sampler_ranks): no update shares its GPU, so its KV cache takes most of what the model
-# leaves; the rest is the prefill's activations, the logits and the decode step's graphs.
-SAMPLER_KV_SHARE = 0.85
 
 
 class PlanError(ValueError):

@@ -5,7 +5,7 @@ and number of layers: one micro-batch of the GRPO update (``Actor.accumulate_gra
 micro-batch built, its forward, the PPO-clip loss, its backward) and one ``longqa sft`` step (``sft_loss``
 and its backward, under the autocast ``longqa sft`` uses on a GPU). Each runs once first, so the weights'
 gradients exist and lazy set-up is done, then again while measured; what it allocates above what existed
-before is set beside ``activation_bytes`` (``distributed/activations.py``), the count the checks use.
+before is set beside ``activation_bytes`` (``planning/activations.py``), the count the checks use.
 
 How the peak is measured (``peak_bytes``):
 
@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from longqa.distributed.activations import Activations, Compute, sft_activations, update_activations
+from longqa.planning.activations import Activations, Compute, sft_activations, update_activations
 
 
 def peak_bytes(fn, device: torch.device) -> int:
@@ -88,8 +88,8 @@ class Case:
 def _model(shape: str, device: torch.device, dtype: torch.dtype, recomputed: float, layers: int | None,
            vocab: int | None, compiled: bool = False):
     """A random-weight model of ``shape`` (``longqa bench``'s) and its sizes as the planner reads them."""
-    from longqa.bench import random_model
-    from longqa.distributed.planner import ModelSizes
+    from longqa.bench.speed import random_model
+    from longqa.planning.planner import ModelSizes
 
     model = random_model(shape, device, dtype, recomputed, compiled, layers=layers, vocab=vocab)
     return model, ModelSizes.from_config(model.config)
@@ -139,8 +139,8 @@ def sft_case(shape: str, *, batch_tokens: int, longest: int, layers: int | None 
     """One ``longqa sft`` step on float32 weights: ``batch_tokens // longest`` rows padded to ``longest`` tokens,
     the first that long and the others shorter (padded), each a prompt and a response of a quarter of it; under
     bfloat16 autocast where ``longqa sft`` uses it (CUDA), or as asked."""
-    from longqa.batching import collate_right
-    from longqa.sft import sft_autocast, sft_loss
+    from longqa.train.batching import collate_right
+    from longqa.train.sft import sft_autocast, sft_loss
 
     dev = torch.device(device)
     model, sizes = _model(shape, dev, torch.float32, 0.0, layers, vocab)

@@ -45,13 +45,14 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from longqa.outputs.layout import METRICS_FILE, REPORT_DIR, WANDB_ID_FILE
+
 __all__ = ["LENGTH_ACCURACY", "MetricsLogger", "SINKS", "read_metrics", "write_report"]
 
 SINKS = ("console", "jsonl", "tensorboard", "wandb")
 REWARD, FULL_REWARD, VAL_PREFIX = "reward/mean", "reward/full_fraction", "val/"
 LENGTH_MEAN, LENGTH_MAX = "response_length/mean", "response_length/max"
 TOKENS_PER_S, STEP_TIME, REWARD_ERRORS = "perf/tokens_per_s", "time/step_s", "reward_errors"
-METRICS_FILE, WANDB_ID_FILE, REPORT_DIR = "metrics.jsonl", "wandb_run_id", "report"
 LENGTH_ACCURACY, LENGTH_PLOT = "val/accuracy@", "accuracy_by_length.png"
 
 

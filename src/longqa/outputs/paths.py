@@ -17,6 +17,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from longqa.config import Config, ConfigError
+from longqa.outputs.layout import (EXPORT_FILES, MARKER, METRICS_FILE, MODEL_CARD, MODEL_CONFIG, REPORT_DIR, SFT_SUMMARY,
+                                   TRAINER_STATE, WANDB_ID_FILE, checkpoints_dir)
 
 # The kinds of folder the commands make, as ``folder_kind`` names them (in the order it looks for them).
 CHECKPOINT, RUN, SFT_MODEL, MODEL, DATA = ("a training checkpoint", "a training run folder",
@@ -26,9 +28,6 @@ CHECKPOINT, RUN, SFT_MODEL, MODEL, DATA = ("a training checkpoint", "a training 
 GOES_ON_IN = {RUN: "a run folder, which the run resumes", SFT_MODEL: "a previous longqa sft folder, which is replaced",
               MODEL: "a previous export, which is replaced", DATA: "a data folder, whose files are rewritten"}
 
-# The files ``longqa sft`` writes beside a model's: its model card and the summary by which its folders are known.
-MODEL_CARD, SFT_SUMMARY = "README.md", "sft_summary.json"
-MODEL_CONFIG = "config.json"  # every Hugging Face model folder's
 
 
 def _path(path: str | os.PathLike) -> Path:
@@ -43,10 +42,6 @@ def folder_kind(path: str | os.PathLike) -> str | None:
     folder = Path(os.path.expanduser(str(path)))
     if not folder.is_dir():
         return None
-    # (checkpoint.py loads torch: imported only where there is a folder to look at)
-    from longqa.report import METRICS_FILE
-    from longqa.train.checkpoint import MARKER, TRAINER_STATE, checkpoints_dir
-
     if (folder / TRAINER_STATE).is_file() or (folder / MARKER).is_file():
         return CHECKPOINT
     if (folder.name == checkpoints_dir("").name or checkpoints_dir(folder).is_dir()
@@ -72,9 +67,6 @@ def _kind_files(kind: str | None) -> tuple[str, ...]:
     """The files that make a folder of ``kind`` what it is, as patterns of their paths inside it: what its command
     wrote there (a folder no command made: all its files). Others, such as an eval's JSON kept in a run or model
     folder, belong to whoever wrote them."""
-    from longqa.report import METRICS_FILE, REPORT_DIR, WANDB_ID_FILE
-    from longqa.train.checkpoint import EXPORT_FILES, checkpoints_dir
-
     model = (*EXPORT_FILES, MODEL_CARD, SFT_SUMMARY, "*.gguf")
     return {RUN: (METRICS_FILE, WANDB_ID_FILE, f"{REPORT_DIR}/*", f"{checkpoints_dir('').name}/*"),
             SFT_MODEL: model, MODEL: model, DATA: ("*.parquet",)}.get(kind, ("*",))

@@ -1,7 +1,7 @@
 """Loading a config: defaults, then a YAML file, then dotted ``key=value`` overrides (longqa's keys or verl's
 launch-line keys), each value checked as it is applied, before any work starts.
 
-The keys themselves, their types and rules live in ``longqa.config_schema``; the names a user imports
+The keys themselves, their types and rules live in ``longqa.config.schema``; the names a user imports
 (``Config``, ``ConfigError``, ...) are re-exported here.
 """
 
@@ -15,9 +15,9 @@ from typing import Any
 
 import yaml
 
-from longqa.config_schema import (_flatten, _hints, _sections, _set, Config, ConfigError, RewardConfig, all_keys,
+from longqa.config.schema import (_flatten, _hints, _sections, _set, Config, ConfigError, RewardConfig, all_keys,
                                   checked, expand_paths, parse_override, path_keys)
-from longqa.verl_keys import resolve_file_keys, resolve_overrides
+from longqa.config.verl_keys import resolve_file_keys, resolve_overrides
 
 # Re-exported: the names users and the package import from here.
 __all__ = ["Config", "ConfigError", "all_keys", "checked", "key_help", "load_config", "load_config_dict",
@@ -43,7 +43,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
                 base: dict[str, Any] | None = None) -> Config:
     """Defaults (``reward.mode``'s from ``REWARD_CALC_TYPE`` when set) with ``base`` over them (longqa keys, e.g.
     verl's defaults for a verl launch line), then the YAML file, then the overrides (longqa's keys or verl's
-    launch-line keys, see ``longqa.verl_keys``); each value checked as it is applied, every bad override named
+    launch-line keys, see ``longqa.config.verl_keys``); each value checked as it is applied, every bad override named
     in one error."""
     cfg = Config()
     if mode := environment_reward_mode():

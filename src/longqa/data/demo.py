@@ -7,7 +7,7 @@ from pathlib import Path
 
 from longqa.config import Config, load_config
 
-DEMO_CONFIG = Path(__file__).resolve().parent / "configs" / "demo.yaml"
+DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 # Short contexts (~500 tokens) with 2-3 hops, like the model's warm-up data but from another seed;
 # 25% held out gives 450 validation questions.
 DEMO_DATA = {"rows_per_task": 600, "context_tokens": 512, "max_hops": 3, "test_ratio": 0.25, "seed": 2026}

@@ -11,8 +11,8 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-from longqa.distributed.host_memory import HostPlan, check_host_plan, fitting_offload_ratio, plan_host_config
-from longqa.distributed.planner import (DTYPE_BYTES, MemoryPlan, ModelSizes, PlanError, check_config, plan_config,
+from longqa.planning.host_memory import HostPlan, check_host_plan, fitting_offload_ratio, plan_host_config
+from longqa.planning.planner import (DTYPE_BYTES, MemoryPlan, ModelSizes, PlanError, check_config, plan_config,
                                         resolve_micro_batch_tokens)
 
 

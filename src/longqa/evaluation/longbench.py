@@ -156,7 +156,7 @@ def predict(model, tokenizer, examples: dict[str, list[dict]], out_dir: str | os
     optionally every full response as JSONL (with its ``finish_reason``); returns rows, prompts truncated,
     responses cut by ``max_new_tokens`` and seconds. ``engine``: a rollout engine that answers instead of
     ``model``'s ``generate`` (``evaluate.answer_engine``)."""
-    from longqa.evaluate import engine_greedy_responses, greedy_responses
+    from longqa.evaluation.evaluate import engine_greedy_responses, greedy_responses
 
     start = time.perf_counter()
     order = [(dataset, example) for dataset, rows in examples.items() for example in rows]

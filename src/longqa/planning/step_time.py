@@ -6,10 +6,10 @@ Every rank does the same work on its own share of the step's groups, so a step t
   (``max_response_length`` tokens each, a mean response length if given, or under
   ``rollout.response_lengths=lognormal`` each sample's drawn length, a group holding its slot until its
   longest sample ends; with as many groups in flight as the GPU plan's KV cache holds), each at the HBM
-  floor of ``longqa.bench.decode_floor_s`` (the weights once per step, each group's prompt KV once, each
+  floor of ``longqa.planning.flops.decode_floor_s`` (the weights once per step, each group's prompt KV once, each
   sample's own KV) over ``DECODE_FRACTION_OF_FLOOR``;
 - old log-probs: when a step has several mini-batches (or epochs), one forward pass over all samples;
-- update: the packed micro-batches' training FLOPs (``longqa.bench.group_flops`` on the packs
+- update: the packed micro-batches' training FLOPs (``longqa.planning.flops.group_flops`` on the packs
   ``plan_packs`` makes, plus a third of the forward for each recomputed layer): the matrix products at
   ``UPDATE_MFU``, attention's (query, key) pairs at ``attention_mfu(head_dim)``, since the attention
   kernels' rate falls with the head dimension (a small model at long prompts spends most of its update
@@ -38,11 +38,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from longqa.bench import H200_BF16_PEAK, decode_floor_s, group_flops, per_sample_lengths
-from longqa.distributed.activations import saved_activation_widths
-from longqa.distributed.planner import (DTYPE_BYTES, MemoryPlan, ModelSizes, master_bytes, offload_fraction,
+from longqa.planning.flops import H200_BF16_PEAK, decode_floor_s, group_flops, per_sample_lengths
+from longqa.planning.activations import saved_activation_widths
+from longqa.planning.planner import (DTYPE_BYTES, MemoryPlan, ModelSizes, master_bytes, offload_fraction,
                                        offloads, recomputed_fraction)
-from longqa.lengths import draw_response_lengths
+from longqa.rollout.lengths import draw_response_lengths
 
 # Fast engine, 16 groups x 8, Qwen3-1.7B, 8,192-token prompts, 1,024 new tokens: 79.5% (8cd9084), 80.0% and
 # 79.5% (a7e656b) and 73.7% (4317a29) of the HBM floor.

@@ -26,7 +26,7 @@ import torch
 
 from longqa import reward
 from longqa.config import ConfigError
-from longqa.outputs import CHECKPOINT, RUN, folder_kind
+from longqa.outputs.paths import CHECKPOINT, RUN, folder_kind
 
 
 # A reward function: (data_source, response, ground_truth, extra_info) -> reward.RewardResult, as the trainer

@@ -187,7 +187,7 @@ def run_with_ray(cfg: Config, train: Callable[..., dict]) -> dict:
     if stopped is not None:
         print(preempted_message(stopped["step"], stopped["checkpoint"]), flush=True)  # the driver's log is kept
         return {"steps": stopped["step"], "report": None, "preempted": stopped}
-    from longqa.report import read_metrics
+    from longqa.train.report import read_metrics
 
     steps = max((r["step"] for r in read_metrics(run_dir / "metrics.jsonl")), default=0)
     report = run_dir / "report" / "summary.md"

@@ -1,6 +1,6 @@
 """The options of ``longqa sft``: one field per command-line flag.
 
-Kept apart from ``sft.py`` (which needs torch) so the ``longqa`` command can build its flags without
+Kept apart from ``train/sft.py`` (which needs torch) so the ``longqa`` command can build its flags without
 importing torch.
 """
 

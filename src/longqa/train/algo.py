@@ -1,4 +1,4 @@
-"""GRPO-family math as pure tensor functions: advantages, the clipped policy loss, loss aggregation, entropy, KL.
+"""GRPO-family math as pure tensor functions: advantages, the clipped policy loss, loss aggregation, KL.
 
 Names and definitions follow verl (``verl/trainer/ppo/core_algos.py``). Nothing here knows about models or
 engines, so every function can be checked against numbers worked out by hand.
@@ -157,16 +157,6 @@ def global_denominators(masks: list[Tensor], max_response_length: int | None = N
         "num_seqs": sum(int((m.sum(dim=-1) > 0).sum()) for m in masks),
         "max_response_length": max_response_length,
     }
-
-
-def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Entropy of softmax(logits) over the last dim, ``logsumexp(z) - sum(softmax(z) * z)``.
-
-    Never takes ``log(p)``, so it stays finite when probabilities underflow; half precision is computed in
-    float32. Apply it chunk-wise over the sequence to bound the ``[*, V]`` temporaries.
-    """
-    z = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
 
 
 def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str = "low_var_kl") -> Tensor:

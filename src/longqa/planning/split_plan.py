@@ -18,10 +18,11 @@ import dataclasses
 from dataclasses import dataclass
 
 from longqa.config import ConfigError
-from longqa.distributed.fit import Machine
-from longqa.distributed.planner import (DTYPE_BYTES, SAMPLER_KV_SHARE, ModelSizes, PlanError, check_config,
+from longqa.planning.fit import Machine
+from longqa.rollout.base import SAMPLER_KV_SHARE
+from longqa.planning.planner import (DTYPE_BYTES, ModelSizes, PlanError, check_config,
                                         check_data_parallel, kv_bytes_per_group, plan_config)
-from longqa.distributed.step_time import (NETWORK_BYTES_PER_S, NVLINK_BYTES_PER_S, StepTime, seconds,
+from longqa.planning.step_time import (NETWORK_BYTES_PER_S, NVLINK_BYTES_PER_S, StepTime, seconds,
                                           step_time_config)
 
 

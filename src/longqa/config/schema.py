@@ -5,7 +5,7 @@ Key names follow the seed recipe (verl) where one exists, so a recipe's command 
 here: ``data.train_files=... data.max_prompt_length=16384 rollout.n=8 algo.clip_ratio=0.2``.
 A wrong key (with the closest one suggested), a wrong type or a bad value is refused with one message that
 names the key, because a typo found after an hour of sampling is an hour lost. Loading files and overrides
-(``longqa.config``) and reading verl's launch-line keys (``longqa.verl_keys``) both build on this module.
+(``longqa.config``) and reading verl's launch-line keys (``longqa.config.verl_keys``) both build on this module.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """What a machine supports of what a config or a command asks for: the devices and packages some choices need.
 
-The config checks each value on its own (``config_schema.py``); whether this machine can run it depends on its
+The config checks each value on its own (``config/schema.py``); whether this machine can run it depends on its
 devices and installed packages, which a config file does not know. These checks run before any work, the same
 in ``longqa config show`` and ``longqa train`` (the trainer once it has picked its device; under
 ``trainer.launcher=ray`` the driver, then each worker on its own machine) and in the benches for their flags.
@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from longqa.config import Config, ConfigError
+from longqa.config.schema import Config, ConfigError
 
 # The optional package a setting's value needs, and how to install it (each is imported where it is used).
 PACKAGES = {"trainer.logger=tensorboard": ("tensorboard", "pip install tensorboard"),

@@ -32,8 +32,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from longqa.distributed.activations import saved_activation_widths
-from longqa.distributed.planner import (DEEPSPEED_SUB_GROUP_SIZE, DTYPE_BYTES, GIB, ModelSizes, PlanError,
+from longqa.planning.activations import saved_activation_widths
+from longqa.planning.planner import (DEEPSPEED_SUB_GROUP_SIZE, DTYPE_BYTES, GIB, ModelSizes, PlanError,
                                        host_share, master_bytes, offload_ratio, offloads, training_state,
                                        zero3_sub_groups)
 

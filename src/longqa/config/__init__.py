@@ -1,0 +1,14 @@
+"""Settings: the typed config tree and each key's rule (``schema``), loading a file and ``key=value`` overrides
+(``load``), verl's launch-line keys (``verl_keys``), what a machine supports (``support``) and the supervised
+warm-up's options (``sft_options``).
+
+The names users and the rest of the package import (``Config``, ``ConfigError``, ``load_config``, ...) are
+re-exported here, so ``from longqa.config import load_config`` reads as it always has.
+"""
+
+from longqa.config.load import (Config, ConfigError, all_keys, checked, environment_reward_mode, key_help,
+                                 load_config, load_config_dict, parse_override, path_keys, read_config_file, to_dict,
+                                 to_yaml)
+
+__all__ = ["Config", "ConfigError", "all_keys", "checked", "environment_reward_mode", "key_help", "load_config",
+           "load_config_dict", "parse_override", "path_keys", "read_config_file", "to_dict", "to_yaml"]
