@@ -1,7 +1,9 @@
 import json
+import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -598,6 +600,25 @@ def test_version_is_said(capsys):
         main(["--version"])
     assert stop.value.code == 0
     assert capsys.readouterr().out == f"longqa {version('longqa')}\n"
+
+
+def test_a_source_checkout_runs_without_being_installed():
+    """The GPU scripts run `PYTHONPATH=src python -m longqa.cli ...` from a checkout with no install, where the
+    package's metadata does not exist: hidden here, the command still parses, says its version (the installed one
+    when there is one: both are ``longqa.__version__``) and its help."""
+    import longqa
+
+    hide = ("import importlib.metadata as m, runpy, sys\n"
+            "def missing(name, *args, **kwargs):\n    raise m.PackageNotFoundError(name)\n"
+            "m.version = m.distribution = m.metadata = missing\n"
+            "sys.argv = ['longqa', *sys.argv[1:]]\n"
+            "runpy.run_module('longqa.cli', run_name='__main__')\n")
+    src = Path(longqa.__file__).resolve().parent.parent
+    for argv, says in ((["--version"], f"longqa {longqa.__version__}"), (["train", "--help"], "usage: longqa train")):
+        done = subprocess.run([sys.executable, "-c", hide, *argv], capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": str(src)})
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith(says), done.stdout
 
 
 def _commands(parser, path=()):

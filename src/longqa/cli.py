@@ -9,6 +9,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from longqa import __version__
 from longqa.config import Config, ConfigError, key_help, load_config, to_dict, to_yaml
 
 DESCRIPTION = """\
@@ -947,10 +948,10 @@ def _add_config_commands(groups: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from importlib.metadata import version
-
+    # The version the package states itself (pyproject.toml reads the same attribute), not the installed metadata,
+    # which a source checkout run as `PYTHONPATH=src python -m longqa.cli` does not have.
     parser = _Parser(prog="longqa", description=DESCRIPTION, formatter_class=_RootFormatter)
-    parser.add_argument("--version", action="version", version=f"longqa {version('longqa')}")
+    parser.add_argument("--version", action="version", version=f"longqa {__version__}")
     groups = parser.add_subparsers(dest="group", metavar="COMMAND", required=True)
     _add_data_commands(groups)
     _add_model_commands(groups)

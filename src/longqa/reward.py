@@ -394,7 +394,7 @@ def _fractions(text: str) -> str:
 
 
 def _latex_symbol(name: str) -> str:
-    """A command without an argument: a Greek letter as itself (``\pi`` is "π"), anything else (spacing,
+    r"""A command without an argument: a Greek letter as itself (``\pi`` is "π"), anything else (spacing,
     ``\left``, ``\displaystyle``) a space."""
     for case in ("SMALL", "CAPITAL"):
         try:
