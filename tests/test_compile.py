@@ -175,6 +175,7 @@ NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
     ("cpu", "split", torch.float32),  # Dynamo's graphs and guards, without Inductor's kernels
     pytest.param("cuda", "flex", torch.float32, marks=NEEDS_CUDA),
     pytest.param("cuda", "split", torch.bfloat16, marks=NEEDS_CUDA)])
+@pytest.mark.slow
 def test_after_compiling_every_length_bucket_no_update_compiles_again(device, backend, dtype):
     """Updates of random prompt and response lengths, off-policy (an old log-prob pass too), after
     ``compile_length_buckets``: no new graph. The model comes in evaluation mode, as a loaded model does: Dynamo

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 from longqa.cli import main
@@ -40,6 +41,7 @@ def fresh_env(**settings) -> dict:
     return {**env, **{k: str(v) for k, v in settings.items()}}
 
 
+@pytest.mark.slow
 def test_a_second_start_finds_its_graphs_in_the_user_s_cache_folder(tmp_path):
     env = fresh_env(XDG_CACHE_HOME=tmp_path / "cache")
     first, second = compile_in_a_new_process(env), compile_in_a_new_process(env)
@@ -64,6 +66,7 @@ def test_the_user_s_folder_follows_xdg_and_home(monkeypatch, tmp_path):
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
 
 
+@pytest.mark.slow
 def test_a_run_folder_carries_its_graphs_to_a_machine_that_never_compiled_them(tiny_model_dir, data_dir,
                                                                                 tmp_path, monkeypatch):
     """A run that compiles (here one function, in its second update) leaves ``compile_cache.bin`` in its
@@ -89,12 +92,14 @@ def test_a_run_folder_carries_its_graphs_to_a_machine_that_never_compiled_them(t
     assert without["misses"] >= 1  # what the copy saved
 
 
+@pytest.mark.slow
 def test_a_copy_torch_cannot_read_costs_only_the_compile(tmp_path):
     (tmp_path / RUN_CACHE_FILE).write_bytes(b"not a cache")
     result = compile_in_a_new_process(fresh_env(TORCHINDUCTOR_CACHE_DIR=tmp_path / "cache"), tmp_path)
     assert not result["loaded"] and result["misses"] >= 1
 
 
+@pytest.mark.slow
 def test_the_graphs_are_in_the_run_folder_from_the_first_step_on_without_a_checkpoint(tiny_model_dir, data_dir,
                                                                                       tmp_path, monkeypatch):
     """A run that saves no checkpoint (trainer.save_freq=0: one whose checkpoints do not fit its disk, or a job

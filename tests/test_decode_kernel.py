@@ -350,6 +350,7 @@ def test_cuda_graph_capture():
             torch.testing.assert_close(out[row].cpu().double(), ref, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.slow
 @needs_triton
 @pytest.mark.parametrize("family", ["qwen3", "mistral", "gemma2"])
 def test_the_engine_samples_the_same_with_the_kernel_as_with_matmuls(family):
@@ -375,6 +376,7 @@ def test_the_engine_samples_the_same_with_the_kernel_as_with_matmuls(family):
             assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
 
 
+@pytest.mark.slow
 @needs_triton
 def test_with_the_kernel_every_decode_step_has_the_same_graph_key(monkeypatch):
     """The decode step's views (its CUDA graph's key) through runs whose groups hold prompts of 1 to 70 tokens and

@@ -237,6 +237,7 @@ def demo_prompts(tmp_path_factory):
     return model, tokenizer, [prompt_set.ids(i).tolist() for i in range(6)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [1.0, 0.0])
 def test_the_embedded_model_on_its_demo_prompts(demo_prompts, temperature):
     """The embedded model's rollouts of the demo (n=4, 128 new tokens as in configs/demo.yaml): the same

@@ -369,6 +369,7 @@ def test_near_misses_fill_a_short_context_first_and_a_longer_one_keeps_them():
             assert s["near_miss_facts"], "the last link's near miss is in every context"
 
 
+@pytest.mark.slow
 def test_data_synth_measures_contexts_with_a_gguf_model_s_own_tokenizer(tmp_path):
     from longqa.model.load import ModelError, load_model_tokenizer, smollm2_gguf_path
 
