@@ -231,3 +231,17 @@ def test_the_8b_translation_table_is_the_tested_one():
     doc = (ROOT / "docs" / "verl-launch-line.md").read_text()
     for name, key, value in RECIPE_8B:
         assert f"| {name} | `{key}={value}` |" in doc
+
+
+def test_the_package_table_names_every_module_where_it_is():
+    """docs/architecture.md's table of packages names each package's modules: each one it names exists in that
+    package, and each module of a package is named in its row, so the map cannot fall behind the code."""
+    package = ROOT / "src" / "longqa"
+    rows = re.findall(r"^\| `(\w+)/` \| (.+) \|$", (ROOT / "docs" / "architecture.md").read_text(), re.M)
+    folders = sorted(p.name for p in package.iterdir() if (p / "__init__.py").is_file())
+    assert sorted(name for name, _ in rows) == folders
+    for name, text in rows:
+        named = set(re.findall(r"`(\w+)\.py`", text))
+        modules = {p.stem for p in (package / name).glob("*.py") if p.stem != "__init__"}
+        assert named == modules, f"{name}/: the table names {sorted(named - modules)} that are not there and " \
+                                 f"leaves out {sorted(modules - named)}"
