@@ -11,7 +11,8 @@ from longqa.cli import main
 from longqa.config import load_config
 from longqa.model.load import load_model_config
 from longqa.train import checkpoint_space
-from longqa.train.checkpoint_space import check_checkpoint_space, checkpoint_bytes, count_parameters, save_steps
+from longqa.train.checkpoint_space import (DiskSpaceError, check_checkpoint_space, checkpoint_bytes, count_parameters,
+                                           save_steps)
 from test_train import overrides, tiny_model_dir  # noqa: F401
 
 SETTINGS = {  # name: overrides; every strategy and precision of the stepped weights
@@ -81,7 +82,7 @@ def test_the_warning_names_the_save_that_a_simulation_finds_failing(tmp_path, mo
     saves = save_steps(2, existing, 11)  # after steps 2, 4, ..., 10 and the last, 11
     expected = simulated_failing_save(existing, len(saves), keep_last, room)
     if expected == 1:
-        with pytest.raises(Exception, match="the first save, after step"):
+        with pytest.raises(DiskSpaceError, match="the first save, after step"):
             check_checkpoint_space(cfg, run, params, 1, existing, 11)
         return
     warning = check_checkpoint_space(cfg, run, params, 1, existing, 11)

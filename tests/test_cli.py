@@ -183,15 +183,14 @@ def test_eval_answers_in_the_type_asked_and_says_which(tmp_path, capsys):
 def test_eval_engine_auto_is_generate_on_a_cpu_and_fast_refuses_a_model_it_cannot_hold():
     from transformers import MambaConfig, MambaForCausalLM
 
-    from longqa.config import ConfigError
-    from longqa.evaluation.evaluate import answer_engine
+    from longqa.evaluation.evaluate import EngineChoiceError, answer_engine
     from longqa.rollout.fast import FastRolloutEngine
     from tiny_models import tiny_lm
 
     mamba = MambaForCausalLM(MambaConfig(num_hidden_layers=1, hidden_size=16, state_size=4, vocab_size=64))
     assert answer_engine(mamba, None, "auto") is None and answer_engine(mamba, None, "hf") is None
-    with pytest.raises(ConfigError, match="--engine fast cannot answer with this model .*linear_attention.*"
-                                          "--engine hf can"):
+    with pytest.raises(EngineChoiceError, match="--engine fast cannot answer with this model .*linear_attention.*"
+                                                "--engine hf can"):
         answer_engine(mamba, None, "fast")
     assert answer_engine(tiny_lm(), None, "auto") is None  # a CPU model
     engine = answer_engine(tiny_lm(), None, "fast", batch_size=5)

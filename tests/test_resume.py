@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from longqa.config import Config, ConfigError, all_keys, checked, load_config, to_dict
-from longqa.train.resume import (APPLIED_ON_RESUME, REFUSED_ON_RESUME, check_resume, config_changes, data_fingerprint,
-                                 describe_changes)
+from longqa.train.resume import (APPLIED_ON_RESUME, REFUSED_ON_RESUME, ResumeError, check_resume, config_changes,
+                                 data_fingerprint, describe_changes)
 
 CHECKPOINT = Path("run/checkpoints/step_00000003")
 
@@ -71,7 +71,7 @@ def test_each_key_changed_alone_is_applied_or_refused_as_classified(key):
         assert [str(c) for c in changes] == [difference] and not changes[0].refused
         assert describe_changes(changes, 3) == [f"  changed since the checkpoint, applied from step 4 on: {difference}"]
     else:
-        with pytest.raises(ConfigError) as e:
+        with pytest.raises(ResumeError) as e:
             check_resume(CHECKPOINT, recorded, cfg)
         message = str(e.value)
         assert "\n" not in message and f"checkpoint {CHECKPOINT} was written with other settings" in message
@@ -91,7 +91,7 @@ def test_every_refused_difference_is_named_at_once_beside_those_that_would_apply
         section, _, name = key.partition(".")
         setattr(getattr(cfg, section), name, another_value(key))
     cfg.trainer.resume_allow_changes = False
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(ResumeError) as e:
         check_resume(CHECKPOINT, recorded, cfg)
     message = str(e.value)
     refused, _, applied = message.partition(" (these would apply: ")
@@ -121,7 +121,7 @@ def test_a_key_the_checkpoint_does_not_record_is_compared_with_its_default():
     recorded = to_dict(Config())
     del recorded["rollout"]["speculative"], recorded["rollout"]["n"]
     assert check_resume(CHECKPOINT, recorded, Config()) == []
-    with pytest.raises(ConfigError, match="rollout.n 8 -> 4"):
+    with pytest.raises(ResumeError, match="rollout.n 8 -> 4"):
         check_resume(CHECKPOINT, recorded, load_config(None, ["rollout.n=4"]))
 
 
@@ -134,7 +134,7 @@ def test_data_replaced_under_the_same_name_is_refused_unless_allowed(tmp_path, m
     recorded, then = to_dict(cfg), data_fingerprint(cfg)
     assert check_resume(CHECKPOINT, recorded, cfg, then, data_fingerprint(cfg)) == []
     (tmp_path / "d" / "train.parquet").write_bytes(b"other rows")
-    with pytest.raises(ConfigError, match=r"data.train_files: the contents of d/train.parquet changed since the "
+    with pytest.raises(ResumeError, match=r"data.train_files: the contents of d/train.parquet changed since the "
                                           r"checkpoint; resume with"):
         check_resume(CHECKPOINT, recorded, cfg, then, data_fingerprint(cfg))
     cfg.trainer.resume_allow_changes = True

@@ -7,8 +7,7 @@ import time
 
 import pytest
 
-from longqa.config import ConfigError
-from longqa.outputs.lock import LOCK_FILE, STALE_S, hold_run_folder
+from longqa.outputs.lock import LOCK_FILE, STALE_S, RunFolderBusy, hold_run_folder
 
 
 def test_a_lock_from_another_host_holds_until_it_goes_unrefreshed_for_the_stated_time(tmp_path, monkeypatch):
@@ -21,8 +20,8 @@ def test_a_lock_from_another_host_holds_until_it_goes_unrefreshed_for_the_stated
     elsewhere.__enter__()  # a run on node-7, never ended (its node was lost)
     monkeypatch.setattr(socket, "gethostname", lambda: here)
     try:
-        with pytest.raises(ConfigError, match=rf"trainer.output_dir={run} is in use by another run \(host node-7, "
-                                              rf"pid {os.getpid()}, started "):
+        with pytest.raises(RunFolderBusy, match=rf"trainer.output_dir={run} is in use by another run \(host node-7, "
+                                                rf"pid {os.getpid()}, started "):
             with hold_run_folder(run):
                 pass
         old = time.time() - STALE_S - 60
@@ -49,7 +48,7 @@ def test_the_processes_of_one_job_share_the_lock(tmp_path):
         with hold_run_folder(run, job=token):
             pass
         assert (run / LOCK_FILE).is_file()
-        with pytest.raises(ConfigError, match="is in use by another run .*, not this job's driver"):
+        with pytest.raises(RunFolderBusy, match="is in use by another run .*, not this job's driver"):
             with hold_run_folder(run, job="another"):
                 pass
     assert not (run / LOCK_FILE).exists()

@@ -18,12 +18,18 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from longqa.config import ConfigError
+from longqa.config.command_options import check_test_ratio
 
 ROW_FILE_SUFFIXES = (".parquet", ".jsonl", ".json")
 
 
 class DataFileError(ValueError):
     """A data file is missing, unreadable or holds something other than rows."""
+
+
+class TooFewRowsError(ConfigError):
+    """The rows to split are too few for the test ratio: its test rows would leave none to train on, so the ratio
+    or the data given is what to change. A ``ConfigError``, reported in one line."""
 
 
 def check_data_file(path: Path) -> None:
@@ -98,11 +104,11 @@ def split_train_test(n_rows: int, test_ratio: float, seed: int) -> tuple[np.ndar
     rows, the rest for training, both taken from one ``np.random.default_rng(seed).permutation(n)``.
     Reproducing the draw (not only the sizes) gives the very rows the recipe trains on.
     """
-    if not 0.0 < test_ratio < 1.0:
-        raise ConfigError(f"test ratio must be in (0, 1), got {test_ratio}")
+    check_test_ratio(test_ratio)
     n_test = math.ceil(test_ratio * n_rows)
     if n_test >= n_rows:
-        raise ConfigError(f"{n_rows} rows are too few for a test ratio of {test_ratio}: no training row would be left")
+        raise TooFewRowsError(f"{n_rows} rows are too few for a test ratio of {test_ratio}: no training row would "
+                              f"be left")
     permutation = np.random.default_rng(seed).permutation(n_rows)
     return permutation[n_test:], permutation[:n_test]
 

@@ -72,7 +72,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from longqa.config import ConfigError
+from longqa.config.command_options import MAX_HOPS, MIN_CONTEXT_TOKENS  # noqa: F401 (the limits of its options)
+from longqa.config.command_options import SYNTH_TASKS as TASKS, check_synth_options
 from longqa.model.tokenizer import TokenizerError
 
 from .io import task_splits, write_splits, write_task_splits
@@ -81,8 +82,7 @@ from .schema import QA_PREFIX, SYSTEM_PROMPT, make_row, question_suffix, with_sy
 __all__ = ["STYLES", "TASKS", "SynthConfig", "approx_tokens", "generate", "generate_rows", "keychain_count",
            "length_folder", "length_misses", "make_synth_row", "make_synth_rows", "token_counter"]
 
-TASKS = ("hotpotqa", "musique", "2wikimqa")
-STYLES = {
+STYLES = {  # the question styles of each of TASKS (the tasks the options may name)
     "hotpotqa": ("bridge", "comparison"),
     "musique": ("chain",),
     "2wikimqa": ("compositional", "inference", "comparison", "bridge_comparison"),
@@ -91,8 +91,6 @@ COMPARISON_STYLES = ("comparison", "bridge_comparison")
 
 DEFAULT_ROWS_PER_TASK = 200
 DEFAULT_CONTEXT_TOKENS = 1024
-MIN_CONTEXT_TOKENS = 256  # short contexts for CPU demos; the question's own passages may overrun the target
-MAX_HOPS = 6  # deeper nesting reads as noise rather than as a question
 KEYCHAIN_HOPS = 4  # key:value pairs per chain, the last value being a question
 KEY_HEX_DIGITS = 8
 MAX_MISSES = 16  # passages in a row that did not fit before the context counts as full
@@ -1075,14 +1073,7 @@ def make_synth_rows(task: str, index: int, config: SynthConfig, lengths: Sequenc
 
 
 def _check(tasks: tuple[str, ...], config: SynthConfig, lengths: tuple[int, ...] = ()) -> None:
-    unknown = [t for t in tasks if t not in STYLES]
-    if unknown or not tasks:
-        raise ConfigError(f"unknown tasks {unknown}; choose from {', '.join(TASKS)}")
-    if not 2 <= config.min_hops <= config.max_hops <= MAX_HOPS:
-        raise ConfigError(f"need 2 <= min_hops <= max_hops <= {MAX_HOPS}, got {config.min_hops}..{config.max_hops}")
-    for length in lengths or (config.context_tokens,):
-        if length < MIN_CONTEXT_TOKENS:
-            raise ConfigError(f"context lengths must be at least {MIN_CONTEXT_TOKENS} tokens, got {length}")
+    check_synth_options(tasks, config.min_hops, config.max_hops, lengths or (config.context_tokens,))
     token_counter(config.tokenizer)  # a tokenizer that cannot be read fails here, not in the first row (or worker)
 
 

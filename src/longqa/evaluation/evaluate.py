@@ -34,6 +34,16 @@ from longqa.outputs.paths import CHECKPOINT, RUN, folder_kind
 RewardFn = Callable[..., reward.RewardResult]
 
 
+class EngineChoiceError(ConfigError):
+    """The engine asked for (``--engine fast``) cannot answer with the model given; another engine can. A
+    ``ConfigError``, reported in one line."""
+
+
+class ModelFolderError(ConfigError):
+    """A folder given as the model to answer with holds none: a training run, a checkpoint (which ``longqa export``
+    turns into a model folder) or a folder without a model's config. A ``ConfigError``, reported in one line."""
+
+
 def mode_reward(mode: str = "hardened") -> RewardFn:
     """longqa's own reward in ``mode`` (see ``longqa.reward``)."""
     return functools.partial(reward.score_detailed, mode=mode)
@@ -131,7 +141,7 @@ def answer_engine(model, tokenizer, choice: str = "auto", batch_size: int = 64, 
         return FastRolloutEngine(model, tokenizer, max_groups=batch_size, dtype=dtype)
     except UnsupportedModelError as e:
         if choice == "fast":
-            raise ConfigError(f"--engine fast cannot answer with this model ({e}); --engine hf can") from None
+            raise EngineChoiceError(f"--engine fast cannot answer with this model ({e}); --engine hf can") from None
         return None
 
 
@@ -269,13 +279,13 @@ def check_model_folder(path: str | None, flag: str = "--model") -> None:
     export = f"run `longqa export {path} OUT` first and give {flag} OUT"
     kind = folder_kind(folder)
     if kind == CHECKPOINT:
-        raise ConfigError(f"{flag} {path} is {CHECKPOINT}, not a model folder: {export}")
+        raise ModelFolderError(f"{flag} {path} is {CHECKPOINT}, not a model folder: {export}")
     if kind == RUN:
-        raise ConfigError(f"{flag} {path} is {RUN}, not a model folder: {export} (it exports the run's latest "
-                          f"complete checkpoint)")
+        raise ModelFolderError(f"{flag} {path} is {RUN}, not a model folder: {export} (it exports the run's latest "
+                               f"complete checkpoint)")
     if not (folder / "config.json").is_file() and not any(folder.glob("*.gguf")):
         why = "it is empty" if not any(folder.iterdir()) else "no config.json"
-        raise ConfigError(f"{flag} {path} holds no model ({why}): give a model folder, hub id or GGUF file")
+        raise ModelFolderError(f"{flag} {path} holds no model ({why}): give a model folder, hub id or GGUF file")
 
 
 def describe_prompt_losses(prompts, options, name: str = "prompts") -> list[str]:

@@ -34,11 +34,16 @@ from typing import Any
 
 from longqa.config import ConfigError
 
-__all__ = ["LOCK_FILE", "REFRESH_S", "STALE_S", "hold_run_folder"]
+__all__ = ["LOCK_FILE", "REFRESH_S", "STALE_S", "RunFolderBusy", "hold_run_folder"]
 
 LOCK_FILE = "run.lock"
 REFRESH_S = 60.0  # how often a run touches its lock
 STALE_S = 600.0  # a lock from another host not touched for this long was left by a run that is gone
+
+
+class RunFolderBusy(ConfigError):
+    """``trainer.output_dir`` is held by another live run (or its lock will not settle): that run must end, or this
+    one be given another folder. A ``ConfigError``, reported in one line."""
 
 
 def _read_text(path: str) -> str | None:
@@ -160,13 +165,13 @@ def _take(lock: Path, record: dict, say: Callable[[str], Any], folder: str) -> N
         seen, holder, age = found
         why = _stale(holder, age)
         if why is None:
-            raise ConfigError(f"trainer.output_dir={folder} is in use by another run ({_describe(holder)}): wait for "
-                              f"it to end or stop it, or give this run another trainer.output_dir")
+            raise RunFolderBusy(f"trainer.output_dir={folder} is in use by another run ({_describe(holder)}): wait for "
+                                f"it to end or stop it, or give this run another trainer.output_dir")
         _discard(lock, seen)
         say(f"note: trainer.output_dir={folder} was held by a run that is gone ({_describe(holder)}; {why}): this run "
             f"takes it over")
-    raise ConfigError(f"trainer.output_dir={folder}: its lock ({lock}) keeps changing hands; is another run starting "
-                      f"there?")
+    raise RunFolderBusy(f"trainer.output_dir={folder}: its lock ({lock}) keeps changing hands; is another run starting "
+                        f"there?")
 
 
 def _refresh(lock: Path, stop: threading.Event) -> None:
@@ -191,8 +196,8 @@ def hold_run_folder(run_dir: str | os.PathLike, *, holder: bool = True, job: str
     if job is not None:
         found = _read(lock)
         if found is not None and found[1].get("token") != job:
-            raise ConfigError(f"trainer.output_dir={run_dir} is in use by another run ({_describe(found[1])}), not "
-                              f"this job's driver: give this run another trainer.output_dir")
+            raise RunFolderBusy(f"trainer.output_dir={run_dir} is in use by another run ({_describe(found[1])}), not "
+                                f"this job's driver: give this run another trainer.output_dir")
         yield job
         return
     run_dir.mkdir(parents=True, exist_ok=True)

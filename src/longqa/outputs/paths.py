@@ -29,6 +29,10 @@ GOES_ON_IN = {RUN: "a run folder, which the run resumes", SFT_MODEL: "a previous
               MODEL: "a previous export, which is replaced", DATA: "a data folder, whose files are rewritten"}
 
 
+class OutputPathError(ConfigError):
+    """An output path a command was given is one it reads, or a file or folder another command made: the setting
+    that names it is what to change. A ``ConfigError``, reported in one line."""
+
 
 def _path(path: str | os.PathLike) -> Path:
     return Path(os.path.expanduser(str(path))).resolve()
@@ -86,15 +90,15 @@ def check_output_file(path: str | os.PathLike, setting: str, reads: Reads | None
     target = _path(path)
     for read_setting, given, read in _reads(reads):
         if target == read:
-            raise ConfigError(f"{setting} {path} is {read_setting}'s file, which this command reads: give another "
-                              f"path")
+            raise OutputPathError(f"{setting} {path} is {read_setting}'s file, which this command reads: give another "
+                                  f"path")
         if target.is_file() and read in target.parents and _belongs(target, read, folder_kind(read)):
-            raise ConfigError(f"{setting} {path} is a file of {read_setting} {given}, which this command reads: "
-                              f"give another path")
+            raise OutputPathError(f"{setting} {path} is a file of {read_setting} {given}, which this command reads: "
+                                  f"give another path")
     if target.is_file():
         for folder in list(target.parents)[:2]:
             if (kind := folder_kind(folder)) and _belongs(target, folder, kind):
-                raise ConfigError(f"{setting} {path} is a file of {kind}, {folder}: give another path")
+                raise OutputPathError(f"{setting} {path} is a file of {kind}, {folder}: give another path")
 
 
 def check_output_folder(path: str | os.PathLike, setting: str, reads: Reads | None = None, makes: str | None = None,
@@ -106,22 +110,22 @@ def check_output_folder(path: str | os.PathLike, setting: str, reads: Reads | No
     target = _path(path)
     for read_setting, given, read in _reads(reads):
         if target == read:
-            raise ConfigError(f"{setting} {path} is {read_setting}'s folder, which this command reads: give "
-                              f"another folder")
+            raise OutputPathError(f"{setting} {path} is {read_setting}'s folder, which this command reads: give "
+                                  f"another folder")
         if target == read.parent and read.is_file():
-            raise ConfigError(f"{setting} {path} holds {read_setting} {given}, which this command reads: give "
-                              f"another folder")
+            raise OutputPathError(f"{setting} {path} holds {read_setting} {given}, which this command reads: give "
+                                  f"another folder")
     instead = f", or {GOES_ON_IN[makes]}" if makes else ""
     if (kind := folder_kind(target)) not in (None, makes):
-        raise ConfigError(f"{setting} {path} is {kind}: give a new or empty folder{instead}")
+        raise OutputPathError(f"{setting} {path} is {kind}: give a new or empty folder{instead}")
     if files is None or not target.is_dir():
         return
     patterns = tuple(files)
     others = sorted(p.name for p in target.iterdir() if not any(fnmatch.fnmatch(p.name, f) for f in patterns))
     if others:
         shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
-        raise ConfigError(f"{setting} {path} holds files no {writer} writes ({shown}): give a new or empty "
-                          f"folder{instead}")
+        raise OutputPathError(f"{setting} {path} holds files no {writer} writes ({shown}): give a new or empty "
+                              f"folder{instead}")
 
 
 def config_reads(cfg: Config) -> dict[str, list]:

@@ -18,6 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from longqa.config import ConfigError
+from longqa.config.command_options import check_split_gpus
 from longqa.planning.fit import Machine
 from longqa.rollout.base import SAMPLER_KV_SHARE
 from longqa.planning.planner import (DTYPE_BYTES, ModelSizes, PlanError, check_config,
@@ -90,8 +91,7 @@ def plan_split(cfg, sizes: ModelSizes, machine: Machine, samplers: int,
 def plan_splits(cfg, sizes: ModelSizes, machine: Machine,
                 response_length: int | None = None) -> tuple[Colocated, list[SplitPlan]]:
     """The synchronous, colocated step on all the GPUs, and every split of them (1 to G - 1 samplers)."""
-    if machine.gpus < 2:
-        raise ConfigError("sampler ranks of their own need at least 2 GPUs: plan with --gpus 2 or more")
+    check_split_gpus(machine.gpus)
     together = copy.deepcopy(cfg)
     together.rollout.sampler_ranks = 0  # (whatever the config sets: each split sets its own)
     plan = plan_config(together, sizes, machine.gpus, machine.gpu_bytes)

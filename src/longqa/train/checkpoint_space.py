@@ -21,6 +21,11 @@ from longqa.train.checkpoint import checkpoints_dir, is_complete
 GB = 1e9
 
 
+class DiskSpaceError(ConfigError):
+    """The disk of ``trainer.output_dir`` has no room for the run's first checkpoint: another folder, more free
+    space or no checkpoints is what to change. A ``ConfigError``, reported in one line."""
+
+
 def checkpoint_bytes(cfg, params: int, world_size: int) -> int:
     """Bytes of one checkpoint on disk, all ranks' files together: the stepped weights and two moments (the
     scheduler, random states and trainer state are kilobytes; ZeRO-3's model-states file holds no weights)."""
@@ -75,9 +80,9 @@ def check_checkpoint_space(cfg, run_dir: Path, params: int, world_size: int, sta
         if added * size <= free:
             continue
         if number == 1:
-            raise ConfigError(f"{what}: the first save, after step {step}, would find the disk full. Point "
-                              f"trainer.output_dir at a disk with room, free space, or set trainer.save_freq=0 "
-                              f"(no checkpoints)")
+            raise DiskSpaceError(f"{what}: the first save, after step {step}, would find the disk full. Point "
+                                 f"trainer.output_dir at a disk with room, free space, or set trainer.save_freq=0 "
+                                 f"(no checkpoints)")
         room = free // size
         fitting = room - 1 + existing  # the keep_last whose peak (fitting + 1 on disk, existing found) fits
         lower = f"trainer.keep_last={fitting} keeps it within the free space, " if fitting >= 1 else ""

@@ -73,6 +73,11 @@ DATA_FILE_KEYS = ("data.train_files", "data.val_files")
 CHANGES_KEY = "resumed_with_changes"  # in trainer_state.json: [{"step": N, "changes": {key: [old, new]}}, ...]
 
 
+class ResumeError(ConfigError):
+    """The checkpoint a run resumes was written with settings (or data) that change what the run computes: resume
+    with its values, allow the changes, or start a new run elsewhere. A ``ConfigError``, reported in one line."""
+
+
 # Keys naming files: the same file given relative to the working folder or absolute (as the Ray launcher gives
 # its workers) is the same setting.
 PATH_KEYS = frozenset({"model.path", "model.tokenizer_path", "data.train_files", "data.val_files", "reward.path"})
@@ -172,7 +177,7 @@ def data_changes(recorded: dict, then: dict | None, cfg: Config, now: dict) -> l
 
 def check_resume(checkpoint: Path, recorded: dict, cfg: Config, data_then: dict | None = None,
                  data_now: dict | None = None) -> list[Change]:
-    """The changes resuming from ``checkpoint`` with ``cfg`` makes; a ConfigError naming every change that
+    """The changes resuming from ``checkpoint`` with ``cfg`` makes; a ResumeError naming every change that
     alters what the run computes, unless ``trainer.resume_allow_changes`` allows them. ``data_then`` and
     ``data_now``: the data fingerprints (``data_fingerprint``) of the checkpoint and of this run."""
     changes = config_changes(recorded, cfg)
@@ -182,7 +187,7 @@ def check_resume(checkpoint: Path, recorded: dict, cfg: Config, data_then: dict 
     if refused and not cfg.trainer.resume_allow_changes:
         applied = [c for c in changes if not c.refused]
         also = f" (these would apply: {'; '.join(map(str, applied))})" if applied else ""
-        raise ConfigError(
+        raise ResumeError(
             f"checkpoint {checkpoint} was written with other settings that change what the run computes: "
             f"{'; '.join(map(str, refused))}{also}; resume with the checkpoint's values, set "
             f"trainer.resume_allow_changes=true to go on with the new ones, or start a new run in another "

@@ -94,13 +94,18 @@ def _examples(prompts: PromptSet, tokenizer, options: SFTOptions) -> tuple[list[
     return ids, np.asarray(starts)
 
 
+class PositionLimitError(ConfigError):
+    """A training example is longer than the model's position limit: the limit (``--max-positions``) or the
+    prompts' (``--max-prompt-length``) is what to change. A ``ConfigError``, reported in one line."""
+
+
 def check_positions(longest: int, limit: int) -> None:
     """Refuse examples longer than the model's position limit before training on them: a RoPE model would
     train on the extra positions without complaint, and a model whose declared limit is too short would
     then be refused, or cut, by the tools that trust the limit (vLLM, for one)."""
     if longest > limit:
-        raise ConfigError(f"the longest training example has {longest} tokens, more than the model's "
-                          f"{limit} positions: raise --max-positions or lower --max-prompt-length")
+        raise PositionLimitError(f"the longest training example has {longest} tokens, more than the model's "
+                                 f"{limit} positions: raise --max-positions or lower --max-prompt-length")
 
 
 def _batches(lengths: np.ndarray, batch_tokens: int, rng: random.Random) -> list[list[int]]:
