@@ -510,23 +510,26 @@ def test_a_users_file_that_cannot_work_is_refused(tmp_path, text, message):
 
 
 def test_settings_that_cannot_work_are_refused_before_any_weight_loads(tmp_path, monkeypatch):
+    from longqa.config.checks import check_settings
+    from longqa.config.support import check_imports
+
     cfg = load_config(None, ["actor.strategy=deepspeed", f"actor.deepspeed_config={tmp_path / 'missing.json'}"])
     with pytest.raises(ConfigError, match="missing.json: no such file"):
         zero3.check_deepspeed(cfg, torch.device("cpu"))
     with pytest.raises(ConfigError, match="needs rollout.engine=fast or vllm"):
-        zero3.check_deepspeed(load_config(None, ["actor.strategy=deepspeed", "rollout.engine=hf"]), torch.device("cpu"))
+        check_settings(load_config(None, ["actor.strategy=deepspeed", "rollout.engine=hf"]))
     with pytest.raises(ConfigError, match="config key 'actor.strategy' must be one of"):
         load_config(None, ["actor.strategy=zero3"])
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # as if not installed
     with pytest.raises(ConfigError, match=r"needs DeepSpeed, which cannot be imported .*pip install "
                                           r"'longqa\[deepspeed\]'"):
-        zero3.check_deepspeed(load_config(None, ["actor.strategy=deepspeed"]), torch.device("cpu"))
+        check_imports(load_config(None, ["actor.strategy=deepspeed"]))
 
 
 @pytest.mark.parametrize("settings,refused", [(["actor.cpu_offload=true"], True), (["actor.strategy=deepspeed"], True),
                                               (["actor.strategy=deepspeed", "actor.cpu_offload=true"], False)])
 def test_a_partial_offload_is_deepspeed_s_own_offload(settings, refused):
-    from longqa.train.trainer import check_offload
+    from longqa.config.checks import check_offload
 
     cfg = load_config(None, [*settings, "actor.cpu_offload_ratio=0.4"])
     if refused:

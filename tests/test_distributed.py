@@ -203,7 +203,7 @@ def test_one_process_steps_float32_masters_of_a_bf16_model(master_weights):
     import torch.distributed as dist
 
     from longqa.distributed.fsdp import full_state_dict
-    from longqa.planning.planner import float32_masters
+    from longqa.config.checks import float32_masters
 
     cfg = config("true", "token-mean", 40)
     cfg.model.dtype, cfg.actor.master_weights = "bfloat16", master_weights
@@ -727,7 +727,7 @@ def test_one_process_offloads_its_training_state_and_resumes_like_the_plain_run(
 
 def test_offloaded_shards_need_an_engine_with_its_own_weights():
     from longqa.config import ConfigError
-    from longqa.train.trainer import check_offload
+    from longqa.config.checks import check_offload
 
     with pytest.raises(ConfigError, match="actor.cpu_offload=true needs rollout.engine=fast or vllm"):
         check_offload(load_config(None, ["actor.cpu_offload=true", "rollout.engine=hf"]))

@@ -24,7 +24,7 @@ import pytest
 
 from longqa.cli import _split_config_args, build_parser, main
 from longqa.config import load_config
-from longqa.planning.planner import check_data_parallel
+from longqa.config.checks import check_data_parallel
 
 ROOT = Path(__file__).resolve().parent.parent
 GUIDE = ROOT / "docs" / "recipe-on-a-cluster.md"

@@ -150,7 +150,7 @@ def test_the_trainer_check_names_the_largest_micro_batch_budget_that_fits(tmp_pa
     dense backend, whose grouped heads leave SDPA its math kernel (scores kept in every layer). At 8K prompts not
     even one sample fits an H200 (the check says to use flex); at 2K it names the largest budget that fits."""
     from longqa.config import load_config
-    from longqa.planning.planner import check_run, plan_config
+    from longqa.planning.planner import check_fit, plan_config
 
     LlamaConfig(**SMOLLM2).save_pretrained(tmp_path)  # config.json alone: the check reads no weight
     sizes = ModelSizes.from_config(LlamaConfig(**SMOLLM2))
@@ -159,7 +159,7 @@ def test_the_trainer_check_names_the_largest_micro_batch_budget_that_fits(tmp_pa
                      "data.train_batch_size=64"]
         cfg = load_config("configs/gpu-long.yaml", overrides)
         with pytest.raises(PlanError) as refused:
-            check_run(cfg, world_size=1, gpu_bytes=H200)
+            check_fit(cfg, 1, H200, sizes)
         message = str(refused.value)
         assert "use actor.attention_backend=flex" in message and "\n" not in message
         offered = re.search(r"set actor.max_tokens_per_micro_batch=(\d+), the largest that fits \(now 65536\)", message)
@@ -170,8 +170,8 @@ def test_the_trainer_check_names_the_largest_micro_batch_budget_that_fits(tmp_pa
         fits = int(offered.group(1))
         assert plan_config(cfg, sizes, 1, H200, micro_batch_tokens=fits).total <= H200
         assert plan_config(cfg, sizes, 1, H200, micro_batch_tokens=fits + 1).total > H200
-        check_run(load_config("configs/gpu-long.yaml", [*overrides, f"actor.max_tokens_per_micro_batch={fits}"]),
-                  world_size=1, gpu_bytes=H200)
+        check_fit(load_config("configs/gpu-long.yaml", [*overrides, f"actor.max_tokens_per_micro_batch={fits}"]),
+                  1, H200, sizes)
 
 
 @pytest.mark.parametrize("config, prompt, mini_batch", [
@@ -187,8 +187,8 @@ def test_auto_micro_batch_budget_is_the_largest_that_fits_in_steps(tmp_path, con
     more does not, or the whole mini-batch share when that fits (more saves nothing), or one sample's when not
     even that fits, which the check then refuses; what it chose is said, and a number given is left alone."""
     from longqa.config import load_config
-    from longqa.planning.planner import (BUDGET_STEP, GIB, check_run, mini_batch_share_tokens, one_sample_tokens,
-                                            plan_config)
+    from longqa.planning.planner import (BUDGET_STEP, GIB, check_fit, check_run, mini_batch_share_tokens,
+                                            one_sample_tokens, plan_config)
 
     gpu_bytes = gpu_gib * GIB
     overrides = ["actor.max_tokens_per_micro_batch=auto", f"data.max_prompt_length={prompt}"]
@@ -203,13 +203,15 @@ def test_auto_micro_batch_budget_is_the_largest_that_fits_in_steps(tmp_path, con
         Qwen3Config(**SHAPES["qwen3-8b"]).save_pretrained(tmp_path)
         overrides.append(f"model.path={tmp_path}")
     cfg = load_config(config, overrides)
-    said = []
+    checked = check_run(cfg, 1, machine=False, gpu_bytes=gpu_bytes)
+    said = [checked.note]
     try:
-        check_run(cfg, world_size=1, gpu_bytes=gpu_bytes, say=said.append)
+        check_fit(checked.config, 1, gpu_bytes, checked.sizes)
         refused = None
     except PlanError as e:
         refused = str(e)
-    chosen = cfg.actor.max_tokens_per_micro_batch
+    chosen = checked.config.actor.max_tokens_per_micro_batch
+    assert cfg.actor.max_tokens_per_micro_batch == "auto"  # (the config checked is left as it was)
     assert isinstance(chosen, int) and len(said) == 1 and f"auto: {chosen:,} tokens" in said[0] or "not even" in said[0]
     sizes = model_sizes_of(cfg)
 
@@ -227,12 +229,8 @@ def test_auto_micro_batch_budget_is_the_largest_that_fits_in_steps(tmp_path, con
         assert chosen % BUDGET_STEP == 0 or chosen == one_sample_tokens(cfg)  # (a step below one sample saves nothing)
         assert chosen < ceiling and f"the largest the memory plan fits in {gpu_gib} GiB" in said[0]
     numbered = load_config(config, [*overrides, "actor.max_tokens_per_micro_batch=4096"])
-    said.clear()
-    try:
-        check_run(numbered, world_size=1, gpu_bytes=gpu_bytes, say=said.append)
-    except PlanError:
-        pass
-    assert numbered.actor.max_tokens_per_micro_batch == 4096 and not said
+    checked = check_run(numbered, 1, machine=False, gpu_bytes=gpu_bytes)
+    assert checked.config.actor.max_tokens_per_micro_batch == 4096 and checked.note is None
 
 
 def model_sizes_of(cfg) -> ModelSizes:

@@ -10,7 +10,8 @@ from longqa.model.attention import use_longqa_attention
 from longqa.model.load import ModelError, arrange_layer_memory, compile_decoder_layers, qwen3_config
 from longqa.model.offload import ActivationOffload
 from longqa.train.actor import Actor, Samples
-from longqa.train.trainer import check_layer_memory
+from longqa.config.checks import check_layer_memory
+from longqa.config.support import check_machine
 
 LAYERS = 6
 PROMPT, RESPONSES = 40, (7, 19, 12)  # the one packed group every test here trains on
@@ -174,9 +175,9 @@ def test_offloaded_and_recomputed_layers_must_fit_the_model():
     cfg = load_config(None, ["model.activation_offload=0.5", "model.gradient_checkpointing=true",
                              "model.checkpoint_fraction=0.75"])
     with pytest.raises(ConfigError, match="add up to more than all the layers"):
-        check_layer_memory(cfg, torch.device("cuda"))
+        check_layer_memory(cfg)
     with pytest.raises(ConfigError, match="on cpu they are in host memory already"):
-        check_layer_memory(load_config(None, ["model.activation_offload=0.25"]), torch.device("cpu"))
+        check_machine(load_config(None, ["model.activation_offload=0.25"]), "cpu")
     with pytest.raises(ConfigError, match="model.activation_offload"):
         load_config(None, ["model.activation_offload=1.5"])
 

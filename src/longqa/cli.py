@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import shlex
@@ -167,12 +168,13 @@ def _verl_start() -> str:
 
 
 def cmd_config_show(args: argparse.Namespace) -> None:
-    from longqa.config.support import check_machine, run_device_type
-    from longqa.train.trainer import check_settings
+    """The config as given (``auto`` left as it is: each run fills it for its own machine), once ``train``'s checks
+    before any work pass: for this environment's ranks and device, as ``train`` would run it here."""
+    from longqa.config.support import run_device_type, run_ranks
+    from longqa.planning.planner import check_run
 
     cfg = run_config(args)
-    check_machine(cfg, run_device_type(cfg))  # what train would refuse on this machine before any work
-    check_settings(cfg)
+    check_run(cfg, run_ranks(cfg), device_type=run_device_type(cfg))
     print(to_yaml(cfg), end="")
 
 
@@ -503,33 +505,33 @@ def cmd_cluster(args: argparse.Namespace) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
+    from longqa.config.checks import check_settings
     from longqa.planning.fit import Machine, check_run_plan, largest_shape, plan_run, shape_sizes
     from longqa.planning.host_memory import HOST_GIB_PER_GPU
-    from longqa.planning.planner import (GIB, check_data_parallel, check_sampler_ranks, describe_training,
-                                            model_sizes, resolve_micro_batch_tokens)
+    from longqa.planning.planner import GIB, check_run, describe_training, model_sizes, resolve_auto
     from longqa.planning.step_time import planned_lengths, step_time_config
 
     if args.largest and args.shape:
         raise ConfigError("--largest tries every known shape, --shape sizes one: give either")
     cfg = run_config(args)
-    workers = cfg.trainer.ray_workers if cfg.trainer.launcher == "ray" else None
-    if args.gpus and workers and args.gpus != workers:
-        raise ConfigError(f"--gpus {args.gpus}, but the config runs trainer.ray_workers={workers} Ray workers, one per "
-                          f"GPU: plan for --gpus {workers}, or set trainer.ray_workers={args.gpus}")
-    args.gpus = args.gpus or workers or 1
     _check_plan_flags(args, cfg)
-    if args.largest and args.split:
-        raise ConfigError("--largest tries every known shape, --split splits the GPUs of one: give either")
+    gpu_bytes = int(args.gpu_memory_gib * GIB)
+    read_sizes = (lambda _: shape_sizes(args.shape)) if args.shape else model_sizes
+    if args.split:  # the rank rules are each split's own (plan_splits checks them per split); the others here
+        check_settings(dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, sampler_ranks=0)))
+        sizes = read_sizes(cfg)
+        cfg, note = resolve_auto(cfg, args.gpus, gpu_bytes, sizes)
+    elif args.largest:  # as the trainer checks it, one rank per GPU (each shape fills its own budget)
+        check_run(cfg, args.gpus, machine=False)
+    else:  # as the trainer checks it, one rank per GPU
+        checked = check_run(cfg, args.gpus, machine=False, gpu_bytes=gpu_bytes, read_sizes=read_sizes)
+        cfg, note, sizes = checked.config, checked.note, checked.sizes
     samplers = 0 if args.split else cfg.rollout.sampler_ranks
-    if samplers:  # the job's last ranks only sample: the plan is a training rank's, over the others
-        check_sampler_ranks(cfg, args.gpus)
-        args.gpus -= samplers
-    if not args.split:  # as the trainer checks it, one rank per GPU (plan --split checks each split's)
-        check_data_parallel(cfg, args.gpus)
+    args.gpus -= samplers  # the job's last ranks only sample: the plan is a training rank's, over the others
     per_node = args.gpus_per_node or min(args.gpus, 8)
     used = min(args.gpus, per_node)  # the run's GPUs on a node: the default host memory is theirs
     host_gib = args.host_memory_gib or HOST_GIB_PER_GPU * used
-    machine = Machine(args.gpus, int(args.gpu_memory_gib * GIB), per_node, int(host_gib * GIB))
+    machine = Machine(args.gpus, gpu_bytes, per_node, int(host_gib * GIB))
     nodes_of = f" (nodes of {per_node}: the host memory is the share of the GPUs used)" if per_node > used else ""
     where = (f"{args.gpus} GPU(s) of {args.gpu_memory_gib:g} GiB, {used} per node{nodes_of} with {host_gib:g} GiB "
              f"of host memory")
@@ -543,9 +545,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
                   + (attempt.error or f"fits (GPU {attempt.gpu.total / GIB:.1f} GiB, host "
                                       f"{attempt.host.peak / GIB:.1f} GiB per node)"))
         return
-    sizes = shape_sizes(args.shape) if args.shape else model_sizes(cfg)
-    if line := resolve_micro_batch_tokens(cfg, args.gpus, machine.gpu_bytes, sizes):
-        print(line)
+    if note:
+        print(note)
     if args.split:
         _plan_split(cfg, sizes, machine, args.response_length, f"{_count(sizes.params)} parameters on {where}")
         return
@@ -567,8 +568,15 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
 
 def _check_plan_flags(args: argparse.Namespace, cfg: Config) -> None:
-    """A machine and a length a run can have: GPUs spanning nodes in whole nodes (the host memory and the links
-    are planned per node), and a mean response no longer than the longest one a step samples."""
+    """The flags of `longqa plan` that a run can have, ``--gpus`` set to its default (the config's Ray workers, else
+    1): GPUs spanning nodes in whole nodes (the host memory and the links are planned per node), as many as the
+    config's Ray workers, a mean response no longer than the longest one a step samples, and one question at a
+    time (--largest or --split)."""
+    workers = cfg.trainer.ray_workers if cfg.trainer.launcher == "ray" else None
+    if args.gpus and workers and args.gpus != workers:
+        raise ConfigError(f"--gpus {args.gpus}, but the config runs trainer.ray_workers={workers} Ray workers, one per "
+                          f"GPU: plan for --gpus {workers}, or set trainer.ray_workers={args.gpus}")
+    args.gpus = args.gpus or workers or 1
     gpus, per_node = args.gpus, args.gpus_per_node or min(args.gpus, 8)
     if gpus > per_node and gpus % per_node:  # (fewer than a node: the share of one)
         fewer, more = gpus // per_node * per_node, (gpus // per_node + 1) * per_node
@@ -580,6 +588,8 @@ def _check_plan_flags(args: argparse.Namespace, cfg: Config) -> None:
         raise ConfigError(f"--response-length {args.response_length} is longer than data.max_response_length={limit}, "
                           f"the longest response a step samples: give at most {limit}, or raise "
                           f"data.max_response_length")
+    if args.largest and args.split:
+        raise ConfigError("--largest tries every known shape, --split splits the GPUs of one: give either")
 
 
 def _plan_split(cfg, sizes, machine, response_length: int | None, what: str) -> None:

@@ -1,7 +1,7 @@
 """Settings: the typed config tree and each key's rule (``schema``), loading a file and ``key=value`` overrides
-(``load``), verl's launch-line keys (``verl_keys``), what a machine supports (``support``), the supervised
-warm-up's options (``sft_options``) and the rules of command-line options that are no config key
-(``command_options``).
+(``load``), verl's launch-line keys (``verl_keys``), the rules between settings (``checks``), what a machine
+supports (``support``), the supervised warm-up's options (``sft_options``) and the rules of command-line options
+that are no config key (``command_options``).
 
 The names users and the rest of the package import (``Config``, ``ConfigError``, ``load_config``, ...) are
 re-exported here, so ``from longqa.config import load_config`` reads as it always has.

@@ -15,8 +15,8 @@ from typing import Any
 
 import yaml
 
-from longqa.config.schema import (_flatten, _hints, _sections, _set, Config, ConfigError, RewardConfig, all_keys,
-                                  checked, expand_paths, parse_override, path_keys)
+from longqa.config.schema import (Config, ConfigError, RewardConfig, all_keys, checked, declared_types, expand_paths,
+                                  flatten, parse_override, path_keys, sections, set_key)
 from longqa.config.verl_keys import resolve_file_keys, resolve_overrides
 
 # Re-exported: the names users and the package import from here.
@@ -32,7 +32,7 @@ def environment_reward_mode() -> str | None:
     value = os.environ.get(MODE_ENV)
     if not value:
         return None
-    modes = typing.get_args(_hints(RewardConfig)["mode"])
+    modes = typing.get_args(declared_types(RewardConfig)["mode"])
     if value not in modes:
         raise ConfigError(f"the environment variable {MODE_ENV}={value!r} names no reward mode: set it to one of "
                           f"{', '.join(modes)}, or unset it")
@@ -49,12 +49,12 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
     if mode := environment_reward_mode():
         cfg.reward.mode = mode
     for key, value in (base or {}).items():
-        _set(cfg, key, value)
+        set_key(cfg, key, value)
     if path is not None:
         for key, value in resolve_file_keys(read_config_file(path), str(path)):
-            _set(cfg, key, value)
+            set_key(cfg, key, value)
     for key, value in resolve_overrides(overrides):
-        _set(cfg, key, value)
+        set_key(cfg, key, value)
     expand_paths(cfg)
     return cfg
 
@@ -94,7 +94,7 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
     if tree is not None and not isinstance(tree, dict):
         raise _not_a_config(path, f"it holds a {type(tree).__name__}, not a mapping of keys")
-    return _flatten(tree or {})
+    return flatten(tree or {})
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:
@@ -108,7 +108,7 @@ def to_yaml(cfg: Config) -> str:
 def key_help() -> list[tuple[str, str, Any]]:
     """(key, help, default) for every key, for `longqa config keys`."""
     rows = []
-    for section, cls in _sections().items():
+    for section, cls in sections().items():
         defaults = cls()
         for f in dataclasses.fields(cls):
             rows.append((f"{section}.{f.name}", f.metadata.get("help", ""), getattr(defaults, f.name)))
@@ -118,7 +118,7 @@ def key_help() -> list[tuple[str, str, Any]]:
 def load_config_dict(tree: dict) -> Config:
     """A config from its nested dict (as stored in a checkpoint), checked like a YAML file."""
     cfg = Config()
-    for key, value in _flatten(tree).items():
-        _set(cfg, key, value)
+    for key, value in flatten(tree).items():
+        set_key(cfg, key, value)
     expand_paths(cfg)
     return cfg

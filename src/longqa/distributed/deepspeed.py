@@ -167,15 +167,12 @@ def make_optimizer(params, cfg: Config, offloaded: bool) -> torch.optim.Optimize
 
 
 def check_deepspeed(cfg: Config, device: torch.device) -> None:
-    """What ``actor.strategy=deepspeed`` needs, checked before any weight loads: an engine that samples from a
-    copy of the weights, a usable config, DeepSpeed itself, and CPU Adam built where it will be used."""
+    """What ``actor.strategy=deepspeed`` needs of its file and of this machine, checked before any weight loads: a
+    usable ``actor.deepspeed_config``, and CPU Adam built where it will be used. (Its rules between settings are in
+    ``config/checks.py``, its import in ``config/support.py``'s ``check_imports``.)"""
     if cfg.actor.strategy != "deepspeed":
         return
-    if cfg.rollout.engine == "hf":
-        raise ConfigError("actor.strategy=deepspeed needs rollout.engine=fast or vllm: the hf engine generates with "
-                          "the training model itself, whose ZeRO-3 weights are partitioned")
     config = engine_config(cfg, device, getattr(torch, cfg.model.dtype))
-    import_deepspeed()
     if optimizer_offloaded(config):
         load_cpu_adam()
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from longqa.planning.host_memory import HostPlan, check_host_plan, fitting_offload_ratio, plan_host_config
 from longqa.planning.planner import (DTYPE_BYTES, MemoryPlan, ModelSizes, PlanError, check_config, plan_config,
-                                        resolve_micro_batch_tokens)
+                                     resolve_auto)
 
 
 @dataclass
@@ -29,9 +29,9 @@ class Machine:
 
 
 def plan_run(cfg, sizes: ModelSizes, machine: Machine) -> tuple[MemoryPlan, HostPlan]:
-    """The GPU plan and the node's host plan of a config (its ``actor.max_tokens_per_micro_batch=auto`` set for
-    this model and machine first, as the trainer sets it)."""
-    resolve_micro_batch_tokens(cfg, machine.gpus, machine.gpu_bytes, sizes)
+    """The GPU plan and the node's host plan of a config (its ``actor.max_tokens_per_micro_batch=auto`` filled for
+    this model and machine first, as the trainer fills it; ``cfg`` is left as it is)."""
+    cfg, _ = resolve_auto(cfg, machine.gpus, machine.gpu_bytes, sizes)
     return (plan_config(cfg, sizes, machine.gpus, machine.gpu_bytes),
             plan_host_config(cfg, sizes, machine.gpus, machine.ranks_per_node, machine.host_bytes))
 
@@ -75,6 +75,7 @@ def largest_shape(cfg, machine: Machine) -> list[Attempt]:
             offload, ratio = trials.pop(0)
             trial = copy.deepcopy(cfg)
             trial.actor.cpu_offload, trial.actor.cpu_offload_ratio = offload, ratio if offload else 1.0
+            trial, _ = resolve_auto(trial, machine.gpus, machine.gpu_bytes, sizes[shape])  # (the check's advice names it)
             gpu, host = plan_run(trial, sizes[shape], machine)
             try:
                 check_run_plan(trial, gpu, host)

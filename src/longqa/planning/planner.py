@@ -46,6 +46,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from longqa.config import ConfigError
+from longqa.config.checks import check_settings, float32_masters
+from longqa.config.support import check_machine
 from longqa.rollout.base import ENGINE_KV_SHARE, SAMPLER_KV_SHARE
 from longqa.planning.activations import Activations, Compute, sft_activations, update_activations
 
@@ -319,13 +321,6 @@ def is_sharded(cfg, world_size: int) -> bool:
     return world_size > 1 or cfg.actor.strategy == "deepspeed" or cfg.actor.cpu_offload or float32_masters(cfg)
 
 
-def float32_masters(cfg) -> bool:
-    """Whether FSDP2 keeps float32 master weights of a model loaded in 16 bits (``actor.master_weights=float32``,
-    the default), as it does on any number of ranks: one process shards in a group of its own for them, since an
-    update of the recipe's lr 1e-6 rounds away on most bf16 weights."""
-    return cfg.actor.strategy == "fsdp2" and cfg.model.dtype != "float32" and cfg.actor.master_weights == "float32"
-
-
 def offloads(cfg) -> tuple[bool, bool]:
     """Whether a config offloads the optimizer, and the parameters (DeepSpeed's config may ask for either)."""
     if cfg.actor.strategy != "deepspeed":
@@ -453,30 +448,32 @@ def mini_batch_share_tokens(cfg, world_size: int) -> int:
     return groups * per_group
 
 
-def resolve_micro_batch_tokens(cfg, world_size: int, gpu_bytes: int | None,
-                               sizes: ModelSizes | None = None) -> str | None:
-    """Set ``actor.max_tokens_per_micro_batch=auto`` to a number, and say which and why (None: the config gave
-    one). On a GPU (``gpu_bytes``, with the model's ``sizes``) it is the largest budget the memory plan fits,
-    in steps of ``BUDGET_STEP``, up to a whole mini-batch share (more saves nothing); where not even one sample
-    fits it is one sample's, which the memory check then refuses with what to change. On the CPU, whose
-    memory the plan does not size, it is ``CPU_MICRO_BATCH_TOKENS``."""
-    actor = cfg.actor
-    if actor.max_tokens_per_micro_batch != AUTO:
-        return None
-    key = "actor.max_tokens_per_micro_batch=auto"
+def resolve_auto(cfg, world_size: int, gpu_bytes: int | None, sizes: ModelSizes | None = None):
+    """``(config, note)``: ``cfg`` with ``actor.max_tokens_per_micro_batch=auto`` set to a number, as a new config
+    (``cfg`` is left as it is), and the line saying which and why; ``(cfg, None)`` where the config gave one.
+    On a GPU (``gpu_bytes``, with the model's ``sizes``) it is the largest budget the memory plan of
+    ``world_size`` training ranks fits, in steps of ``BUDGET_STEP``, up to a whole mini-batch share (more saves
+    nothing); where not even one sample fits it is one sample's, which the memory check then refuses with what to
+    change. On the CPU, whose memory the plan does not size, it is ``CPU_MICRO_BATCH_TOKENS``."""
+    if cfg.actor.max_tokens_per_micro_batch != AUTO:
+        return cfg, None
+    tokens, why = auto_micro_batch_tokens(cfg, world_size, gpu_bytes, sizes)
+    actor = dataclasses.replace(cfg.actor, max_tokens_per_micro_batch=tokens)
+    return dataclasses.replace(cfg, actor=actor), f"actor.max_tokens_per_micro_batch=auto: {why}"
+
+
+def auto_micro_batch_tokens(cfg, world_size: int, gpu_bytes: int | None, sizes: ModelSizes | None) -> tuple[int, str]:
+    """The budget ``auto`` stands for (see ``resolve_auto``), and what it is in words."""
     if gpu_bytes is None:
-        actor.max_tokens_per_micro_batch = CPU_MICRO_BATCH_TOKENS
-        return f"{key}: {CPU_MICRO_BATCH_TOKENS:,} tokens a micro-batch (no GPU memory to size it by)"
+        return CPU_MICRO_BATCH_TOKENS, f"{CPU_MICRO_BATCH_TOKENS:,} tokens a micro-batch (no GPU memory to size it by)"
     ceiling, one_sample = mini_batch_share_tokens(cfg, world_size), one_sample_tokens(cfg)
     largest = largest_micro_batch_tokens(cfg, sizes, world_size, gpu_bytes, ceiling=ceiling)
     if largest is None:  # (the memory check then refuses one sample's budget, saying what to change)
-        actor.max_tokens_per_micro_batch = one_sample
-        return f"{key}: not even one sample ({one_sample:,} tokens) fits"
+        return one_sample, f"not even one sample ({one_sample:,} tokens) fits"
     chosen = largest if largest == ceiling else max(one_sample, largest // BUDGET_STEP * BUDGET_STEP)
-    actor.max_tokens_per_micro_batch = chosen
     why = ("a whole mini-batch share" if chosen == ceiling
            else f"the largest the memory plan fits in {gpu_bytes / GIB:.0f} GiB")
-    return f"{key}: {chosen:,} tokens a micro-batch ({why})"
+    return chosen, f"{chosen:,} tokens a micro-batch ({why})"
 
 
 def model_sizes(cfg) -> ModelSizes:
@@ -492,71 +489,37 @@ def model_sizes(cfg) -> ModelSizes:
     return ModelSizes.from_config(config)
 
 
-def check_batch_shares(cfg, world: int = 1) -> None:
-    """The one rule of ``data.train_batch_size`` and ``actor.ppo_mini_batch_size``, on one rank as on ``world``:
-    each rank owns whole groups of the batch and of every mini-batch, and the mini-batches split the batch
-    evenly. A mini-batch size that does not divide the batch leaves a last, smaller mini-batch, whose optimizer
-    step takes the full learning rate on a few groups' noisier gradient (and on several ranks gives some rank no
-    group of it)."""
-    batch, mini = cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size
-    if batch % world:
-        raise ConfigError(f"data.train_batch_size={batch} must be a multiple of the {world} ranks: each rank owns "
-                          f"whole groups")
-    if mini > batch:
-        raise ConfigError(f"actor.ppo_mini_batch_size={mini} is larger than data.train_batch_size={batch}")
-    if batch % mini or mini % world:
-        sizes = [size for size in range(world, batch + 1, world) if batch % size == 0]  # (world is one)
-        fits = max((size for size in sizes if size <= mini), default=world)
-        ranks = f" and be a multiple of the {world} ranks" if world > 1 else ""
-        raise ConfigError(f"actor.ppo_mini_batch_size={mini} must divide data.train_batch_size={batch}{ranks}: "
-                          f"each optimizer step takes a mini-batch of that many groups, and every mini-batch must "
-                          f"be alike; use {fits} (or another such size)")
+@dataclass(frozen=True)
+class CheckedRun:
+    """What ``check_run`` gives back: the config to run, its auto values filled (a new config: the one checked
+    is left as it was); the line saying what auto chose (None: nothing was auto); the model's sizes where a
+    GPU's memory sized the plan (None elsewhere)."""
+
+    config: Any
+    note: str | None
+    sizes: ModelSizes | None
 
 
-def check_data_parallel(cfg, world: int) -> None:
-    """What ``world`` ranks (one included) need of the batch and of the other settings: checked by the trainer
-    before anything loads, by ``longqa plan`` for its ``--gpus`` and by ``plan --split`` for each split's
-    training ranks, so that a plan that fits is one the trainer runs."""
-    check_batch_shares(cfg, world)
-    if world == 1:
-        return
-    unsupported = {"rollout.engine=hf": cfg.rollout.engine == "hf",
-                   "algo.dynamic_sampling=true": cfg.algo.dynamic_sampling,
-                   # each rank runs its own vLLM engine on its own device; a tensor-parallel group spanning
-                   # ranks would need every rank of the group to sample the same prompts
-                   f"rollout.engine=vllm with rollout.tensor_model_parallel_size="
-                   f"{cfg.rollout.tensor_model_parallel_size}": (cfg.rollout.engine == "vllm"
-                                                                 and cfg.rollout.tensor_model_parallel_size > 1)}
-    for what, present in unsupported.items():
-        if present:
-            raise ConfigError(f"{what} is not supported with {world} ranks yet")
+def check_run(cfg, ranks: int, *, machine: bool = True, device_type: str | None = None,
+              gpu_bytes: int | None = None, read_sizes=model_sizes) -> CheckedRun:
+    """The one sequence that `longqa train` (the trainer, and the Ray driver before its workers start),
+    `longqa config show` and `longqa plan` run before any work, so that none passes a config another refuses:
+    every rule between settings for a job of ``ranks`` ranks (``config/checks.py``); then, with ``machine``, what
+    this machine cannot run of it on ``device_type`` (``config/support.py``; None: not this machine's device, the
+    Ray driver's case; `longqa plan` sizes other machines and checks none); then its auto values filled for a
+    training rank of ``gpu_bytes`` (None: the CPU's), whose model ``read_sizes`` sizes then."""
+    check_settings(cfg, ranks)
+    if machine:
+        check_machine(cfg, device_type)
+    sizes = read_sizes(cfg) if gpu_bytes is not None else None
+    config, note = resolve_auto(cfg, ranks - cfg.rollout.sampler_ranks, gpu_bytes, sizes)
+    return CheckedRun(config, note, sizes)
 
 
-def check_sampler_ranks(cfg, world: int) -> None:
-    """What sampler ranks of their own (``rollout.sampler_ranks``) need of a job of ``world`` ranks: checked on
-    every rank before any group is made, and by ``longqa plan`` for its ``--gpus``."""
-    r, samplers = cfg.rollout, cfg.rollout.sampler_ranks
-    needs = {"trainer.launcher": (cfg.trainer.launcher == "local", f"local, under torchrun "
-                                                                   f"(got {cfg.trainer.launcher})"),
-             "rollout.engine": (r.engine == "fast", f"fast (got {r.engine})"),
-             "actor.strategy": (cfg.actor.strategy == "fsdp2", f"fsdp2 (got {cfg.actor.strategy}: DeepSpeed "
-                                                               f"partitions over every rank of the job)")}
-    for key, (ok, what) in needs.items():
-        if not ok:
-            raise ConfigError(f"rollout.sampler_ranks={samplers} needs {key}={what}")
-    if world <= samplers:
-        raise ConfigError(f"rollout.sampler_ranks={samplers} sets that many ranks apart to sample, but the job has "
-                          f"{world}: launch more ranks (torchrun --nproc_per_node) so that some train")
-
-
-def check_run(cfg, world_size: int, gpu_bytes: int | None, say=print) -> MemoryPlan | None:
-    """The trainer's check before it reads any weight: ``actor.max_tokens_per_micro_batch=auto`` resolved (and
-    said), then on GPUs (``gpu_bytes``) a config that cannot fit refused."""
-    sizes = model_sizes(cfg) if gpu_bytes is not None else None
-    if line := resolve_micro_batch_tokens(cfg, world_size, gpu_bytes, sizes):
-        say(line)
-    if gpu_bytes is None:
-        return None
+def check_fit(cfg, world_size: int, gpu_bytes: int, sizes: ModelSizes) -> MemoryPlan:
+    """The plan of ``cfg`` (its auto values filled: ``check_run``) on ``world_size`` training ranks of
+    ``gpu_bytes``, refused (PlanError, naming what to change) where it cannot fit: the trainer's check before it
+    reads any weight."""
     plan = plan_config(cfg, sizes, world_size, gpu_bytes)
     check_config(cfg, plan, sizes)
     return plan

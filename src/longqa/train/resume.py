@@ -26,46 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from longqa.config import Config, ConfigError, to_dict
-
-APPLIED_ON_RESUME = frozenset({
-    # the optimizer's step size and schedule: put on the restored optimizer at the resumed update
-    "actor.lr", "actor.betas", "actor.weight_decay", "actor.warmup_ratio", "actor.lr_schedule",
-    "actor.min_lr_ratio", "actor.grad_clip",
-    # how long the run goes (the schedule is laid over the new length) and when it gives up
-    "trainer.total_epochs", "trainer.max_steps", "actor.max_bad_steps",
-    # what is validated, saved and logged, and where
-    "trainer.test_freq", "trainer.val_before_train", "trainer.project_name", "trainer.experiment_name",
-    "trainer.save_freq", "trainer.keep_last", "trainer.output_dir", "trainer.logger",
-    "trainer.resume", "trainer.resume_allow_changes",
-    # how the work is done: the same samples and updates up to float rounding
-    "model.attn_implementation", "model.gradient_checkpointing", "model.checkpoint_fraction",
-    "model.activation_offload", "data.cache_dir", "rollout.kv_cache_bytes", "rollout.tensor_model_parallel_size",
-    "rollout.gpu_memory_utilization", "rollout.free_cache_engine", "rollout.enforce_eager", "rollout.cuda_graphs",
-    "rollout.speculative", "rollout.num_speculative_tokens", "rollout.prompt_lookup_min",
-    "rollout.prompt_lookup_max", "rollout.overlap", "rollout.sampler_ranks", "actor.max_tokens_per_micro_batch",
-    "actor.cpu_offload", "actor.deepspeed_config", "actor.shared_prompt", "actor.attention_backend",
-    "actor.compile_layers", "trainer.device", "trainer.launcher", "trainer.ray_workers", "trainer.max_failures",
-    "trainer.preemption_grace_s",
-})
-
-REFUSED_ON_RESUME = frozenset({
-    # the model and the numbers it computes in
-    "model.path", "model.tokenizer_path", "model.gguf_file", "model.dtype", "actor.master_weights",
-    # the prompts, their order and each step's share of them
-    "data.train_files", "data.val_files", "data.max_prompt_length", "data.filter_overlong_prompts",
-    "data.truncation", "data.skip_bad_rows", "data.train_batch_size", "data.shuffle", "trainer.seed",
-    # the samples
-    "rollout.engine", "rollout.n", "rollout.temperature", "rollout.top_p", "rollout.top_k", "rollout.stop",
-    "rollout.response_lengths", "data.max_response_length", "rollout.mode", "rollout.max_staleness",
-    # the objective and the updates it makes per step
-    "algo.adv_estimator", "algo.norm_adv_by_std", "algo.clip_ratio", "algo.clip_ratio_high", "algo.kl_coef",
-    "algo.loss_agg_mode", "algo.entropy_coeff", "algo.dual_clip_c", "algo.kl_type", "algo.dynamic_sampling",
-    "algo.max_sampling_rounds", "actor.ppo_mini_batch_size", "actor.ppo_epochs",
-    # the reward
-    "reward.mode", "reward.path", "reward.name",
-    # the layout of the optimizer's state in the checkpoint (DeepSpeed's, and its part kept on the accelerator)
-    "actor.strategy", "actor.cpu_offload_ratio",
-})
+from longqa.config.schema import APPLIED_ON_RESUME, REFUSED_ON_RESUME  # noqa: F401 (each key's on_resume)
 
 DATA_KEY = "data_fingerprint"  # in trainer_state.json: {"data.train_files": [digest of each file], ...}
 DATA_FILE_KEYS = ("data.train_files", "data.val_files")

@@ -28,12 +28,13 @@ from longqa.planning.flops import counts_flops, group_flops
 from longqa.model.compile_cache import load_run_cache, save_run_cache, use_user_cache
 from longqa.model.compile_watch import CompileWatch
 from longqa.config import Config, ConfigError, to_dict
+from longqa.config.checks import (check_positions, check_prompt_count, check_settings, float32_masters,
+                                  logprobs_mode_for)
 from longqa.data.prompts import (GROUPS, PromptOptions, PromptSet, describe_losses, prepare_prompts, readable_files,
                                  tally)
 from longqa.distributed.deepspeed import check_deepspeed
 from longqa.distributed.env import DistEnv, Split, all_reduce, gather_objects, leave_group
-from longqa.planning.planner import (check_batch_shares, check_data_parallel, check_run,
-                                        check_sampler_ranks, describe_training, float32_masters)
+from longqa.planning.planner import check_fit, check_run, describe_training
 from longqa.evaluation.evaluate import evaluate, stop_token_ids
 from longqa.rollout.lengths import draw_response_lengths
 from longqa.model.load import (compile_decoder_layers, compiled_graphs, config_tokenizer, load_model,
@@ -46,8 +47,8 @@ from longqa.rollout.base import SAMPLER_KV_SHARE, Sample, bump_weights_version, 
 from longqa.rollout.decode_step import unsupported_reason
 from longqa.rollout.fast import FastRolloutEngine
 from longqa.rollout.remote import RemoteRolloutEngine, serve, stop_sampler
-from longqa.rollout.vllm_engine import VLLMRolloutEngine, import_vllm, logprobs_mode_for
-from longqa.config.support import check_machine
+from longqa.rollout.vllm_engine import VLLMRolloutEngine
+from longqa.config.support import check_imports, check_machine, run_ranks
 from longqa.train.actor import Actor, Samples, TrainingError
 from longqa.train.checkpoint import (checkpoints_dir, later_checkpoints, load_checkpoint, read_trainer_state,
                                      resolve_resume, rng_state, save_checkpoint, set_rng_state)
@@ -95,9 +96,7 @@ def load_prompts(cfg: Config, tokenizer, say=print) -> tuple[PromptSet, PromptSe
         names = [validation_metric(group, key, suffix) for (group, key), suffix in suffixes.items()]
         say(f"  validation logs a source or length that dropped some rows under a name saying how many it scores: "
             f"{', '.join(names[:2])}{', ...' if len(names) > 2 else ''}")
-    if d.train_batch_size > len(train):
-        raise ConfigError(f"data.train_batch_size={d.train_batch_size} is larger than the {len(train)} training "
-                          f"prompts left after filtering")
+    check_prompt_count(cfg, len(train))
     return train, val
 
 
@@ -170,21 +169,11 @@ def check_data_files(cfg: Config) -> None:
         readable_files(cfg.data.val_files)
 
 
-def check_settings(cfg: Config) -> None:
-    """The checks of settings against each other that need no data file, run folder or device: one list, which
-    the trainer, `longqa config show` and the Ray driver run, so that config show never prints a config that train
-    refuses at once."""
-    for check in (check_groups, check_batch_shares, check_response_lengths, check_speculative, check_one_step_off,
-                  check_offload):
-        check(cfg)
-
-
 def check_before_workers(cfg: Config) -> None:
     """What the trainer checks of the config, the data files and the run folder before anything loads, run where
     ``trainer.launcher=ray`` is driven, before Ray starts: a mistake found on the workers comes back through Ray
     after its own start, once per worker (and once per restart)."""
-    check_machine(cfg, None)  # (the driver's: Ray itself)
-    check_settings(cfg)
+    check_run(cfg, run_ranks(cfg))  # (this machine's part is the driver's: Ray itself)
     reward_function(cfg)
     check_data_files(cfg)
     run_dir = Path(cfg.trainer.output_dir).expanduser()
@@ -212,39 +201,6 @@ def describe_epochs(cfg: Config, prompts: int) -> list[str]:
     return lines
 
 
-def check_groups(cfg: Config) -> None:
-    """Every advantage estimator here compares the samples of one prompt: a group of one, or of greedy samples
-    (temperature 0: n copies of one response), has nothing to compare with, every advantage is 0 and the run
-    would train nothing, silently."""
-    r, estimator = cfg.rollout, cfg.algo.adv_estimator
-    if r.n < 2:
-        raise ConfigError(f"rollout.n={r.n}: algo.adv_estimator={estimator} compares the samples of each prompt, and "
-                          f"one sample gives every advantage 0; set rollout.n to 2 or more")
-    if r.temperature == 0:
-        raise ConfigError(f"rollout.temperature=0: algo.adv_estimator={estimator} compares the samples of each "
-                          f"prompt, and greedy sampling makes the rollout.n={r.n} samples one response, which gives "
-                          f"every advantage 0; set rollout.temperature above 0 (1.0 samples the model as it is)")
-
-
-def check_response_lengths(cfg: Config) -> None:
-    """Drawn response lengths need an engine that can end a sample at a given length."""
-    r = cfg.rollout
-    if r.response_lengths != "model" and r.engine != "fast":
-        raise ConfigError(f"rollout.response_lengths={r.response_lengths} needs rollout.engine=fast (got "
-                          f"rollout.engine={r.engine}): only the fast engine ends a sample at a drawn length")
-
-
-def check_speculative(cfg: Config) -> None:
-    """Speculative decoding is the fast engine's, and its match lengths must leave a range."""
-    r = cfg.rollout
-    if r.speculative != "off" and r.engine != "fast":
-        raise ConfigError(f"rollout.speculative={r.speculative} needs rollout.engine=fast (got "
-                          f"rollout.engine={r.engine})")
-    if r.prompt_lookup_min > r.prompt_lookup_max:
-        raise ConfigError(f"rollout.prompt_lookup_min={r.prompt_lookup_min} must not exceed "
-                          f"rollout.prompt_lookup_max={r.prompt_lookup_max}")
-
-
 def fast_engine(cfg: Config, model, tokenizer, **options) -> FastRolloutEngine:
     """The fast engine on ``model`` as ``rollout.*`` sets it up (``options``: where it runs, e.g. ``own_copy``)."""
     r = cfg.rollout
@@ -252,44 +208,6 @@ def fast_engine(cfg: Config, model, tokenizer, **options) -> FastRolloutEngine:
                              speculative=None if r.speculative == "off" else r.speculative,
                              num_speculative_tokens=r.num_speculative_tokens, prompt_lookup_min=r.prompt_lookup_min,
                              prompt_lookup_max=r.prompt_lookup_max, **options)
-
-
-def check_one_step_off(cfg: Config) -> None:
-    """One-step-off sampling takes the PPO ratio against the log-probs the engine returns with each sample: vLLM
-    has none that are exactly the trainer's under a tempered *and* top-k/top-p-filtered distribution. Overlapped
-    sampling needs a step sampled ahead to overlap, and the fast engine, whose copy of the weights it samples from
-    while the update changes the model's."""
-    r = cfg.rollout
-    if r.overlap and (r.mode != "one_step_off" or not r.max_staleness):
-        raise ConfigError(f"rollout.overlap=true samples the next step during this step's update: it needs "
-                          f"rollout.mode=one_step_off with rollout.max_staleness=1 (got rollout.mode={r.mode}, "
-                          f"rollout.max_staleness={r.max_staleness})")
-    if r.overlap and r.engine != "fast":
-        raise ConfigError(f"rollout.overlap=true needs rollout.engine=fast (got rollout.engine={r.engine}): the "
-                          f"sampling beside the update runs in the trainer's process, from the fast engine's copy "
-                          f"of the weights")
-    if r.mode == "one_step_off" and r.max_staleness and r.engine == "vllm" and not logprobs_mode_for(
-            r.temperature, r.top_k, r.top_p):
-        raise ConfigError(f"rollout.mode=one_step_off takes the PPO ratio against the sampling log-probs, which vLLM "
-                          f"cannot return for rollout.temperature={r.temperature} with top_k={r.top_k} / "
-                          f"top_p={r.top_p}: use rollout.engine=fast, a temperature of 1, or no top-k/top-p")
-
-
-def check_offload(cfg: Config) -> None:
-    """Shards (offloaded, or float32 masters in one process) need an engine with weights of its own."""
-    if cfg.actor.cpu_offload and cfg.rollout.engine == "hf":
-        raise ConfigError("actor.cpu_offload=true needs rollout.engine=fast or vllm: the hf engine generates with the "
-                          "training model itself, whose weights are then shards in host memory")
-    if float32_masters(cfg) and cfg.rollout.engine == "hf":
-        raise ConfigError(f"model.dtype={cfg.model.dtype} steps float32 master weights (actor.master_weights=float32), "
-                          f"sharded in a process group of their own, which rollout.engine=hf cannot sample from (it "
-                          f"generates with the training model itself): use rollout.engine=fast or vllm, or "
-                          f"actor.master_weights=model")
-    a = cfg.actor
-    if a.cpu_offload_ratio != 1 and (a.strategy != "deepspeed" or not a.cpu_offload):
-        raise ConfigError(f"actor.cpu_offload_ratio={a.cpu_offload_ratio:g} needs actor.strategy=deepspeed and "
-                          f"actor.cpu_offload=true: only DeepSpeed offloads part of the optimizer (got "
-                          f"actor.strategy={a.strategy}, actor.cpu_offload={str(a.cpu_offload).lower()})")
 
 
 def rounding_warning(cfg: Config) -> str | None:
@@ -303,34 +221,6 @@ def rounding_warning(cfg: Config) -> str | None:
     return (f"warning: model.dtype={cfg.model.dtype} with actor.master_weights=model trains the {cfg.model.dtype} "
             f"weights themselves: an update of about actor.lr={cfg.actor.lr:g} is rounded away on any weight above "
             f"{cfg.actor.lr * 2 ** bits:.2g}. actor.master_weights=float32 keeps float32 master weights")
-
-
-def check_layer_memory(cfg: Config, device: torch.device) -> None:
-    """Offloaded and recomputed layers are disjoint, and offloading needs a device apart from the host."""
-    m = cfg.model
-    if m.activation_offload and device.type != "cuda":
-        raise ConfigError(f"model.activation_offload={m.activation_offload} moves activations from a GPU to host "
-                          f"memory; on {device.type} they are in host memory already: use 0")
-    if m.gradient_checkpointing and m.activation_offload + m.checkpoint_fraction > 1:
-        raise ConfigError(f"model.activation_offload={m.activation_offload} and model.checkpoint_fraction="
-                          f"{m.checkpoint_fraction} add up to more than all the layers")
-
-
-def check_vllm(cfg: Config, device: torch.device) -> None:
-    """What ``rollout.engine=vllm`` needs, checked before any weight loads."""
-    r = cfg.rollout
-    if r.engine != "vllm":
-        return
-    if cfg.model.gguf_file or (cfg.model.path or "").endswith(".gguf"):
-        raise ConfigError("rollout.engine=vllm needs a model folder (config.json and safetensors), not a GGUF file: "
-                          "export the model first or use rollout.engine=fast")
-    if r.tensor_model_parallel_size > 1 and device.type != "cuda":
-        raise ConfigError(f"rollout.tensor_model_parallel_size={r.tensor_model_parallel_size} needs GPUs; on "
-                          f"{device.type} use 1")
-    try:
-        import_vllm()  # missing: said now, not after the weights have loaded
-    except ImportError as e:
-        raise ConfigError(str(e)) from None
 
 
 # Memory per step in GiB, the most of any rank: the process's peak resident host memory since it started, and on
@@ -374,20 +264,23 @@ class Trainer:
         self.sampling_stream = None
         self.env = DistEnv.from_environment() if split is None else split.training_env()
         deepspeed = cfg.actor.strategy == "deepspeed"
-        check_data_parallel(cfg, self.env.world_size)  # (before check_settings: its advice counts the ranks)
-        check_settings(cfg)
         if self.env.distributed:
             self.device = self.env.device(cfg.trainer.device)
         else:
             self.device = pick_device(cfg.trainer.device)
-        check_machine(cfg, self.device.type)
-        check_vllm(cfg, self.device)
-        check_deepspeed(cfg, self.device)
-        check_layer_memory(cfg, self.device)
-        # the micro-batch budget set where it is auto, and a plan that cannot fit refused, before anything loads
-        # (and before the resume compares the config with the checkpoint's, which records the budget that ran)
+        # The settings and this machine checked, as config show and plan check them, and the micro-batch budget
+        # filled where it is auto; then a plan that cannot fit refused, before anything loads (and before the
+        # resume compares the config with the checkpoint's, which records the budget that ran).
         gpu_bytes = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else None
-        check_run(cfg, self.env.world_size, gpu_bytes, say=self._say)
+        checked = check_run(cfg, split.job.world_size if split else self.env.world_size,
+                            device_type=self.device.type, gpu_bytes=gpu_bytes)
+        self.cfg = cfg = checked.config
+        if checked.note:
+            self._say(checked.note)
+        check_imports(cfg)
+        check_deepspeed(cfg, self.device)
+        if gpu_bytes is not None:
+            check_fit(cfg, self.env.world_size, gpu_bytes, checked.sizes)
         # The checkpoint to resume from, and what differs from the config it was written with: refused now, before
         # anything loads, where the difference changes what the run computes.
         self.resume_from = resolve_resume(self.run_dir, cfg.trainer.resume, say=self._say)
@@ -418,12 +311,7 @@ class Trainer:
         model_config = load_model_config(m.path, m.gguf_file)
         if (warning := position_limit_warning(model_config, longest, cfg.data.max_response_length,
                                               "data.max_prompt_length", "data.max_response_length")):
-            if cfg.rollout.engine == "vllm":  # its max_model_len stops at the model's limit
-                raise ConfigError(f"prompts of up to {longest} tokens and responses of up to "
-                                  f"{cfg.data.max_response_length} need {longest + cfg.data.max_response_length} "
-                                  f"positions, past the model's {model_config.max_position_embeddings}, and "
-                                  f"rollout.engine=vllm samples none past them: lower data.max_prompt_length or "
-                                  f"data.max_response_length, or sample with rollout.engine=fast")
+            check_positions(cfg, longest, model_config.max_position_embeddings)
             self._say(warning)
         self.steps_per_epoch = len(self.train_set) // cfg.data.train_batch_size
         total = cfg.trainer.total_epochs * self.steps_per_epoch
@@ -1039,8 +927,7 @@ def train(cfg: Config, stop_file: str | None = None, run_lock: str | None = None
     """
     check_config_outputs(cfg)  # before anything is written: the run folder and the cache are no one else's
     job = DistEnv.from_environment()
-    if cfg.rollout.sampler_ranks:
-        check_sampler_ranks(cfg, job.world_size)
+    check_settings(cfg, run_ranks(cfg))  # on every rank before any process group: a sampler rank builds no Trainer
     with hold_run_folder(Path(cfg.trainer.output_dir).expanduser(), holder=job.rank == 0, job=run_lock) as token:
         if cfg.trainer.launcher == "ray":
             from longqa.train.ray_launcher import run_with_ray
