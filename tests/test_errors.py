@@ -19,9 +19,6 @@ PACKAGE = Path(__file__).resolve().parent.parent / "src" / "longqa"
 # Where ConfigError may be made, as paths under the package's source folder: a folder (ending in "/") or a file.
 ALLOWED = ("config/", "cli.py")
 
-# The modules whose settings checks are still to move into the config package, each raising ConfigError itself
-# until they have; a module leaves this set as it is converted, and the set is then empty.
-PENDING = {"train/trainer.py", "planning/planner.py", "distributed/deepspeed.py", "train/ray_launcher.py"}
 
 
 def _config_error_names(tree: ast.AST) -> set[str]:
@@ -73,12 +70,9 @@ def config_error_subclasses(root: Path) -> list[str]:
 
 def test_config_error_is_made_only_by_the_config_package_and_the_command_line():
     made = config_errors_made(PACKAGE)
-    outside = [place for place in made if place.partition(":")[0] not in PENDING]
-    assert outside == [], (f"ConfigError made at {outside}: move a settings rule into longqa/config/, or raise an "
+    assert made == [], (f"ConfigError made at {made}: move a settings rule into longqa/config/, or raise an "
                            f"error class of the module's own (a subclass of ConfigError) for a setting that "
                            f"conflicts with the world")
-    converted = sorted(PENDING - {place.partition(":")[0] for place in made})
-    assert converted == [], f"{converted} no longer make a ConfigError: remove them from PENDING"
 
 
 def test_the_check_finds_a_config_error_made_outside_the_config_package(tmp_path):

@@ -44,12 +44,18 @@ OWNED = {
 }
 
 
+class DeepSpeedError(ConfigError):
+    """DeepSpeed cannot run the update as set up: not installed, its CPU Adam not built, an
+    ``actor.deepspeed_config`` file that cannot be read or sets what longqa sets, a device it does not train on, or
+    a checkpoint written by another number of ranks. Each message names the setting or the step to take."""
+
+
 def import_deepspeed():
-    """The ``deepspeed`` package, or a ConfigError saying how to install it."""
+    """The ``deepspeed`` package, or a DeepSpeedError saying how to install it."""
     try:
         import deepspeed
     except ImportError as e:
-        raise ConfigError(f"actor.strategy=deepspeed needs DeepSpeed, which cannot be imported ({e}): {INSTALL}") \
+        raise DeepSpeedError(f"actor.strategy=deepspeed needs DeepSpeed, which cannot be imported ({e}): {INSTALL}") \
             from None
     return deepspeed
 
@@ -83,13 +89,13 @@ def read_user_config(path: str) -> dict:
     """A DeepSpeed config file: JSON, or YAML (which also reads JSON)."""
     file = Path(path)
     if not file.is_file():
-        raise ConfigError(f"actor.deepspeed_config={path}: no such file")
+        raise DeepSpeedError(f"actor.deepspeed_config={path}: no such file")
     try:
         tree = json.loads(file.read_text()) if file.suffix == ".json" else yaml.safe_load(file.read_text())
     except (json.JSONDecodeError, yaml.YAMLError) as e:
-        raise ConfigError(f"actor.deepspeed_config={path} cannot be read: {e}") from None
+        raise DeepSpeedError(f"actor.deepspeed_config={path} cannot be read: {e}") from None
     if not isinstance(tree, dict):
-        raise ConfigError(f"actor.deepspeed_config={path} must hold a mapping of DeepSpeed settings")
+        raise DeepSpeedError(f"actor.deepspeed_config={path} must hold a mapping of DeepSpeed settings")
     return tree
 
 
@@ -113,14 +119,14 @@ def engine_config(cfg: Config, device: torch.device, dtype: torch.dtype) -> dict
     user = _without_auto(read_user_config(path))
     clashes = [f"'{key}' (longqa sets it from {OWNED[key]})" for key in OWNED if key in user]
     if clashes:
-        raise ConfigError(f"actor.deepspeed_config={path} sets {', '.join(clashes)}: remove it or set it to \"auto\"")
+        raise DeepSpeedError(f"actor.deepspeed_config={path} sets {', '.join(clashes)}: remove it or set it to \"auto\"")
     config = _merge(config, user)
     zero = config["zero_optimization"]
     if zero.get("stage") != 3:
-        raise ConfigError(f"actor.deepspeed_config={path} sets zero_optimization.stage={zero.get('stage')}: "
+        raise DeepSpeedError(f"actor.deepspeed_config={path} sets zero_optimization.stage={zero.get('stage')}: "
                           f"actor.strategy=deepspeed runs ZeRO stage 3")
     if zero.get("memory_efficient_linear"):
-        raise ConfigError(f"actor.deepspeed_config={path} sets zero_optimization.memory_efficient_linear: it "
+        raise DeepSpeedError(f"actor.deepspeed_config={path} sets zero_optimization.memory_efficient_linear: it "
                           f"replaces torch.nn.functional.linear in the whole process, which makes the compiled "
                           f"decoder layers recompile for every weight; remove it (longqa gathers each layer whole)")
     return config
@@ -141,7 +147,7 @@ def load_cpu_adam() -> None:
 
     compiler = os.environ.get("CXX", "c++")
     if not installed_ops.get("cpu_adam") and shutil.which(compiler) is None:
-        raise ConfigError(f"DeepSpeed's CPU Adam (the offloaded optimizer under actor.strategy=deepspeed) is compiled "
+        raise DeepSpeedError(f"DeepSpeed's CPU Adam (the offloaded optimizer under actor.strategy=deepspeed) is compiled "
                           f"on first use, but there is no C++ compiler ({compiler} is not on PATH): install one "
                           f"(apt-get install g++), or install DeepSpeed with it prebuilt (DS_BUILD_CPU_ADAM=1 "
                           f"pip install deepspeed), or set actor.cpu_offload=false")
@@ -150,7 +156,7 @@ def load_cpu_adam() -> None:
     try:
         CPUAdamBuilder().load()
     except (RuntimeError, OSError, ImportError) as e:
-        raise ConfigError(f"DeepSpeed's CPU Adam (the offloaded optimizer under actor.strategy=deepspeed) could not "
+        raise DeepSpeedError(f"DeepSpeed's CPU Adam (the offloaded optimizer under actor.strategy=deepspeed) could not "
                           f"be built: {e}; or set actor.cpu_offload=false") from e
 
 
@@ -206,7 +212,7 @@ def use_accelerator(device: torch.device) -> None:
     elif device.type == "cuda":
         from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator as Accelerator
     else:
-        raise ConfigError(f"actor.strategy=deepspeed trains on a CPU or a CUDA GPU, not on {device.type}")
+        raise DeepSpeedError(f"actor.strategy=deepspeed trains on a CPU or a CUDA GPU, not on {device.type}")
     set_accelerator(Accelerator())
 
 
@@ -315,7 +321,7 @@ def load(engine, folder: Path) -> None:
     if sorted(state) != sorted(flats):
         saved, now = (f"the optimizer's sub-groups {sorted(groups)} on the accelerator, the rest offloaded" if groups
                       else "no partly offloaded optimizer" for groups in (state, flats))
-        raise ConfigError(f"checkpoint {folder} was written with {saved}, this run has {now}: resume it with the "
+        raise DeepSpeedError(f"checkpoint {folder} was written with {saved}, this run has {now}: resume it with the "
                           f"actor.cpu_offload_ratio (and zero_optimization.sub_group_size) it was written with")
     engine.load_checkpoint(str(folder), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False)
     backup, flats = accelerator_part(engine)  # (the partitions the engine holds now)

@@ -476,6 +476,11 @@ def auto_micro_batch_tokens(cfg, world_size: int, gpu_bytes: int | None, sizes: 
     return chosen, f"{chosen:,} tokens a micro-batch ({why})"
 
 
+class ModelSizeError(ConfigError):
+    """The sizes of ``model.path`` cannot be read (no config.json or GGUF header there): the plan needs them before
+    any weight is read."""
+
+
 def model_sizes(cfg) -> ModelSizes:
     """Sizes from the config of ``model.path`` (a folder, hub id or GGUF file; or the embedded default), read
     without its weights."""
@@ -484,7 +489,7 @@ def model_sizes(cfg) -> ModelSizes:
     try:
         config = load_model_config(cfg.model.path, cfg.model.gguf_file)
     except ModelError as e:
-        raise ConfigError(f"{e}: give a local model folder, or size a Qwen3 shape instead with longqa plan "
+        raise ModelSizeError(f"{e}: give a local model folder, or size a Qwen3 shape instead with longqa plan "
                           f"--shape") from None
     return ModelSizes.from_config(config)
 

@@ -25,6 +25,11 @@ from longqa.config import Config, ConfigError, load_config_dict, to_dict
 from longqa.train.preemption import forward_stop_requests, preempted_message
 
 
+class RayClusterError(ConfigError):
+    """``trainer.launcher=ray`` cannot start as set: Ray Train is not installed, or the cluster has too few GPUs (or
+    CPUs) for ``trainer.ray_workers`` workers. The message says what to install, add or set."""
+
+
 def _folder(path: str) -> str:
     """A folder as an absolute path, ``~`` expanded (resolved as it stands, it would be a folder named ``~`` in the
     working folder)."""
@@ -94,9 +99,9 @@ def ray_worker_count(cfg, cluster_gpus: int, use_gpu: bool) -> int:
     wait for GPUs that never come: refused, never quietly fewer (the run's batches are split by that count)."""
     workers = cfg.trainer.ray_workers or cluster_gpus
     if workers < 1:
-        raise ConfigError("the Ray cluster has no GPUs: set trainer.ray_workers to the number of CPU workers")
+        raise RayClusterError("the Ray cluster has no GPUs: set trainer.ray_workers to the number of CPU workers")
     if use_gpu and workers > cluster_gpus:
-        raise ConfigError(f"trainer.ray_workers={workers} asks for one GPU each but the Ray cluster has {cluster_gpus}: "
+        raise RayClusterError(f"trainer.ray_workers={workers} asks for one GPU each but the Ray cluster has {cluster_gpus}: "
                           f"add nodes to the cluster, or set trainer.ray_workers (a verl line's trainer.nnodes x "
                           f"n_gpus_per_node, or remote_backend.training_gpus) to the GPUs there are")
     return workers
@@ -109,7 +114,7 @@ def check_placeable(workers: int, use_gpu: bool, resources: dict) -> None:
     unit = "GPU" if use_gpu else "CPU"
     if workers <= (gpus if use_gpu else cpus):
         return
-    raise ConfigError(f"trainer.ray_workers={workers} Ray workers need one {unit} each, but the Ray cluster has "
+    raise RayClusterError(f"trainer.ray_workers={workers} Ray workers need one {unit} each, but the Ray cluster has "
                       f"{gpus} GPUs and {cpus} CPUs: set trainer.ray_workers (a verl line's trainer.n_gpus_per_node "
                       f"x trainer.nnodes) to what there is, add nodes, or train here with trainer.launcher=local")
 
@@ -159,7 +164,7 @@ def run_with_ray(cfg: Config, train: Callable[..., dict]) -> dict:
         from ray.train import FailureConfig, RunConfig, ScalingConfig
         from ray.train.torch import TorchConfig, TorchTrainer
     except ImportError as e:
-        raise ConfigError("trainer.launcher=ray needs Ray Train: pip install 'longqa[ray]'") from e
+        raise RayClusterError("trainer.launcher=ray needs Ray Train: pip install 'longqa[ray]'") from e
     ray.init(address=os.environ.get("RAY_ADDRESS"), ignore_reinit_error=True, log_to_driver=True)
     gpus = int(ray.cluster_resources().get("GPU", 0))
     use_gpu = gpus > 0 and cfg.trainer.device != "cpu"

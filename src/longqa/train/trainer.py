@@ -60,13 +60,23 @@ from longqa.outputs.lock import hold_run_folder
 AHEAD_KEY = "sampled_ahead"  # in trainer_state.json: rollout.mode=one_step_off's groups for the next step
 
 
+class RewardFunctionError(ConfigError):
+    """``reward.path`` / ``reward.name`` name no function that can be loaded (a missing file, a file that fails to
+    import, no such function): found before any sampling."""
+
+
+class RunFolderTaken(ConfigError):
+    """``trainer.resume=none`` starts afresh in a run folder that holds another run's checkpoints or metrics, which
+    it would replace."""
+
+
 def reward_function(cfg: Config):
     """``(data_source, text, ground_truth, extra_info) -> RewardResult``: a user's function or ours."""
     if cfg.reward.path:
         try:
             return reward.load_reward_function(cfg.reward.path, cfg.reward.name)
         except ValueError as e:  # missing file or function: a config problem, found before any sampling
-            raise ConfigError(f"reward.path / reward.name: {e}") from None
+            raise RewardFunctionError(f"reward.path / reward.name: {e}") from None
     return functools.partial(reward.score_detailed, mode=cfg.reward.mode)
 
 
@@ -155,7 +165,7 @@ def check_fresh_folder(cfg: Config, resume_from: Path | None, say=print) -> None
         return
     held = _describe_contents(steps, records)
     if t.resume == "none":
-        raise ConfigError(f"trainer.resume=none starts a fresh run, but trainer.output_dir={t.output_dir} holds "
+        raise RunFolderTaken(f"trainer.resume=none starts a fresh run, but trainer.output_dir={t.output_dir} holds "
                           f"another run's {held}, which it would replace: pick another trainer.output_dir, remove "
                           f"the folder, or resume it with trainer.resume=auto")
     say(f"note: trainer.output_dir={t.output_dir} holds {held} but no complete checkpoint to resume: this run "
