@@ -79,10 +79,12 @@ def test_a_reward_function_decides_accuracy_and_its_failures_are_counted(tokeniz
     from longqa.data.prompts import PromptSet
     from longqa.evaluation.evaluate import evaluate
     from longqa.reward import RewardResult
-    from longqa.rollout.base import Sample
+    from longqa.rollout.base import RolloutEngine, Sample
 
-    class Echo:
-        def generate(self, prompts, params, seeds=None):
+    class Echo(RolloutEngine):
+        seeded = True
+
+        def generate(self, prompts, params, generator=None, **options):
             return [[Sample(list(p), "stop", None)] for p in prompts]
 
     ids = [tokenizer.encode(answered(name), add_special_tokens=False) for name in ("Tarvos", "Quillex", "Ada")]

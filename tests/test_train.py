@@ -230,10 +230,12 @@ def test_a_sharded_validation_puts_every_answer_back_in_its_place(tokenizer):
 
     from longqa.data.prompts import PromptSet
     from longqa.evaluation.evaluate import engine_greedy_responses, evaluate
-    from longqa.rollout.base import Sample
+    from longqa.rollout.base import RolloutEngine, Sample
 
-    class Echo:
-        def generate(self, prompts, params, seeds=None):
+    class Echo(RolloutEngine):
+        seeded = True
+
+        def generate(self, prompts, params, generator=None, **options):
             return [[Sample(list(p), "stop", None)] for p in prompts]
 
     names = [f"city {chr(97 + i)}" for i in range(7)]
@@ -441,7 +443,7 @@ def test_drawn_response_lengths_end_each_response_unless_eos_came_first(tiny_mod
     shorter = 0
     for i, group in zip(indices, groups):
         drawn = draw_response_lengths("lognormal", 4, 16, (42, 3, i, 1))
-        for limit, sample in zip(drawn, group["samples"]):
+        for limit, sample in zip(drawn, group.samples):
             made = len(sample.token_ids)
             assert made == limit or (made < limit and sample.token_ids[-1] in trainer.stops)
             truncated = made == 16 and sample.token_ids[-1] not in trainer.stops
@@ -449,7 +451,7 @@ def test_drawn_response_lengths_end_each_response_unless_eos_came_first(tiny_mod
             shorter += made < 16
     assert shorter  # drawn lengths, not all the maximum
     again = trainer._sample_groups(indices, 3, 1, {})
-    assert [[s.token_ids for s in g["samples"]] for g in again] == [[s.token_ids for s in g["samples"]] for g in groups]
+    assert [[s.token_ids for s in g.samples] for g in again] == [[s.token_ids for s in g.samples] for g in groups]
 
 
 def random_samples(tokenizer, groups=3, n=4, seed=0) -> Samples:
@@ -571,8 +573,8 @@ def test_rollout_speculative_reaches_the_engine_and_samples_the_same(tiny_model_
     assert plain.engine.speculation is None and drafting.engine.speculation == Speculation(3, 1, 5)
     indices = plain.step_prompts(1)
     groups = [trainer._sample_groups(indices, 1, 1, {}) for trainer in (plain, drafting)]
-    assert [[s.token_ids for s in g["samples"]] for g in groups[1]] == \
-           [[s.token_ids for s in g["samples"]] for g in groups[0]]
+    assert [[s.token_ids for s in g.samples] for g in groups[1]] == \
+           [[s.token_ids for s in g.samples] for g in groups[0]]
     assert drafting.engine.last_run["draft_row_steps"] > 0
 
 

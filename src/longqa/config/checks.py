@@ -257,3 +257,17 @@ def check_positions(cfg: Config, longest_prompt: int, positions: int) -> None:
                           f"{cfg.data.max_response_length} need {need} positions, past the model's {positions}, and "
                           f"rollout.engine=vllm samples none past them: lower data.max_prompt_length or "
                           f"data.max_response_length, or sample with rollout.engine=fast")
+
+
+def check_engine(cfg: Config, engine) -> None:
+    """What the settings ask of the engine built (a ``rollout.base.RolloutEngine``), read from what it declares: the
+    checks in the list name the engines of ``rollout.engine``, and an engine of one's own
+    (``Trainer(cfg, build_engine=...)``) is held to the same."""
+    r = cfg.rollout
+    if r.response_lengths != "model" and not engine.ends_at_given_lengths:
+        raise ConfigError(f"rollout.response_lengths={r.response_lengths} needs an engine that ends a sample at a "
+                          f"drawn length (ends_at_given_lengths), which the engine built does not")
+    if r.overlap and not engine.holds_own_weights:
+        raise ConfigError("rollout.overlap=true samples while the update changes the training model's weights: it "
+                          "needs an engine with weights of its own (holds_own_weights), which the engine built does "
+                          "not hold")

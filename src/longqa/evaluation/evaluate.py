@@ -118,8 +118,10 @@ def engine_greedy_responses(engine, tokenizer, prompts: Sequence[Sequence[int]],
 
     params = SamplingParams(n=1, temperature=0, max_new_tokens=max_new_tokens,
                             stop_token_ids=tuple(stop_token_ids(tokenizer)), return_logprobs=False)
-    # Greedy needs no randomness: fixed seeds leave the global generator (the training run's) untouched.
-    groups = engine.generate([list(p) for p in prompts], params, seeds=[0] * len(prompts))
+    # Greedy needs no randomness, but a seeded engine draws seeds that are not given: fixed ones leave the global
+    # generator (the training run's) untouched.
+    seeds = [0] * len(prompts) if engine.seeded else None
+    groups = engine.generate([list(p) for p in prompts], params, seeds=seeds)
     return [Response(tokenizer.decode(group[0].token_ids, skip_special_tokens=True), group[0].finish_reason)
             for group in groups]
 

@@ -46,15 +46,15 @@ class CompileWatch:
     such as ``"recompiled forward (modeling_llama.py:280): tensor 'x' size mismatch at index 1. expected 5888,
     actual 11776"`` (a line per function, its failed guards grouped by ``_summary``) or ``"captured the decode
     step for prompt view 7936, response view 192 (64 groups of 8) in 0.41 s"``. ``engine``: a rollout engine whose
-    ``graph_events`` (if it has them) are followed too."""
+    ``graph_events`` (``RolloutEngine``: none for an engine that captures no graphs) are followed too."""
 
     def __init__(self, engine=None):
         self.engine = engine
         self._seen = self._counts()
         self._events = len(self._engine_events())
 
-    def _engine_events(self) -> list[str]:
-        return getattr(self.engine, "graph_events", [])
+    def _engine_events(self):
+        return self.engine.graph_events if self.engine is not None else ()
 
     @staticmethod
     def _counts() -> dict:

@@ -110,19 +110,84 @@ class StaleWeightsError(RuntimeError):
 
 
 class RolloutEngine(ABC):
-    """Samples responses for token-id prompts; implemented by the transformers reference engine and by
-    faster ones."""
+    """Samples responses for token-id prompts. The trainer, its validation and the sampler ranks use an engine
+    through this class alone: what an engine can do it declares below, and ``generate`` refuses what it cannot
+    (``check_request``), so a new engine needs no change to its callers. ``rollout/build.py`` builds the engine a
+    config names; ``Trainer(cfg, build_engine=...)`` takes another.
+
+    The declarations are class attributes, or properties where they depend on how the engine was built."""
+
+    seeded: bool = False
+    """``generate`` takes ``seeds``, one per prompt, and a prompt's samples depend on its seed alone: not on the
+    batch, the slot or the rank that drew them. The trainer then seeds each prompt from (seed, step, prompt), so a
+    resumed run, or one on another number of ranks, samples the same; otherwise it hands ``generate`` a
+    ``torch.Generator`` seeded from (seed, step), and the samples depend on the prompts' order too."""
+
+    ends_at_given_lengths: bool = False
+    """``generate`` takes ``stop_at``: lengths at which samples end as if they had sampled EOS
+    (``rollout.response_lengths=lognormal``, for random-weight models that never do)."""
+
+    holds_own_weights: bool = False
+    """It samples from weights of its own (a copy, vLLM's, a sampler rank's), loaded by ``sync_weights``, rather
+    than from the training model's tensors: it may sample while an update changes those
+    (``rollout.overlap``), and refuses (``StaleWeightsError``) to sample a version it has not loaded."""
+
+    answers_validation: bool = False
+    """The trainer's greedy validation answers come from it (many prompts at once, from the whole current model
+    even where training shards it) rather than from transformers' batched ``generate`` on the training model,
+    which beats an engine that answers one prompt at a time (the reference engine)."""
+
+    calls_model_layers: bool = True
+    """``generate`` runs the model's own decoder-layer modules in this process. Layers compiled for the update's
+    packed shapes would recompile for every shape generation feeds them, so validation through such an engine
+    runs them eagerly."""
+
+    compiled_update_layers: bool = False
+    """The trainer compiles the update's decoder layers (``actor.compile_layers``, on a GPU) beside this engine:
+    where it samples through the fused decode step (``decode_step.py``: the Llama-family layers as functions of
+    their weights), here or on sampler ranks, which never calls the compiled modules, and which the memory plan
+    (``planning``) counts compiled layers for."""
+
+    graph_captures: int = 0
+    """Decode-step graphs captured so far (``perf/graph_captures`` is the step's difference): 0 for an engine that
+    captures none."""
+
+    graph_events: Sequence[str] = ()
+    """Each capture and each re-sizing that dropped captured graphs, said in a line (``CompileWatch``)."""
 
     @abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 generator: torch.Generator | None = None) -> list[list[Sample]]:
-        """``params.n`` samples for each prompt, in prompt order. The same ``generator`` state gives the
-        same samples."""
+                 generator: torch.Generator | None = None, *, seeds: Sequence[int] | None = None,
+                 stop_at: Sequence[Sequence[int]] | None = None,
+                 at_version: int | None = None) -> list[list[Sample]]:
+        """``params.n`` samples for each prompt, in prompt order.
+
+        ``generator``: where the randomness comes from (the same state gives the same samples). ``seeds``, for a
+        ``seeded`` engine: one per prompt (drawn from ``generator`` when not given: ``prompt_seeds``).
+        ``stop_at[i][j]``, for an engine that ``ends_at_given_lengths``: the length in ``[1, max_new_tokens]`` at
+        which sample j of prompt i ends as if it had sampled EOS. ``at_version``: the training model's weights
+        version the caller means to sample (default: its version now), named by a caller that samples while an
+        update runs beside it, so that the check cannot race the optimizer step; an engine that would sample
+        other weights raises ``StaleWeightsError``."""
+
+    def check_request(self, seeds: Sequence[int] | None, stop_at: Sequence[Sequence[int]] | None) -> None:
+        """Refuse the arguments of ``generate`` that this engine does not declare it honours: ignored, they would
+        change the samples silently."""
+        name = type(self).__name__
+        if seeds is not None and not self.seeded:
+            raise ValueError(f"{name} does not seed each prompt's samples: pass a torch.Generator, not seeds")
+        if stop_at is not None and not self.ends_at_given_lengths:
+            raise ValueError(f"{name} cannot end samples at given lengths (stop_at)")
 
     def sleep(self) -> None:
         """Called by the trainer before each update. A no-op by default; an engine colocated with training
         (vLLM on the training GPUs) frees its memory here and takes it back in ``sync_weights``."""
 
     def sync_weights(self) -> None:
-        """Called by the trainer after each optimizer step. A no-op for engines that share the training
-        model's tensors; an engine holding its own copy of the weights (vLLM, say) reloads them here."""
+        """Called by the trainer after each optimizer step (and after a resume loads weights). A no-op for
+        engines that share the training model's tensors; an engine holding its own copy of the weights (vLLM,
+        say) reloads them here."""
+
+    def close(self, finished: bool = True) -> None:
+        """Called by the trainer once its run ends (``finished``: without an error). A no-op by default; an
+        engine whose sampling runs elsewhere (sampler ranks) tells it that it is done."""

@@ -65,6 +65,7 @@ from longqa.rollout.base import (ENGINE_KV_SHARE, RolloutEngine, Sample, Samplin
                                  weights_version)
 from longqa.rollout.hf import eval_mode, filter_logits
 from longqa.rollout.prompt_lookup import propose, row_text
+from longqa.rollout.slot import Slot
 from longqa.rollout.speculative import METHODS as SPECULATIVE_METHODS
 from longqa.rollout.speculative import Speculation, verify
 
@@ -376,7 +377,29 @@ class FastRolloutEngine(RolloutEngine):
     in fewer steps where drafts are right. ``prompt_tokens``: the longest prompt it will be given, where known
     (a training run's data): the KV stores hold it from the first call on, so that a later call's longer prompt
     does not re-size them and drop every captured graph mid-run.
+
+    Its samples depend on each prompt's seed alone, and it ends samples at given lengths (``stop_at``).
     """
+
+    seeded = True
+    ends_at_given_lengths = True
+    answers_validation = True
+
+    @property
+    def holds_own_weights(self) -> bool:
+        """Whether it samples a copy of its own (``own_copy``, or another dtype) rather than the training model's
+        very tensors."""
+        return self.model is not self.source
+
+    @property
+    def calls_model_layers(self) -> bool:
+        """Without the fused decode step (a model it does not support) it runs the model's modules."""
+        return self.decode_step is None
+
+    @property
+    def compiled_update_layers(self) -> bool:
+        """With the fused decode step it never calls the modules that the update compiles."""
+        return self.decode_step is not None
 
     def __init__(self, model, tokenizer=None, kv_cache_bytes: int | None = None, prefill_chunk: int | None = None,
                  sync_every: int = 16, cuda_graphs: bool = True, max_groups: int | None = None, dtype=None,
@@ -490,7 +513,7 @@ class FastRolloutEngine(RolloutEngine):
     # ------------------------------------------------------------------------------------- generate
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 generator: torch.Generator | None = None, seeds: Sequence[int] | None = None,
+                 generator: torch.Generator | None = None, *, seeds: Sequence[int] | None = None,
                  stop_at: Sequence[Sequence[int]] | None = None,
                  at_version: int | None = None) -> list[list[Sample]]:
         """``params.n`` samples per prompt. ``seeds`` (one per prompt) make each prompt's samples a
@@ -524,7 +547,7 @@ class FastRolloutEngine(RolloutEngine):
             return self._run(prompts, params, torch.as_tensor(list(seeds), dtype=torch.long), limits)
 
     def _run(self, prompts, params: SamplingParams, seeds: torch.Tensor, limits: list[list[int]]) -> list[list[Sample]]:
-        """Stream the prompts' groups through the slots. The host follows each slot's age (decode steps
+        """Stream the prompts' groups through the slots. The host follows each ``Slot``'s age (decode steps
         since admission, each of which adds at least one token to every live row) and the longest length
         its rows may reach (each step adds at most ``queries``), and looks at the device only between
         runs of ``sync_every`` steps, or as soon as a slot must have finished, to retire and admit groups
@@ -544,51 +567,47 @@ class FastRolloutEngine(RolloutEngine):
         keys = request_seeds(seeds.to(dev), n)  # [len(prompts) * n]
         row_limits = torch.as_tensor(limits, dtype=torch.long).view(-1).to(dev)  # [len(prompts) * n]
         pending = deque(range(len(prompts)))
-        slot_prompt: list[int | None] = [None] * kv.groups
-        slot_prompt_len = [0] * kv.groups
-        slot_age = [0] * kv.groups  # decode steps since admission
-        slot_done_at = [0] * kv.groups  # the age at which all the slot's rows have reached their limits
-        slot_reach = [1] * kv.groups  # the longest length the slot's rows may have reached
+        slots = [Slot() for _ in range(kv.groups)]  # slot g holds rows g * n to (g + 1) * n of the state
         results: list[list[Sample] | None] = [None] * len(prompts)
         self.last_run = {"decode_steps": 0, "busy_slot_steps": 0, "live_row_steps": 0, "slots": kv.groups, "n": n}
         while True:
             admitted = []
-            for g in range(kv.groups):
-                if slot_prompt[g] is None and pending:
+            for g, slot in enumerate(slots):
+                if slot.free and pending:
                     i = pending.popleft()
                     admitted.append((g, i))
-                    slot_prompt[g], slot_prompt_len[g], slot_age[g] = i, len(prompts[i]), 0
-                    slot_done_at[g] = max(limits[i]) - 1  # the first token came with the prefill
+                    slot.admit(i, len(prompts[i]), max(limits[i]))
             if admitted:
                 self._admit(admitted, prompts, params, keys, row_limits, state, stops)
-            active, slot_reach = torch.stack([state.active.view(kv.groups, n).any(1).long(),
-                                              state.length.view(kv.groups, n).max(1).values]).tolist()
+            active, reach = torch.stack([state.active.view(kv.groups, n).any(1).long(),
+                                         state.length.view(kv.groups, n).max(1).values]).tolist()
             freed = False
-            for g in range(kv.groups):  # groups that finished (possibly at their first token)
-                if slot_prompt[g] is not None and not active[g]:
-                    results[slot_prompt[g]] = self._collect(g, params, state)
+            for g, slot in enumerate(slots):  # groups that finished (possibly at their first token)
+                slot.reach = reach[g]
+                if not slot.free and not active[g]:
+                    results[slot.prompt] = self._collect(g, params, state)
                     self._count_steps(state.steps[g * n:(g + 1) * n].tolist())
-                    slot_prompt[g], freed = None, True
+                    slot.prompt, freed = None, True
             if freed and pending:
                 continue  # a freed slot takes the next prompt before the next decode step
             if not any(active):
                 break
-            occupied = [g for g in range(kv.groups) if slot_prompt[g] is not None]
-            longest_prompt = max(slot_prompt_len[g] for g in occupied)
+            occupied = [slot for slot in slots if not slot.free]
+            longest_prompt = max(slot.prompt_len for slot in occupied)
             for _ in range(self.sync_every):
                 if kv.kernel != "triton":  # (the Triton kernel reads the lengths on the device: views stay whole)
                     # own keys a step reads: the fed tokens' (from the row's last one on) and all before them
-                    longest_response = max(slot_reach[g] for g in occupied) + self.queries - 1
+                    longest_response = max(slot.reach for slot in occupied) + self.queries - 1
                     kv.prompt_view = _bucket(longest_prompt, PROMPT_VIEW_STEP, kv.prompt_cap)
                     kv.response_view = _bucket(longest_response, RESPONSE_VIEW_STEP, kv.own_cap)
                 self._decode_step(params, state, stops)
                 self.last_run["decode_steps"] += 1
-                slot_age = [age + 1 for age in slot_age]
-                slot_reach = [reach + self.queries for reach in slot_reach]
-                if any(slot_age[g] >= slot_done_at[g] for g in occupied):
+                for slot in occupied:
+                    slot.stepped(self.queries)
+                if any(slot.age >= slot.done_at for slot in occupied):
                     break
             if params.stop_strings:
-                self._apply_stop_strings(params, state, slot_prompt)
+                self._apply_stop_strings(params, state, slots)
         if self.speculation:
             run = self.last_run
             run.update(state.speculation_counts())
@@ -731,12 +750,12 @@ class FastRolloutEngine(RolloutEngine):
         return [Sample(tokens[j][:lengths[j]], "stop" if stopped[j] or lengths[j] < params.max_new_tokens else "length",
                        logps[j][:lengths[j]] if logps is not None else None) for j in range(n)]
 
-    def _apply_stop_strings(self, params, state: "DecodeState", slot_prompt) -> None:
+    def _apply_stop_strings(self, params, state: "DecodeState", slots: list[Slot]) -> None:
         """Cut rows at the first token that completes a stop string (searched on the host, per sync)."""
         window = max(len(s.encode()) for s in params.stop_strings) + 8
         lengths, tokens = state.length.tolist(), state.tokens.tolist()
         for row, length in enumerate(lengths):
-            if slot_prompt[row // params.n] is None:
+            if slots[row // params.n].free:
                 continue
             for end in range(state.checked[row] + 1, length + 1):
                 tail = self.tokenizer.decode(tokens[row][max(0, end - window):end], skip_special_tokens=True)

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import torch
 from transformers import DynamicCache
 
-from longqa.rollout.base import RolloutEngine, Sample, SamplingParams
+from longqa.rollout.base import RolloutEngine, Sample, SamplingParams, StaleWeightsError, weights_version
 
 
 class HFRolloutEngine(RolloutEngine):
@@ -21,7 +21,13 @@ class HFRolloutEngine(RolloutEngine):
 
     ``tokenizer`` is needed only for stop strings. ``max_batch_tokens`` caps the tokens of one forward:
     longer prompts are prefilled in chunks of that many tokens, which bounds activation memory.
+
+    Its samples come from one ``torch.Generator`` drawn in prompt order (not seeded per prompt), and it runs the
+    model's own modules, one prompt at a time.
     """
+
+    seeded = False
+    calls_model_layers = True
 
     def __init__(self, model, tokenizer=None, max_batch_tokens: int | None = None):
         if max_batch_tokens is not None and max_batch_tokens < 1:
@@ -32,7 +38,15 @@ class HFRolloutEngine(RolloutEngine):
         self.cache_kwarg = _cache_kwarg(model)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 generator: torch.Generator | None = None) -> list[list[Sample]]:
+                 generator: torch.Generator | None = None, *, seeds: Sequence[int] | None = None,
+                 stop_at: Sequence[Sequence[int]] | None = None,
+                 at_version: int | None = None) -> list[list[Sample]]:
+        """``RolloutEngine.generate`` without ``seeds`` or ``stop_at``; ``at_version`` can only be the model's
+        version now, since it samples the training model itself."""
+        self.check_request(seeds, stop_at)
+        if at_version is not None and at_version != weights_version(self.model):
+            raise StaleWeightsError(f"asked to sample weights version {at_version}, but the training model this "
+                                    f"engine samples is at {weights_version(self.model)}")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer: pass one to HFRolloutEngine")
         if generator is not None and generator.device.type != self.model.device.type:

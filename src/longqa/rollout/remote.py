@@ -29,6 +29,7 @@ from longqa.distributed.env import Split
 from longqa.distributed.gather import full_parameters
 from longqa.rollout.base import (VERSION_ATTRIBUTE, RolloutEngine, Sample, SamplingParams, StaleWeightsError,
                                  prompt_seeds, weights_version)
+from longqa.rollout.decode_step import unsupported_reason
 
 BUCKET_BYTES = 256 << 20  # weights broadcast at most this many bytes at a time (plus the tensor that overflows it)
 
@@ -39,7 +40,22 @@ class SamplerError(RuntimeError):
 
 class RemoteRolloutEngine(RolloutEngine):
     """A training rank's engine when other ranks sample (see the module's docstring). Built before the actor
-    shards the model: the samplers hold the weights in the dtype the model was loaded in, which it records."""
+    shards the model: the samplers hold the weights in the dtype the model was loaded in, which it records.
+
+    It declares what the samplers' fast engine does: seeded samples, drawn lengths, weights of its own, the
+    validation's answers, and on the Llama-family layers the fused decode step (so the update's layers compile).
+    """
+
+    seeded = True
+    ends_at_given_lengths = True
+    holds_own_weights = True
+    answers_validation = True
+    calls_model_layers = False
+
+    @property
+    def compiled_update_layers(self) -> bool:
+        """Where the samplers' fast engine runs the fused decode step: the same model, so the same answer."""
+        return unsupported_reason(self.model) is None
 
     def __init__(self, model, split: Split, bucket_bytes: int = BUCKET_BYTES, prompt_tokens: int = 0):
         """``prompt_tokens``: the longest prompt the run will send (its data's), passed on to the sampler's engine
@@ -51,7 +67,7 @@ class RemoteRolloutEngine(RolloutEngine):
         self.dtype, self.device = first.dtype, first.device  # (an offloaded shard's whole tensor may be on the host)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 generator: torch.Generator | None = None, seeds: Sequence[int] | None = None,
+                 generator: torch.Generator | None = None, *, seeds: Sequence[int] | None = None,
                  stop_at: Sequence[Sequence[int]] | None = None, at_version: int | None = None) -> list[list[Sample]]:
         """As ``FastRolloutEngine.generate``, sampled on this rank's sampler. Sent even for no prompts: the sampler
         takes one message from each training rank it serves in turn."""

@@ -104,7 +104,16 @@ class VLLMRolloutEngine(RolloutEngine):
     puts vLLM to sleep during each update where the platform supports it. ``logprobs_mode`` is chosen
     by ``config.checks.logprobs_mode_for`` from the run's sampling settings; ``generate`` refuses settings whose
     log-probs it would return inexactly.
+
+    It seeds each prompt's requests, cannot end samples at given lengths (``stop_at``), and answers the trainer's
+    validation from its copy of the whole model. The update's layers stay eager beside it: the memory plan counts
+    compiled layers for the fast engine's runs alone.
     """
+
+    seeded = True
+    holds_own_weights = True
+    answers_validation = True
+    calls_model_layers = False
 
     def __init__(self, model, model_path: str, *, tokenizer_path: str | None = None, dtype: str = "float32",
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5,
@@ -186,17 +195,22 @@ class VLLMRolloutEngine(RolloutEngine):
     # ------------------------------------------------------------------------------ generate
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 generator: torch.Generator | None = None, seeds: Sequence[int] | None = None) -> list[list[Sample]]:
+                 generator: torch.Generator | None = None, *, seeds: Sequence[int] | None = None,
+                 stop_at: Sequence[Sequence[int]] | None = None,
+                 at_version: int | None = None) -> list[list[Sample]]:
         """``params.n`` samples per prompt. ``seeds`` (one per prompt) make each prompt's samples a function
-        of its seed alone (vLLM seeds sample j with seed + j); without them they are drawn from ``generator``."""
+        of its seed alone (vLLM seeds sample j with seed + j); without them they are drawn from ``generator``.
+        ``stop_at`` is refused; ``at_version`` as in ``RolloutEngine.generate``."""
+        self.check_request(seeds, stop_at)
         prompts = [list(p) for p in prompts]
         if not prompts:
             return []
         if not all(prompts):
             raise ValueError("every prompt needs at least one token")
-        if self.version is None or self.version != weights_version(self.model):
+        expected = weights_version(self.model) if at_version is None else at_version
+        if self.version is None or self.version != expected:
             raise StaleWeightsError(f"vLLM holds weights version {self.version} but the training model is at "
-                                    f"{weights_version(self.model)}: call sync_weights() after each update")
+                                    f"{expected}: call sync_weights() after each update")
         if params.return_logprobs and not self._exact(params):
             raise ValueError(f"vLLM built with logprobs_mode={self.logprobs_mode!r} cannot return exact log-probs "
                              f"at temperature={params.temperature}, top_k={params.top_k}, top_p={params.top_p} "

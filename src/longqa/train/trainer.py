@@ -28,8 +28,8 @@ from longqa.planning.flops import counts_flops, group_flops
 from longqa.model.compile_cache import load_run_cache, save_run_cache, use_user_cache
 from longqa.model.compile_watch import CompileWatch
 from longqa.config import Config, ConfigError, to_dict
-from longqa.config.checks import (check_positions, check_prompt_count, check_settings, float32_masters,
-                                  logprobs_mode_for)
+from longqa.config.checks import (check_engine, check_positions, check_prompt_count, check_settings,
+                                  float32_masters, logprobs_mode_for)
 from longqa.data.prompts import (GROUPS, PromptOptions, PromptSet, describe_losses, prepare_prompts, readable_files,
                                  tally)
 from longqa.distributed.deepspeed import check_deepspeed
@@ -38,16 +38,12 @@ from longqa.planning.planner import check_fit, check_run, describe_training
 from longqa.evaluation.evaluate import evaluate, stop_token_ids
 from longqa.rollout.lengths import draw_response_lengths
 from longqa.model.load import (compile_decoder_layers, compiled_graphs, config_tokenizer, load_model,
-                               load_model_config, pick_device, position_limit_warning, resolve_model_path)
+                               load_model_config, pick_device, position_limit_warning)
 from longqa.outputs.paths import check_config_outputs
 from longqa.train.report import LENGTH_ACCURACY, METRICS_FILE, MetricsLogger, read_metrics, write_report
-from longqa.rollout.base import SamplingParams
-from longqa.rollout.hf import HFRolloutEngine
-from longqa.rollout.base import SAMPLER_KV_SHARE, Sample, bump_weights_version, weights_version
-from longqa.rollout.decode_step import unsupported_reason
-from longqa.rollout.fast import FastRolloutEngine
-from longqa.rollout.remote import RemoteRolloutEngine, serve, stop_sampler
-from longqa.rollout.vllm_engine import VLLMRolloutEngine
+from longqa.rollout.base import RolloutEngine, SamplingParams, bump_weights_version, weights_version
+from longqa.rollout.build import EngineBuilder, build_engine
+from longqa.rollout.remote import serve, stop_sampler
 from longqa.config.support import check_imports, check_machine, run_ranks
 from longqa.train.actor import Actor, Samples, TrainingError
 from longqa.train.checkpoint import (checkpoints_dir, later_checkpoints, load_checkpoint, read_trainer_state,
@@ -55,6 +51,7 @@ from longqa.train.checkpoint import (checkpoints_dir, later_checkpoints, load_ch
 from longqa.train.checkpoint_space import check_checkpoint_space, count_parameters
 from longqa.train.preemption import StopRequest, preempted_message
 from longqa.train.resume import CHANGES_KEY, DATA_KEY, change_history, check_resume, data_fingerprint, describe_changes
+from longqa.train.sampled import SampledAhead, SampledGroup
 from longqa.outputs.lock import hold_run_folder
 
 AHEAD_KEY = "sampled_ahead"  # in trainer_state.json: rollout.mode=one_step_off's groups for the next step
@@ -211,13 +208,6 @@ def describe_epochs(cfg: Config, prompts: int) -> list[str]:
     return lines
 
 
-def fast_engine(cfg: Config, model, tokenizer, **options) -> FastRolloutEngine:
-    """The fast engine on ``model`` as ``rollout.*`` sets it up (``options``: where it runs, e.g. ``own_copy``)."""
-    r = cfg.rollout
-    return FastRolloutEngine(model, tokenizer, kv_cache_bytes=r.kv_cache_bytes, cuda_graphs=r.cuda_graphs,
-                             speculative=None if r.speculative == "off" else r.speculative,
-                             num_speculative_tokens=r.num_speculative_tokens, prompt_lookup_min=r.prompt_lookup_min,
-                             prompt_lookup_max=r.prompt_lookup_max, **options)
 
 
 def rounding_warning(cfg: Config) -> str | None:
@@ -248,22 +238,21 @@ def memory_peaks(device: torch.device) -> dict[str, float]:
     return peaks
 
 
-# The engines that seed each prompt's samples (and hold the whole current model, even when training shards it).
-SEEDED_ENGINES = (FastRolloutEngine, VLLMRolloutEngine, RemoteRolloutEngine)
-
-
 class Trainer:
-    def __init__(self, cfg: Config, stop_file: str | Path | None = None, split: Split | None = None):
+    def __init__(self, cfg: Config, stop_file: str | Path | None = None, split: Split | None = None, *,
+                 build_engine: EngineBuilder = build_engine):
         """``stop_file``: where the driver of Ray Train workers asks for a stop (see ``preemption``); ``split``: the
-        job's ranks when some of them only sample (``rollout.sampler_ranks``; this is a training rank)."""
+        job's ranks when some of them only sample (``rollout.sampler_ranks``; this is a training rank);
+        ``build_engine``: what builds the rollout engine (``rollout/build.py``'s for the engine ``rollout.engine``
+        names; another engine needs only a function of its own, the trainer using it through ``RolloutEngine``)."""
         self.cfg = cfg
         self.run_dir = Path(cfg.trainer.output_dir).expanduser()  # (a folder named ~ here is never meant)
         self.stop_request = StopRequest(stop_file)
         self.stopping = False  # every rank agreed to stop after the step in flight (or before it)
         self.saved: tuple[int, Path] | None = None  # the last checkpoint on disk of this timeline, by step
         self.seconds = {"update": None, "validate": None, "save": None}  # this process's last ones, for the grace
-        # rollout.mode=one_step_off: the groups of step ``ahead["step"]``, sampled before the previous update
-        self.ahead: dict | None = None
+        # rollout.mode=one_step_off: the groups of step ``ahead.step``, sampled before the previous update
+        self.ahead: SampledAhead | None = None
         self.over_budget_said = False  # a sample past actor.max_tokens_per_micro_batch was said (once a run)
         self.no_gradient_since: int | None = None  # the first step of the current run of steps without a gradient
         # The next step sampled beside the update: rollout.overlap, or one_step_off on sampler ranks of their own.
@@ -350,23 +339,12 @@ class Trainer:
         load_run_cache(self.run_dir)
         self.compiled_when_cached = compiled_graphs()
         # Built before the actor shards the model: under data parallelism (or a group of one, above) the fast
-        # engine keeps an unsharded copy, and vLLM loads the unsharded weights (later syncs gather them).
-        logprobs_mode = logprobs_mode_for(r.temperature, r.top_k, r.top_p)
-        if split is not None:  # the sampler ranks hold the engine (and their own copy of the weights)
-            self.engine = RemoteRolloutEngine(self.model, split, prompt_tokens=self.longest_prompt)
-        elif r.engine == "fast":
-            self.engine = fast_engine(cfg, self.model, self.tokenizer, prompt_tokens=self.longest_prompt,
-                                      own_copy=self.env.distributed or sharded_alone or r.overlap)
-        elif r.engine == "vllm":
-            self.engine = VLLMRolloutEngine(
-                self.model, resolve_model_path(m.path), tokenizer_path=m.tokenizer_path, dtype=m.dtype,
-                tensor_parallel_size=r.tensor_model_parallel_size, gpu_memory_utilization=r.gpu_memory_utilization,
-                kv_cache_bytes=r.kv_cache_bytes, free_cache_engine=r.free_cache_engine, enforce_eager=r.enforce_eager,
-                max_model_len=min(cfg.data.max_prompt_length + cfg.data.max_response_length,
-                                  getattr(self.model.config, "max_position_embeddings", None) or 1 << 30),
-                logprobs_mode=logprobs_mode or "processed_logprobs", seed=seed)
-        else:
-            self.engine = HFRolloutEngine(self.model, self.tokenizer)
+        # engine keeps an unsharded copy, and vLLM loads the unsharded weights (later syncs gather them); with
+        # sampler ranks of their own, they hold the engine (and their own copy of the weights).
+        self.engine: RolloutEngine = build_engine(cfg, self.model, self.tokenizer, split=split,
+                                                  prompt_tokens=self.longest_prompt,
+                                                  own_copy=self.env.distributed or sharded_alone or r.overlap)
+        check_engine(cfg, self.engine)
         self.actor = Actor(self.model, cfg, self.total_steps, self.device, self.tokenizer.pad_token_id)
         if cfg.actor.compile_layers and self.device.type == "cuda" and self._compilable():
             compile_decoder_layers(self.model, with_hooks=not deepspeed)  # DeepSpeed's hooks cannot be traced
@@ -377,6 +355,7 @@ class Trainer:
         # What a step compiles or captures once the process is warm, and why (said after its first step).
         self.compile_watch, self.warm, self.validated_since_step = CompileWatch(self.engine), False, False
         self.stops = tuple(stop_token_ids(self.tokenizer))
+        logprobs_mode = logprobs_mode_for(r.temperature, r.top_k, r.top_p)
         # The trainer recomputes the old policy's log-probs itself; vLLM returns exact sample log-probs except
         # for tempered *and* top-k/top-p-filtered sampling, where it is not asked for them.
         self.params = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
@@ -391,9 +370,9 @@ class Trainer:
         return check_resume(checkpoint, state["config"], self.cfg, state.get(DATA_KEY), self.data_fingerprint)
 
     def _compilable(self) -> bool:
-        """Whether the update's decoder layers are compiled: for the Llama-family layers the fast engine's fused
-        decode runs (wherever that engine is), whose attention takes packed rows."""
-        return isinstance(self.engine, (FastRolloutEngine, RemoteRolloutEngine)) and not unsupported_reason(self.model)
+        """Whether the update's decoder layers are compiled: where the engine says so (``compiled_update_layers``:
+        the Llama-family layers the fast engine's fused decode runs, wherever that engine is)."""
+        return self.engine.compiled_update_layers
 
     # ------------------------------------------------------------------------------------------ data
 
@@ -417,45 +396,45 @@ class Trainer:
         return torch.Generator(self.device).manual_seed(self.cfg.trainer.seed * 1_000_003 + step * 101 + round_)
 
     def _sample_groups(self, indices: list[int], step: int, round_: int, times: dict,
-                       at_version: int | None = None) -> list[dict]:
-        """Sample and score n responses for each prompt; one dict per group. Adds to ``times``. ``at_version``:
-        the weights version sampled while an update runs beside (``FastRolloutEngine.generate``)."""
+                       at_version: int | None = None) -> list[SampledGroup]:
+        """Sample and score n responses for each prompt. Adds to ``times``. ``at_version``: the weights version
+        sampled while an update runs beside (``RolloutEngine.generate``)."""
         t0 = time.perf_counter()
         prompts = [self.train_set.ids(i).tolist() for i in indices]
-        if isinstance(self.engine, SEEDED_ENGINES):  # samples depend on (seed, step, prompt)
+        generator = seeds = None
+        if self.engine.seeded:  # samples depend on (seed, step, prompt)
             base = self.cfg.trainer.seed * 1_000_003 + step * 101 + round_
             seeds = [(base * 2_147_483_659 + i) % 2**63 for i in indices]  # an int64 for any trainer.seed
-            pinned = {} if at_version is None else {"at_version": at_version}
-            outputs = self.engine.generate(prompts, self.params, seeds=seeds,
-                                           **self._drawn_lengths(indices, step, round_), **pinned)
-        else:
-            outputs = self.engine.generate(prompts, self.params, self._generator(step, round_))
+        else:  # on (seed, step) and the order of the prompts
+            generator = self._generator(step, round_)
+        outputs = self.engine.generate(prompts, self.params, generator, seeds=seeds,
+                                       stop_at=self._drawn_lengths(indices, step, round_), at_version=at_version)
         t1 = time.perf_counter()
         groups = []
         for i, prompt, samples in zip(indices, prompts, outputs):
             meta = self.train_set.meta[i]
             texts = self.tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
             results = [self.score(meta["data_source"], t, meta["ground_truth"], meta.get("extra_info")) for t in texts]
-            groups.append({"index": i, "prompt": prompt, "samples": samples, "results": results})
+            groups.append(SampledGroup(i, prompt, samples, results))
         times["rollout_s"] = times.get("rollout_s", 0.0) + t1 - t0
         times["reward_s"] = times.get("reward_s", 0.0) + time.perf_counter() - t1
         return groups
 
-    def _drawn_lengths(self, indices: list[int], step: int, round_: int) -> dict:
-        """``stop_at`` for the fast engine under ``rollout.response_lengths=lognormal``: each prompt's n
-        lengths, a function of (seed, step, prompt, round) alone, so a resumed run draws the same ones."""
+    def _drawn_lengths(self, indices: list[int], step: int, round_: int) -> list[list[int]] | None:
+        """``stop_at`` under ``rollout.response_lengths=lognormal`` (None otherwise): each prompt's n lengths, a
+        function of (seed, step, prompt, round) alone, so a resumed run draws the same ones."""
         kind = self.cfg.rollout.response_lengths
         if kind == "model":
-            return {}
+            return None
         top, n, seed = self.params.max_new_tokens, self.params.n, self.cfg.trainer.seed
-        return {"stop_at": [draw_response_lengths(kind, n, top, (seed, step, i, round_)) for i in indices]}
+        return [draw_response_lengths(kind, n, top, (seed, step, i, round_)) for i in indices]
 
-    def _informative(self, groups: list[dict]) -> list[dict]:
-        rewards = torch.tensor([r.score for g in groups for r in g["results"]])
+    def _informative(self, groups: list[SampledGroup]) -> list[SampledGroup]:
+        rewards = torch.tensor([r.score for g in groups for r in g.results])
         keep = algo.keep_informative_groups(rewards, self.cfg.rollout.n).tolist()
         return [g for g, k in zip(groups, keep) if k]
 
-    def _collect(self, step: int, at_version: int | None = None) -> tuple[list[dict], dict]:
+    def _collect(self, step: int, at_version: int | None = None) -> tuple[list[SampledGroup], dict]:
         """The step's groups; with dynamic sampling, only groups whose rewards differ, topped up from
         more prompts (drawn from a stream seeded by the step) for at most ``max_sampling_rounds`` rounds."""
         cfg, stats = self.cfg, {}
@@ -476,17 +455,17 @@ class Trainer:
             kept += good
         return (kept[:cfg.data.train_batch_size] or groups), stats
 
-    def _step_groups(self, step: int) -> tuple[list[dict], dict, int]:
+    def _step_groups(self, step: int) -> tuple[list[SampledGroup], dict, int]:
         """The step's groups, their sampling statistics, and the step whose weights sampled them (the weights
         after that many steps): sampled ahead, during the previous step, or now."""
         ahead = self.ahead  # kept until the update: a step dropped before it resumes from these very groups
-        if ahead is not None and ahead["step"] == step:
-            stats = {**ahead["stats"], "rollout_s": 0.0, "reward_s": 0.0}  # the time went to the previous step
-            return ahead["groups"], stats, ahead["sampled_with"]
+        if ahead is not None and ahead.step == step:
+            stats = {**ahead.stats, "rollout_s": 0.0, "reward_s": 0.0}  # the time went to the previous step
+            return ahead.groups, stats, ahead.sampled_with
         groups, stats = self._collect(step)
         return groups, stats, step
 
-    def _sample_ahead(self, step: int, stats: dict, at_version: int | None = None) -> dict | None:
+    def _sample_ahead(self, step: int, stats: dict, at_version: int | None = None) -> SampledAhead | None:
         """rollout.mode=one_step_off: the next step's groups, sampled now with the weights this step updates, its
         sampling time counted in this step's ``stats``; None when the run is synchronous or this is its last step."""
         r = self.cfg.rollout
@@ -496,7 +475,7 @@ class Trainer:
         groups, ahead_stats = self._collect(step + 1, at_version)
         for key, seconds in before.items():
             stats[key] = seconds + ahead_stats.pop(key, 0.0)
-        return {"step": step + 1, "groups": groups, "stats": ahead_stats, "sampled_with": step}
+        return SampledAhead(step + 1, groups, ahead_stats, sampled_with=step)
 
     def _sample_ahead_beside(self, step: int, stats: dict) -> Future:
         """rollout.overlap: ``_sample_ahead`` started in a thread of its own (on a GPU, on a CUDA stream of its own)
@@ -510,12 +489,12 @@ class Trainer:
             stream = self.sampling_stream = self.sampling_stream or torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))  # (the copy refreshed after the last update)
 
-        def sample() -> dict | None:
+        def sample() -> SampledAhead | None:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 return self._sample_ahead(step, stats, at_version=version)
         return self.sampling_thread.submit(sample)
 
-    def _join_sampling(self, pending: Future) -> dict | None:
+    def _join_sampling(self, pending: Future) -> SampledAhead | None:
         """The groups sampled beside the update; on a GPU the default stream then waits for the sampling stream, so
         the engine's copy is refreshed only after its last read."""
         ahead = pending.result()
@@ -527,7 +506,7 @@ class Trainer:
         """The step's metrics; None when a stop request dropped it before its update (nothing changed)."""
         cfg, n = self.cfg, self.cfg.rollout.n
         start = time.perf_counter()
-        compiled, captured = compiled_graphs(), getattr(self.engine, "graph_captures", 0)
+        compiled, captured = compiled_graphs(), self.engine.graph_captures
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)  # the step's own peaks, logged below
         groups, stats, sampled_with = self._step_groups(step)
@@ -535,12 +514,12 @@ class Trainer:
         ahead = None if overlap else self._sample_ahead(step, stats)
         if self._drop_before_update(step):
             return None
-        results = [r for g in groups for r in g["results"]]
-        samples = [s for g in groups for s in g["samples"]]
+        results = [r for g in groups for r in g.results]
+        samples = [s for g in groups for s in g.samples]
         rewards = torch.tensor([r.score for r in results], dtype=torch.float32)
         advantages, zero_var = algo.group_advantages(rewards, n, cfg.algo.adv_estimator, cfg.algo.norm_adv_by_std)
         stale = sampled_with < step  # sampled before an earlier update: the ratio's denominator is the sampler's
-        batch = Samples(prompt_ids=[g["prompt"] for g in groups for _ in range(n)],
+        batch = Samples(prompt_ids=[g.prompt for g in groups for _ in range(n)],
                         response_ids=[s.token_ids for s in samples], advantages=advantages, group_size=n,
                         old_logprobs=[s.logprobs for s in samples] if stale else None)
         self._say_over_budget(step, max(batch.length(i) for i in range(len(batch))))
@@ -580,7 +559,7 @@ class Trainer:
         else:
             self.no_gradient_since = None
         # Each phase's time and the compilations and graph captures (0 once warm): the most of any rank.
-        compiled, captured = compiled_graphs() - compiled, getattr(self.engine, "graph_captures", 0) - captured
+        compiled, captured = compiled_graphs() - compiled, self.engine.graph_captures - captured
         memory = memory_peaks(self.device)
         most = dict(zip(("rollout_s", "reward_s", "update_s", "recompiles", "graph_captures", *memory), all_reduce(
             [stats["rollout_s"], stats["reward_s"], update_s if overlap else end - t_update, compiled, captured,
@@ -609,13 +588,13 @@ class Trainer:
                             "dynamic/rounds": stats["sampling_rounds"], "dynamic/groups": len(groups)})
         return metrics
 
-    def _update_flops(self, groups: list[dict]) -> float | None:
+    def _update_flops(self, groups: list[SampledGroup]) -> float | None:
         """The model FLOPs of this rank's update of ``groups`` (forward and backward, each prompt once per group
         under actor.shared_prompt), where the model is a dense decoder whose FLOPs are counted."""
         config = self.model.config
         if not counts_flops(config):
             return None
-        return sum(group_flops(config, len(g["prompt"]), [len(s.token_ids) for s in g["samples"]],
+        return sum(group_flops(config, len(g.prompt), [len(s.token_ids) for s in g.samples],
                                self.cfg.actor.shared_prompt).flops for g in groups)
 
     def _say_over_budget(self, step: int, longest: int) -> None:
@@ -676,15 +655,15 @@ class Trainer:
     def validate(self) -> dict:
         if self.val_set is None:
             return {}
-        # Greedy answers come from the rollout engine, which holds the whole current model on every rank
-        # (the fast engine's copy, or vLLM, when the trainer is sharded) and is much faster than
-        # transformers' generate; the reference engine's runs use generate on the model itself. Ranks
+        # Greedy answers come from the rollout engine where it answers validation: it holds the whole current
+        # model on every rank (the fast engine's copy, or vLLM, when the trainer is sharded) and is much faster
+        # than transformers' generate; the reference engine's runs use generate on the model itself. Ranks
         # share the questions out and gather the answers.
-        engine = self.engine if isinstance(self.engine, SEEDED_ENGINES) else None
+        engine = self.engine if self.engine.answers_validation else None
         shard = (self.env.rank, self.env.world_size, gather_objects) if self.env.distributed else None
         # Compiled decoder layers would recompile for generation's shapes: run them eagerly where they
-        # are called (generate, or the fast engine on a model its fused decode step does not support).
-        eager = engine is None or (isinstance(engine, FastRolloutEngine) and engine.decode_step is None)
+        # are called (generate, or an engine that runs the model's modules).
+        eager = engine is None or engine.calls_model_layers
         with torch.compiler.set_stance("force_eager" if eager else "default"):
             result = evaluate(self.model, self.tokenizer, self.val_set, self.cfg.data.max_response_length,
                               reward_fn=self.score, engine=engine, shard=shard)
@@ -720,8 +699,7 @@ class Trainer:
         finally:
             if self.sampling_thread is not None:
                 self.sampling_thread.shutdown()
-            if isinstance(self.engine, RemoteRolloutEngine):
-                self.engine.close(finished)
+            self.engine.close(finished)
 
     def _already_done(self) -> dict | None:
         """When the checkpoint to resume is at or past the run's last step: the line saying there is nothing to
@@ -790,25 +768,20 @@ class Trainer:
         """The groups sampled ahead (rollout.mode=one_step_off) for a checkpoint: what a resume needs to update on
         the very samples the uninterrupted run would, since the weights that drew them are gone by then. Every
         rank's groups, in rank order (a collective)."""
-        mine = None if self.ahead is None else [
-            {"index": g["index"], "samples": [[s.token_ids, s.finish_reason, s.logprobs] for s in g["samples"]],
-             "results": [[r.score, r.reason] for r in g["results"]]} for g in self.ahead["groups"]]
+        mine = None if self.ahead is None else [g.state() for g in self.ahead.groups]
         every = gather_objects(mine)
         if self.ahead is None:
             return None
-        return {"step": self.ahead["step"], "sampled_with": self.ahead["sampled_with"], "stats": self.ahead["stats"],
-                "groups": [g for part in every for g in part]}
+        return self.ahead.state([g for part in every for g in part])
 
-    def _restored_ahead(self, saved: dict | None) -> dict | None:
+    def _restored_ahead(self, saved: dict | None) -> SampledAhead | None:
         """``_ahead_state``'s groups back, this rank's contiguous share of them."""
         if saved is None:
             return None
         share = len(saved["groups"]) // self.env.world_size
         mine = saved["groups"][self.env.rank * share:(self.env.rank + 1) * share]
-        groups = [{"index": g["index"], "prompt": self.train_set.ids(g["index"]).tolist(),
-                   "samples": [Sample(tokens, finish, logprobs) for tokens, finish, logprobs in g["samples"]],
-                   "results": [reward.RewardResult(score, why) for score, why in g["results"]]} for g in mine]
-        return {"step": saved["step"], "sampled_with": saved["sampled_with"], "stats": saved["stats"], "groups": groups}
+        return SampledAhead.from_state(saved, [SampledGroup.from_state(g, self.train_set.ids(g["index"]).tolist())
+                                               for g in mine])
 
     def _say(self, line: str) -> None:
         """A line for the user, from one rank (the others would say the same)."""
@@ -980,7 +953,7 @@ def run_sampler(cfg: Config, split: Split) -> bool:
     model, _ = load_model(m.path, gguf_file=m.gguf_file, dtype=m.dtype, attn_implementation=m.attn_implementation,
                           device=device, tokenizer=tokenizer)
     model.requires_grad_(False)
-    return serve(fast_engine(cfg, model, tokenizer, kv_share=SAMPLER_KV_SHARE), split)
+    return serve(build_engine(cfg, model, tokenizer, split=split), split)
 
 
 __all__ = ["Trainer", "train", "reward_function", "load_prompts"]
