@@ -101,9 +101,9 @@ def predicted_need(path: str, settings: dict) -> int:
     gradients (float32 for sft, which also keeps AdamW out of the measured step)."""
     from transformers import Qwen3Config
 
+    from longqa.model.shapes import SHAPES
     from longqa.planning.activations import Compute, sft_activations, update_activations
     from longqa.planning.planner import ModelSizes
-    from longqa.model.shapes import SHAPES
 
     shape = {**SHAPES[settings["shape"]], **({"vocab_size": settings["vocab"]} if settings.get("vocab") else {}),
              **({"num_hidden_layers": settings["layers"]} if settings.get("layers") else {})}

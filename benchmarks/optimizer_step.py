@@ -60,9 +60,9 @@ def run(backend: str, shape: str, layers: int | None, prompt: int, response: int
     from longqa.bench.speed import random_model
     from longqa.config import load_config
     from longqa.distributed.env import DistEnv
-    from longqa.planning.planner import ModelSizes
     from longqa.model.load import pick_device
     from longqa.model.shapes import SHAPES
+    from longqa.planning.planner import ModelSizes
     from longqa.train.actor import Actor
 
     dev = pick_device(device, "--device")

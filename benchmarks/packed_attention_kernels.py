@@ -27,7 +27,6 @@ import json
 
 import torch
 import torch.nn.functional as F
-
 from flex_attention_settings import group_mask  # (this folder)
 
 FLEX_BACKWARD = {"BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64, "bwd_num_warps": 4,

@@ -15,9 +15,9 @@ import time
 import torch
 
 from longqa.bench.speed import random_model
-from longqa.rollout.lengths import draw_response_lengths
 from longqa.rollout.base import SamplingParams
 from longqa.rollout.fast import FastRolloutEngine
+from longqa.rollout.lengths import draw_response_lengths
 
 
 def timed(engine, prompts, params, stop_at, reps: int) -> float:

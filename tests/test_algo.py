@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from longqa.model.logprobs import entropy_from_logits
-
 from longqa.train.algo import (
     AGG_MODES,
     aggregate,

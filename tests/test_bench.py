@@ -31,10 +31,10 @@ def test_group_flops_count_what_a_flop_counter_counts(family):
     of one sequence (the LM head on its response tokens only, as the update computes it). The counter counts
     eager attention's full square of (query, key) pairs; the formula counts the causal half."""
     import torch
+    from tiny_models import tiny_lm
     from torch.utils.flop_counter import FlopCounterMode
 
     from longqa.planning.flops import counts_flops, group_flops
-    from tiny_models import tiny_lm
 
     model = tiny_lm(family)
     model.config._attn_implementation = "eager"

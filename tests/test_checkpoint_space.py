@@ -5,15 +5,20 @@ simulation of saves and deletions says fails."""
 import importlib.util
 
 import pytest
+from test_train import overrides, tiny_model_dir  # noqa: F401
 from transformers import AutoModelForCausalLM
 
 from longqa.cli import main
 from longqa.config import load_config
 from longqa.model.load import load_model_config
 from longqa.train import checkpoint_space
-from longqa.train.checkpoint_space import (DiskSpaceError, check_checkpoint_space, checkpoint_bytes, count_parameters,
-                                           save_steps)
-from test_train import overrides, tiny_model_dir  # noqa: F401
+from longqa.train.checkpoint_space import (
+    DiskSpaceError,
+    check_checkpoint_space,
+    checkpoint_bytes,
+    count_parameters,
+    save_steps,
+)
 
 SETTINGS = {  # name: overrides; every strategy and precision of the stepped weights
     "float32": {},

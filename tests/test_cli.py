@@ -146,9 +146,8 @@ def test_eval_answers_in_the_type_asked_and_says_which(tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
     from longqa.data.prompts import PromptOptions, prepare_prompts
-    from longqa.model.load import answer_dtype
     from longqa.model.load import EMBEDDED_MODEL as model_dir
-    from longqa.model.load import load_model_tokenizer
+    from longqa.model.load import answer_dtype, load_model_tokenizer
 
     data = tmp_path / "data"
     assert main(["data", "synth", "--output-dir", str(data), "--rows-per-task", "8", "--tasks", "hotpotqa",
@@ -181,11 +180,11 @@ def test_eval_answers_in_the_type_asked_and_says_which(tmp_path, capsys):
 
 
 def test_eval_engine_auto_is_generate_on_a_cpu_and_fast_refuses_a_model_it_cannot_hold():
+    from tiny_models import tiny_lm
     from transformers import MambaConfig, MambaForCausalLM
 
     from longqa.evaluation.evaluate import EngineChoiceError, answer_engine
     from longqa.rollout.fast import FastRolloutEngine
-    from tiny_models import tiny_lm
 
     mamba = MambaForCausalLM(MambaConfig(num_hidden_layers=1, hidden_size=16, state_size=4, vocab_size=64))
     assert answer_engine(mamba, None, "auto") is None and answer_engine(mamba, None, "hf") is None
@@ -202,9 +201,10 @@ def test_eval_engine_auto_is_generate_on_a_cpu_and_fast_refuses_a_model_it_canno
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_eval_engine_auto_is_the_fast_engine_on_a_gpu():
+    from tiny_models import tiny_lm
+
     from longqa.evaluation.evaluate import answer_engine
     from longqa.rollout.fast import FastRolloutEngine
-    from tiny_models import tiny_lm
 
     assert isinstance(answer_engine(tiny_lm().cuda(), None, "auto"), FastRolloutEngine)
 
@@ -520,8 +520,9 @@ def test_outputs_are_checked_before_the_work(tmp_path, monkeypatch, capsys):
 
 
 def test_a_bad_row_names_the_flag_that_skips_it(tmp_path, capsys):
-    from longqa.data.io import write_rows
     from conftest import qa_row
+
+    from longqa.data.io import write_rows
 
     rows = [qa_row(i) for i in range(3)]
     rows[1]["reward_model"] = {"style": "rule", "ground_truth": [" "]}  # a blank answer
@@ -567,8 +568,8 @@ def test_a_verl_line_without_a_config_says_in_one_line_every_way_its_start_diffe
     """verl keys and no config file start from longqa's defaults with verl's, not the demo: one note says so,
     naming every value of that start which differs from the demo's."""
     from longqa.config import load_config, to_dict
-    from longqa.data.demo import DEMO_CONFIG
     from longqa.config.verl_keys import VERL_DEFAULTS
+    from longqa.data.demo import DEMO_CONFIG
 
     assert main(["config", "show", "actor_rollout_ref.rollout.n=4"]) == 0
     notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note: ")]

@@ -5,8 +5,16 @@ import shlex
 import pytest
 
 from longqa.cli import main
-from longqa.distributed.cluster import (Host, HostfileError, Step, down_commands, parse_hostfile, run_steps,
-                                 status_command, up_commands)
+from longqa.distributed.cluster import (
+    Host,
+    HostfileError,
+    Step,
+    down_commands,
+    parse_hostfile,
+    run_steps,
+    status_command,
+    up_commands,
+)
 
 SSH = ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=accept-new"]
 

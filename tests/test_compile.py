@@ -2,15 +2,15 @@
 
 import pytest
 import torch
+from tiny_models import VOCAB, tiny_lm
 
-from longqa.model.compile_watch import CompileWatch
 from longqa.config import load_config
 from longqa.model.attention import BLOCK, LENGTH_BUCKETS, length_step
+from longqa.model.compile_watch import CompileWatch
 from longqa.model.load import compile_decoder_layers, compiled_graphs
 from longqa.rollout.base import SamplingParams
 from longqa.rollout.fast import FastRolloutEngine
 from longqa.train.actor import Actor, Samples
-from tiny_models import VOCAB, tiny_lm
 
 BUDGET = 16 * 256  # packed rows padded to a multiple of 256 tokens
 

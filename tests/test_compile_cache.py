@@ -10,11 +10,11 @@ import textwrap
 
 import pytest
 import torch
+from test_train import overrides, tiny_model_dir  # noqa: F401 - a fixture
 
 from longqa.cli import main
 from longqa.model.compile_cache import RUN_CACHE_FILE, use_user_cache
 from longqa.train.actor import Actor
-from test_train import overrides, tiny_model_dir  # noqa: F401 - a fixture
 
 # The same small graph in every process: Inductor finds it in a cache by its content, not by who compiled it.
 FUNCTION = "torch.compile(lambda x: torch.nn.functional.silu(x) * x.cos() + 1, dynamic=False)"

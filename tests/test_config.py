@@ -102,7 +102,8 @@ def test_reward_modes_match_the_reward_module():
 def test_logger_sinks_match_the_report_module():
     import typing
 
-    from longqa.config import schema as config_schema, support
+    from longqa.config import schema as config_schema
+    from longqa.config import support
     from longqa.train import report
 
     (sink,) = typing.get_args(typing.get_type_hints(config_schema.TrainerConfig)["logger"])

@@ -358,10 +358,11 @@ def test_the_engine_samples_the_same_with_the_kernel_as_with_matmuls(family):
     batched-matmul attention, several prompt lengths, slots streaming, stops and drawn lengths (finished
     rows and groups are skipped by the kernel while the others go on); with a sliding window of 5
     (Mistral) and soft-capping (Gemma2)."""
-    from longqa.rollout.base import SamplingParams
-    from longqa.rollout.fast import FastRolloutEngine
     from model_zoo import tiny_model
     from tiny_models import VOCAB, tiny_lm
+
+    from longqa.rollout.base import SamplingParams
+    from longqa.rollout.fast import FastRolloutEngine
 
     model = (tiny_lm(head_dim=16) if family == "qwen3" else tiny_model(family, head_dim=16, hidden_size=64)).to(DEVICE)
     g = torch.Generator().manual_seed(3)
@@ -383,10 +384,11 @@ def test_with_the_kernel_every_decode_step_has_the_same_graph_key(monkeypatch):
     responses that end early: with the Triton attention they stay at the KV stores' caps, so on a GPU one capture
     serves every step of a GRPO run; the batched-matmul attention narrows them to the lengths (in steps of 4
     tokens here), a key per view."""
+    from tiny_models import VOCAB, tiny_lm
+
     from longqa.rollout import fast
     from longqa.rollout.base import SamplingParams
     from longqa.rollout.fast import FastRolloutEngine
-    from tiny_models import VOCAB, tiny_lm
 
     monkeypatch.setattr(fast, "PROMPT_VIEW_STEP", 4)
     monkeypatch.setattr(fast, "RESPONSE_VIEW_STEP", 4)
@@ -417,9 +419,10 @@ def test_with_the_kernel_every_decode_step_has_the_same_graph_key(monkeypatch):
 def test_the_engine_captures_one_graph_for_every_length():
     """On a GPU: prompts of other lengths, and responses ending at other lengths, in later calls replay the graph
     captured in the first (the same samples as an engine that captures nothing)."""
+    from tiny_models import VOCAB, tiny_lm
+
     from longqa.rollout.base import SamplingParams
     from longqa.rollout.fast import FastRolloutEngine
-    from tiny_models import VOCAB, tiny_lm
 
     model = tiny_lm(head_dim=16).cuda()
     g = torch.Generator().manual_seed(5)

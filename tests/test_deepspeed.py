@@ -12,16 +12,25 @@ import time
 
 import pytest
 import torch
+from test_distributed import (  # noqa: F401
+    assert_same_records,
+    config,
+    free_port,
+    global_samples,
+    launch,
+    rank_share,
+    run_args,
+    run_inputs,
+    spawn_ranks,
+)
+from test_train import overrides, tiny_model_dir  # noqa: F401
+from tiny_models import tiny_lm
 from transformers import AutoModelForCausalLM
 
 from longqa.config import ConfigError, load_config
 from longqa.distributed import deepspeed as zero3
 from longqa.train.actor import Actor
 from longqa.train.checkpoint import CheckpointError, load_checkpoint, load_model_weights, save_checkpoint
-from test_distributed import (assert_same_records, config, free_port, global_samples, launch, rank_share,  # noqa: F401
-                              run_args, run_inputs, spawn_ranks)
-from test_train import overrides, tiny_model_dir  # noqa: F401
-from tiny_models import tiny_lm
 
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                      reason="DeepSpeed is not installed: pip install 'longqa[deepspeed]'")

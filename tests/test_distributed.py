@@ -7,10 +7,10 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
+from tiny_models import VOCAB, save_tiny_qwen3, tiny_lm
 
 from longqa.config import load_config
 from longqa.train.actor import Actor, Samples
-from tiny_models import VOCAB, save_tiny_qwen3, tiny_lm
 
 GROUPS, N = 4, 3
 
@@ -202,8 +202,8 @@ def test_one_process_steps_float32_masters_of_a_bf16_model(master_weights):
 
     import torch.distributed as dist
 
-    from longqa.distributed.fsdp import full_state_dict
     from longqa.config.checks import float32_masters
+    from longqa.distributed.fsdp import full_state_dict
 
     cfg = config("true", "token-mean", 40)
     cfg.model.dtype, cfg.actor.master_weights = "bfloat16", master_weights

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_train import overrides, records, tiny_model_dir  # noqa: F401 - a fixture
+from tiny_models import tiny_lm
 
 from longqa.config import ConfigError, load_config
 from longqa.reward import RewardResult
 from longqa.rollout.base import RolloutEngine, Sample, SamplingParams, prompt_seeds
 from longqa.train.sampled import SampledAhead, SampledGroup
-from test_train import overrides, records, tiny_model_dir  # noqa: F401 - a fixture
-from tiny_models import tiny_lm
 
 TRAIN = Path(__file__).resolve().parent.parent / "src" / "longqa" / "train"
 THE_ENGINE = ("engine", "self.engine")  # how train/ names the rollout engine (the actor's DeepSpeed engine aside)

@@ -24,8 +24,9 @@ def _mode(path) -> int:
 
 
 def test_eval_says_and_records_the_prompts_it_dropped_and_the_reward_mode(tmp_path, monkeypatch, capsys):
-    from longqa.data.io import iter_rows, write_rows
     from conftest import qa_row
+
+    from longqa.data.io import iter_rows, write_rows
 
     data, scores = tmp_path / "data", tmp_path / "scores.json"
     assert main(["data", "synth", "--output-dir", str(data), "--rows-per-task", "4", "--tasks", "hotpotqa",

@@ -109,9 +109,9 @@ def test_generate_batches_stay_within_their_attention_mask_budget(tokenizer):
     """transformers' generate builds a rows x length x length mask for a padded batch (256 MiB a row at 8K tokens):
     long prompts go in smaller batches, one at a time at worst, with the answers each prompt gets alone."""
     import torch
+    from tiny_models import tiny_lm
 
     from longqa.evaluation.evaluate import greedy_responses
-    from tiny_models import tiny_lm
 
     model = tiny_lm()
     g = torch.Generator().manual_seed(0)
@@ -136,9 +136,9 @@ def test_generate_tells_a_response_that_stopped_from_one_the_limit_cut(tokenizer
     """In one padded batch, a response that wrote a stop token ends with ``stop`` and one that ran into
     max_new_tokens with ``length``, as the engines' samples say it."""
     import torch
+    from tiny_models import tiny_lm
 
     import longqa.evaluation.evaluate as evaluation
-    from tiny_models import tiny_lm
 
     model = tiny_lm()
     g = torch.Generator().manual_seed(1)

@@ -15,11 +15,11 @@ import types
 import typing
 
 import pytest
+from test_cli import _commands  # every (command path, parser) of the command line
 
+from longqa.cli import build_parser, main
 from longqa.config import load as config_module
 from longqa.config import verl_keys
-from longqa.cli import build_parser, main
-from test_cli import _commands  # every (command path, parser) of the command line
 
 # --- running the command line ------------------------------------------------------------------------
 
@@ -242,7 +242,7 @@ def _kind(action) -> str:
     if action.choices:
         return "choice"
     if action.type is not None and getattr(action.type, "__name__", "") in ("int", "float"):
-        return getattr(action.type, "__name__")
+        return action.type.__name__
     return "text"
 
 

@@ -27,9 +27,8 @@ def _data(tmp_path) -> Path:
 
 
 def test_prompt_variants_put_the_instruction_after_the_question_and_the_prefill_in_the_answer(tmp_path):
-    from longqa.model.load import EMBEDDED_MODEL, load_model_tokenizer
-
     from longqa.data.prompts import PromptOptions, prepare_prompts
+    from longqa.model.load import EMBEDDED_MODEL, load_model_tokenizer
 
     tokenizer = load_model_tokenizer(EMBEDDED_MODEL)
     data = _data(tmp_path)

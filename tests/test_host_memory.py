@@ -3,10 +3,16 @@
 import pytest
 from transformers import Qwen3Config
 
-from longqa.planning.host_memory import (HOST_MARGIN_BYTES, check_host_plan, fsdp2_offloaded_state,
-                                            offloaded_activations, pinned_bytes, plan_host_memory)
-from longqa.planning.planner import GIB, ModelSizes, PlanError
 from longqa.model.shapes import SHAPES
+from longqa.planning.host_memory import (
+    HOST_MARGIN_BYTES,
+    check_host_plan,
+    fsdp2_offloaded_state,
+    offloaded_activations,
+    pinned_bytes,
+    plan_host_memory,
+)
+from longqa.planning.planner import GIB, ModelSizes, PlanError
 
 
 def sizes(shape):

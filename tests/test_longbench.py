@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from tiny_models import save_tiny_qwen3
 
-from longqa.evaluation import longbench
 from longqa.cli import main
 from longqa.data.io import DataFileError
 from longqa.data.schema import QA_PREFIX, SYSTEM_PROMPT, question_suffix
-from tiny_models import save_tiny_qwen3
+from longqa.evaluation import longbench
 
 PRED_KEYS = {"pred", "answers", "all_classes", "length"}
 

@@ -187,8 +187,15 @@ def test_auto_micro_batch_budget_is_the_largest_that_fits_in_steps(tmp_path, con
     more does not, or the whole mini-batch share when that fits (more saves nothing), or one sample's when not
     even that fits, which the check then refuses; what it chose is said, and a number given is left alone."""
     from longqa.config import load_config
-    from longqa.planning.planner import (BUDGET_STEP, GIB, check_fit, check_run, mini_batch_share_tokens,
-                                            one_sample_tokens, plan_config)
+    from longqa.planning.planner import (
+        BUDGET_STEP,
+        GIB,
+        check_fit,
+        check_run,
+        mini_batch_share_tokens,
+        one_sample_tokens,
+        plan_config,
+    )
 
     gpu_bytes = gpu_gib * GIB
     overrides = ["actor.max_tokens_per_micro_batch=auto", f"data.max_prompt_length={prompt}"]

@@ -9,6 +9,7 @@ forward after longqa has routed its attention, against the same forward before.
 
 import pytest
 import torch
+from model_zoo import VOCAB, ZooError, families, tiny_model
 
 from longqa.model.attention import use_longqa_attention
 from longqa.model.attention_spec import UnsupportedModelError
@@ -16,7 +17,6 @@ from longqa.model.logprobs import packed_logprobs
 from longqa.model.packing import build_packed_batch, plan_packs
 from longqa.rollout.base import SamplingParams
 from longqa.rollout.fast import FastRolloutEngine
-from model_zoo import VOCAB, ZooError, families, tiny_model
 
 PROMPTS = [[7, 31, 12, 55, 3, 90, 18, 44, 61, 27, 9], [66, 14, 80, 23, 5, 47, 38]]
 RESPONSES = [[11, 73, 29, 4, 58, 36, 95], [42, 8, 77], [19, 64, 33, 50, 21, 86]]  # two for prompt 0, one for 1

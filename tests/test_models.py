@@ -159,10 +159,10 @@ def test_prompts_and_responses_past_the_model_s_positions_are_said_or_refused(tm
     so; a model with learned position embeddings has no rows past them: refused in one line naming the settings."""
     import json
 
+    from tiny_models import save_tiny_qwen3
     from transformers import AutoModelForCausalLM, GPT2Config
 
     from longqa.cli import main
-    from tiny_models import save_tiny_qwen3
 
     rope = save_tiny_qwen3(tmp_path / "rope", tokenizer)
     config = json.loads((rope / "config.json").read_text())
@@ -203,12 +203,12 @@ def test_a_tokenizer_without_a_pad_token_pads_with_eos_outside_every_loss(tmp_pa
     import json
 
     import numpy as np
+    from tiny_models import save_tiny_qwen3
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from longqa.cli import main
     from longqa.model.load import load_model_tokenizer
     from longqa.train.sft import _collate
-    from tiny_models import save_tiny_qwen3
 
     no_pad = AutoTokenizer.from_pretrained(tokenizer_dir)
     no_pad.pad_token = None

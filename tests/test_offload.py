@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from longqa.config import ConfigError, load_config
+from longqa.config.checks import check_layer_memory
+from longqa.config.support import check_machine
 from longqa.model.attention import use_longqa_attention
 from longqa.model.load import ModelError, arrange_layer_memory, compile_decoder_layers, qwen3_config
 from longqa.model.offload import ActivationOffload
 from longqa.train.actor import Actor, Samples
-from longqa.config.checks import check_layer_memory
-from longqa.config.support import check_machine
 
 LAYERS = 6
 PROMPT, RESPONSES = 40, (7, 19, 12)  # the one packed group every test here trains on

@@ -9,13 +9,13 @@ import threading
 from pathlib import Path
 
 import pytest
+from test_train import overrides, records, same_weights, tiny_model_dir  # noqa: F401 - a fixture
 
 from longqa.cli import main
 from longqa.config import ConfigError, load_config
 from longqa.rollout.base import weights_version
 from longqa.rollout.fast import FastRolloutEngine
 from longqa.train.actor import Actor
-from test_train import overrides, records, same_weights, tiny_model_dir  # noqa: F401 - a fixture
 
 STEPS = {"trainer.max_steps": 4, "trainer.test_freq": 0, "trainer.keep_last": 4, "trainer.total_epochs": 2}
 OFF = {"rollout.mode": "one_step_off"}

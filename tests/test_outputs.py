@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+from tiny_models import save_tiny_qwen3
 
 from longqa.cli import build_parser, main
-from tiny_models import save_tiny_qwen3
 
 
 @dataclass

@@ -4,14 +4,12 @@ import copy
 
 import pytest
 import torch
+from tiny_models import VOCAB, tiny_lm
 
 from longqa.config import load_config
 from longqa.model.attention import BLOCK, block_mask, pack_mask, use_longqa_attention
 from longqa.model.packing import Pack, build_packed_batch, plan_packs
 from longqa.train.actor import Actor, Samples
-from tiny_models import VOCAB, tiny_lm
-
-
 
 
 def samples_for(prompts: list[list[int]], response_lengths: list[list[int]], seed: int = 0) -> Samples:

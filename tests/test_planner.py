@@ -5,8 +5,8 @@ import re
 import pytest
 from transformers import Qwen3Config
 
-from longqa.model.shapes import SHAPES
 from longqa.cli import main
+from longqa.model.shapes import SHAPES
 from longqa.planning.planner import GIB, ModelSizes, PlanError, check_plan, plan_memory
 
 H200 = 141 * GIB

@@ -3,8 +3,8 @@ import os
 
 import numpy as np
 import pytest
-
 from conftest import CORPUS, qa_row
+
 from longqa.data.io import DataFileError, write_rows
 from longqa.data.prompts import PromptOptions, prepare_prompts
 

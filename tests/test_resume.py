@@ -10,8 +10,15 @@ from pathlib import Path
 import pytest
 
 from longqa.config import Config, ConfigError, all_keys, checked, load_config, to_dict
-from longqa.train.resume import (APPLIED_ON_RESUME, REFUSED_ON_RESUME, ResumeError, check_resume, config_changes,
-                                 data_fingerprint, describe_changes)
+from longqa.train.resume import (
+    APPLIED_ON_RESUME,
+    REFUSED_ON_RESUME,
+    ResumeError,
+    check_resume,
+    config_changes,
+    data_fingerprint,
+    describe_changes,
+)
 
 CHECKPOINT = Path("run/checkpoints/step_00000003")
 

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from tiny_models import VOCAB, tiny_lm
 
 from longqa.rollout.base import SamplingParams
-from longqa.rollout.hf import HFRolloutEngine, response_logprobs
 from longqa.rollout.fast import FastRolloutEngine, KVBudgetError, first_argmax, log_softmax_at
-from tiny_models import VOCAB, tiny_lm
+from longqa.rollout.hf import HFRolloutEngine, response_logprobs
 
 STOP = 5
 
@@ -181,10 +181,9 @@ def test_cuda_graph_replays_equal_transformers_and_the_recompute(family):
 
 
 def test_a_copy_in_another_dtype_refreshes_and_is_never_sampled_stale():
+    from longqa.config import load_config
     from longqa.rollout.base import StaleWeightsError
     from longqa.train.actor import Actor
-
-    from longqa.config import load_config
 
     model = tiny_lm()
     engine = FastRolloutEngine(model, dtype=torch.float64)

@@ -4,12 +4,10 @@ random models (float32, CPU)."""
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
-
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from longqa.rollout.base import SamplingParams
-from longqa.rollout.hf import HFRolloutEngine, response_logprobs
-from longqa.rollout.hf import filter_logits
+from longqa.rollout.hf import HFRolloutEngine, filter_logits, response_logprobs
 
 FAMILIES = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
             "llama": (LlamaConfig, LlamaForCausalLM)}

@@ -13,11 +13,10 @@ import sys
 import pytest
 import torch
 
-from longqa.rollout.base import SamplingParams
-from longqa.rollout.hf import HFRolloutEngine, response_logprobs
-from longqa.rollout.base import StaleWeightsError, weights_version
-from longqa.rollout.fast import FastRolloutEngine
 from longqa.config.checks import logprobs_mode_for
+from longqa.rollout.base import SamplingParams, StaleWeightsError, weights_version
+from longqa.rollout.fast import FastRolloutEngine
+from longqa.rollout.hf import HFRolloutEngine, response_logprobs
 from longqa.rollout.vllm_engine import VLLMMissingError, import_vllm, training_weights
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,

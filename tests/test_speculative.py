@@ -5,13 +5,13 @@ import math
 
 import pytest
 import torch
+from tiny_models import VOCAB, tiny_lm
 
-from longqa.rollout.base import SamplingParams
 from longqa.rollout import fast
+from longqa.rollout.base import SamplingParams
 from longqa.rollout.fast import FastRolloutEngine
 from longqa.rollout.prompt_lookup import NO_TOKEN, propose, row_text
 from longqa.rollout.speculative import Speculation, verify
-from tiny_models import VOCAB, tiny_lm
 
 STOP = 5
 SEEDS = [1, 2, 3, 4, 5]
@@ -224,9 +224,9 @@ def test_the_model_s_own_modules_windows_and_soft_caps(family, options):
 def demo_prompts(tmp_path_factory):
     """The embedded model and prompts of its demo's data (``longqa.data.demo``: 2-3 hops, ~500-token contexts,
     the demo's seed), as `longqa train` prepares them."""
+    from longqa.data.demo import DEMO_DATA
     from longqa.data.prompts import PromptOptions, prepare_prompts
     from longqa.data.synth import generate
-    from longqa.data.demo import DEMO_DATA
     from longqa.model.load import load_model
 
     root = tmp_path_factory.mktemp("demo-data")

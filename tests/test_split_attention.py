@@ -5,13 +5,13 @@ import copy
 
 import pytest
 import torch
-
-from longqa.model.attention import pack_mask, resolve_backend, use_longqa_attention
-from longqa.model.attention_spec import UnsupportedModelError
-from longqa.model import split_attention
-from longqa.model.split_attention import RESPONSE_STEP, shared_prompt_attention, split_layout
 from test_packing import LENGTHS, PROMPTS, actor_for, assert_same, samples_for, windowed_lm
 from tiny_models import tiny_lm
+
+from longqa.model import split_attention
+from longqa.model.attention import pack_mask, resolve_backend, use_longqa_attention
+from longqa.model.attention_spec import UnsupportedModelError
+from longqa.model.split_attention import RESPONSE_STEP, shared_prompt_attention, split_layout
 
 # (start, prompt length, response lengths) per pack and the padded row length: several packs, an empty
 # response, one-token responses and prompts, and end padding.

@@ -3,12 +3,21 @@
 import pytest
 from transformers import Qwen3Config
 
+from longqa.model.shapes import SHAPES
 from longqa.planning.flops import decode_floor_s
 from longqa.planning.planner import GIB, ModelSizes, plan_memory
-from longqa.planning.step_time import (DECODE_FRACTION_OF_FLOOR, GPU_ADAM_S_PER_PARAM, HOST_ADAM_S_PER_PARAM,
-                                          NVLINK_BYTES_PER_S, OFFLOAD_BYTES_PER_S, PCIE_BYTES_PER_S, PREFILL_MFU,
-                                          UPDATE_MFU, attention_mfu, plan_step_time)
-from longqa.model.shapes import SHAPES
+from longqa.planning.step_time import (
+    DECODE_FRACTION_OF_FLOOR,
+    GPU_ADAM_S_PER_PARAM,
+    HOST_ADAM_S_PER_PARAM,
+    NVLINK_BYTES_PER_S,
+    OFFLOAD_BYTES_PER_S,
+    PCIE_BYTES_PER_S,
+    PREFILL_MFU,
+    UPDATE_MFU,
+    attention_mfu,
+    plan_step_time,
+)
 
 PEAK = 989e12
 HBM = 4.3e12

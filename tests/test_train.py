@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import save_tiny_qwen3
 
 from longqa.cli import main
 from longqa.config import load_config
 from longqa.rollout.lengths import draw_response_lengths
 from longqa.train.actor import Actor, Samples, TrainingError, lr_lambda
-from tiny_models import save_tiny_qwen3
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMING = ("time/", "perf/", "val/seconds")

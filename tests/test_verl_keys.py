@@ -6,12 +6,21 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tiny_models import save_tiny_qwen3
 
 from longqa.cli import main
 from longqa.config import ConfigError, all_keys, load_config, to_yaml
+from longqa.config.verl_keys import (
+    FIXED,
+    GROUPS,
+    NOTED,
+    RENAMED,
+    VERL_DEFAULTS,
+    is_verl_line,
+    verl_key_table,
+    verl_notes,
+)
 from longqa.train.resume import REFUSED_ON_RESUME
-from longqa.config.verl_keys import FIXED, GROUPS, NOTED, RENAMED, VERL_DEFAULTS, is_verl_line, verl_key_table, verl_notes
-from tiny_models import save_tiny_qwen3
 
 # The reference recipe's verl launch (Qwen3-32B on LoongRL, 4 nodes of 8 GPUs), values filled in: the keys
 # longqa has ...

@@ -135,9 +135,9 @@ def run_config(args: argparse.Namespace) -> Config:
     read as well: CONFIG with the overrides; without CONFIG, the embedded demo adjusted by them, unless they are
     a verl launch line (a whole run of its own, on longqa's defaults with verl's where results differ). What the
     verl keys without a counterpart are is said on stderr."""
-    from longqa.data.demo import DEMO_CONFIG
     from longqa.config import read_config_file
     from longqa.config.verl_keys import VERL_DEFAULTS, file_notes, is_verl_line, verl_notes
+    from longqa.data.demo import DEMO_CONFIG
 
     path, overrides = _split_config_args(args)
     if path is None and is_verl_line(overrides):  # a whole run of its own, from verl's defaults
@@ -156,8 +156,8 @@ def run_config(args: argparse.Namespace) -> Config:
 def _verl_start() -> str:
     """What a verl line without a config file starts from, with every value of that start that differs from the
     embedded demo's (what a plain `longqa train` runs), so that nobody expects the demo's data or batch."""
-    from longqa.data.demo import DEMO_CONFIG
     from longqa.config.verl_keys import VERL_DEFAULTS, verl_start_note
+    from longqa.data.demo import DEMO_CONFIG
 
     def flat(cfg: Config) -> dict:
         return {f"{section}.{key}": value for section, values in to_dict(cfg).items() for key, value in values.items()}
@@ -303,8 +303,17 @@ def cmd_eval(args: argparse.Namespace) -> None:
     import json
 
     from longqa.data.prompts import PromptOptions, prepare_prompts
-    from longqa.evaluation.evaluate import (answer_engine, check_model_folder, describe_cut_responses, describe_prompt_losses,
-                                 evaluate, format_groups, format_table, mode_reward, prompt_counts)
+    from longqa.evaluation.evaluate import (
+        answer_engine,
+        check_model_folder,
+        describe_cut_responses,
+        describe_prompt_losses,
+        evaluate,
+        format_groups,
+        format_table,
+        mode_reward,
+        prompt_counts,
+    )
     from longqa.model.load import answer_dtype, load_model, load_model_tokenizer, pick_device, position_limit_warning
 
     output, samples = _eval_outputs(args, {"--data": args.data, "--model": [args.model]})
@@ -381,9 +390,16 @@ def _eval_longbench(args: argparse.Namespace) -> None:
 def cmd_export(args: argparse.Namespace) -> None:
     from longqa.config import load_config_dict
     from longqa.model.load import config_tokenizer, load_model
+    from longqa.outputs.layout import EXPORT_FILES
     from longqa.outputs.paths import MODEL, check_output_folder
-    from longqa.train.checkpoint import (EXPORT_FILES, CheckpointError, check_export_folder, export_hf, is_complete,
-                                         latest_of_folder, read_trainer_state)
+    from longqa.train.checkpoint import (
+        CheckpointError,
+        check_export_folder,
+        export_hf,
+        is_complete,
+        latest_of_folder,
+        read_trainer_state,
+    )
 
     _writable(args.output, "the output folder", folder=True)  # transformers only logs that it cannot write a file
     check_output_folder(args.output, "the output folder", {"the checkpoint": [args.checkpoint]}, makes=MODEL,
@@ -435,8 +451,8 @@ def _save_results(args: argparse.Namespace, results: list[dict]) -> None:
 def _check_bench(args: argparse.Namespace, backend: str = "auto") -> None:
     """What a bench is asked for and cannot do, refused before it builds its model: a device this machine
     lacks, a kernel or attention backend the device cannot run, a --json that cannot be written."""
-    from longqa.model.load import pick_device
     from longqa.config.support import attention_backend_problem, decode_kernel_problem
+    from longqa.model.load import pick_device
 
     device = pick_device(args.device, "--device").type
     kernel = getattr(args, "decode_kernel", None) or "auto"  # the benches that sample choose one
@@ -978,9 +994,9 @@ def _reported_errors() -> tuple[type[Exception], ...]:
     from longqa.data.io import DataFileError
     from longqa.data.loongrl import SourceError
     from longqa.distributed.cluster import HostfileError
-    from longqa.planning.planner import PlanError
     from longqa.model.load import ModelError
     from longqa.model.tokenizer import TokenizerError
+    from longqa.planning.planner import PlanError
     from longqa.rollout.fast import KVBudgetError
     from longqa.train.actor import TrainingError
     from longqa.train.checkpoint import CheckpointError

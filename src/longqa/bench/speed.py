@@ -20,14 +20,19 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from longqa.planning.flops import (H200_BF16_PEAK, HBM_BYTES_PER_S, GroupFlops, counts_flops, decode_floor_s,
-                                   group_flops, ideal_decode_steps, per_sample_lengths, step_floor_s)
-from longqa.rollout.lengths import draw_response_lengths
 from longqa.model.shapes import SHAPES  # the shapes this module builds (also read by `longqa plan --shape`)
+from longqa.planning.flops import (
+    H200_BF16_PEAK,
+    decode_floor_s,
+    group_flops,
+    ideal_decode_steps,
+    step_floor_s,
+)
+from longqa.rollout.lengths import draw_response_lengths
+
 
 def random_model(shape: str, device, dtype=torch.bfloat16, gradient_checkpointing: float = 1.0,
                  compile_layers: bool = False, min_vocab: int = 0, activation_offload: float = 0.0,
@@ -317,13 +322,13 @@ def bench_grpo_step(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int
     compute on a GPU, sampled from the engine's bf16 copy, refreshed within the update's time."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from longqa.train import algo
-    from longqa.model.compile_watch import CompileWatch
     from longqa.config import load_config
     from longqa.distributed.env import DistEnv, leave_group
+    from longqa.model.compile_watch import CompileWatch
     from longqa.model.load import compile_decoder_layers, compiled_graphs, pick_device
     from longqa.rollout.base import SamplingParams, weights_version
     from longqa.rollout.fast import FastRolloutEngine
+    from longqa.train import algo
     from longqa.train.actor import Actor, Samples
 
     if overlap and profile:

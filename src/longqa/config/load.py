@@ -15,8 +15,20 @@ from typing import Any
 
 import yaml
 
-from longqa.config.schema import (Config, ConfigError, RewardConfig, all_keys, checked, declared_types, expand_paths,
-                                  flatten, parse_override, path_keys, sections, set_key)
+from longqa.config.schema import (
+    Config,
+    ConfigError,
+    RewardConfig,
+    all_keys,
+    checked,
+    declared_types,
+    expand_paths,
+    flatten,
+    parse_override,
+    path_keys,
+    sections,
+    set_key,
+)
 from longqa.config.verl_keys import resolve_file_keys, resolve_overrides
 
 # Re-exported: the names users and the package import from here.

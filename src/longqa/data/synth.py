@@ -72,8 +72,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from longqa.config.command_options import MAX_HOPS, MIN_CONTEXT_TOKENS  # noqa: F401 (the limits of its options)
-from longqa.config.command_options import SYNTH_TASKS as TASKS, check_synth_options
+from longqa.config.command_options import MAX_HOPS, MIN_CONTEXT_TOKENS, check_synth_options  # noqa: F401 (the limits of its options)
+from longqa.config.command_options import SYNTH_TASKS as TASKS
 from longqa.model.tokenizer import TokenizerError
 
 from .io import task_splits, write_splits, write_task_splits

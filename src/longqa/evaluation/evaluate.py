@@ -28,7 +28,6 @@ from longqa import reward
 from longqa.config import ConfigError
 from longqa.outputs.paths import CHECKPOINT, RUN, folder_kind
 
-
 # A reward function: (data_source, response, ground_truth, extra_info) -> reward.RewardResult, as the trainer
 # scores its samples with (reward.mode's scorer, or the function of reward.path).
 RewardFn = Callable[..., reward.RewardResult]

@@ -31,8 +31,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from longqa.model.attention_spec import (AttentionSpec, ModelSpec, UnsupportedModelError, close, inspect_model,
-                                         read_call)
+from longqa.model.attention_spec import AttentionSpec, ModelSpec, UnsupportedModelError, close, inspect_model, read_call
 from longqa.model.packing import PackedBatch
 from longqa.model.split_attention import shared_prompt_attention, split_layout
 from longqa.model.split_attention import unsupported_reason as split_unsupported

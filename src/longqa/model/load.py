@@ -243,8 +243,8 @@ def compile_decoder_layers(model, backend: str = "inductor", with_hooks: bool = 
     Shapes stay static: the packed rows come in a few padded lengths (``attention.length_step``), each
     compiled once, rather than one dynamic graph whose kernels are slower. ``with_hooks``: the layer's
     hooks are compiled too (FSDP2's are traceable); otherwise only its forward (DeepSpeed's hooks are not)."""
-    from longqa.model.compile_cache import use_user_cache
     from longqa.model.attention import allow_length_buckets
+    from longqa.model.compile_cache import use_user_cache
 
     layers = getattr(model.base_model, "layers", None)
     if layers is None:

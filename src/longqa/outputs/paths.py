@@ -17,8 +17,18 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from longqa.config import Config, ConfigError
-from longqa.outputs.layout import (EXPORT_FILES, MARKER, METRICS_FILE, MODEL_CARD, MODEL_CONFIG, REPORT_DIR, SFT_SUMMARY,
-                                   TRAINER_STATE, WANDB_ID_FILE, checkpoints_dir)
+from longqa.outputs.layout import (
+    EXPORT_FILES,
+    MARKER,
+    METRICS_FILE,
+    MODEL_CARD,
+    MODEL_CONFIG,
+    REPORT_DIR,
+    SFT_SUMMARY,
+    TRAINER_STATE,
+    WANDB_ID_FILE,
+    checkpoints_dir,
+)
 
 # The kinds of folder the commands make, as ``folder_kind`` names them (in the order it looks for them).
 CHECKPOINT, RUN, SFT_MODEL, MODEL, DATA = ("a training checkpoint", "a training run folder",

@@ -12,8 +12,15 @@ import copy
 from dataclasses import dataclass
 
 from longqa.planning.host_memory import HostPlan, check_host_plan, fitting_offload_ratio, plan_host_config
-from longqa.planning.planner import (DTYPE_BYTES, MemoryPlan, ModelSizes, PlanError, check_config, plan_config,
-                                     resolve_auto)
+from longqa.planning.planner import (
+    DTYPE_BYTES,
+    MemoryPlan,
+    ModelSizes,
+    PlanError,
+    check_config,
+    plan_config,
+    resolve_auto,
+)
 
 
 @dataclass

@@ -33,9 +33,19 @@ import math
 from dataclasses import dataclass
 
 from longqa.planning.activations import saved_activation_widths
-from longqa.planning.planner import (DEEPSPEED_SUB_GROUP_SIZE, DTYPE_BYTES, GIB, ModelSizes, PlanError,
-                                       host_share, master_bytes, offload_ratio, offloads, training_state,
-                                       zero3_sub_groups)
+from longqa.planning.planner import (
+    DEEPSPEED_SUB_GROUP_SIZE,
+    DTYPE_BYTES,
+    GIB,
+    ModelSizes,
+    PlanError,
+    host_share,
+    master_bytes,
+    offload_ratio,
+    offloads,
+    training_state,
+    zero3_sub_groups,
+)
 
 HOST_MARGIN_BYTES = 4 * GIB  # per rank: interpreter, libraries, compile workers, NCCL host buffers
 RECIPE_PROMPT_TOKENS = 226_684_298  # the recipe's 13,645 prompts (benchmarks/RESULTS.md, prompt preparation)

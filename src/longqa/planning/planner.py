@@ -48,8 +48,8 @@ from typing import Any
 from longqa.config import ConfigError
 from longqa.config.checks import check_settings, float32_masters
 from longqa.config.support import check_machine
-from longqa.rollout.base import ENGINE_KV_SHARE, SAMPLER_KV_SHARE
 from longqa.planning.activations import Activations, Compute, sft_activations, update_activations
+from longqa.rollout.base import ENGINE_KV_SHARE
 
 GIB = 2**30
 MARGIN_BYTES = 6 * GIB  # CUDA context, NCCL buffers, allocator fragmentation

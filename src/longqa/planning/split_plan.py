@@ -18,13 +18,12 @@ import dataclasses
 from dataclasses import dataclass
 
 from longqa.config import ConfigError
+from longqa.config.checks import check_data_parallel
 from longqa.config.command_options import check_split_gpus
 from longqa.planning.fit import Machine
-from longqa.rollout.base import SAMPLER_KV_SHARE
-from longqa.config.checks import check_data_parallel
 from longqa.planning.planner import DTYPE_BYTES, ModelSizes, PlanError, check_config, kv_bytes_per_group, plan_config
-from longqa.planning.step_time import (NETWORK_BYTES_PER_S, NVLINK_BYTES_PER_S, StepTime, seconds,
-                                          step_time_config)
+from longqa.planning.step_time import NETWORK_BYTES_PER_S, NVLINK_BYTES_PER_S, StepTime, seconds, step_time_config
+from longqa.rollout.base import SAMPLER_KV_SHARE
 
 
 @dataclass

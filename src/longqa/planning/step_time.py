@@ -38,10 +38,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from longqa.planning.flops import H200_BF16_PEAK, decode_floor_s, group_flops, per_sample_lengths
 from longqa.planning.activations import saved_activation_widths
-from longqa.planning.planner import (DTYPE_BYTES, MemoryPlan, ModelSizes, master_bytes, offload_fraction,
-                                       offloads, recomputed_fraction)
+from longqa.planning.flops import H200_BF16_PEAK, decode_floor_s, group_flops, per_sample_lengths
+from longqa.planning.planner import (
+    DTYPE_BYTES,
+    MemoryPlan,
+    ModelSizes,
+    master_bytes,
+    offload_fraction,
+    offloads,
+    recomputed_fraction,
+)
 from longqa.rollout.lengths import draw_response_lengths
 
 # Fast engine, 16 groups x 8, Qwen3-1.7B, 8,192-token prompts, 1,024 new tokens: 79.5% (8cd9084), 80.0% and

@@ -55,14 +55,21 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from longqa.model.compile_cache import use_user_cache
 from longqa.distributed.gather import full_parameters
 from longqa.model.attention import NO_MASK, masked_attention, use_longqa_attention
 from longqa.model.attention_spec import AttentionSpec, UnsupportedModelError
+from longqa.model.compile_cache import use_user_cache
+from longqa.rollout.base import (
+    ENGINE_KV_SHARE,
+    RolloutEngine,
+    Sample,
+    SamplingParams,
+    StaleWeightsError,
+    prompt_seeds,
+    weights_version,
+)
 from longqa.rollout.decode_kernel import shared_prefix_attention
 from longqa.rollout.decode_step import DecodeStep, unsupported_reason
-from longqa.rollout.base import (ENGINE_KV_SHARE, RolloutEngine, Sample, SamplingParams, StaleWeightsError, prompt_seeds,
-                                 weights_version)
 from longqa.rollout.hf import eval_mode, filter_logits
 from longqa.rollout.prompt_lookup import propose, row_text
 from longqa.rollout.slot import Slot

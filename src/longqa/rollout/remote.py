@@ -27,8 +27,15 @@ import torch.distributed as dist
 
 from longqa.distributed.env import Split
 from longqa.distributed.gather import full_parameters
-from longqa.rollout.base import (VERSION_ATTRIBUTE, RolloutEngine, Sample, SamplingParams, StaleWeightsError,
-                                 prompt_seeds, weights_version)
+from longqa.rollout.base import (
+    VERSION_ATTRIBUTE,
+    RolloutEngine,
+    Sample,
+    SamplingParams,
+    StaleWeightsError,
+    prompt_seeds,
+    weights_version,
+)
 from longqa.rollout.decode_step import unsupported_reason
 
 BUCKET_BYTES = 256 << 20  # weights broadcast at most this many bytes at a time (plus the tensor that overflows it)

@@ -33,8 +33,7 @@ import torch
 
 from longqa.config.checks import LogprobsMode
 from longqa.distributed.gather import full_parameters, full_tensor
-from longqa.rollout.base import (RolloutEngine, Sample, SamplingParams, StaleWeightsError, prompt_seeds,
-                                 weights_version)
+from longqa.rollout.base import RolloutEngine, Sample, SamplingParams, StaleWeightsError, prompt_seeds, weights_version
 
 
 class VLLMMissingError(ImportError):

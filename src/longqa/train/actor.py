@@ -17,18 +17,18 @@ from dataclasses import dataclass
 
 import torch
 
-from longqa.train import algo
-from longqa.train.batching import budget_batches, collate_right
 from longqa.config import Config
+from longqa.config.checks import float32_masters
 from longqa.distributed import deepspeed
 from longqa.distributed.env import all_reduce, world_size
 from longqa.distributed.fsdp import shard_model
-from longqa.config.checks import float32_masters
-from longqa.planning.planner import AUTO, ModelSizes, resolve_auto
 from longqa.model.attention import PADDED_BACKENDS, length_step, resolve_backend, use_longqa_attention
 from longqa.model.logprobs import packed_logprobs, token_logprobs
 from longqa.model.packing import build_packed_batch, plan_packs
+from longqa.planning.planner import AUTO, ModelSizes, resolve_auto
 from longqa.rollout.base import bump_weights_version
+from longqa.train import algo
+from longqa.train.batching import budget_batches, collate_right
 
 
 class TrainingError(RuntimeError):

@@ -54,7 +54,7 @@ import numpy as np
 import torch
 
 from longqa.distributed.deepspeed import TAG as DEEPSPEED
-from longqa.outputs.layout import EXPORT_FILES, MARKER, TRAINER_STATE, checkpoints_dir
+from longqa.outputs.layout import MARKER, TRAINER_STATE, checkpoints_dir
 
 __all__ = [
     "CheckpointError",
@@ -523,8 +523,12 @@ def _check_shapes(path: Path, model: torch.nn.Module, shapes: dict[str, tuple[in
 
 def _load_states(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
     """Model (and optimizer) state from either layout, into a model sharded over any number of ranks."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         set_model_state_dict, set_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
 
     if (path / SHARDED).is_dir():
         import torch.distributed.checkpoint as dcp

@@ -15,8 +15,9 @@ import shutil
 from pathlib import Path
 
 from longqa.config import ConfigError
+from longqa.outputs.layout import checkpoints_dir
 from longqa.planning.planner import master_bytes
-from longqa.train.checkpoint import checkpoints_dir, is_complete
+from longqa.train.checkpoint import is_complete
 
 GB = 1e9
 

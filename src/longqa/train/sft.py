@@ -22,20 +22,29 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from longqa.train.batching import budget_batches, collate_right
 from longqa.config import ConfigError
+from longqa.config.sft_options import SFTOptions
 from longqa.data.io import DataFileError, iter_rows
 from longqa.data.prompts import PromptOptions, PromptSet, prepare_prompts
-from longqa.planning.planner import ModelSizes, check_sft
 from longqa.evaluation.evaluate import answer_engine, describe_prompt_losses, evaluate, format_table, prompt_counts
-from longqa.model.load import (DTYPES, answer_dtype, load_model, load_model_config, load_model_tokenizer, pick_device,
-                               qwen3_config, raise_position_limit, set_max_positions)
+from longqa.model.load import (
+    DTYPES,
+    answer_dtype,
+    load_model,
+    load_model_config,
+    load_model_tokenizer,
+    pick_device,
+    qwen3_config,
+    raise_position_limit,
+    set_max_positions,
+)
 from longqa.model.logprobs import token_logprobs
 from longqa.model.tokenizer import train_tokenizer
-from longqa.outputs.layout import MODEL_CARD, SFT_SUMMARY
+from longqa.outputs.layout import EXPORT_FILES, MODEL_CARD, SFT_SUMMARY
 from longqa.outputs.paths import SFT_MODEL, check_output_folder
-from longqa.config.sft_options import SFTOptions
-from longqa.train.checkpoint import EXPORT_FILES, follow_umask
+from longqa.planning.planner import ModelSizes, check_sft
+from longqa.train.batching import budget_batches, collate_right
+from longqa.train.checkpoint import follow_umask
 
 END_OF_TURN = "<|im_end|>"
 # What `longqa sft` writes in its folder: a model folder's files, its model card and its summary.

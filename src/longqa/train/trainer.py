@@ -23,36 +23,64 @@ import numpy as np
 import torch
 
 from longqa import reward
-from longqa.train import algo
-from longqa.planning.flops import counts_flops, group_flops
-from longqa.model.compile_cache import load_run_cache, save_run_cache, use_user_cache
-from longqa.model.compile_watch import CompileWatch
 from longqa.config import Config, ConfigError, to_dict
-from longqa.config.checks import (check_engine, check_positions, check_prompt_count, check_settings,
-                                  float32_masters, logprobs_mode_for)
-from longqa.data.prompts import (GROUPS, PromptOptions, PromptSet, describe_losses, prepare_prompts, readable_files,
-                                 tally)
+from longqa.config.checks import (
+    check_engine,
+    check_positions,
+    check_prompt_count,
+    check_settings,
+    float32_masters,
+    logprobs_mode_for,
+)
+from longqa.config.support import check_imports, check_machine, run_ranks
+from longqa.data.prompts import (
+    GROUPS,
+    PromptOptions,
+    PromptSet,
+    describe_losses,
+    prepare_prompts,
+    readable_files,
+    tally,
+)
 from longqa.distributed.deepspeed import check_deepspeed
 from longqa.distributed.env import DistEnv, Split, all_reduce, gather_objects, leave_group
-from longqa.planning.planner import check_fit, check_run, describe_training
 from longqa.evaluation.evaluate import evaluate, stop_token_ids
-from longqa.rollout.lengths import draw_response_lengths
-from longqa.model.load import (compile_decoder_layers, compiled_graphs, config_tokenizer, load_model,
-                               load_model_config, pick_device, position_limit_warning)
+from longqa.model.compile_cache import load_run_cache, save_run_cache, use_user_cache
+from longqa.model.compile_watch import CompileWatch
+from longqa.model.load import (
+    compile_decoder_layers,
+    compiled_graphs,
+    config_tokenizer,
+    load_model,
+    load_model_config,
+    pick_device,
+    position_limit_warning,
+)
+from longqa.outputs.layout import METRICS_FILE, checkpoints_dir
+from longqa.outputs.lock import hold_run_folder
 from longqa.outputs.paths import check_config_outputs
-from longqa.train.report import LENGTH_ACCURACY, METRICS_FILE, MetricsLogger, read_metrics, write_report
+from longqa.planning.flops import counts_flops, group_flops
+from longqa.planning.planner import check_fit, check_run, describe_training
 from longqa.rollout.base import RolloutEngine, SamplingParams, bump_weights_version, weights_version
 from longqa.rollout.build import EngineBuilder, build_engine
+from longqa.rollout.lengths import draw_response_lengths
 from longqa.rollout.remote import serve, stop_sampler
-from longqa.config.support import check_imports, check_machine, run_ranks
+from longqa.train import algo
 from longqa.train.actor import Actor, Samples, TrainingError
-from longqa.train.checkpoint import (checkpoints_dir, later_checkpoints, load_checkpoint, read_trainer_state,
-                                     resolve_resume, rng_state, save_checkpoint, set_rng_state)
+from longqa.train.checkpoint import (
+    later_checkpoints,
+    load_checkpoint,
+    read_trainer_state,
+    resolve_resume,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from longqa.train.checkpoint_space import check_checkpoint_space, count_parameters
 from longqa.train.preemption import StopRequest, preempted_message
+from longqa.train.report import LENGTH_ACCURACY, MetricsLogger, read_metrics, write_report
 from longqa.train.resume import CHANGES_KEY, DATA_KEY, change_history, check_resume, data_fingerprint, describe_changes
 from longqa.train.sampled import SampledAhead, SampledGroup
-from longqa.outputs.lock import hold_run_folder
 
 AHEAD_KEY = "sampled_ahead"  # in trainer_state.json: rollout.mode=one_step_off's groups for the next step
 
