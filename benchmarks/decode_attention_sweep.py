@@ -48,10 +48,15 @@ def time_config(stores, q, prefix_len, own_len, n, prompt, own, config, reps: in
 def sweep(groups: int, n: int, prompt: int, own: int, layers: int, heads: int, kv_heads: int, d: int) -> dict:
     dev, dt = torch.device("cuda"), torch.bfloat16
     rows = groups * n
-    stores = [(torch.randn(groups, kv_heads, prompt, d, device=dev, dtype=dt),
-               torch.randn(groups, kv_heads, prompt, d, device=dev, dtype=dt),
-               torch.randn(rows, kv_heads, own, d, device=dev, dtype=dt),
-               torch.randn(rows, kv_heads, own, d, device=dev, dtype=dt)) for _ in range(layers)]
+    stores = [
+        (
+            torch.randn(groups, kv_heads, prompt, d, device=dev, dtype=dt),
+            torch.randn(groups, kv_heads, prompt, d, device=dev, dtype=dt),
+            torch.randn(rows, kv_heads, own, d, device=dev, dtype=dt),
+            torch.randn(rows, kv_heads, own, d, device=dev, dtype=dt),
+        )
+        for _ in range(layers)
+    ]
     q = torch.randn(rows, heads, d, device=dev, dtype=dt)
     prefix_len = torch.full((groups,), prompt, device=dev)
     own_len = torch.full((rows,), own, device=dev)
@@ -68,8 +73,16 @@ def sweep(groups: int, n: int, prompt: int, own: int, layers: int, heads: int, k
     timed = [r for r in results if "ms" in r]
     best = min(timed, key=lambda r: r["ms"])
     default = next(r for r in timed if (r["block_n"], r["num_warps"], r["num_stages"], r["waves"]) == (64, 4, 3, WAVES))
-    return {"groups": groups, "n": n, "prompt": prompt, "own": own, "layers": layers, "best": best,
-            "default": default, "top5": sorted(timed, key=lambda r: r["ms"])[:5]}
+    return {
+        "groups": groups,
+        "n": n,
+        "prompt": prompt,
+        "own": own,
+        "layers": layers,
+        "best": best,
+        "default": default,
+        "top5": sorted(timed, key=lambda r: r["ms"])[:5],
+    }
 
 
 def main() -> None:
@@ -84,8 +97,12 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     args = parser.parse_args()
     for groups in args.groups:
-        print(json.dumps(sweep(groups, args.n, args.prompt, args.own, args.layers, args.heads, args.kv_heads,
-                               args.head_dim)), flush=True)
+        print(
+            json.dumps(
+                sweep(groups, args.n, args.prompt, args.own, args.layers, args.heads, args.kv_heads, args.head_dim)
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

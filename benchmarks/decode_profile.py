@@ -46,14 +46,23 @@ def profile(shape: str, prompt: int, n: int, groups: int, steps: int, options: d
 
     # The decode steps alone: a run of `steps` more tokens minus a run of the prefill and first token.
     prefill, run = kernels(1), kernels(steps + 1)
-    decode = {name: (len(t) - len(prefill.get(name, [])), sum(t) - sum(prefill.get(name, [])))
-              for name, t in run.items()}
+    decode = {
+        name: (len(t) - len(prefill.get(name, [])), sum(t) - sum(prefill.get(name, []))) for name, t in run.items()
+    }
     top = sorted(decode.items(), key=lambda kv: -kv[1][1])[:12]
-    result = {"shape": shape, "prompt": prompt, "n": n, "groups": groups, **options,
-              "kernels_per_step": round(sum(c for c, _ in decode.values()) / steps),
-              "kernel_ms_per_step": round(sum(t for _, t in decode.values()) / steps / 1e3, 3),
-              "top": [{"kernel": name[:90], "calls_per_step": round(c / steps, 1), "ms_per_step": round(t / steps / 1e3, 3)}
-                      for name, (c, t) in top]}
+    result = {
+        "shape": shape,
+        "prompt": prompt,
+        "n": n,
+        "groups": groups,
+        **options,
+        "kernels_per_step": round(sum(c for c, _ in decode.values()) / steps),
+        "kernel_ms_per_step": round(sum(t for _, t in decode.values()) / steps / 1e3, 3),
+        "top": [
+            {"kernel": name[:90], "calls_per_step": round(c / steps, 1), "ms_per_step": round(t / steps / 1e3, 3)}
+            for name, (c, t) in top
+        ],
+    }
     return result
 
 

@@ -62,12 +62,17 @@ def main(argv: list[str] | None = None) -> dict:
     from longqa.rollout.base import SamplingParams
     from longqa.rollout.fast import FastRolloutEngine
 
-    rows = pq.read_table(args.data).to_pylist()[:args.prompts]
+    rows = pq.read_table(args.data).to_pylist()[: args.prompts]
     device = pick_device(args.device, "--device")
     model, tokenizer = load_model(args.model, device=device, dtype=answer_dtype("auto", device))
     ids = [prompt_ids(r, tokenizer, args.instruction, not args.no_system, args.prefill) for r in rows]
-    params = SamplingParams(n=args.n, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
-                            stop_token_ids=tuple(stop_token_ids(tokenizer)), return_logprobs=False)
+    params = SamplingParams(
+        n=args.n,
+        temperature=args.temperature,
+        max_new_tokens=args.max_new_tokens,
+        stop_token_ids=tuple(stop_token_ids(tokenizer)),
+        return_logprobs=False,
+    )
     start = time.perf_counter()
     groups = FastRolloutEngine(model, tokenizer).generate(ids, params, seeds=list(range(len(ids))))
     seconds = time.perf_counter() - start
@@ -81,15 +86,27 @@ def main(argv: list[str] | None = None) -> dict:
             result = score(row["data_source"], response, row["reward_model"]["ground_truth"], row.get("extra_info"))
             reasons[result.reason or "right"] += 1
             scores.append(result.score)
-            records.append({"data_source": row["data_source"], "ground_truth": row["reward_model"]["ground_truth"],
-                            "score": result.score, "reason": result.reason, "response": response})
+            records.append(
+                {
+                    "data_source": row["data_source"],
+                    "ground_truth": row["reward_model"]["ground_truth"],
+                    "score": result.score,
+                    "reason": result.reason,
+                    "response": response,
+                }
+            )
         varied += len(set(scores)) > 1
-    summary = {"prompts": len(rows), "samples": len(records),
-               "boxed": sum("\\boxed{" in r["response"] for r in records),
-               "rewarded": sum(r["score"] > 0 for r in records),
-               "mean_reward": sum(r["score"] for r in records) / max(1, len(records)),
-               "groups_with_gradient": varied, "reasons": dict(reasons.most_common()),
-               "seconds": round(seconds, 1), "settings": {k: v for k, v in vars(args).items() if k != "samples"}}
+    summary = {
+        "prompts": len(rows),
+        "samples": len(records),
+        "boxed": sum("\\boxed{" in r["response"] for r in records),
+        "rewarded": sum(r["score"] > 0 for r in records),
+        "mean_reward": sum(r["score"] for r in records) / max(1, len(records)),
+        "groups_with_gradient": varied,
+        "reasons": dict(reasons.most_common()),
+        "seconds": round(seconds, 1),
+        "settings": {k: v for k, v in vars(args).items() if k != "samples"},
+    }
     if args.samples:
         with open(args.samples, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)

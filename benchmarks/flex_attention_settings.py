@@ -26,19 +26,44 @@ import torch
 SETTINGS = {
     "default": {},
     "tma": {"USE_TMA": True},
-    "bwd 64/128/128/64, 8 warps, 3 stages": {"BLOCK_M1": 64, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 64,
-                                            "bwd_num_warps": 8, "bwd_num_stages": 3},
-    "bwd 32/128/128/32, 4 warps, 3 stages": {"BLOCK_M1": 32, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 32,
-                                            "bwd_num_warps": 4, "bwd_num_stages": 3},
-    "fwd 128/128, 8 warps, 3 stages": {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 128, "fwd_num_warps": 8,
-                                       "fwd_num_stages": 3},
+    "bwd 64/128/128/64, 8 warps, 3 stages": {
+        "BLOCK_M1": 64,
+        "BLOCK_N1": 128,
+        "BLOCK_M2": 128,
+        "BLOCK_N2": 64,
+        "bwd_num_warps": 8,
+        "bwd_num_stages": 3,
+    },
+    "bwd 32/128/128/32, 4 warps, 3 stages": {
+        "BLOCK_M1": 32,
+        "BLOCK_N1": 128,
+        "BLOCK_M2": 128,
+        "BLOCK_N2": 32,
+        "bwd_num_warps": 4,
+        "bwd_num_stages": 3,
+    },
+    "fwd 128/128, 8 warps, 3 stages": {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 128, "fwd_num_warps": 8, "fwd_num_stages": 3},
     "fwd 128/64, 4 warps, 3 stages": {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "fwd_num_warps": 4, "fwd_num_stages": 3},
-    "fwd 128/128 8w 3s, bwd 64/128/128/64 8w 3s": {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 128, "fwd_num_warps": 8,
-                                                   "fwd_num_stages": 3, "BLOCK_M1": 64, "BLOCK_N1": 128,
-                                                   "BLOCK_M2": 128, "BLOCK_N2": 64, "bwd_num_warps": 8,
-                                                   "bwd_num_stages": 3},
-    "bwd 64/64/64/64, 4 warps, 3 stages": {"BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64,
-                                          "bwd_num_warps": 4, "bwd_num_stages": 3},
+    "fwd 128/128 8w 3s, bwd 64/128/128/64 8w 3s": {
+        "fwd_BLOCK_M": 128,
+        "fwd_BLOCK_N": 128,
+        "fwd_num_warps": 8,
+        "fwd_num_stages": 3,
+        "BLOCK_M1": 64,
+        "BLOCK_N1": 128,
+        "BLOCK_M2": 128,
+        "BLOCK_N2": 64,
+        "bwd_num_warps": 8,
+        "bwd_num_stages": 3,
+    },
+    "bwd 64/64/64/64, 4 warps, 3 stages": {
+        "BLOCK_M1": 64,
+        "BLOCK_N1": 64,
+        "BLOCK_M2": 64,
+        "BLOCK_N2": 64,
+        "bwd_num_warps": 4,
+        "bwd_num_stages": 3,
+    },
 }
 
 
@@ -51,7 +76,7 @@ def group_mask(prompt: int, response: int, n: int, first_query: int = 0):
     length = prompt + n * response
     segment = torch.zeros(length, dtype=torch.int32, device="cuda")
     for j in range(n):
-        segment[prompt + j * response:prompt + (j + 1) * response] = j + 1
+        segment[prompt + j * response : prompt + (j + 1) * response] = j + 1
 
     def visible(b, h, q, k):
         q = q + first_query
@@ -60,15 +85,17 @@ def group_mask(prompt: int, response: int, n: int, first_query: int = 0):
     return create_block_mask(visible, 1, 1, length - first_query, length, device="cuda", BLOCK_SIZE=128), length
 
 
-def time_setting(mask, length: int, options: dict, mode: str | None, heads=16, kv_heads=8, dim=128,
-                 reps: int = 5) -> dict:
+def time_setting(
+    mask, length: int, options: dict, mode: str | None, heads=16, kv_heads=8, dim=128, reps: int = 5
+) -> dict:
     from torch.nn.attention.flex_attention import flex_attention
 
     torch._dynamo.reset()
     attend = torch.compile(flex_attention, mode=mode)
     q = torch.randn(1, heads, length, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k, v = (torch.randn(1, kv_heads, length, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            for _ in range(2))
+    k, v = (
+        torch.randn(1, kv_heads, length, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2)
+    )
     grad = torch.randn_like(q)
 
     def run(backward: bool):
@@ -102,7 +129,9 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", help="run only these settings (names as printed)")
     args = parser.parse_args()
     mask, length = group_mask(args.prompt, args.response, args.n)
-    runs = [(name, options, None) for name, options in SETTINGS.items()] + [("max-autotune", {}, "max-autotune-no-cudagraphs")]
+    runs = [(name, options, None) for name, options in SETTINGS.items()] + [
+        ("max-autotune", {}, "max-autotune-no-cudagraphs")
+    ]
     for name, options, mode in runs:
         if args.only and name not in args.only:
             continue

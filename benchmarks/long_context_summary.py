@@ -61,8 +61,11 @@ def read_timings(path: Path) -> tuple[dict[str, float], float]:
 
 def summarize(out_dir: str | Path) -> dict:
     out = Path(out_dir)
-    results = {name: json.loads((out / file).read_text()) for name, file in MODELS.items()
-               if name == "start" or (out / file).is_file()}
+    results = {
+        name: json.loads((out / file).read_text())
+        for name, file in MODELS.items()
+        if name == "start" or (out / file).is_file()
+    }
     overall = {name: r["all"]["accuracy"] for name, r in results.items()}
     summary = {
         "by_length": _compare(results, "by_length", "target_tokens"),
@@ -89,10 +92,16 @@ def _table(rows: list[dict], key: str, label: str) -> list[str]:
 
 def markdown(summary: dict) -> str:
     everything = {"target_tokens": "all", **summary["all"]}
-    lines = ["# Long-context GRPO: held-out accuracy (greedy, hardened reward)", "",
-             *_table([*summary["by_length"], everything], "target_tokens", "context tokens"), "",
-             *_table(summary["by_hops"], "hops", "hops"), "",
-             "| stage | seconds |", "| --- | ---: |"]
+    lines = [
+        "# Long-context GRPO: held-out accuracy (greedy, hardened reward)",
+        "",
+        *_table([*summary["by_length"], everything], "target_tokens", "context tokens"),
+        "",
+        *_table(summary["by_hops"], "hops", "hops"),
+        "",
+        "| stage | seconds |",
+        "| --- | ---: |",
+    ]
     lines += [f"| {stage} | {seconds:.0f} |" for stage, seconds in summary["timings_s"].items()]
     lines.append(f"| **wall time** | **{summary['wall_s']:.0f}** |")
     return "\n".join(lines) + "\n"
@@ -111,8 +120,13 @@ def plot(summary: dict, path: Path) -> None:
     for name, heading in HEADINGS.items():
         if rows and name in rows[0]:
             ax.plot(lengths, [r[name] for r in rows], marker="o", label=heading)
-    ax.set(xscale="log", xlabel="context tokens", ylabel="held-out accuracy", ylim=(0, 1),
-           title=f"Accuracy by context length ({rows[0]['n'] if rows else 0} questions each)")
+    ax.set(
+        xscale="log",
+        xlabel="context tokens",
+        ylabel="held-out accuracy",
+        ylim=(0, 1),
+        title=f"Accuracy by context length ({rows[0]['n'] if rows else 0} questions each)",
+    )
     ax.set_xticks(lengths, [str(n) for n in lengths])
     ax.minorticks_off()
     ax.grid(alpha=0.3)

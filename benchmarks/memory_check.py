@@ -68,19 +68,25 @@ def gpu_grid() -> list[tuple[str, dict]]:
     for vocab in (1024, 49152, 151936):
         rows.append(("grpo", dict(shape=SMOL, vocab=vocab, prompt=8192, response=384, n=8, compiled=True)))
     for groups, recomputed in ((2, 0.0), (5, 0.0), (5, 1.0)):  # 5 groups: 56,320 tokens
-        rows.append(("grpo", dict(shape=SMOL, prompt=8192, response=384, n=8, groups=groups, recomputed=recomputed,
-                                  compiled=True)))
+        rows.append(
+            (
+                "grpo",
+                dict(shape=SMOL, prompt=8192, response=384, n=8, groups=groups, recomputed=recomputed, compiled=True),
+            )
+        )
     # configs/gpu-long.yaml's update: float32, eager layers, the dense backend (per-pack masks in every layer, and
     # with grouped heads SDPA's math kernel and its scores; at 8K prompts one group needs more than an H200)
     for groups in (1, 2, 4):  # 4,096 tokens a group
-        rows.append(("grpo", dict(shape=SMOL, prompt=2048, response=256, n=8, groups=groups, dtype="float32",
-                                  backend="dense")))
+        rows.append(
+            ("grpo", dict(shape=SMOL, prompt=2048, response=256, n=8, groups=groups, dtype="float32", backend="dense"))
+        )
     rows.append(("grpo", dict(shape=SMOL, prompt=8192, response=384, n=8, groups=3, dtype="float32", backend="flex")))
     rows.append(("grpo", dict(shape=SMOL, prompt=4096, response=1024, n=8, groups=2, budget=16384, backend="dense")))
     for shape in ("qwen3-0.6b", "qwen3-1.7b"):
         for recomputed in (0.0, 1.0):
-            rows.append(("grpo", dict(shape=shape, prompt=8192, response=1024, n=8, recomputed=recomputed,
-                                      compiled=True)))
+            rows.append(
+                ("grpo", dict(shape=shape, prompt=8192, response=1024, n=8, recomputed=recomputed, compiled=True))
+            )
         rows.append(("grpo", dict(shape=shape, prompt=8192, response=1024, n=8, recomputed=0.5)))
     for batch_tokens, longest in ((16384, 2048), (65536, 4400), (131072, 4400)):
         rows.append(("sft", dict(shape=SMOL, batch_tokens=batch_tokens, longest=longest)))
@@ -105,21 +111,38 @@ def predicted_need(path: str, settings: dict) -> int:
     from longqa.planning.activations import Compute, sft_activations, update_activations
     from longqa.planning.planner import ModelSizes
 
-    shape = {**SHAPES[settings["shape"]], **({"vocab_size": settings["vocab"]} if settings.get("vocab") else {}),
-             **({"num_hidden_layers": settings["layers"]} if settings.get("layers") else {})}
+    shape = {
+        **SHAPES[settings["shape"]],
+        **({"vocab_size": settings["vocab"]} if settings.get("vocab") else {}),
+        **({"num_hidden_layers": settings["layers"]} if settings.get("layers") else {}),
+    }
     sizes = ModelSizes.from_config(Qwen3Config(**shape))
     if path == "sft":
-        return 8 * sizes.params + sft_activations(
-            sizes, Compute(dtype_bytes=2, param_bytes=4, autocast=True), batch_tokens=settings["batch_tokens"],
-            longest=settings["longest"]).total
+        return (
+            8 * sizes.params
+            + sft_activations(
+                sizes,
+                Compute(dtype_bytes=2, param_bytes=4, autocast=True),
+                batch_tokens=settings["batch_tokens"],
+                longest=settings["longest"],
+            ).total
+        )
     size = 4 if settings.get("dtype") == "float32" else 2
     backend = settings.get("backend", "auto")
     groups = settings.get("groups", 1)
-    return 2 * size * sizes.params + update_activations(
-        sizes, Compute(dtype_bytes=size, param_bytes=size, compiled=settings.get("compiled", False)),
-        budget=settings.get("budget") or groups * (settings["prompt"] + settings["n"] * settings["response"]),
-        prompt_length=settings["prompt"], response_length=settings["response"], n=settings["n"],
-        backend="flex" if backend == "auto" else backend, recomputed=settings.get("recomputed", 0.0)).total
+    return (
+        2 * size * sizes.params
+        + update_activations(
+            sizes,
+            Compute(dtype_bytes=size, param_bytes=size, compiled=settings.get("compiled", False)),
+            budget=settings.get("budget") or groups * (settings["prompt"] + settings["n"] * settings["response"]),
+            prompt_length=settings["prompt"],
+            response_length=settings["response"],
+            n=settings["n"],
+            backend="flex" if backend == "auto" else backend,
+            recomputed=settings.get("recomputed", 0.0),
+        ).total
+    )
 
 
 def fits_device(path: str, settings: dict, device: str) -> str | None:
@@ -130,18 +153,46 @@ def fits_device(path: str, settings: dict, device: str) -> str | None:
     return None if need < free - 2 * 2**30 else f"needs about {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
 
 
-COLUMNS = ("path", "shape", "layers", "vocab", "tokens", "span", "recomputed", "precision", "backend", "predicted MiB",
-           "measured MiB", "ratio", "layers MiB", "masks MiB", "head+transient MiB")
+COLUMNS = (
+    "path",
+    "shape",
+    "layers",
+    "vocab",
+    "tokens",
+    "span",
+    "recomputed",
+    "precision",
+    "backend",
+    "predicted MiB",
+    "measured MiB",
+    "ratio",
+    "layers MiB",
+    "masks MiB",
+    "head+transient MiB",
+)
 
 
 def table_row(case) -> list[str]:
     """One case as the table's cells: MiB throughout, so CPU and GPU tables read alike."""
     p = case.predicted
     precision = f"{case.dtype}{' +autocast' if case.autocast else ''}{' compiled' if case.compiled else ''}"
-    return [case.path, case.shape, str(case.layers), f"{case.vocab:,}", f"{case.tokens:,}", f"{case.span:,}",
-            f"{case.recomputed:g}", precision, case.backend, f"{p.total / MIB:,.1f}", f"{case.measured / MIB:,.1f}",
-            f"{case.ratio:.3f}", f"{p.layers / MIB:,.1f}", f"{p.masks / MIB:,.1f}",
-            f"{(p.head + p.transient) / MIB:,.1f}"]
+    return [
+        case.path,
+        case.shape,
+        str(case.layers),
+        f"{case.vocab:,}",
+        f"{case.tokens:,}",
+        f"{case.span:,}",
+        f"{case.recomputed:g}",
+        precision,
+        case.backend,
+        f"{p.total / MIB:,.1f}",
+        f"{case.measured / MIB:,.1f}",
+        f"{case.ratio:.3f}",
+        f"{p.layers / MIB:,.1f}",
+        f"{p.masks / MIB:,.1f}",
+        f"{(p.head + p.transient) / MIB:,.1f}",
+    ]
 
 
 def markdown(rows: list[list[str]]) -> str:

@@ -33,9 +33,11 @@ def check_host_memory(params: int) -> None:
 
     need, free = HOST_BYTES_PER_PARAM * params, psutil.virtual_memory().available
     if need > 0.9 * free:
-        raise SystemExit(f"{params / 1e9:.2f}B parameters need about {need / GIB:.0f} GiB of host memory for the "
-                         f"offloaded optimizer, but {free / GIB:.0f} GiB are free: pass --layers to bench fewer "
-                         f"decoder layers (the step's time and memory grow with the parameters)")
+        raise SystemExit(
+            f"{params / 1e9:.2f}B parameters need about {need / GIB:.0f} GiB of host memory for the "
+            f"offloaded optimizer, but {free / GIB:.0f} GiB are free: pass --layers to bench fewer "
+            f"decoder layers (the step's time and memory grow with the parameters)"
+        )
 
 
 def packed_group(vocab: int, prompt: int, response: int, n: int):
@@ -53,8 +55,9 @@ def host_rss_gib() -> float:
     return psutil.Process().memory_info().rss / GIB
 
 
-def run(backend: str, shape: str, layers: int | None, prompt: int, response: int, n: int, steps: int,
-        device: str) -> dict:
+def run(
+    backend: str, shape: str, layers: int | None, prompt: int, response: int, n: int, steps: int, device: str
+) -> dict:
     from transformers import Qwen3Config
 
     from longqa.bench.speed import random_model
@@ -73,10 +76,20 @@ def run(backend: str, shape: str, layers: int | None, prompt: int, response: int
     # float32, as `longqa train` loads it: both backends compute in bf16 on a GPU beside fp32 master weights.
     # Every layer recomputed, as in long-context training; activations are not what is measured.
     model = random_model(shape, dev, torch.float32, gradient_checkpointing=1.0, layers=layers)
-    cfg = load_config(None, [f"actor.strategy={backend}", "actor.cpu_offload=true", f"rollout.n={n}",
-                             "data.train_batch_size=1", "actor.ppo_mini_batch_size=1", "actor.lr=1e-6",
-                             f"data.max_response_length={response}", "actor.attention_backend=dense",
-                             f"actor.max_tokens_per_micro_batch={prompt + n * response}"])
+    cfg = load_config(
+        None,
+        [
+            f"actor.strategy={backend}",
+            "actor.cpu_offload=true",
+            f"rollout.n={n}",
+            "data.train_batch_size=1",
+            "actor.ppo_mini_batch_size=1",
+            "actor.lr=1e-6",
+            f"data.max_response_length={response}",
+            "actor.attention_backend=dense",
+            f"actor.max_tokens_per_micro_batch={prompt + n * response}",
+        ],
+    )
     actor = Actor(model, cfg, steps + 1, dev)
     samples = packed_group(model.config.vocab_size, prompt, response, n)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -93,24 +106,36 @@ def run(backend: str, shape: str, layers: int | None, prompt: int, response: int
         backward.append(t1 - t0)
         step.append(t2 - t1)
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"backend": backend, "optimizer": "DeepSpeed CPU Adam" if backend == "deepspeed" else "torch AdamW",
-            "shape": shape, "layers": model.config.num_hidden_layers, "params": sizes.params,
-            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-            "host_threads": torch.get_num_threads(), "steps": steps,
-            "optimizer_step_s": round(statistics.median(step[1:]), 3),
-            "optimizer_step_s_per_b_params": round(statistics.median(step[1:]) / (sizes.params / 1e9), 3),
-            "optimizer_step_s_all": [round(s, 3) for s in step[1:]], "first_step_s": round(step[0], 3),
-            "forward_backward_s": round(statistics.median(backward[1:]), 3),
-            "host_peak_rss_gib": round(peak_kib / 2**20, 1), "host_rss_gib": round(host_rss_gib(), 1),
-            "gpu_peak_gib": round(torch.cuda.max_memory_allocated(dev) / GIB, 1) if dev.type == "cuda" else None}
+    return {
+        "backend": backend,
+        "optimizer": "DeepSpeed CPU Adam" if backend == "deepspeed" else "torch AdamW",
+        "shape": shape,
+        "layers": model.config.num_hidden_layers,
+        "params": sizes.params,
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "host_threads": torch.get_num_threads(),
+        "steps": steps,
+        "optimizer_step_s": round(statistics.median(step[1:]), 3),
+        "optimizer_step_s_per_b_params": round(statistics.median(step[1:]) / (sizes.params / 1e9), 3),
+        "optimizer_step_s_all": [round(s, 3) for s in step[1:]],
+        "first_step_s": round(step[0], 3),
+        "forward_backward_s": round(statistics.median(backward[1:]), 3),
+        "host_peak_rss_gib": round(peak_kib / 2**20, 1),
+        "host_rss_gib": round(host_rss_gib(), 1),
+        "gpu_peak_gib": round(torch.cuda.max_memory_allocated(dev) / GIB, 1) if dev.type == "cuda" else None,
+    }
 
 
 def main() -> None:
     from longqa.model.shapes import SHAPES
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--backend", choices=["fsdp2", "deepspeed"], required=True,
-                   help="fsdp2: FSDP2 offload, torch's AdamW on the host; deepspeed: ZeRO-3, DeepSpeed's CPU Adam")
+    p.add_argument(
+        "--backend",
+        choices=["fsdp2", "deepspeed"],
+        required=True,
+        help="fsdp2: FSDP2 offload, torch's AdamW on the host; deepspeed: ZeRO-3, DeepSpeed's CPU Adam",
+    )
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
     p.add_argument("--layers", type=int, help="decoder layers (default: the shape's)")
     p.add_argument("--prompt", type=int, default=1024, help="prompt tokens of the packed group (default 1024)")

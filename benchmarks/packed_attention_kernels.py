@@ -29,8 +29,14 @@ import torch
 import torch.nn.functional as F
 from flex_attention_settings import group_mask  # (this folder)
 
-FLEX_BACKWARD = {"BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64, "bwd_num_warps": 4,
-                 "bwd_num_stages": 3}
+FLEX_BACKWARD = {
+    "BLOCK_M1": 64,
+    "BLOCK_N1": 64,
+    "BLOCK_M2": 64,
+    "BLOCK_N2": 64,
+    "bwd_num_warps": 4,
+    "bwd_num_stages": 3,
+}
 
 
 def timed(fn, reps: int = 10) -> float:
@@ -79,20 +85,26 @@ def main() -> None:
         print(json.dumps({"kernel": kernel, **row}), flush=True)
 
     for name, options in (("flex, whole group", None), ("flex, whole group, backward 64/64/64/64", FLEX_BACKWARD)):
+
         def run(backward, options=options):
             out = flex(q, k, v, block_mask=whole, enable_gqa=True, kernel_options=options)
             if backward:
                 out.backward(grad)
+
         report(name, fwd_and_bwd(run))
 
     def run_responses(backward):
         out = flex(q[:, :, P:], k, v, block_mask=responses, enable_gqa=True)
         if backward:
             out.backward(grad[:, :, P:])
+
     report("flex, response rows only", fwd_and_bwd(run_responses))
 
-    backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
-                "efficient": SDPBackend.EFFICIENT_ATTENTION}
+    backends = {
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    }
     for name, backend in backends.items():
         for gqa in (True, False):
             for batch in (1, 4):
@@ -104,6 +116,7 @@ def main() -> None:
                         out = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=gqa)
                     if backward:
                         out.backward(gp)
+
                 kernel = f"prompt only, {name}, {'grouped' if gqa else 'repeated'} heads, {batch} per call"
                 try:
                     times = fwd_and_bwd(run_prompt)
@@ -115,8 +128,9 @@ def main() -> None:
     packs = 4
     rows = packs * length
     q_rows = torch.randn(rows, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k_rows, v_rows = (torch.randn(rows, KV, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                      for _ in range(2))
+    k_rows, v_rows = (
+        torch.randn(rows, KV, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2)
+    )
     g_rows = torch.randn_like(q_rows)
     bounds = [b for pack in range(packs) for b in (pack * length, pack * length + P)] + [rows]
     cu = torch.tensor(bounds, dtype=torch.int32, device="cuda")
@@ -128,8 +142,11 @@ def main() -> None:
         out = varlen_attn(q_rows, k_rows, v_rows, cu, cu, max(P, n * R), max(P, n * R), window_size=(-1, 0), **grouped)
         if backward:
             out.backward(g_rows)
-    report("varlen flash, 4 groups' prompts and response blocks per call",
-           {key: round(value / packs, 3) for key, value in fwd_and_bwd(run_varlen).items()})
+
+    report(
+        "varlen flash, 4 groups' prompts and response blocks per call",
+        {key: round(value / packs, 3) for key, value in fwd_and_bwd(run_varlen).items()},
+    )
 
 
 if __name__ == "__main__":

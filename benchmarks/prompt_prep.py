@@ -31,8 +31,11 @@ from longqa.model.tokenizer import load_tokenizer
 def make_data(path: Path, rows: int, context_tokens: int, workers: int) -> float:
     start = time.perf_counter()
     per_task = [rows // len(TASKS) + (i < rows % len(TASKS)) for i in range(len(TASKS))]
-    data = [r for task, n in zip(TASKS, per_task)
-            for r in generate_rows(task, n, context_tokens=context_tokens, workers=workers)]
+    data = [
+        r
+        for task, n in zip(TASKS, per_task)
+        for r in generate_rows(task, n, context_tokens=context_tokens, workers=workers)
+    ]
     write_rows(data, path)
     return time.perf_counter() - start
 
@@ -62,11 +65,18 @@ def time_raw_tokenizer(path: Path, tokenizer) -> tuple[float, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=14_000)
-    parser.add_argument("--context-tokens", type=int, default=15_900,
-                        help="synth target (approximate count), set so Qwen2.5 prompts land just under 16,384")
+    parser.add_argument(
+        "--context-tokens",
+        type=int,
+        default=15_900,
+        help="synth target (approximate count), set so Qwen2.5 prompts land just under 16,384",
+    )
     parser.add_argument("--max-prompt-length", type=int, default=16_384)
-    parser.add_argument("--tokenizer", required=True,
-                        help="tokenizer folder or Hub id with a chat template, e.g. Qwen/Qwen2.5-7B-Instruct")
+    parser.add_argument(
+        "--tokenizer",
+        required=True,
+        help="tokenizer folder or Hub id with a chat template, e.g. Qwen/Qwen2.5-7B-Instruct",
+    )
     parser.add_argument("--workdir", default="/tmp/longqa-prompt-bench")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()
@@ -84,12 +94,18 @@ def main() -> None:
     assert cached.stats.cache_hit and not cold.stats.cache_hit
 
     result = {
-        "rows": args.rows, "tokens": tokens, "file_mb": round(data.stat().st_size / 2**20, 1),
+        "rows": args.rows,
+        "tokens": tokens,
+        "file_mb": round(data.stat().st_size / 2**20, 1),
         "generate_s": None if generate_s is None else round(generate_s, 1),
-        "raw_tokenizer_s": round(raw_s, 1), "raw_mtok_per_s": round(tokens / raw_s / 1e6, 2),
-        "cold_s": round(cold.stats.seconds, 1), "cold_mtok_per_s": round(tokens / cold.stats.seconds / 1e6, 2),
-        "cold_over_raw": round(cold.stats.seconds / raw_s, 2), "cached_s": round(cached.stats.seconds, 2),
-        "kept": cold.stats.kept, "overlong_filtered": cold.stats.overlong_filtered,
+        "raw_tokenizer_s": round(raw_s, 1),
+        "raw_mtok_per_s": round(tokens / raw_s / 1e6, 2),
+        "cold_s": round(cold.stats.seconds, 1),
+        "cold_mtok_per_s": round(tokens / cold.stats.seconds / 1e6, 2),
+        "cold_over_raw": round(cold.stats.seconds / raw_s, 2),
+        "cached_s": round(cached.stats.seconds, 2),
+        "kept": cold.stats.kept,
+        "overlong_filtered": cold.stats.overlong_filtered,
         "mean_prompt_tokens": round(cold.stats.prompt_tokens / max(cold.stats.kept, 1)),
     }
     print(json.dumps(result, indent=1))

@@ -22,7 +22,7 @@ from longqa.rollout.lengths import draw_response_lengths
 
 def timed(engine, prompts, params, stop_at, reps: int) -> float:
     best = float("inf")
-    for rep in range(reps):
+    for _ in range(reps):
         torch.cuda.synchronize()
         start = time.perf_counter()
         engine.generate(prompts, params, seeds=list(range(len(prompts))), stop_at=stop_at)
@@ -41,17 +41,21 @@ def main() -> None:
     args = parser.parse_args()
     model = random_model(args.shape, torch.device("cuda"), torch.bfloat16, 0)
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, model.config.vocab_size, (args.prompt,), generator=g).tolist()
-               for _ in range(args.prompts)]
+    prompts = [
+        torch.randint(0, model.config.vocab_size, (args.prompt,), generator=g).tolist() for _ in range(args.prompts)
+    ]
     params = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.response)
     first_token_only = [[1] * args.n for _ in prompts]
     drawn = [draw_response_lengths("lognormal", args.n, args.response, (1, i)) for i in range(args.prompts)]
     for chunk in (args.prompt, None):
         engine = FastRolloutEngine(model, prefill_chunk=chunk)
         timed(engine, prompts, params, drawn, 1)  # compiles and captures
-        row = {"prefill_tokens": engine.prefill_chunk, "prompts_per_forward": engine.prefill_chunk // args.prompt,
-               "prefill_s": round(timed(engine, prompts, params, first_token_only, 3), 3),
-               "rollout_s": round(timed(engine, prompts, params, drawn, 2), 3)}
+        row = {
+            "prefill_tokens": engine.prefill_chunk,
+            "prompts_per_forward": engine.prefill_chunk // args.prompt,
+            "prefill_s": round(timed(engine, prompts, params, first_token_only, 3), 3),
+            "rollout_s": round(timed(engine, prompts, params, drawn, 2), 3),
+        }
         print(json.dumps(row), flush=True)
         del engine  # its KV stores, before the next engine sizes its own
         torch.cuda.empty_cache()

@@ -59,8 +59,12 @@ def main() -> None:
     parser.add_argument("--shape", default="qwen3-1.7b")
     parser.add_argument("--context-tokens", type=int, default=4096)
     parser.add_argument("--response", type=int, default=512, help="most tokens of a response")
-    parser.add_argument("--lengths", choices=LENGTH_KINDS, default="lognormal",
-                        help="responses' lengths: drawn (default), or all --response")
+    parser.add_argument(
+        "--lengths",
+        choices=LENGTH_KINDS,
+        default="lognormal",
+        help="responses' lengths: drawn (default), or all --response",
+    )
     parser.add_argument("--prompts", type=int, default=16, help="global prompts per step")
     parser.add_argument("-n", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3)
@@ -73,14 +77,25 @@ def main() -> None:
     from longqa.cli import main as longqa
 
     overrides = {
-        "model.path": model_dir, "model.dtype": "bfloat16" if args.device != "cpu" else "float32",
-        "model.gradient_checkpointing": "true", "data.train_files": data_dir / "merged/train.parquet", "data.val_files": data_dir / "merged/test.parquet",
-        "data.max_prompt_length": 2 * args.context_tokens, "data.max_response_length": args.response,
-        "data.train_batch_size": args.prompts, "data.cache_dir": Path(args.root) / "cache", "rollout.n": args.n,
-        "actor.ppo_mini_batch_size": args.prompts, "actor.lr": 1e-6,
+        "model.path": model_dir,
+        "model.dtype": "bfloat16" if args.device != "cpu" else "float32",
+        "model.gradient_checkpointing": "true",
+        "data.train_files": data_dir / "merged/train.parquet",
+        "data.val_files": data_dir / "merged/test.parquet",
+        "data.max_prompt_length": 2 * args.context_tokens,
+        "data.max_response_length": args.response,
+        "data.train_batch_size": args.prompts,
+        "data.cache_dir": Path(args.root) / "cache",
+        "rollout.n": args.n,
+        "actor.ppo_mini_batch_size": args.prompts,
+        "actor.lr": 1e-6,
         "actor.max_tokens_per_micro_batch": 2 * args.context_tokens + args.n * args.response,
-        "trainer.max_steps": args.steps, "trainer.test_freq": 0, "trainer.save_freq": 0,
-        "trainer.output_dir": args.out, "trainer.device": args.device, "trainer.logger": "[console,jsonl]",
+        "trainer.max_steps": args.steps,
+        "trainer.test_freq": 0,
+        "trainer.save_freq": 0,
+        "trainer.output_dir": args.out,
+        "trainer.device": args.device,
+        "trainer.logger": "[console,jsonl]",
         "trainer.resume": "none",
         # the model's own EOS, which a random model never samples: every response runs to --response
         "rollout.response_lengths": "lognormal" if args.lengths == "lognormal" else "model",

@@ -33,14 +33,21 @@ def load_prompts(args, tokenizer) -> list[list[int]]:
 
     data = Path(args.data or Path(args.work_dir) / f"synth{args.context_tokens}" / "merged" / "test.parquet")
     if not data.is_file():
-        generate(data.parent.parent, rows_per_task=args.rows_per_task, context_tokens=args.context_tokens,
-                 max_hops=3, test_ratio=0.25, seed=args.seed)
-    prompts = prepare_prompts([data], tokenizer, PromptOptions(args.max_prompt_length),
-                              length_setting="--max-prompt-length")
+        generate(
+            data.parent.parent,
+            rows_per_task=args.rows_per_task,
+            context_tokens=args.context_tokens,
+            max_hops=3,
+            test_ratio=0.25,
+            seed=args.seed,
+        )
+    prompts = prepare_prompts(
+        [data], tokenizer, PromptOptions(args.max_prompt_length), length_setting="--max-prompt-length"
+    )
     if args.longest:
-        order = sorted(range(len(prompts)), key=lambda i: -len(prompts.ids(i)))[:args.prompts]
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts.ids(i)))[: args.prompts]
     else:
-        order = range(0, len(prompts), max(1, len(prompts) // args.prompts))[:args.prompts]
+        order = range(0, len(prompts), max(1, len(prompts) // args.prompts))[: args.prompts]
     return [prompts.ids(i).tolist() for i in order]
 
 
@@ -57,8 +64,10 @@ def timed_run(engine, prompts, params, sync) -> tuple[list, float]:
 def sameness(plain, out) -> dict:
     pairs = [(a, b) for ga, gb in zip(plain, out) for a, b in zip(ga, gb)]
     equal = sum(a.token_ids == b.token_ids for a, b in pairs)
-    diff = max((abs(x - y) for a, b in pairs if a.token_ids == b.token_ids for x, y in zip(a.logprobs, b.logprobs)),
-               default=0.0)
+    diff = max(
+        (abs(x - y) for a, b in pairs if a.token_ids == b.token_ids for x, y in zip(a.logprobs, b.logprobs)),
+        default=0.0,
+    )
     return {"same_as_plain": round(equal / len(pairs), 4), "max_logprob_diff": diff}
 
 
@@ -93,22 +102,44 @@ def main(argv=None) -> list[dict]:
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     model, tokenizer = load_model(args.model, dtype=dtype, device=device)
     prompts = load_prompts(args, tokenizer)
-    params = SamplingParams(n=args.n, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
-                            stop_token_ids=tuple(stop_token_ids(tokenizer)))
+    params = SamplingParams(
+        n=args.n,
+        temperature=args.temperature,
+        max_new_tokens=args.max_new_tokens,
+        stop_token_ids=tuple(stop_token_ids(tokenizer)),
+    )
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    common = {"model": args.model or "embedded", "device": str(device), "dtype": dtype, "prompts": len(prompts),
-              "prompt_mean": round(sum(map(len, prompts)) / len(prompts), 1), "prompt_max": max(map(len, prompts)),
-              "n": args.n, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
+    common = {
+        "model": args.model or "embedded",
+        "device": str(device),
+        "dtype": dtype,
+        "prompts": len(prompts),
+        "prompt_mean": round(sum(map(len, prompts)) / len(prompts), 1),
+        "prompt_max": max(map(len, prompts)),
+        "n": args.n,
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+    }
     rows, plain = [], None
     for k in [0, *args.k]:
-        options = {"speculative": "prompt_lookup", "num_speculative_tokens": k,
-                   "prompt_lookup_min": args.min_match} if k else {}
+        options = (
+            {"speculative": "prompt_lookup", "num_speculative_tokens": k, "prompt_lookup_min": args.min_match}
+            if k
+            else {}
+        )
         engine = FastRolloutEngine(model, tokenizer, **options)
         out, seconds = timed_run(engine, prompts, params, sync)
         made = sum(len(s.token_ids) for g in out for s in g)
-        row = {**common, "k": k, "seconds": round(seconds, 3), "new_tokens": made,
-               "new_tokens_per_s": round(made / seconds), "decode_steps": engine.last_run["decode_steps"],
-               "live_row_steps": engine.last_run["live_row_steps"], **speculation_stats(engine.last_run)}
+        row = {
+            **common,
+            "k": k,
+            "seconds": round(seconds, 3),
+            "new_tokens": made,
+            "new_tokens_per_s": round(made / seconds),
+            "decode_steps": engine.last_run["decode_steps"],
+            "live_row_steps": engine.last_run["live_row_steps"],
+            **speculation_stats(engine.last_run),
+        }
         if plain is None:
             plain, base = out, seconds
         else:

@@ -24,7 +24,7 @@ def group_ms(prompt: int, responses: list[int]) -> float:
     layout = split_layout([(0, prompt, responses)], STEP, "cuda")
     torch.cuda.synchronize()
     start = time.perf_counter()
-    shared_prompt_attention(q, k, v, layout, HEAD_DIM ** -0.5).sum().backward()
+    shared_prompt_attention(q, k, v, layout, HEAD_DIM**-0.5).sum().backward()
     torch.cuda.synchronize()
     return 1e3 * (time.perf_counter() - start)
 
@@ -32,8 +32,14 @@ def group_ms(prompt: int, responses: list[int]) -> float:
 if __name__ == "__main__":
     # In order: a group, the same shapes again, new lengths twice, varied response lengths, one response a
     # token longer (the same rounded-up shapes), then a new prompt length.
-    runs = [(8192, [1024] * 8), (8192, [1024] * 8), (8000, [1000] * 8), (8000, [1000] * 8),
-            (8100, [700, 300, 1000, 20, 5, 900, 600, 400]), (8100, [700, 300, 1000, 20, 5, 900, 600, 401]),
-            (7777, [700] * 8)]
+    runs = [
+        (8192, [1024] * 8),
+        (8192, [1024] * 8),
+        (8000, [1000] * 8),
+        (8000, [1000] * 8),
+        (8100, [700, 300, 1000, 20, 5, 900, 600, 400]),
+        (8100, [700, 300, 1000, 20, 5, 900, 600, 401]),
+        (7777, [700] * 8),
+    ]
     for prompt, responses in runs:
         print(f"prompt {prompt}, responses {sum(responses)} tokens: {group_ms(prompt, responses):.1f} ms", flush=True)

@@ -27,12 +27,18 @@ def prompt_texts(tokenizer, count: int, length: int, seed: int = 0) -> list[str]
     words = []
     for token_id in range(len(tokenizer)):
         text = tokenizer.decode([token_id])
-        if (text.startswith(" ") and text[1:].isalpha() and text[1:].islower() and len(text) > 3
-                and tokenizer(text, add_special_tokens=False).input_ids == [token_id]):
+        if (
+            text.startswith(" ")
+            and text[1:].isalpha()
+            and text[1:].islower()
+            and len(text) > 3
+            and tokenizer(text, add_special_tokens=False).input_ids == [token_id]
+        ):
             words.append(text)
     g = torch.Generator().manual_seed(seed)
-    texts = ["".join(words[i] for i in torch.randint(0, len(words), (length,), generator=g).tolist())
-             for _ in range(count)]
+    texts = [
+        "".join(words[i] for i in torch.randint(0, len(words), (length,), generator=g).tolist()) for _ in range(count)
+    ]
     assert all(len(tokenizer(t, add_special_tokens=False).input_ids) == length for t in texts)
     return texts
 
@@ -60,8 +66,13 @@ def main() -> None:
     dev = pick_device("auto")
     cuda = dev.type == "cuda"
     tokenizer = load_model_tokenizer(str(EMBEDDED_MODEL))
-    model = random_model(args.shape, dev, torch.bfloat16 if cuda else torch.float32, gradient_checkpointing=False,
-                         min_vocab=len(tokenizer))
+    model = random_model(
+        args.shape,
+        dev,
+        torch.bfloat16 if cuda else torch.float32,
+        gradient_checkpointing=False,
+        min_vocab=len(tokenizer),
+    )
     model.config.use_cache = True  # generation with a KV cache; TRL turns checkpointing on for training
     model.config.eos_token_id = model.generation_config.eos_token_id = tokenizer.eos_token_id
     texts = prompt_texts(tokenizer, args.prompts * args.steps, args.prompt)
@@ -76,23 +87,51 @@ def main() -> None:
         def on_step_end(self, _args, state, *_, **__):
             if cuda:
                 torch.cuda.synchronize()
-            rows.append({"engine": "trl GRPOTrainer", "step": state.global_step, "shape": args.shape,
-                         "prompts": args.prompts, "n": args.n, "prompt": args.prompt, "response": args.response,
-                         "step_s": round(time.perf_counter() - self.start, 2),
-                         "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None})
+            rows.append(
+                {
+                    "engine": "trl GRPOTrainer",
+                    "step": state.global_step,
+                    "shape": args.shape,
+                    "prompts": args.prompts,
+                    "n": args.n,
+                    "prompt": args.prompt,
+                    "response": args.response,
+                    "step_s": round(time.perf_counter() - self.start, 2),
+                    "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None,
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
 
     def reward(completions, **_):  # any varying reward: the work is the same
         return [float(len(c) % 2) for c in completions]
 
     with tempfile.TemporaryDirectory() as out:
-        config = GRPOConfig(output_dir=out, per_device_train_batch_size=args.prompts * args.n, num_generations=args.n,
-                            max_completion_length=args.response, beta=0.0, gradient_checkpointing=True, bf16=cuda,
-                            use_cpu=not cuda, learning_rate=1e-6, max_steps=args.steps, logging_steps=1,
-                            report_to=[], save_strategy="no", temperature=1.0, shuffle_dataset=False,
-                            generation_kwargs={"min_new_tokens": args.response, "use_cache": True})
-        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, processing_class=tokenizer,
-                              train_dataset=Dataset.from_dict({"prompt": texts}), callbacks=[StepTimer()])
+        config = GRPOConfig(
+            output_dir=out,
+            per_device_train_batch_size=args.prompts * args.n,
+            num_generations=args.n,
+            max_completion_length=args.response,
+            beta=0.0,
+            gradient_checkpointing=True,
+            bf16=cuda,
+            use_cpu=not cuda,
+            learning_rate=1e-6,
+            max_steps=args.steps,
+            logging_steps=1,
+            report_to=[],
+            save_strategy="no",
+            temperature=1.0,
+            shuffle_dataset=False,
+            generation_kwargs={"min_new_tokens": args.response, "use_cache": True},
+        )
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=reward,
+            args=config,
+            processing_class=tokenizer,
+            train_dataset=Dataset.from_dict({"prompt": texts}),
+            callbacks=[StepTimer()],
+        )
         trainer.train()
     if args.json:
         with open(args.json, "w") as f:

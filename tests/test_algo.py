@@ -152,12 +152,15 @@ LOSSES = t([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]])
 RAGGED = t([[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]])  # lengths 3, 2, 0: sums 6 and 11, 5 tokens
 
 
-@pytest.mark.parametrize("mode, expected", [
-    ("token-mean", 17 / 5),
-    ("seq-mean-token-sum", (6 + 11) / 2),  # the empty row is not a sequence
-    ("seq-mean-token-mean", (6 / 3 + 11 / 2) / 2),
-    ("seq-mean-token-sum-norm", 17 / 4),  # divided by T = 4, not by the number of sequences
-])
+@pytest.mark.parametrize(
+    "mode, expected",
+    [
+        ("token-mean", 17 / 5),
+        ("seq-mean-token-sum", (6 + 11) / 2),  # the empty row is not a sequence
+        ("seq-mean-token-mean", (6 / 3 + 11 / 2) / 2),
+        ("seq-mean-token-sum-norm", 17 / 4),  # divided by T = 4, not by the number of sequences
+    ],
+)
 def test_aggregate_by_hand(mode, expected):
     assert aggregate(LOSSES, RAGGED, mode).item() == pytest.approx(expected)
     assert aggregate(LOSSES, RAGGED.bool(), mode).item() == pytest.approx(expected)
@@ -210,6 +213,7 @@ def test_micro_batch_gradients_sum_to_full_batch_gradient(mode):
 
 
 # ---------------------------------------------------------------- entropy, KL, total loss
+
 
 def test_entropy_from_logits():
     assert entropy_from_logits(torch.zeros(2, 4, dtype=D)).tolist() == pytest.approx([math.log(4)] * 2)

@@ -29,8 +29,15 @@ from longqa.train.checkpoint import (
 )
 
 SRC = Path(__file__).resolve().parent.parent / "src"
-TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-            num_key_value_heads=1, head_dim=16)
+TINY = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+)
 
 
 def seed_all(seed: int) -> None:
@@ -68,8 +75,15 @@ def rng_draws():
 
 def save(run_dir, step, training, keep_last=3, **state):
     model, optimizer, scheduler = training
-    return save_checkpoint(run_dir, step, model=model, optimizer=optimizer, scheduler=scheduler,
-                           trainer_state={"step": step, **state}, keep_last=keep_last)
+    return save_checkpoint(
+        run_dir,
+        step,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        trainer_state={"step": step, **state},
+        keep_last=keep_last,
+    )
 
 
 def hidden_entries(run_dir) -> list[str]:
@@ -82,8 +96,15 @@ def test_resume_is_bitwise_exact(tmp_path):
     for _ in range(3):
         train_step(*training)
     trainer_state = {"step": 3, "epoch": 0, "data_position": 6, "data_seed": 42, "history": [{"loss": 1.5}]}
-    path = save_checkpoint(tmp_path, 3, model=training[0], optimizer=training[1], scheduler=training[2],
-                           trainer_state=trainer_state, keep_last=2)
+    path = save_checkpoint(
+        tmp_path,
+        3,
+        model=training[0],
+        optimizer=training[1],
+        scheduler=training[2],
+        trainer_state=trainer_state,
+        keep_last=2,
+    )
     assert path == tmp_path / "checkpoints" / "step_00000003"
     draws = rng_draws()
     losses = [train_step(*training) for _ in range(2)]
@@ -127,8 +148,12 @@ def test_saving_an_earlier_step_drops_the_abandoned_later_ones(tmp_path):
     save(tmp_path, 2, training, run="second")  # resumed from step 1 and reached step 2 again
     assert latest_checkpoint(tmp_path).name == "step_00000002"
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000001", "step_00000002"]
-    assert load_checkpoint(latest_checkpoint(tmp_path), model=training[0], optimizer=training[1],
-                           scheduler=training[2])["run"] == "second"
+    assert (
+        load_checkpoint(latest_checkpoint(tmp_path), model=training[0], optimizer=training[1], scheduler=training[2])[
+            "run"
+        ]
+        == "second"
+    )
 
 
 def test_disk_full_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
@@ -153,8 +178,12 @@ def test_disk_full_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch)
 
     assert hidden_entries(tmp_path) == [] and not target.exists()
     assert latest_checkpoint(tmp_path).name == "step_00000001"
-    assert load_checkpoint(latest_checkpoint(tmp_path), model=training[0], optimizer=training[1],
-                           scheduler=training[2])["step"] == 1
+    assert (
+        load_checkpoint(latest_checkpoint(tmp_path), model=training[0], optimizer=training[1], scheduler=training[2])[
+            "step"
+        ]
+        == 1
+    )
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="RLIMIT_FSIZE is POSIX")
@@ -203,7 +232,7 @@ def overwrite_middle(path: Path, count: int = 400) -> None:
     size = path.stat().st_size
     with open(path, "r+b") as f:
         f.seek(size // 2)
-        f.write(bytes(255 - b for b in path.read_bytes()[size // 2:size // 2 + count]))
+        f.write(bytes(255 - b for b in path.read_bytes()[size // 2 : size // 2 + count]))
     assert path.stat().st_size == size
 
 
@@ -218,9 +247,11 @@ def test_a_file_damaged_at_its_own_size_is_refused_by_name(tmp_path, name):
     before = {k: v.clone() for k, v in fresh[0].state_dict().items()}
     with pytest.raises(CheckpointError) as error:
         load_checkpoint(path, model=fresh[0], optimizer=fresh[1], scheduler=fresh[2])
-    assert str(error.value) == (f"checkpoint {path} is damaged: the contents of {name} differ from those written "
-                                f"(its sha256 digest); resume or export an earlier checkpoint (trainer.resume=PATH, "
-                                f"longqa export PATH)")
+    assert str(error.value) == (
+        f"checkpoint {path} is damaged: the contents of {name} differ from those written "
+        f"(its sha256 digest); resume or export an earlier checkpoint (trainer.resume=PATH, "
+        f"longqa export PATH)"
+    )
     assert all(torch.equal(before[k], v) for k, v in fresh[0].state_dict().items())  # nothing loaded
     if name in ("model.pt", "trainer_state.json"):
         with pytest.raises(CheckpointError, match=f"damaged: the contents of {name} differ"):
@@ -239,7 +270,7 @@ def test_a_json_file_cut_short_is_damaged_in_one_line(tmp_path, name):
     training = make_training(0)
     path = save(tmp_path, 1, training)
     text = (path / name).read_text()
-    (path / name).write_text(text[:len(text) // 2])
+    (path / name).write_text(text[: len(text) // 2])
     if name != "COMPLETE":
         marker = json.loads((path / "COMPLETE").read_text())
         marker["files"][name] = len(text) // 2
@@ -265,8 +296,10 @@ def test_a_checkpoint_without_digests_still_loads_checked_by_size_and_says_so(tm
     said = []
     fresh = make_training(1)
     assert load_checkpoint(path, model=fresh[0], optimizer=fresh[1], scheduler=fresh[2], say=said.append)["step"] == 1
-    assert said == [f"note: checkpoint {path} records no digests of its files (an earlier longqa wrote it): they "
-                    f"are checked by size only"]
+    assert said == [
+        f"note: checkpoint {path} records no digests of its files (an earlier longqa wrote it): they "
+        f"are checked by size only"
+    ]
     assert all(torch.equal(a, b) for a, b in zip(fresh[0].state_dict().values(), training[0].state_dict().values()))
 
 
@@ -279,8 +312,10 @@ def test_weights_that_are_not_finite_are_refused_naming_the_parameter(tmp_path):
         training[0].model.norm.weight[0] = float("inf")
     path = save(tmp_path, 1, training)
     fresh = make_training(1)
-    expected = (f"checkpoint {path} holds weights that are not finite: model.layers.0.mlp.up_proj.weight has 3 NaN "
-                f"or infinite values (1 more parameters have some); resume or export an earlier checkpoint")
+    expected = (
+        f"checkpoint {path} holds weights that are not finite: model.layers.0.mlp.up_proj.weight has 3 NaN "
+        f"or infinite values (1 more parameters have some); resume or export an earlier checkpoint"
+    )
     with pytest.raises(CheckpointError) as error:
         load_checkpoint(path, model=fresh[0], optimizer=fresh[1], scheduler=fresh[2])
     assert str(error.value).startswith(expected)
@@ -345,8 +380,14 @@ def test_kill_9_at_random_moments_leaves_a_loadable_latest_checkpoint(tmp_path):
         assert model.weight.sum().item() == state["weight_sum"]
         step = state["step"]
 
-    save_checkpoint(run_dir, step + 1, model=model, optimizer=torch.optim.AdamW(model.parameters()),
-                    trainer_state={"step": step + 1}, keep_last=2)
+    save_checkpoint(
+        run_dir,
+        step + 1,
+        model=model,
+        optimizer=torch.optim.AdamW(model.parameters()),
+        trainer_state={"step": step + 1},
+        keep_last=2,
+    )
     assert hidden_entries(run_dir) == []
 
 

@@ -48,16 +48,19 @@ def test_the_predicted_size_is_the_written_checkpoint_s(name, tiny_model_dir, da
     assert predicted <= written <= predicted * 1.01 + 1024 * tensors, (written, predicted)
 
 
-def test_a_run_whose_first_checkpoint_cannot_fit_is_refused_before_loading(tiny_model_dir, data_dir, tmp_path,
-                                                                           monkeypatch, capsys):
+def test_a_run_whose_first_checkpoint_cannot_fit_is_refused_before_loading(
+    tiny_model_dir, data_dir, tmp_path, monkeypatch, capsys
+):
     monkeypatch.setattr(checkpoint_space, "free_bytes", lambda folder: 1000)
     out = tmp_path / "run"
     assert main(["train", *overrides(tiny_model_dir, data_dir, out, **{"trainer.save_freq": 2})]) == 2
     err = capsys.readouterr().err
     assert "the first save, after step 2, would find the disk full" in err and "trainer.save_freq=0" in err
     assert "Traceback" not in err and not (out / "metrics.jsonl").exists()
-    assert main(["train", *overrides(tiny_model_dir, data_dir, out, **{"trainer.save_freq": 0,
-                                                                        "trainer.max_steps": 1})]) == 0
+    assert (
+        main(["train", *overrides(tiny_model_dir, data_dir, out, **{"trainer.save_freq": 0, "trainer.max_steps": 1})])
+        == 0
+    )
 
 
 def simulated_failing_save(existing: int, saves: int, keep_last: int, room: int) -> int | None:

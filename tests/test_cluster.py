@@ -26,20 +26,30 @@ def write(tmp_path, text):
 
 
 def test_hostfile_with_comments_and_blank_lines(tmp_path):
-    path = write(tmp_path, "# the recipe's 4 nodes\n\n10.0.0.1 slots=8\n  10.0.0.2   slots=8   # rack 2\n"
-                           "10.0.0.3 slots = 4\nnode-4.cluster slots=2\n")
-    assert parse_hostfile(path) == [Host("10.0.0.1", 8), Host("10.0.0.2", 8), Host("10.0.0.3", 4),
-                                    Host("node-4.cluster", 2)]
+    path = write(
+        tmp_path,
+        "# the recipe's 4 nodes\n\n10.0.0.1 slots=8\n  10.0.0.2   slots=8   # rack 2\n"
+        "10.0.0.3 slots = 4\nnode-4.cluster slots=2\n",
+    )
+    assert parse_hostfile(path) == [
+        Host("10.0.0.1", 8),
+        Host("10.0.0.2", 8),
+        Host("10.0.0.3", 4),
+        Host("node-4.cluster", 2),
+    ]
 
 
-@pytest.mark.parametrize("text,message", [
-    ("10.0.0.1 slots=8\n10.0.0.2\n", "line 2: 10.0.0.2 has no slots=N"),
-    ("10.0.0.1 slots=0\n", "line 1: slots must be a positive integer"),
-    ("10.0.0.1 slots=8\n\n10.0.0.2 gpus=8\n", "line 3: expected 'IP slots=N'"),
-    ("10.0.0.1 slots=8\n10.0.0.1 slots=8\n", "line 2: host 10.0.0.1 is listed twice"),
-    ("10.0.0.1; slots=8\n", "line 1: '10.0.0.1;' is not an IP address or host name"),
-    ("# nothing\n\n", "lists no hosts"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("10.0.0.1 slots=8\n10.0.0.2\n", "line 2: 10.0.0.2 has no slots=N"),
+        ("10.0.0.1 slots=0\n", "line 1: slots must be a positive integer"),
+        ("10.0.0.1 slots=8\n\n10.0.0.2 gpus=8\n", "line 3: expected 'IP slots=N'"),
+        ("10.0.0.1 slots=8\n10.0.0.1 slots=8\n", "line 2: host 10.0.0.1 is listed twice"),
+        ("10.0.0.1; slots=8\n", "line 1: '10.0.0.1;' is not an IP address or host name"),
+        ("# nothing\n\n", "lists no hosts"),
+    ],
+)
 def test_bad_lines_are_rejected_with_their_numbers(tmp_path, text, message):
     with pytest.raises(HostfileError, match=message):
         parse_hostfile(write(tmp_path, text))
@@ -57,13 +67,19 @@ def test_up_stops_everywhere_then_starts_head_and_workers():
     assert steps == [
         Step([*SSH, "10.0.0.1", "ray stop --force"], may_fail=True),
         Step([*SSH, "10.0.0.2", "ray stop --force"], may_fail=True),
-        Step([*SSH, "10.0.0.1", "ray start --head --node-ip-address=10.0.0.1 --port=6380 --num-gpus=8 "
-                                "--dashboard-host=0.0.0.0 --dashboard-port=8265"]),
+        Step(
+            [
+                *SSH,
+                "10.0.0.1",
+                "ray start --head --node-ip-address=10.0.0.1 --port=6380 --num-gpus=8 "
+                "--dashboard-host=0.0.0.0 --dashboard-port=8265",
+            ]
+        ),
         Step([*SSH, "10.0.0.2", "ray start --address=10.0.0.1:6380 --node-ip-address=10.0.0.2 --num-gpus=4"]),
     ]
     local = up_commands(hosts, local_head=True)
     assert local[0] == Step(["ray", "stop", "--force"], may_fail=True)  # the head is this machine: no ssh
-    assert local[2].argv[:3] == ["ray", "start", "--head"] and local[3].argv[:len(SSH)] == SSH
+    assert local[2].argv[:3] == ["ray", "start", "--head"] and local[3].argv[: len(SSH)] == SSH
 
 
 def test_down_stops_workers_then_the_head_and_status_asks_the_head():
@@ -95,7 +111,8 @@ def test_cli_dry_run_prints_the_commands_and_how_to_connect(tmp_path, capsys):
         "dry run: none of these commands was run",
         "nothing was started; without --dry-run they start a Ray cluster of 2 host(s), 16 GPU slot(s): head "
         "10.9.0.1:6379, dashboard http://10.9.0.1:8265",
-        f"  then connect with RAY_ADDRESS=10.9.0.1:6379; stop it with: longqa cluster down --hostfile {path}"]
+        f"  then connect with RAY_ADDRESS=10.9.0.1:6379; stop it with: longqa cluster down --hostfile {path}",
+    ]
     assert main(["cluster", "down", "--hostfile", str(path), "--dry-run"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == "dry run: none of these commands was run"
     bad = write(tmp_path, "10.9.0.1 slots=eight\n")
@@ -106,8 +123,12 @@ def test_cli_dry_run_prints_the_commands_and_how_to_connect(tmp_path, capsys):
 def test_an_ipv6_head_is_bracketed_where_a_port_follows(tmp_path, capsys):
     hosts = [Host("fe80::1", 8), Host("10.0.0.2", 8)]
     worker = up_commands(hosts, port=6380, local_head=False)[-1]
-    assert shlex.split(worker.argv[-1])[:4] == ["ray", "start", "--address=[fe80::1]:6380",
-                                                "--node-ip-address=10.0.0.2"]
+    assert shlex.split(worker.argv[-1])[:4] == [
+        "ray",
+        "start",
+        "--address=[fe80::1]:6380",
+        "--node-ip-address=10.0.0.2",
+    ]
     assert status_command(hosts)[0].argv[-1] == "--address=[fe80::1]:6379"
     path = write(tmp_path, "fe80::1 slots=8\n10.0.0.2 slots=8\n")
     assert main(["cluster", "up", "--hostfile", str(path), "--dry-run"]) == 0

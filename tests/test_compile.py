@@ -28,6 +28,7 @@ def test_the_counter_counts_a_forced_recompilation():
 def test_the_watch_says_which_function_was_compiled_again_and_why():
     """Each recompilation since the last look, with the function and the guard that failed; a first compilation
     is not news, nor a call that reuses a graph."""
+
     def triple(x):
         return x * 3
 
@@ -47,6 +48,7 @@ def test_the_watch_says_which_function_was_compiled_again_and_why():
 def test_the_watch_puts_the_rare_failed_guard_before_the_many():
     """A function compiled for several sizes fails one guard per cached graph when it compiles again; grouped, the
     guard that says why (the graph of this very size was built in another mode) comes before the sizes."""
+
     class Scale(torch.nn.Module):
         def forward(self, x):
             return x * 2 if self.training else x * 3
@@ -76,8 +78,10 @@ def test_the_watch_says_when_the_engine_re_sized_its_kv_stores():
     assert first == []  # the first allocation is not a re-sizing
     engine.generate([[7] * 300], params)  # the stores hold prompts of up to 256 tokens (the view step)
     [line] = watch.news()
-    assert line == ("re-sized the KV stores for 1 prompts of up to 512 tokens, 3 new, n=2 (they held 2 groups of "
-                    "256, 3, n=2): 0 captured decode graphs dropped")
+    assert line == (
+        "re-sized the KV stores for 1 prompts of up to 512 tokens, 3 new, n=2 (they held 2 groups of "
+        "256, 3, n=2): 0 captured decode graphs dropped"
+    )
     engine.generate([[7] * 400], params)  # fits what they hold now
     assert watch.news() == []
 
@@ -107,8 +111,14 @@ def test_a_sampler_rank_s_stores_hold_the_longest_prompt_the_training_ranks_name
     engine = FastRolloutEngine(model)
     watch = CompileWatch(engine)
     for prompts in ([[7] * 10], [[9] * 300]):
-        message = {"prompts": prompts, "params": params, "seeds": [1], "stop_at": None,
-                   "version": weights_version(model), "prompt_tokens": 300}
+        message = {
+            "prompts": prompts,
+            "params": params,
+            "seeds": [1],
+            "stop_at": None,
+            "version": weights_version(model),
+            "prompt_tokens": 300,
+        }
         _sample(engine, [message])
     assert watch.news() == [] and engine.kv.prompt_cap == 512
 
@@ -129,8 +139,14 @@ def samples(prompt: int, lengths: list[int], seed: int) -> Samples:
 
 
 # Response lengths of a 40-token prompt's three samples, and the packed length each micro-batch pads to.
-CASES = [([5, 9, 20], 256), ([30, 2, 11], 256), ([50, 60, 70], 256), ([100, 100, 100], 512), ([120, 120, 150], 512),
-         ([200, 200, 200], 768)]
+CASES = [
+    ([5, 9, 20], 256),
+    ([30, 2, 11], 256),
+    ([50, 60, 70], 256),
+    ([100, 100, 100], 512),
+    ([120, 120, 150], 512),
+    ([200, 200, 200], 768),
+]
 
 
 @pytest.mark.slow
@@ -139,12 +155,21 @@ def test_packed_lengths_within_a_bucket_reuse_the_compiled_layers():
     bucket compiles once more (static shapes: no dynamic graph), and the log-probs are the eager model's."""
     pytest.importorskip("torch.nn.attention.flex_attention")
     model = tiny_lm()
-    cfg = load_config(None, ["actor.shared_prompt=true", "actor.attention_backend=flex", "rollout.n=3",
-                             f"actor.max_tokens_per_micro_batch={BUDGET}", "data.train_batch_size=1",
-                             "actor.ppo_mini_batch_size=1"])
+    cfg = load_config(
+        None,
+        [
+            "actor.shared_prompt=true",
+            "actor.attention_backend=flex",
+            "rollout.n=3",
+            f"actor.max_tokens_per_micro_batch={BUDGET}",
+            "data.train_batch_size=1",
+            "actor.ppo_mini_batch_size=1",
+        ],
+    )
     eager = Actor(model, cfg, 1, torch.device("cpu"))
-    assert [eager.micro_batches(samples(40, lengths, 0), [0, 1, 2])[0].inputs.length for lengths, _ in CASES] == \
-        [padded for _, padded in CASES]
+    assert [eager.micro_batches(samples(40, lengths, 0), [0, 1, 2])[0].inputs.length for lengths, _ in CASES] == [
+        padded for _, padded in CASES
+    ]
     reference = [eager.logprobs(samples(40, lengths, seed)) for seed, (lengths, _) in enumerate(CASES)]
     compile_decoder_layers(model, backend="eager")
     actor = Actor(model, cfg, 1, torch.device("cpu"))
@@ -167,14 +192,19 @@ def test_checkpointing_a_fraction_of_the_layers_recomputes_the_first_ones():
     assert checkpoint_layers(model, 0.0) == 0 and not model.is_gradient_checkpointing
 
 
-NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: compiled flex_attention "
-                                                                      "with a backward")
+NEEDS_CUDA = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU: compiled flex_attention with a backward"
+)
 
 
-@pytest.mark.parametrize("device,backend,dtype", [
-    ("cpu", "split", torch.float32),  # Dynamo's graphs and guards, without Inductor's kernels
-    pytest.param("cuda", "flex", torch.float32, marks=NEEDS_CUDA),
-    pytest.param("cuda", "split", torch.bfloat16, marks=NEEDS_CUDA)])
+@pytest.mark.parametrize(
+    "device,backend,dtype",
+    [
+        ("cpu", "split", torch.float32),  # Dynamo's graphs and guards, without Inductor's kernels
+        pytest.param("cuda", "flex", torch.float32, marks=NEEDS_CUDA),
+        pytest.param("cuda", "split", torch.bfloat16, marks=NEEDS_CUDA),
+    ],
+)
 @pytest.mark.slow
 def test_after_compiling_every_length_bucket_no_update_compiles_again(device, backend, dtype):
     """Updates of random prompt and response lengths, off-policy (an old log-prob pass too), after
@@ -183,17 +213,37 @@ def test_after_compiling_every_length_bucket_no_update_compiles_again(device, ba
     budget = 4 * BLOCK  # four length buckets: Inductor compiles each one's forward and backward (minutes for 16)
     model = tiny_lm(head_dim=16).to(device, dtype).eval()
     compile_decoder_layers(model, backend="inductor" if device == "cuda" else "eager")
-    cfg = load_config(None, ["actor.shared_prompt=true", f"actor.attention_backend={backend}", "rollout.n=3",
-                             f"actor.max_tokens_per_micro_batch={budget}", "data.train_batch_size=2",
-                             "actor.ppo_mini_batch_size=1", "data.max_response_length=100"])
+    cfg = load_config(
+        None,
+        [
+            "actor.shared_prompt=true",
+            f"actor.attention_backend={backend}",
+            "rollout.n=3",
+            f"actor.max_tokens_per_micro_batch={budget}",
+            "data.train_batch_size=2",
+            "actor.ppo_mini_batch_size=1",
+            "data.max_response_length=100",
+        ],
+    )
     actor = Actor(model, cfg, 4, torch.device(device))
     assert length_step(budget) == BLOCK and actor.compile_length_buckets() == 4
     g = torch.Generator().manual_seed(0)
     before, watch = compiled_graphs(), CompileWatch()
     for _ in range(6):  # every group (a prompt of 20-199 tokens, three responses of 1-99) fits in one row
-        groups = [samples(int(torch.randint(20, 200, (1,), generator=g)),
-                          torch.randint(1, 100, (3,), generator=g).tolist(),
-                          int(torch.randint(0, 99, (1,), generator=g))) for _ in range(2)]
-        actor.update(Samples([p for s in groups for p in s.prompt_ids], [r for s in groups for r in s.response_ids],
-                             torch.randn(6, generator=g), 3))
+        groups = [
+            samples(
+                int(torch.randint(20, 200, (1,), generator=g)),
+                torch.randint(1, 100, (3,), generator=g).tolist(),
+                int(torch.randint(0, 99, (1,), generator=g)),
+            )
+            for _ in range(2)
+        ]
+        actor.update(
+            Samples(
+                [p for s in groups for p in s.prompt_ids],
+                [r for s in groups for r in s.response_ids],
+                torch.randn(6, generator=g),
+                3,
+            )
+        )
     assert compiled_graphs() == before, watch.news()

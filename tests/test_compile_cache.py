@@ -31,8 +31,9 @@ COMPILE = textwrap.dedent(f"""
 
 
 def compile_in_a_new_process(env: dict, *args) -> dict:
-    out = subprocess.run([sys.executable, "-c", COMPILE, *map(str, args)], env=env, capture_output=True, text=True,
-                         check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", COMPILE, *map(str, args)], env=env, capture_output=True, text=True, check=True
+    )
     return json.loads(out.stdout.splitlines()[-1])
 
 
@@ -49,8 +50,9 @@ def test_a_second_start_finds_its_graphs_in_the_user_s_cache_folder(tmp_path):
     assert first["misses"] >= 1
     assert second["hits"] >= 1 and second["misses"] == 0
     # torch's own setting wins where the user gave it
-    mine = compile_in_a_new_process(fresh_env(XDG_CACHE_HOME=tmp_path / "cache",
-                                              TORCHINDUCTOR_CACHE_DIR=tmp_path / "mine"))
+    mine = compile_in_a_new_process(
+        fresh_env(XDG_CACHE_HOME=tmp_path / "cache", TORCHINDUCTOR_CACHE_DIR=tmp_path / "mine")
+    )
     assert mine["folder"] == str(tmp_path / "mine") and mine["misses"] >= 1 and any((tmp_path / "mine").iterdir())
 
 
@@ -67,8 +69,9 @@ def test_the_user_s_folder_follows_xdg_and_home(monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_run_folder_carries_its_graphs_to_a_machine_that_never_compiled_them(tiny_model_dir, data_dir,
-                                                                                tmp_path, monkeypatch):
+def test_a_run_folder_carries_its_graphs_to_a_machine_that_never_compiled_them(
+    tiny_model_dir, data_dir, tmp_path, monkeypatch
+):
     """A run that compiles (here one function, in its second update) leaves ``compile_cache.bin`` in its
     folder; a process with an empty cache folder that loads it compiles nothing."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "this-machine"))
@@ -83,8 +86,10 @@ def test_a_run_folder_carries_its_graphs_to_a_machine_that_never_compiled_them(t
 
     monkeypatch.setattr(Actor, "update", update_and_compile_once)
     run = tmp_path / "run"
-    assert main(["train", *overrides(tiny_model_dir, data_dir, run, **{"trainer.max_steps": 2,
-                                                                       "trainer.test_freq": 0})]) == 0
+    assert (
+        main(["train", *overrides(tiny_model_dir, data_dir, run, **{"trainer.max_steps": 2, "trainer.test_freq": 0})])
+        == 0
+    )
     assert (run / RUN_CACHE_FILE).stat().st_size > 0
     elsewhere = compile_in_a_new_process(fresh_env(TORCHINDUCTOR_CACHE_DIR=tmp_path / "another-machine"), run)
     assert elsewhere["loaded"] and elsewhere["hits"] >= 1 and elsewhere["misses"] == 0
@@ -100,8 +105,9 @@ def test_a_copy_torch_cannot_read_costs_only_the_compile(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_graphs_are_in_the_run_folder_from_the_first_step_on_without_a_checkpoint(tiny_model_dir, data_dir,
-                                                                                      tmp_path, monkeypatch):
+def test_the_graphs_are_in_the_run_folder_from_the_first_step_on_without_a_checkpoint(
+    tiny_model_dir, data_dir, tmp_path, monkeypatch
+):
     """A run that saves no checkpoint (trainer.save_freq=0: one whose checkpoints do not fit its disk, or a job
     preempted before its first) has its first step's graphs in the run folder before its second step begins,
     and rewrites the copy only after a step that compiled something new."""
@@ -121,8 +127,20 @@ def test_the_graphs_are_in_the_run_folder_from_the_first_step_on_without_a_check
     save = trainer.save_run_cache
     monkeypatch.setattr(Actor, "update", update_and_compile_first)
     monkeypatch.setattr(trainer, "save_run_cache", lambda folder: writes.append(folder) or save(folder))
-    assert main(["train", *overrides(tiny_model_dir, data_dir, run, **{"trainer.max_steps": 3, "trainer.test_freq": 0,
-                                                                       "trainer.save_freq": 0})]) == 0
+    assert (
+        main(
+            [
+                "train",
+                *overrides(
+                    tiny_model_dir,
+                    data_dir,
+                    run,
+                    **{"trainer.max_steps": 3, "trainer.test_freq": 0, "trainer.save_freq": 0},
+                ),
+            ]
+        )
+        == 0
+    )
     assert seen == [False, True, True] and writes == [run]
     assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())
     elsewhere = compile_in_a_new_process(fresh_env(TORCHINDUCTOR_CACHE_DIR=tmp_path / "another-machine"), run)

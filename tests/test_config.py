@@ -21,8 +21,17 @@ def test_the_grace_period_after_sigterm():
 def test_yaml_then_overrides(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("data:\n  train_files: a.parquet\n  max_prompt_length: 2048\nrollout:\n  n: 4\n")
-    cfg = load_config(path, ["rollout.n=16", "algo.clip_ratio=0.3", "actor.lr=5e-4", "data.val_files=[x.parquet, y.parquet]",
-                             "algo.clip_ratio_high=0.28", "trainer.output_dir=007"])
+    cfg = load_config(
+        path,
+        [
+            "rollout.n=16",
+            "algo.clip_ratio=0.3",
+            "actor.lr=5e-4",
+            "data.val_files=[x.parquet, y.parquet]",
+            "algo.clip_ratio_high=0.28",
+            "trainer.output_dir=007",
+        ],
+    )
     assert cfg.data.train_files == ["a.parquet"]  # a single file is a list of one
     assert cfg.data.max_prompt_length == 2048 and cfg.rollout.n == 16 and cfg.algo.clip_ratio == 0.3
     assert cfg.actor.lr == 5e-4
@@ -37,26 +46,29 @@ def test_show_round_trips(tmp_path):
     assert load_config(path) == cfg
 
 
-@pytest.mark.parametrize("override, message", [
-    ("rollout.temprature=0.7", "unknown config key 'rollout.temprature'; did you mean 'rollout.temperature'?"),
-    ("rolout.n=8", "did you mean 'rollout.n'?"),
-    ("rollout=8", "unknown config key 'rollout'"),
-    ("rollout.n=eight", "config key 'rollout.n' must be an integer, got 'eight'"),
-    ("rollout.n=2.5", "must be an integer"),
-    ("rollout.n=0", "config key 'rollout.n' must be > 0, got 0"),
-    ("rollout.n=true", "must be an integer"),
-    ("algo.clip_ratio=1.5", "config key 'algo.clip_ratio' must be in (0, 1), got 1.5"),
-    ("algo.loss_agg_mode=mean", "must be one of 'token-mean'"),
-    ("data.truncation=middle", "config key 'data.truncation' must be one of 'error', 'left', 'right'"),
-    ("data.filter_overlong_prompts=maybe", "must be true or false"),
-    ("reward.mode=substring", "config key 'reward.mode' must be one of 'hardened'"),
-    ("rollout.top_k=0", "must be -1 or > 0"),
-    ("rollout.speculative=ngram", "config key 'rollout.speculative' must be one of 'off', 'prompt_lookup'"),
-    ("rollout.num_speculative_tokens=0", "config key 'rollout.num_speculative_tokens' must be > 0, got 0"),
-    ("trainer.preemption_grace_s=-1", "config key 'trainer.preemption_grace_s' must be >= 0, got -1.0"),
-    ("trainer.preemption_grace_s=soon", "config key 'trainer.preemption_grace_s' must be a finite number"),
-    ("no_equals_sign", "must look like key=value"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("rollout.temprature=0.7", "unknown config key 'rollout.temprature'; did you mean 'rollout.temperature'?"),
+        ("rolout.n=8", "did you mean 'rollout.n'?"),
+        ("rollout=8", "unknown config key 'rollout'"),
+        ("rollout.n=eight", "config key 'rollout.n' must be an integer, got 'eight'"),
+        ("rollout.n=2.5", "must be an integer"),
+        ("rollout.n=0", "config key 'rollout.n' must be > 0, got 0"),
+        ("rollout.n=true", "must be an integer"),
+        ("algo.clip_ratio=1.5", "config key 'algo.clip_ratio' must be in (0, 1), got 1.5"),
+        ("algo.loss_agg_mode=mean", "must be one of 'token-mean'"),
+        ("data.truncation=middle", "config key 'data.truncation' must be one of 'error', 'left', 'right'"),
+        ("data.filter_overlong_prompts=maybe", "must be true or false"),
+        ("reward.mode=substring", "config key 'reward.mode' must be one of 'hardened'"),
+        ("rollout.top_k=0", "must be -1 or > 0"),
+        ("rollout.speculative=ngram", "config key 'rollout.speculative' must be one of 'off', 'prompt_lookup'"),
+        ("rollout.num_speculative_tokens=0", "config key 'rollout.num_speculative_tokens' must be > 0, got 0"),
+        ("trainer.preemption_grace_s=-1", "config key 'trainer.preemption_grace_s' must be >= 0, got -1.0"),
+        ("trainer.preemption_grace_s=soon", "config key 'trainer.preemption_grace_s' must be a finite number"),
+        ("no_equals_sign", "must look like key=value"),
+    ],
+)
 def test_bad_overrides_fail_with_one_clear_message(override, message):
     with pytest.raises(ConfigError) as e:
         load_config(None, [override])
@@ -137,12 +149,15 @@ def test_every_shipped_config_loads():
         load_config(path)
 
 
-@pytest.mark.parametrize("argv, environment, expected", [
-    (["train"], "pure_exact_match", 1.0),  # the demo config names no mode: the environment's
-    (["train"], None, 0.0),  # longqa's hardened default refuses the empty box
-    (["train", "configs/loongrl-qwen3-32b.yaml"], None, 1.0),  # the recipe config: the recipe's mode
-    (["train", "configs/loongrl-qwen3-32b.yaml", "reward.mode=hardened"], "pure_exact_match", 0.0),  # a key wins
-])
+@pytest.mark.parametrize(
+    "argv, environment, expected",
+    [
+        (["train"], "pure_exact_match", 1.0),  # the demo config names no mode: the environment's
+        (["train"], None, 0.0),  # longqa's hardened default refuses the empty box
+        (["train", "configs/loongrl-qwen3-32b.yaml"], None, 1.0),  # the recipe config: the recipe's mode
+        (["train", "configs/loongrl-qwen3-32b.yaml", "reward.mode=hardened"], "pure_exact_match", 0.0),  # a key wins
+    ],
+)
 def test_reward_calc_type_decides_what_train_scores_as_the_recipe_does(monkeypatch, argv, environment, expected):
     """What `longqa train` scores with (its config and reward function, before any model loads): the recipe's
     pure_exact_match finds any answer in an empty \\boxed{} (its two-way substring), as the recipe's reward.py
@@ -194,6 +209,7 @@ def test_the_8b_config_is_the_recipe_s_8b_run(name, key, value):
 # Config mistakes a new user makes, each met with one line naming what to do, never a traceback; and a YAML file
 # takes the keys the command line takes (verl's included).
 
+
 def write(path, text):
     path.write_text(text)
     return path
@@ -205,22 +221,34 @@ def test_an_unknown_key_or_section_in_a_file_is_one_line(tmp_path, text):
         load_config(write(tmp_path / "u.yaml", text))
 
 
-@pytest.mark.parametrize("text", [
-    "actor_rollout_ref:\n  rollout:\n    n: 4\n",
-    "actor_rollout_ref.rollout.n: 4\n",
-    "actor_rollout_ref:\n  rollout.n: 4\n",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "actor_rollout_ref:\n  rollout:\n    n: 4\n",
+        "actor_rollout_ref.rollout.n: 4\n",
+        "actor_rollout_ref:\n  rollout.n: 4\n",
+    ],
+)
 def test_verl_keys_in_a_file_are_read_as_on_the_command_line(tmp_path, text):
     assert load_config(write(tmp_path / "v.yaml", text)).rollout.n == 4
 
 
 def test_a_file_of_verl_sections_matches_the_same_command_line(tmp_path):
-    path = write(tmp_path / "v.yaml", "algorithm: {adv_estimator: rloo}\nactor_rollout_ref:\n  actor:\n"
-                 "    optim: {lr: 2.0e-6}\n    use_kl_loss: true\n    kl_loss_coef: 0.01\n"
-                 "  rollout: {name: hf, n: 3}\ntrainer: {default_local_dir: out}\n")
-    line = ["algorithm.adv_estimator=rloo", "actor_rollout_ref.actor.optim.lr=2.0e-6",
-            "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.01",
-            "actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.n=3", "trainer.default_local_dir=out"]
+    path = write(
+        tmp_path / "v.yaml",
+        "algorithm: {adv_estimator: rloo}\nactor_rollout_ref:\n  actor:\n"
+        "    optim: {lr: 2.0e-6}\n    use_kl_loss: true\n    kl_loss_coef: 0.01\n"
+        "  rollout: {name: hf, n: 3}\ntrainer: {default_local_dir: out}\n",
+    )
+    line = [
+        "algorithm.adv_estimator=rloo",
+        "actor_rollout_ref.actor.optim.lr=2.0e-6",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.actor.kl_loss_coef=0.01",
+        "actor_rollout_ref.rollout.name=hf",
+        "actor_rollout_ref.rollout.n=3",
+        "trainer.default_local_dir=out",
+    ]
     assert load_config(path) == load_config(None, line)
 
 
@@ -283,8 +311,15 @@ def test_an_infinite_integer_is_refused_as_not_an_integer(tmp_path, value):
 def test_every_path_key_expands_home(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     keys = path_keys()
-    assert {"model.path", "data.train_files", "data.cache_dir", "reward.path", "trainer.output_dir",
-            "actor.deepspeed_config", "trainer.resume"} <= set(keys)
+    assert {
+        "model.path",
+        "data.train_files",
+        "data.cache_dir",
+        "reward.path",
+        "trainer.output_dir",
+        "actor.deepspeed_config",
+        "trainer.resume",
+    } <= set(keys)
     for key in keys:
         section, _, name = key.partition(".")
         got = getattr(getattr(load_config(None, [f"{key}=~/x"]), section), name)

@@ -21,8 +21,9 @@ from longqa.rollout.decode_kernel import shared_prefix_attention, split_plan
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                  reason="triton is not installed (pip install triton)")
+needs_triton = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="triton is not installed (pip install triton)"
+)
 
 
 def store(batch, kv_heads, cap, d, lengths, dtype=torch.float32):
@@ -75,8 +76,22 @@ def test_prompt_half_per_split(n, r):
     q = torch.randn(groups * n, kv_heads * r, d, device=DEVICE)
     no_own = torch.zeros(groups * n, dtype=torch.long, device=DEVICE)
     for splits in (1, 4, None):  # with 4: split 3 starts past view, and group 2 has keys in split 0 only
-        merged, out, lse = shared_prefix_attention(q, k, v, torch.tensor(lengths, device=DEVICE), own_k, own_v, no_own,
-                                                   n, view, 16, scaling, block_n, splits=(splits, None), partials=True)
+        merged, out, lse = shared_prefix_attention(
+            q,
+            k,
+            v,
+            torch.tensor(lengths, device=DEVICE),
+            own_k,
+            own_v,
+            no_own,
+            n,
+            view,
+            16,
+            scaling,
+            block_n,
+            splits=(splits, None),
+            partials=True,
+        )
         splits, chunk = split_plan(view, splits, block_n, groups * kv_heads)
         assert out.shape[:3] == (groups * n, kv_heads * r, splits + 1) and lse.shape == out.shape[:3]
         assert torch.all(lse[:, :, splits] == float("-inf")) and torch.all(out[:, :, splits] == 0)  # the own split
@@ -93,7 +108,7 @@ def test_prompt_half_per_split(n, r):
                     torch.testing.assert_close(got_lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
         for row in range(groups * n):
             g = row // n
-            ref, _ = naive(q[row], k[g, :, :lengths[g]], v[g, :, :lengths[g]], scaling)
+            ref, _ = naive(q[row], k[g, :, : lengths[g]], v[g, :, : lengths[g]], scaling)
             torch.testing.assert_close(merged[row].cpu().double(), ref, atol=1e-5, rtol=1e-5)
 
 
@@ -101,26 +116,59 @@ def naive_token(q, pk, pv, sk, sv, prefix_len, own_len, n, row, i, queries, scal
     """The naive attention of token ``i`` of ``row`` (``queries`` tokens a row, the last ``queries`` of its own
     keys): over its group's prompt keys and its own keys up to its own (with a window, the last ``window``)."""
     g, own = row // n, max(0, own_len[row] - queries + 1 + i)
-    keys = torch.cat([pk[g, :, :prefix_len[g]], sk[row, :, :own]], 1)
-    values = torch.cat([pv[g, :, :prefix_len[g]], sv[row, :, :own]], 1)
+    keys = torch.cat([pk[g, :, : prefix_len[g]], sk[row, :, :own]], 1)
+    values = torch.cat([pv[g, :, : prefix_len[g]], sv[row, :, :own]], 1)
     if window is not None:
         keys, values = keys[:, -window:], values[:, -window:]
     return naive(q[row * queries + i], keys, values, scaling, softcap)[0]
 
 
-def check_full(groups, n, kv_heads, r, d, prefix_len, own_len, prompt_view, own_view, dtype=torch.float32, tol=1e-5,
-               block_n=16, splits=(None, None), window=None, softcap=None, queries=1, max_block_m=128):
+def check_full(
+    groups,
+    n,
+    kv_heads,
+    r,
+    d,
+    prefix_len,
+    own_len,
+    prompt_view,
+    own_view,
+    dtype=torch.float32,
+    tol=1e-5,
+    block_n=16,
+    splits=(None, None),
+    window=None,
+    softcap=None,
+    queries=1,
+    max_block_m=128,
+):
     """Both halves merged == naive attention over [group's prompt keys ; own keys] for every token (with a
     window: only the last ``window`` of them, the token's own key being the last). A row feeds ``queries``
     tokens, its last ``queries`` own keys: token i reads own keys up to ``own_len - queries + i``."""
-    rows, heads, scaling = groups * n, kv_heads * r, d ** -0.5
+    rows, heads, scaling = groups * n, kv_heads * r, d**-0.5
     pk, pv = store(groups, kv_heads, prompt_view, d, prefix_len, dtype)
     sk, sv = store(rows, kv_heads, own_view, d, own_len, dtype)
     q = torch.randn(rows * queries, heads, d, device=DEVICE).to(dtype)
     prefix_t, own_t = torch.tensor(prefix_len, device=DEVICE), torch.tensor(own_len, device=DEVICE)
-    got = shared_prefix_attention(q, pk, pv, prefix_t, sk, sv, own_t, n, prompt_view, own_view, scaling, block_n,
-                                  splits=splits, window=window, softcap=softcap, queries=queries,
-                                  max_block_m=max_block_m)
+    got = shared_prefix_attention(
+        q,
+        pk,
+        pv,
+        prefix_t,
+        sk,
+        sv,
+        own_t,
+        n,
+        prompt_view,
+        own_view,
+        scaling,
+        block_n,
+        splits=splits,
+        window=window,
+        softcap=softcap,
+        queries=queries,
+        max_block_m=max_block_m,
+    )
     assert got.shape == (rows * queries, heads, d) and got.dtype == dtype
     for row in range(rows):
         for i in range(queries):
@@ -141,8 +189,10 @@ def test_merge_of_both_halves(n, kv_heads, r, d):
 
 
 @needs_triton
-@pytest.mark.parametrize("window, softcap, splits", [(1, None, (3, 2)), (7, None, (None, None)),
-                                                    (20, 0.5, (3, 2)), (None, 0.3, (None, None))])
+@pytest.mark.parametrize(
+    "window, softcap, splits",
+    [(1, None, (3, 2)), (7, None, (None, None)), (20, 0.5, (3, 2)), (None, 0.3, (None, None))],
+)
 def test_sliding_window_and_soft_capping(window, softcap, splits):
     """Windows that end inside the prompt, inside the own keys, and at the query itself; rows of one group
     whose windows start at different keys; fixed and planned splits."""
@@ -153,8 +203,9 @@ def test_sliding_window_and_soft_capping(window, softcap, splits):
 
 
 @needs_triton
-@pytest.mark.parametrize("queries, window, softcap, max_block_m", [(2, None, None, 128), (4, None, 0.5, 16),
-                                                                   (3, 6, None, 16)])
+@pytest.mark.parametrize(
+    "queries, window, softcap, max_block_m", [(2, None, None, 128), (4, None, 0.5, 16), (3, 6, None, 16)]
+)
 def test_several_tokens_per_row(queries, window, softcap, max_block_m):
     """A step verifying drafts: each row feeds ``queries`` tokens, causal among themselves; rows whose
     tokens' own keys start inside a split, a finished row (no own key; without a window, where its
@@ -163,8 +214,22 @@ def test_several_tokens_per_row(queries, window, softcap, max_block_m):
     torch.manual_seed(queries)
     groups, n = 2, 3
     prefix_len, own_len = [40, 9], [queries, 13, 0 if window is None else queries, 7, queries + 1, 16]
-    check_full(groups, n, 2, 2, 16, prefix_len, own_len, 40, 16, splits=(2, 3), window=window, softcap=softcap,
-               queries=queries, max_block_m=max_block_m)
+    check_full(
+        groups,
+        n,
+        2,
+        2,
+        16,
+        prefix_len,
+        own_len,
+        40,
+        16,
+        splits=(2, 3),
+        window=window,
+        softcap=softcap,
+        queries=queries,
+        max_block_m=max_block_m,
+    )
 
 
 @needs_triton
@@ -186,9 +251,24 @@ def test_reads_on_the_device_shorter_than_the_views(window, queries):
         q = torch.randn(groups * n * queries, kv_heads * r, d, device=DEVICE)
         reads = torch.tensor([max(prefix_len), max(own_len)], dtype=torch.int32, device=DEVICE)
         out, parts, lse = shared_prefix_attention(
-            q, pk, pv, torch.tensor(prefix_len, device=DEVICE), sk, sv, torch.tensor(own_len, device=DEVICE), n,
-            prompt_cap, own_cap, scaling, block_n, splits=(4, 2), window=window, queries=queries, partials=True,
-            reads=reads)
+            q,
+            pk,
+            pv,
+            torch.tensor(prefix_len, device=DEVICE),
+            sk,
+            sv,
+            torch.tensor(own_len, device=DEVICE),
+            n,
+            prompt_cap,
+            own_cap,
+            scaling,
+            block_n,
+            splits=(4, 2),
+            window=window,
+            queries=queries,
+            partials=True,
+            reads=reads,
+        )
         chunk = chunk_of(max(prefix_len), 4, block_n)
         for row in range(groups * n):
             g = row // n
@@ -218,14 +298,27 @@ def test_the_matmul_attention_with_several_tokens_per_row(queries, window, softc
     pk, pv = (x.nan_to_num(50.0) for x in store(groups, kv_heads, prompt_view, d, prefix_len))
     sk, sv = (x.nan_to_num(-50.0) for x in store(rows, kv_heads, own_view, d, [w + queries for w in write_at]))
     q = torch.randn(rows, queries, kv_heads * r, d, device=DEVICE)
-    got = decode_attention(q, pk, pv, sk, sv, torch.tensor(prefix_len, device=DEVICE),
-                           torch.tensor(write_at, device=DEVICE), n, prompt_view, own_view, scaling, window, softcap)
+    got = decode_attention(
+        q,
+        pk,
+        pv,
+        sk,
+        sv,
+        torch.tensor(prefix_len, device=DEVICE),
+        torch.tensor(write_at, device=DEVICE),
+        n,
+        prompt_view,
+        own_view,
+        scaling,
+        window,
+        softcap,
+    )
     assert got.shape == q.shape
     for row in range(rows):
         g = row // n
         for i in range(queries):
-            keys = torch.cat([pk[g, :, :prefix_len[g]], sk[row, :, :write_at[row] + i + 1]], 1)
-            values = torch.cat([pv[g, :, :prefix_len[g]], sv[row, :, :write_at[row] + i + 1]], 1)
+            keys = torch.cat([pk[g, :, : prefix_len[g]], sk[row, :, : write_at[row] + i + 1]], 1)
+            values = torch.cat([pv[g, :, : prefix_len[g]], sv[row, :, : write_at[row] + i + 1]], 1)
             if window is not None:
                 keys, values = keys[:, -window:], values[:, -window:]
             ref, _ = naive(q[row, i], keys, values, scaling, softcap)
@@ -253,13 +346,24 @@ def test_strided_views_of_a_bigger_store():
     q = qkv[:, :heads]
     assert not (pk[:, :, :view].is_contiguous() or sk[:, :, :16].is_contiguous() or q.is_contiguous())
     # the prompt half gets a sliced view, the own half a longer slice than own_view (the kernel stops there)
-    got = shared_prefix_attention(q, pk[:, :, :view], pv[:, :, :view], torch.tensor(prefix_len, device=DEVICE),
-                                  sk[:, :, :16], sv[:, :, :16], torch.tensor(own_len, device=DEVICE), n, view,
-                                  own_view, scaling, block_n=16)
+    got = shared_prefix_attention(
+        q,
+        pk[:, :, :view],
+        pv[:, :, :view],
+        torch.tensor(prefix_len, device=DEVICE),
+        sk[:, :, :16],
+        sv[:, :, :16],
+        torch.tensor(own_len, device=DEVICE),
+        n,
+        view,
+        own_view,
+        scaling,
+        block_n=16,
+    )
     for row in range(rows):
         g = row // n
-        keys = torch.cat([pk[g, :, :prefix_len[g]], sk[row, :, :own_len[row]]], 1)
-        values = torch.cat([pv[g, :, :prefix_len[g]], sv[row, :, :own_len[row]]], 1)
+        keys = torch.cat([pk[g, :, : prefix_len[g]], sk[row, :, : own_len[row]]], 1)
+        values = torch.cat([pv[g, :, : prefix_len[g]], sv[row, :, : own_len[row]]], 1)
         ref, _ = naive(q[row], keys, values, scaling)
         torch.testing.assert_close(got[row].cpu().double(), ref, atol=1e-5, rtol=1e-5)
 
@@ -306,8 +410,22 @@ def test_cuda_bf16(d):
     prefix_len = [1000, 777, 64, 1]
     own_len = torch.randint(0, 300, (groups * n,)).tolist()
     check_full(groups, n, kv_heads, r, d, prefix_len, own_len, 1000, 300, torch.bfloat16, tol=2e-2, block_n=64)
-    check_full(groups, n, kv_heads, r, d, prefix_len, [max(1, o) for o in own_len], 1000, 300, torch.bfloat16,
-               tol=2e-2, block_n=64, window=200, softcap=0.5)
+    check_full(
+        groups,
+        n,
+        kv_heads,
+        r,
+        d,
+        prefix_len,
+        [max(1, o) for o in own_len],
+        1000,
+        300,
+        torch.bfloat16,
+        tol=2e-2,
+        block_n=64,
+        window=200,
+        softcap=0.5,
+    )
 
 
 @needs_triton
@@ -334,8 +452,11 @@ def test_cuda_graph_capture():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = step()
-    for prefix, own in (([100, 511], torch.arange(rows) * 7 + 1), ([40, 3], torch.arange(rows) % 3 + 1),
-                        ([512, 512], torch.full((rows,), 128))):
+    for prefix, own in (
+        ([100, 511], torch.arange(rows) * 7 + 1),
+        ([40, 3], torch.arange(rows) % 3 + 1),
+        ([512, 512], torch.full((rows,), 128)),
+    ):
         prefix_t.copy_(torch.tensor(prefix, device="cuda"))
         own_t.copy_(own.to("cuda"))
         reads.copy_(torch.tensor([max(prefix), int(own.max())], dtype=torch.int32))
@@ -368,9 +489,12 @@ def test_the_engine_samples_the_same_with_the_kernel_as_with_matmuls(family):
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(6, VOCAB, (length,), generator=g).tolist() for length in (5, 70, 1)]
     params = SamplingParams(n=3, temperature=1.0, max_new_tokens=9, stop_token_ids=(5,))
-    runs = [FastRolloutEngine(model, max_groups=2, sync_every=4, decode_kernel=kernel, cuda_graphs=False)
-            .generate(prompts, params, seeds=[1, 2, 3], stop_at=[[2, 9, 4], [9, 1, 9], [3, 3, 3]])
-            for kernel in ("triton", "bmm")]
+    runs = [
+        FastRolloutEngine(model, max_groups=2, sync_every=4, decode_kernel=kernel, cuda_graphs=False).generate(
+            prompts, params, seeds=[1, 2, 3], stop_at=[[2, 9, 4], [9, 1, 9], [3, 3, 3]]
+        )
+        for kernel in ("triton", "bmm")
+    ]
     for group_a, group_b in zip(*runs):
         for a, b in zip(group_a, group_b):
             assert a.token_ids == b.token_ids
@@ -396,8 +520,9 @@ def test_with_the_kernel_every_decode_step_has_the_same_graph_key(monkeypatch):
     g = torch.Generator().manual_seed(4)
     params = SamplingParams(n=3, temperature=1.0, max_new_tokens=9, stop_token_ids=(5,))
     for kernel in ("triton", "bmm"):
-        engine = FastRolloutEngine(model, max_groups=2, sync_every=4, decode_kernel=kernel, cuda_graphs=False,
-                                   prompt_tokens=70)
+        engine = FastRolloutEngine(
+            model, max_groups=2, sync_every=4, decode_kernel=kernel, cuda_graphs=False, prompt_tokens=70
+        )
         views, step = [], engine._step
 
         def recorded(*args):
@@ -431,8 +556,9 @@ def test_the_engine_captures_one_graph_for_every_length():
     eager = FastRolloutEngine(model, max_groups=2, prompt_tokens=300, cuda_graphs=False)
     for lengths, stop_at in (((5, 300, 1), [[2, 40, 4]] * 3), ((20, 3), [[40, 40, 40]] * 2), ((150,), [[7, 1, 33]])):
         prompts = [torch.randint(6, VOCAB, (length,), generator=g).tolist() for length in lengths]
-        got, want = (engine.generate(prompts, params, seeds=range(len(lengths)), stop_at=stop_at)
-                     for engine in (graphs, eager))
+        got, want = (
+            engine.generate(prompts, params, seeds=range(len(lengths)), stop_at=stop_at) for engine in (graphs, eager)
+        )
         for group_a, group_b in zip(got, want):
             for a, b in zip(group_a, group_b):
                 assert a.token_ids == b.token_ids

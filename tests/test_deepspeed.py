@@ -32,8 +32,9 @@ from longqa.distributed import deepspeed as zero3
 from longqa.train.actor import Actor
 from longqa.train.checkpoint import CheckpointError, load_checkpoint, load_model_weights, save_checkpoint
 
-needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                                     reason="DeepSpeed is not installed: pip install 'longqa[deepspeed]'")
+needs_deepspeed = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed: pip install 'longqa[deepspeed]'"
+)
 LR = 1e-6  # test_distributed.config's: the recipe's
 
 # name: (strategy, actor.cpu_offload, model dtype, compiled layers). FSDP2; ZeRO-3 stepping torch's AdamW; ZeRO-3 in
@@ -41,11 +42,14 @@ LR = 1e-6  # test_distributed.config's: the recipe's
 # GPU, and FSDP2 with its layers' forwards compiled the same way (the graphs a compiled model needs without
 # DeepSpeed): none of these compiles a DeepSpeed op. And the recipe's setting, ZeRO-3 stepping DeepSpeed's CPU Adam
 # on the offloaded optimizer (compiled on first use), in a test of its own.
-VARIANTS = {"fsdp2": ("fsdp2", False, torch.float32, False), "deepspeed": ("deepspeed", False, torch.float32, False),
-            "deepspeed-bf16": ("deepspeed", False, torch.bfloat16, False),
-            "deepspeed-compiled": ("deepspeed", False, torch.float32, True),
-            "fsdp2-compiled": ("fsdp2", False, torch.float32, True),
-            "deepspeed-offload": ("deepspeed", True, torch.float32, False)}
+VARIANTS = {
+    "fsdp2": ("fsdp2", False, torch.float32, False),
+    "deepspeed": ("deepspeed", False, torch.float32, False),
+    "deepspeed-bf16": ("deepspeed", False, torch.bfloat16, False),
+    "deepspeed-compiled": ("deepspeed", False, torch.float32, True),
+    "fsdp2-compiled": ("fsdp2", False, torch.float32, True),
+    "deepspeed-offload": ("deepspeed", True, torch.float32, False),
+}
 
 
 def whole_grad(param: torch.Tensor) -> torch.Tensor:
@@ -106,13 +110,25 @@ def _step_worker(rank, world, port, out, checkpoints, names, extensions):
             results[name]["graphs"] = compiled_graphs() - start
             if actor.engine is None:
                 continue
-            saved = save_checkpoint(f"{checkpoints}/{name}", 1, model=actor.model, optimizer=actor.optimizer,
-                                    scheduler=actor.scheduler, engine=actor.engine, keep_last=1,
-                                    trainer_state={"step": 1})
+            saved = save_checkpoint(
+                f"{checkpoints}/{name}",
+                1,
+                model=actor.model,
+                optimizer=actor.optimizer,
+                scheduler=actor.scheduler,
+                engine=actor.engine,
+                keep_last=1,
+                trainer_state={"step": 1},
+            )
             if not VARIANTS[name][3]:  # (the resumed engine is not compiled: compared with one that is not either)
                 resumed = make_actor(name)
-                load_checkpoint(saved, model=resumed.model, optimizer=resumed.optimizer,
-                                scheduler=resumed.scheduler, engine=resumed.engine)
+                load_checkpoint(
+                    saved,
+                    model=resumed.model,
+                    optimizer=resumed.optimizer,
+                    scheduler=resumed.scheduler,
+                    engine=resumed.engine,
+                )
                 results[name]["second"] = [one_step(a, samples)["weights"] for a in (actor, resumed)]
         results["torch_s_linear"] = torch.nn.functional.linear is linear
         if rank == 0:
@@ -141,8 +157,9 @@ def two_rank_steps(reference_step, tmp_path_factory):
     own), and the single-process update."""
     root = tmp_path_factory.mktemp("deepspeed-step")
     (root / "extensions").mkdir()
-    results, runs = two_rank_run(root, ["fsdp2", "deepspeed", "deepspeed-bf16", "deepspeed-compiled",
-                                        "fsdp2-compiled"], root / "extensions")
+    results, runs = two_rank_run(
+        root, ["fsdp2", "deepspeed", "deepspeed-bf16", "deepspeed-compiled", "fsdp2-compiled"], root / "extensions"
+    )
     return reference_step, results, runs
 
 
@@ -224,16 +241,29 @@ def _partial_offload_worker(rank, world, port, out, folder):
             for update in range(3):
                 results[ratio]["weights"].append(one_step(actor, samples)["weights"])
                 if update == 1 and ratio < 1:
-                    saved = save_checkpoint(f"{folder}/runs", 2, model=actor.model, optimizer=actor.optimizer,
-                                            scheduler=actor.scheduler, engine=actor.engine, keep_last=1,
-                                            trainer_state={"step": 2})
+                    saved = save_checkpoint(
+                        f"{folder}/runs",
+                        2,
+                        model=actor.model,
+                        optimizer=actor.optimizer,
+                        scheduler=actor.scheduler,
+                        engine=actor.engine,
+                        keep_last=1,
+                        trainer_state={"step": 2},
+                    )
         resumed = partly_offloaded_actor(0.5, sub_groups)
-        load_checkpoint(saved, model=resumed.model, optimizer=resumed.optimizer, scheduler=resumed.scheduler,
-                        engine=resumed.engine)
+        load_checkpoint(
+            saved, model=resumed.model, optimizer=resumed.optimizer, scheduler=resumed.scheduler, engine=resumed.engine
+        )
         results["resumed"] = one_step(resumed, samples)["weights"]
         try:
-            load_checkpoint(saved, model=(whole := partly_offloaded_actor(1.0, sub_groups)).model,
-                            optimizer=whole.optimizer, scheduler=whole.scheduler, engine=whole.engine)
+            load_checkpoint(
+                saved,
+                model=(whole := partly_offloaded_actor(1.0, sub_groups)).model,
+                optimizer=whole.optimizer,
+                scheduler=whole.scheduler,
+                engine=whole.engine,
+            )
         except ConfigError as e:
             results["refused"] = str(e)
         if rank == 0:
@@ -271,8 +301,9 @@ def _host_with_a_gpu_worker(rank, world, port, out, extensions):
     from deepspeed.accelerator import get_accelerator, set_accelerator
     from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank),
-                      TORCH_EXTENSIONS_DIR=extensions)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), TORCH_EXTENSIONS_DIR=extensions
+    )
     set_accelerator(CUDA_Accelerator())
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -320,18 +351,31 @@ def _refresh_worker(rank, world, port, out):
             if when == "after a step":
                 one_step(actor, rank_share(global_samples(), rank, world))
             gathers = []
-            deepspeed.zero.GatheredParameters = lambda params, *a, **k: (gathers.append(len(params)),
-                                                                         original(params, *a, **k))[1]
+            deepspeed.zero.GatheredParameters = lambda params, *a, **k: (
+                gathers.append(len(params)),
+                original(params, *a, **k),
+            )[1]
             gathered = [(name, tensor.clone()) for name, tensor in full_parameters(model)]
             deepspeed.zero.GatheredParameters = original
             one_by_one = [(name, full_tensor(p).clone()) for name, p in model.named_parameters()]
-            results.append({"gathered": gathered, "one_by_one": one_by_one, "gathers": gathers,
-                            "partitioned": all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE
-                                               for p in model.parameters())})
+            results.append(
+                {
+                    "gathered": gathered,
+                    "one_by_one": one_by_one,
+                    "gathers": gathers,
+                    "partitioned": all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in model.parameters()),
+                }
+            )
         if rank == 0:
-            torch.save({"results": results, "layers": len(model.base_model.layers),
-                        "per_layer": len(list(model.base_model.layers[0].parameters())),
-                        "parameters": len(list(model.parameters()))}, out)
+            torch.save(
+                {
+                    "results": results,
+                    "layers": len(model.base_model.layers),
+                    "per_layer": len(list(model.base_model.layers[0].parameters())),
+                    "parameters": len(list(model.parameters())),
+                },
+                out,
+            )
         dist.barrier()
     finally:
         deepspeed.zero.GatheredParameters = original
@@ -405,8 +449,9 @@ def test_a_two_rank_checkpoint_exports_the_trained_weights(two_rank_steps, name)
     for param, value in model.named_parameters():
         held = results[name]["weights"][param]
         assert torch.equal(value.detach().to(torch.bfloat16).float() if name.endswith("bf16") else value.detach(), held)
-    with pytest.raises(CheckpointError, match="written under actor.strategy=deepspeed.*resume with actor.strategy="
-                                              "deepspeed"):
+    with pytest.raises(
+        CheckpointError, match="written under actor.strategy=deepspeed.*resume with actor.strategy=deepspeed"
+    ):
         load_checkpoint(checkpoint, model=model, optimizer=torch.optim.AdamW(model.parameters()))
 
 
@@ -446,10 +491,24 @@ def test_kill_and_resume_under_deepspeed_reproduces_the_uninterrupted_run(run_in
     run logged; both runs' last checkpoints export the same HF weights."""
     _, straight, straight_dir = straight_runs
     out = tmp_path / "killed"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-               "-m", "longqa.cli", "train", *run_args(run_inputs, out, **DEEPSPEED_RUN)]
-    proc = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        "-m",
+        "longqa.cli",
+        "train",
+        *run_args(run_inputs, out, **DEEPSPEED_RUN),
+    ]
+    proc = subprocess.Popen(
+        command,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     marker = out / "checkpoints" / "step_00000002" / "COMPLETE"
     deadline = time.time() + 600
     while not marker.exists() and proc.poll() is None and time.time() < deadline:
@@ -488,30 +547,48 @@ def test_the_users_file_is_merged_over_the_generated_config(tmp_path):
     assert generated["gradient_clipping"] == 0.5 and generated["bf16"] == {"enabled": False}
     assert zero3.optimizer_offloaded(generated)
     assert zero3.engine_config(cfg, torch.device("cuda"), torch.float32)["bf16"] == {"enabled": True}
-    cfg.actor.deepspeed_config = deepspeed_file(tmp_path, (
-        "zero_optimization:\n  offload_param: {device: cpu}\n  stage3_max_live_parameters: 1000\n"
-        "train_micro_batch_size_per_gpu: auto\ngradient_clipping: auto\n"), ".yaml")
+    cfg.actor.deepspeed_config = deepspeed_file(
+        tmp_path,
+        (
+            "zero_optimization:\n  offload_param: {device: cpu}\n  stage3_max_live_parameters: 1000\n"
+            "train_micro_batch_size_per_gpu: auto\ngradient_clipping: auto\n"
+        ),
+        ".yaml",
+    )
     merged = zero3.engine_config(cfg, torch.device("cpu"), torch.float32)
-    assert merged["zero_optimization"] == {**generated["zero_optimization"], "offload_param": {"device": "cpu"},
-                                           "stage3_max_live_parameters": 1000}
+    assert merged["zero_optimization"] == {
+        **generated["zero_optimization"],
+        "offload_param": {"device": "cpu"},
+        "stage3_max_live_parameters": 1000,
+    }
     assert merged["train_micro_batch_size_per_gpu"] == 1 and merged["gradient_clipping"] == 0.5  # "auto": ours
-    cfg.actor.deepspeed_config = deepspeed_file(tmp_path, '{"zero_optimization": {"offload_optimizer": '
-                                                          '{"device": "cpu"}}}')
+    cfg.actor.deepspeed_config = deepspeed_file(
+        tmp_path, '{"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}'
+    )
     cfg.actor.cpu_offload = False
     assert zero3.optimizer_offloaded(zero3.engine_config(cfg, torch.device("cpu"), torch.float32))
 
 
-@pytest.mark.parametrize("text,message", [
-    ('{"optimizer": {"type": "AdamW", "params": {"lr": 1e-5}}, "gradient_clipping": 2.0}',
-     r"sets 'gradient_clipping' \(longqa sets it from actor.grad_clip\), 'optimizer' \(longqa sets it from "
-     r"actor.lr"),
-    ('{"zero_optimization": {"stage": 2}}', "sets zero_optimization.stage=2: actor.strategy=deepspeed runs ZeRO "
-                                           "stage 3"),
-    ('{"zero_optimization": {"memory_efficient_linear": true}}', "sets zero_optimization.memory_efficient_linear: "
-                                                               "it replaces torch.nn.functional.linear"),
-    ('{"zero_optimization": ', "cannot be read"),
-    ("[1, 2]", "must hold a mapping"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        (
+            '{"optimizer": {"type": "AdamW", "params": {"lr": 1e-5}}, "gradient_clipping": 2.0}',
+            r"sets 'gradient_clipping' \(longqa sets it from actor.grad_clip\), 'optimizer' \(longqa sets it from "
+            r"actor.lr",
+        ),
+        (
+            '{"zero_optimization": {"stage": 2}}',
+            "sets zero_optimization.stage=2: actor.strategy=deepspeed runs ZeRO stage 3",
+        ),
+        (
+            '{"zero_optimization": {"memory_efficient_linear": true}}',
+            "sets zero_optimization.memory_efficient_linear: it replaces torch.nn.functional.linear",
+        ),
+        ('{"zero_optimization": ', "cannot be read"),
+        ("[1, 2]", "must hold a mapping"),
+    ],
+)
 def test_a_users_file_that_cannot_work_is_refused(tmp_path, text, message):
     cfg = load_config(None, ["actor.strategy=deepspeed", f"actor.deepspeed_config={deepspeed_file(tmp_path, text)}"])
     with pytest.raises(ConfigError, match=message):
@@ -530,24 +607,36 @@ def test_settings_that_cannot_work_are_refused_before_any_weight_loads(tmp_path,
     with pytest.raises(ConfigError, match="config key 'actor.strategy' must be one of"):
         load_config(None, ["actor.strategy=zero3"])
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # as if not installed
-    with pytest.raises(ConfigError, match=r"needs DeepSpeed, which cannot be imported .*pip install "
-                                          r"'longqa\[deepspeed\]'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"needs DeepSpeed, which cannot be imported .*pip install "
+        r"'longqa\[deepspeed\]'",
+    ):
         check_imports(load_config(None, ["actor.strategy=deepspeed"]))
 
 
-@pytest.mark.parametrize("settings,refused", [(["actor.cpu_offload=true"], True), (["actor.strategy=deepspeed"], True),
-                                              (["actor.strategy=deepspeed", "actor.cpu_offload=true"], False)])
+@pytest.mark.parametrize(
+    "settings,refused",
+    [
+        (["actor.cpu_offload=true"], True),
+        (["actor.strategy=deepspeed"], True),
+        (["actor.strategy=deepspeed", "actor.cpu_offload=true"], False),
+    ],
+)
 def test_a_partial_offload_is_deepspeed_s_own_offload(settings, refused):
     from longqa.config.checks import check_offload
 
     cfg = load_config(None, [*settings, "actor.cpu_offload_ratio=0.4"])
     if refused:
-        with pytest.raises(ConfigError, match="actor.cpu_offload_ratio=0.4 needs actor.strategy=deepspeed and "
-                                              "actor.cpu_offload=true"):
+        with pytest.raises(
+            ConfigError, match="actor.cpu_offload_ratio=0.4 needs actor.strategy=deepspeed and actor.cpu_offload=true"
+        ):
             check_offload(cfg)
         return
     check_offload(cfg)
-    offload = zero3.generated_config(cfg, torch.device("cuda"), torch.bfloat16)["zero_optimization"]["offload_optimizer"]
+    offload = zero3.generated_config(cfg, torch.device("cuda"), torch.bfloat16)["zero_optimization"][
+        "offload_optimizer"
+    ]
     assert offload == {"device": "cpu", "pin_memory": True, "ratio": 0.4}
     with pytest.raises(ConfigError, match=r"actor.cpu_offload_ratio' must be in \[0, 1\]"):
         load_config(None, ["actor.cpu_offload_ratio=1.5"])
@@ -560,8 +649,11 @@ def test_cpu_adam_without_a_compiler_is_refused_with_what_to_do(monkeypatch):
     monkeypatch.setitem(info.installed_ops, "cpu_adam", False)  # not prebuilt: it would compile on first use
     monkeypatch.setenv("CXX", "no-such-compiler")
     cfg = load_config(None, ["actor.strategy=deepspeed", "actor.cpu_offload=true"])
-    with pytest.raises(ConfigError, match=r"no C\+\+ compiler \(no-such-compiler is not on PATH\).*DS_BUILD_CPU_ADAM=1"
-                                          r".*actor.cpu_offload=false"):
+    with pytest.raises(
+        ConfigError,
+        match=r"no C\+\+ compiler \(no-such-compiler is not on PATH\).*DS_BUILD_CPU_ADAM=1"
+        r".*actor.cpu_offload=false",
+    ):
         zero3.check_deepspeed(cfg, torch.device("cpu"))
     zero3.check_deepspeed(load_config(None, ["actor.strategy=deepspeed"]), torch.device("cpu"))  # no CPU Adam needed
 
@@ -572,8 +664,9 @@ def test_checkpoints_of_the_other_strategy_are_refused(tmp_path):
     folder.mkdir()
     (folder / "COMPLETE").write_text(json.dumps({"step": 1, "files": {}}))
     model = tiny_lm()
-    with pytest.raises(CheckpointError, match="written under actor.strategy=fsdp2 and cannot resume under "
-                                              "actor.strategy=deepspeed"):
+    with pytest.raises(
+        CheckpointError, match="written under actor.strategy=fsdp2 and cannot resume under actor.strategy=deepspeed"
+    ):
         load_checkpoint(folder, model=model, optimizer=None, engine=object())
 
 
@@ -584,8 +677,12 @@ def test_two_runs_in_one_process(tiny_model_dir, data_dir, tmp_path):
     from longqa.cli import main
 
     for name in ("first", "second"):
-        settings = {"actor.strategy": "deepspeed", "trainer.max_steps": 1, "trainer.test_freq": 0,
-                    "trainer.save_freq": 0}
+        settings = {
+            "actor.strategy": "deepspeed",
+            "trainer.max_steps": 1,
+            "trainer.test_freq": 0,
+            "trainer.save_freq": 0,
+        }
         assert main(["train", *overrides(tiny_model_dir, data_dir, tmp_path / name, **settings)]) == 0
 
 
@@ -595,8 +692,16 @@ def test_a_partial_offload_says_the_share_its_whole_sub_groups_make(tiny_model_d
     one sub-group, so any ratio offloads all of it, and `longqa train` says so rather than the ratio asked for."""
     from longqa.cli import main
 
-    settings = {"actor.strategy": "deepspeed", "actor.cpu_offload": "true", "actor.cpu_offload_ratio": 0.5,
-                "trainer.max_steps": 1, "trainer.test_freq": 0, "trainer.save_freq": 0}
+    settings = {
+        "actor.strategy": "deepspeed",
+        "actor.cpu_offload": "true",
+        "actor.cpu_offload_ratio": 0.5,
+        "trainer.max_steps": 1,
+        "trainer.test_freq": 0,
+        "trainer.save_freq": 0,
+    }
     assert main(["train", *overrides(tiny_model_dir, data_dir, tmp_path / "run", **settings)]) == 0
-    assert ("the whole optimizer offloaded: actor.cpu_offload_ratio=0.5 keeps int(0.5 x 1) = 0 of its 1 sub-groups"
-            in capsys.readouterr().out)
+    assert (
+        "the whole optimizer offloaded: actor.cpu_offload_ratio=0.5 keeps int(0.5 x 1) = 0 of its 1 sub-groups"
+        in capsys.readouterr().out
+    )

@@ -15,7 +15,6 @@ from longqa.train.actor import Actor, Samples
 GROUPS, N = 4, 3
 
 
-
 def global_samples() -> Samples:
     """Groups of different prompt and response lengths, so ranks get different micro-batch counts."""
     g = torch.Generator().manual_seed(3)
@@ -36,11 +35,22 @@ def rank_share(samples: Samples, rank: int, world: int) -> Samples:
 
 
 def config(shared: str, mode: str, budget: int, offload: bool = False):
-    return load_config(None, [f"actor.shared_prompt={shared}", f"algo.loss_agg_mode={mode}", "actor.lr=1e-6",
-                              f"actor.cpu_offload={str(offload).lower()}",
-                              f"actor.max_tokens_per_micro_batch={budget}", f"data.train_batch_size={GROUPS}",
-                              f"actor.ppo_mini_batch_size={GROUPS}", f"rollout.n={N}", "data.max_response_length=9",
-                              "actor.attention_backend=dense", "algo.entropy_coeff=0.01"])
+    return load_config(
+        None,
+        [
+            f"actor.shared_prompt={shared}",
+            f"algo.loss_agg_mode={mode}",
+            "actor.lr=1e-6",
+            f"actor.cpu_offload={str(offload).lower()}",
+            f"actor.max_tokens_per_micro_batch={budget}",
+            f"data.train_batch_size={GROUPS}",
+            f"actor.ppo_mini_batch_size={GROUPS}",
+            f"rollout.n={N}",
+            "data.max_response_length=9",
+            "actor.attention_backend=dense",
+            "algo.entropy_coeff=0.01",
+        ],
+    )
 
 
 def step(actor: Actor, samples: Samples, full=lambda t: t) -> tuple[dict, dict]:
@@ -101,7 +111,8 @@ def test_bf16_mixed_precision_takes_packed_batches(tmp_path):
     """FSDP's input casting once rebuilt longqa's PackedBatch and failed (seen on two H200s): inputs are
     not cast, and the bf16 log-probs stay close to the float32 ones."""
     reference = Actor(tiny_lm(), config("true", "token-mean", 40), 1, torch.device("cpu")).logprobs(
-        rank_share(global_samples(), 0, 2))
+        rank_share(global_samples(), 0, 2)
+    )
     out = tmp_path / "rank0.pt"
     spawn_ranks(_bf16_worker, 2, free_port(), str(out))
     for got, expected in zip(torch.load(out), reference):
@@ -133,7 +144,6 @@ def _exit_when_done(rank, worker, args):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-
 
 
 def _masters_worker(rank, world, port, out, master_weights):
@@ -192,6 +202,7 @@ def test_sharded_bf16_models_step_float32_master_weights(tmp_path, master_weight
     for name, weight in got["copy"].items():
         assert torch.equal(weight, got["after"][name].to(torch.bfloat16)), name
 
+
 @pytest.mark.parametrize("master_weights", ["float32", "model"])
 def test_one_process_steps_float32_masters_of_a_bf16_model(master_weights):
     """One process trains as several do: a model loaded in bf16 is sharded in a process group of its own (as
@@ -229,16 +240,19 @@ def test_one_process_steps_float32_masters_of_a_bf16_model(master_weights):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shared,mode,offload", [("true", "token-mean", False), ("false", "seq-mean-token-mean", False),
-                                                 ("true", "seq-mean-token-sum-norm", True)])
+@pytest.mark.parametrize(
+    "shared,mode,offload",
+    [("true", "token-mean", False), ("false", "seq-mean-token-mean", False), ("true", "seq-mean-token-sum-norm", True)],
+)
 def test_two_ranks_take_the_single_process_step(tmp_path, shared, mode, offload):
     """The gradient is what a step is made of: equal to 1e-6 of each tensor's largest entry. After
     AdamW (whose first step divides by |g| and so amplifies float noise where g ~ 0) the weights agree
     to float32 rounding (1e-8, a few ulps of these weights) at the recipe's lr of 1e-6."""
     budget = 40  # several micro-batches, a different number on each rank
     model = tiny_lm()
-    reference_stats, reference_grads = step(Actor(model, config(shared, mode, budget), 1, torch.device("cpu")),
-                                            global_samples())
+    reference_stats, reference_grads = step(
+        Actor(model, config(shared, mode, budget), 1, torch.device("cpu")), global_samples()
+    )
     out = tmp_path / "rank0.pt"
     spawn_ranks(_worker, 2, free_port(), shared, mode, budget, str(out), offload)
     result = torch.load(out)
@@ -263,12 +277,26 @@ def run_inputs(tmp_path_factory, tokenizer):
 
 
 def run_args(root, out, **extra) -> list[str]:
-    values = {"model.path": root / "model", "data.train_files": root / "data/merged/train.parquet",
-              "data.val_files": root / "data/merged/test.parquet", "data.max_prompt_length": 4096,
-              "data.max_response_length": 6, "data.train_batch_size": 4, "data.cache_dir": out / "cache",
-              "rollout.n": 2, "actor.lr": 1e-3, "actor.ppo_mini_batch_size": 2, "actor.max_tokens_per_micro_batch": 700,
-              "trainer.max_steps": 2, "trainer.test_freq": 2, "trainer.save_freq": 0, "trainer.output_dir": out,
-              "trainer.device": "cpu", "trainer.logger": "[jsonl]", **extra}
+    values = {
+        "model.path": root / "model",
+        "data.train_files": root / "data/merged/train.parquet",
+        "data.val_files": root / "data/merged/test.parquet",
+        "data.max_prompt_length": 4096,
+        "data.max_response_length": 6,
+        "data.train_batch_size": 4,
+        "data.cache_dir": out / "cache",
+        "rollout.n": 2,
+        "actor.lr": 1e-3,
+        "actor.ppo_mini_batch_size": 2,
+        "actor.max_tokens_per_micro_batch": 700,
+        "trainer.max_steps": 2,
+        "trainer.test_freq": 2,
+        "trainer.save_freq": 0,
+        "trainer.output_dir": out,
+        "trainer.device": "cpu",
+        "trainer.logger": "[jsonl]",
+        **extra,
+    }
     return [f"{k}={v}" for k, v in values.items()]
 
 
@@ -279,15 +307,32 @@ def launch(root, out, ranks: int, **extra) -> list[dict]:
     import subprocess
     import sys
 
-    command = [sys.executable, "-m", "longqa.cli", "train"] if ranks == 1 else [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", f"--master_port={free_port()}",
-        "-m", "longqa.cli", "train"]
+    command = (
+        [sys.executable, "-m", "longqa.cli", "train"]
+        if ranks == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={ranks}",
+            f"--master_port={free_port()}",
+            "-m",
+            "longqa.cli",
+            "train",
+        ]
+    )
     subprocess.run([*command, *run_args(root, out, **extra)], check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-MEASURED = ("time/", "perf/tokens_per_s", "perf/update_tflops", "perf/max_memory", "perf/host_memory",
-            "val/seconds")  # not computed
+MEASURED = (
+    "time/",
+    "perf/tokens_per_s",
+    "perf/update_tflops",
+    "perf/max_memory",
+    "perf/host_memory",
+    "val/seconds",
+)  # not computed
 
 
 def assert_same_records(a: dict, b: dict, skip: tuple[str, ...] = ()) -> None:
@@ -337,13 +382,12 @@ def test_checkpoints_resume_on_another_number_of_ranks(run_inputs, tmp_path):
         saved = out / "checkpoints" / "step_00000002"
         assert (saved / "state").is_dir() == (first == 2) and (saved / "model.pt").is_file() == (first == 1)
         marker = json.loads((saved / "COMPLETE").read_text())  # every file's digest, the ranks' shards included
-        assert marker["sha256"] == {name: hashlib.sha256((saved / name).read_bytes()).hexdigest()
-                                    for name in marker["files"]}
+        assert marker["sha256"] == {
+            name: hashlib.sha256((saved / name).read_bytes()).hexdigest() for name in marker["files"]
+        }
         resumed = launch(run_inputs, out, then, **extra, **{"trainer.max_steps": 3})
         assert [r["step"] for r in resumed] == [0, 1, 2, 3]
         assert_same_records(straight[-1], resumed[-1])
-
-
 
 
 @pytest.mark.slow
@@ -366,6 +410,7 @@ def test_one_step_off_under_two_ranks_is_the_single_process_run_and_resumes_on_o
     resumed = launch(run_inputs, tmp_path / "resumed", 1, **off, **{"trainer.resume": middle})
     assert [r["step"] for r in resumed] == [3]
     assert_same_records(one[-1], resumed[-1])
+
 
 STOP_AFTER_STEP_1 = '''
 import os
@@ -400,8 +445,10 @@ def stopping_reward(path, run, senders: set[str], target: int | None = None, hol
     marker = path.with_suffix(".sent")
     if sent:
         marker.write_text("never")
-    path.write_text(f"RUN_DIR = {str(run)!r}\nMARKER = {str(marker)!r}\nSENDERS = {senders!r}\n"
-                    f"TARGET = {target!r}\nHOLD_UNTIL = {hold_until and str(hold_until)!r}\n" + STOP_AFTER_STEP_1)
+    path.write_text(
+        f"RUN_DIR = {str(run)!r}\nMARKER = {str(marker)!r}\nSENDERS = {senders!r}\n"
+        f"TARGET = {target!r}\nHOLD_UNTIL = {hold_until and str(hold_until)!r}\n" + STOP_AFTER_STEP_1
+    )
     return path
 
 
@@ -426,11 +473,26 @@ def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(run_inputs, tm
     quiet = stopping_reward(tmp_path / "quiet.py", straight, {"1"}, sent=True)
     assert main(["train", *run_args(run_inputs, straight, **extra, **{"reward.path": quiet})]) == 0
     extra["reward.path"] = stopping_reward(tmp_path / "stop.py", out, {"1"})
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
-               f"--master_port={free_port()}", "-m", "longqa.cli", "train", *run_args(run_inputs, out, **extra, **apart)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={ranks}",
+        f"--master_port={free_port()}",
+        "-m",
+        "longqa.cli",
+        "train",
+        *run_args(run_inputs, out, **extra, **apart),
+    ]
     src = str(Path(__file__).resolve().parent.parent / "src")
-    done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": src}, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
+    done = subprocess.run(
+        command,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": src},
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=300,
+    )
     output, metrics = done.stdout, out / "metrics.jsonl"
     stopped = re.search(r"^preempted at step (\d+): saved checkpoint (\S+);", output, re.M)
     assert stopped and done.returncode != 0 and "exitcode  : 75" in output, output[-3000:]
@@ -494,9 +556,18 @@ def test_ray_train_workers_restart_from_the_last_checkpoint(run_inputs, tmp_path
     out = tmp_path / "ray-run"
     reward_file = tmp_path / "crash_once.py"  # Ray workers do not see this process's environment
     reward_file.write_text(f"MARKER = {str(tmp_path / 'crashed')!r}\nRUN_DIR = {str(out)!r}\n" + CRASH_ONCE)
-    args = run_args(run_inputs, out, **{"trainer.max_steps": 3, "trainer.save_freq": 1, "trainer.launcher": "ray",
-                                        "trainer.ray_workers": 2, "trainer.max_failures": 3,
-                                        "reward.path": reward_file})
+    args = run_args(
+        run_inputs,
+        out,
+        **{
+            "trainer.max_steps": 3,
+            "trainer.save_freq": 1,
+            "trainer.launcher": "ray",
+            "trainer.ray_workers": 2,
+            "trainer.max_failures": 3,
+            "reward.path": reward_file,
+        },
+    )
     assert main(["train", *args]) == 0
     assert (tmp_path / "crashed").exists()  # it did die once
     import json
@@ -505,7 +576,6 @@ def test_ray_train_workers_restart_from_the_last_checkpoint(run_inputs, tmp_path
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     for a, b in zip(straight, records):
         assert_same_records(a, b, skip=("reward_reason/",))  # a plain float reward gives no reasons
-
 
 
 @pytest.mark.slow
@@ -526,8 +596,9 @@ def test_sigterm_to_the_ray_driver_stops_its_workers_with_a_checkpoint(run_input
     extra = {"trainer.max_steps": 4, "trainer.test_freq": 0}
     quiet = stopping_reward(tmp_path / "quiet.py", straight, {"0", "1"}, sent=True)
     assert main(["train", *run_args(run_inputs, straight, **extra, **{"reward.path": quiet})]) == 0
-    extra["reward.path"] = stopping_reward(tmp_path / "stop.py", out, {"0", "1"}, target=os.getpid(),
-                                           hold_until=out / ".stop-request")
+    extra["reward.path"] = stopping_reward(
+        tmp_path / "stop.py", out, {"0", "1"}, target=os.getpid(), hold_until=out / ".stop-request"
+    )
     metrics = out / "metrics.jsonl"
     capsys.readouterr()
     args = run_args(run_inputs, out, **extra, **{"trainer.launcher": "ray", "trainer.ray_workers": 2})
@@ -576,8 +647,12 @@ def test_ray_workers_spread_over_the_nodes_of_a_cluster(run_inputs, tmp_path, mo
 
     from longqa.cli import main
 
-    for name, value in (("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"), ("RAY_USAGE_STATS_ENABLED", "0"),
-                        ("RAY_AUTH_MODE", "disabled"), ("OMP_NUM_THREADS", "1")):
+    for name, value in (
+        ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"),
+        ("RAY_USAGE_STATS_ENABLED", "0"),
+        ("RAY_AUTH_MODE", "disabled"),
+        ("OMP_NUM_THREADS", "1"),
+    ):
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     short = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # socket paths must stay under 108 bytes
@@ -592,8 +667,17 @@ def test_ray_workers_spread_over_the_nodes_of_a_cluster(run_inputs, tmp_path, mo
         reward_file = tmp_path / "record_node.py"
         reward_file.write_text(f"OUT = {str(nodes)!r}\n" + NODE_RECORDER)
         out = tmp_path / "run"
-        args = run_args(run_inputs, out, **{"trainer.max_steps": 1, "trainer.test_freq": 0, "trainer.launcher": "ray",
-                                            "trainer.ray_workers": 2, "reward.path": reward_file})
+        args = run_args(
+            run_inputs,
+            out,
+            **{
+                "trainer.max_steps": 1,
+                "trainer.test_freq": 0,
+                "trainer.launcher": "ray",
+                "trainer.ray_workers": 2,
+                "reward.path": reward_file,
+            },
+        )
         assert main(["train", *args]) == 0
         assert len({p.read_text() for p in nodes.iterdir()}) == 2
         assert (out / "metrics.jsonl").exists()
@@ -626,8 +710,14 @@ def _gather_worker(rank, world, port, out):
             unshards.clear()
             gathered = [(name, tensor.clone()) for name, tensor in full_parameters(model)]
             one_by_one = [(name, full_tensor(p).clone()) for name, p in model.named_parameters()]
-            results.append({"gathered": gathered, "one_by_one": one_by_one, "unshards": len(unshards),
-                            "still_sharded": all(type(p).__name__ == "DTensor" for p in model.parameters())})
+            results.append(
+                {
+                    "gathered": gathered,
+                    "one_by_one": one_by_one,
+                    "unshards": len(unshards),
+                    "still_sharded": all(type(p).__name__ == "DTensor" for p in model.parameters()),
+                }
+            )
         if rank == 0:
             torch.save({"results": results, "layers": len(model.base_model.layers)}, out)
         dist.barrier()
@@ -653,8 +743,9 @@ def test_the_engine_refresh_gathers_a_layer_at_a_time(tmp_path):
 
 def reorder_groups(samples: Samples, order: list[int]) -> Samples:
     rows = [g * N + j for g in order for j in range(N)]
-    return Samples([samples.prompt_ids[i] for i in rows], [samples.response_ids[i] for i in rows],
-                   samples.advantages[rows], N)
+    return Samples(
+        [samples.prompt_ids[i] for i in rows], [samples.response_ids[i] for i in rows], samples.advantages[rows], N
+    )
 
 
 def _minis_worker(rank, world, port, out):
@@ -771,8 +862,6 @@ def test_a_group_on_a_bare_cuda_device_joins_on_the_local_rank_s_gpu(monkeypatch
     assert chosen == [gpu, "nccl"]
 
 
-
-
 @pytest.mark.slow
 def test_sampler_ranks_of_their_own_sample_what_the_training_ranks_would(run_inputs, tmp_path):
     """rollout.sampler_ranks=1 under torchrun with three ranks: two train (FSDP2 over a group of their own) and one
@@ -784,8 +873,14 @@ def test_sampler_ranks_of_their_own_sample_what_the_training_ranks_would(run_inp
     apart, common = {"rollout.sampler_ranks": 1}, {**moving(tmp_path), "trainer.max_steps": 3}
     sync = launch(run_inputs, tmp_path / "sync", 1, **common)
     assert all(r["reward/std"] > 0 and r["grad_norm"] > 0 for r in sync[1:])
-    fresh = launch(run_inputs, tmp_path / "fresh", 3, **common, **apart,
-                   **{"rollout.mode": "one_step_off", "rollout.max_staleness": 0})
+    fresh = launch(
+        run_inputs,
+        tmp_path / "fresh",
+        3,
+        **common,
+        **apart,
+        **{"rollout.mode": "one_step_off", "rollout.max_staleness": 0},
+    )
     assert [r["step"] for r in fresh] == [0, 1, 2, 3] and "val/accuracy" in fresh[-1]
     for a, b in zip(sync, fresh):
         assert_same_records(a, b, skip=("rollout/staleness",))
@@ -811,12 +906,31 @@ def test_a_sampler_rank_s_error_ends_the_job_as_it_would_in_one_process(run_inpu
     import subprocess
     import sys
 
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-               "-m", "longqa.cli", "train", *run_args(run_inputs, tmp_path / "run", **{
-                   "rollout.sampler_ranks": 1, "rollout.kv_cache_bytes": 1000, "trainer.val_before_train": "false"})]
-    done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, text=True, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, timeout=300)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        "-m",
+        "longqa.cli",
+        "train",
+        *run_args(
+            run_inputs,
+            tmp_path / "run",
+            **{"rollout.sampler_ranks": 1, "rollout.kv_cache_bytes": 1000, "trainer.val_before_train": "false"},
+        ),
+    ]
+    done = subprocess.run(
+        command,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=300,
+    )
     assert done.returncode != 0
-    assert "longqa: error: one group (n=2" in done.stdout and "raise rollout.kv_cache_bytes" in done.stdout, \
+    assert "longqa: error: one group (n=2" in done.stdout and "raise rollout.kv_cache_bytes" in done.stdout, (
         done.stdout[-3000:]
+    )
     assert "[rank1]: Traceback" not in done.stdout  # the sampler ends quietly when told its training rank failed

@@ -121,8 +121,9 @@ COMMANDS = guide_commands(GUIDE.read_text())
 
 def test_the_guide_covers_the_recipe_in_order():
     order = ["data loongrl", "plan", "cluster up", "train", "export", "eval"]
-    firsts = [next(i for i, c in enumerate(COMMANDS) if f"longqa.cli {step}" in c or f"longqa {step}" in c)
-              for step in order]
+    firsts = [
+        next(i for i, c in enumerate(COMMANDS) if f"longqa.cli {step}" in c or f"longqa {step}" in c) for step in order
+    ]
     assert firsts == sorted(firsts), f"the guide's steps are out of order: {order} at {firsts}"
 
 
@@ -139,8 +140,14 @@ def test_guide_commands_run_through_the_entry_point(guide_workdir):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
 
     def run(argv):
-        return argv, subprocess.run([sys.executable, "-m", "longqa.cli", *argv], capture_output=True, text=True,
-                                    cwd=guide_workdir, env=env, timeout=300)
+        return argv, subprocess.run(
+            [sys.executable, "-m", "longqa.cli", *argv],
+            capture_output=True,
+            text=True,
+            cwd=guide_workdir,
+            env=env,
+            timeout=300,
+        )
 
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
         for argv, done in pool.map(run, runs):
@@ -148,19 +155,25 @@ def test_guide_commands_run_through_the_entry_point(guide_workdir):
             assert done.stdout.strip(), f"longqa {shlex.join(argv)} printed nothing"
 
 
-@pytest.mark.parametrize("command, complaint", [
-    ("longqa trian configs/demo.yaml", "invalid choice"),
-    ("longqa train configs/demo.yaml trainer.lancher=ray", "did you mean 'trainer.launcher'"),
-    ("longqa plan configs/loongrl-qwen3-32b.yaml --gpus 8 --shape qwen3-32b", "exits 2"),
-    ("longqa plan configs/loongrl-qwen3-32b.yaml --gpus 32 --shape qwen3-33b", "invalid choice"),
-    ("longqa cluster up --hostfile hostfile --dry-rn", "unrecognized arguments"),
-    ("longqa export runs/x/checkpoints/step_00000040", "required"),
-    ("ray start --head", "not a longqa command"),
-    ("torchrun --nproc_per_node 8 train.py", "must run -m longqa.cli"),
-    ("pip install -e '.[ray,tensorbord]'", "tensorbord"),
-    ("longqa train actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.tensor_model_parallel_size=2 "
-     "trainer.n_gpus_per_node=8 trainer.nnodes=4", "not supported with 32 ranks"),
-])
+@pytest.mark.parametrize(
+    "command, complaint",
+    [
+        ("longqa trian configs/demo.yaml", "invalid choice"),
+        ("longqa train configs/demo.yaml trainer.lancher=ray", "did you mean 'trainer.launcher'"),
+        ("longqa plan configs/loongrl-qwen3-32b.yaml --gpus 8 --shape qwen3-32b", "exits 2"),
+        ("longqa plan configs/loongrl-qwen3-32b.yaml --gpus 32 --shape qwen3-33b", "invalid choice"),
+        ("longqa cluster up --hostfile hostfile --dry-rn", "unrecognized arguments"),
+        ("longqa export runs/x/checkpoints/step_00000040", "required"),
+        ("ray start --head", "not a longqa command"),
+        ("torchrun --nproc_per_node 8 train.py", "must run -m longqa.cli"),
+        ("pip install -e '.[ray,tensorbord]'", "tensorbord"),
+        (
+            "longqa train actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.tensor_model_parallel_size=2 "
+            "trainer.n_gpus_per_node=8 trainer.nnodes=4",
+            "not supported with 32 ranks",
+        ),
+    ],
+)
 def test_the_check_fails_on_what_does_not_exist(command, complaint, guide_workdir):
     with pytest.raises(Exception) as failure:
         argv = longqa_argv(command)
@@ -174,9 +187,12 @@ def _referenced_paths(text: str) -> list[str]:
     ``report/summary.md`` name no folder of the repository and are left alone."""
     text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
     links = [p for p in re.findall(r"\]\(([^)#\s]+)", text) if not re.match(r"[a-z]+://", p)]
-    spans = [s for s in re.findall(r"`([^`\s]+)`", text)
-             if re.fullmatch(r"[\w.-]+(/[\w.-]+)+\.(md|py|sh|yaml|json|png)", s)
-             and any((base / s.split("/")[0]).is_dir() for base in (ROOT, ROOT / "src" / "longqa"))]
+    spans = [
+        s
+        for s in re.findall(r"`([^`\s]+)`", text)
+        if re.fullmatch(r"[\w.-]+(/[\w.-]+)+\.(md|py|sh|yaml|json|png)", s)
+        and any((base / s.split("/")[0]).is_dir() for base in (ROOT, ROOT / "src" / "longqa"))
+    ]
     return links + spans
 
 
@@ -193,8 +209,11 @@ def test_docs_point_only_inside_the_repository(doc):
 # Phrases that describe how the work was organised rather than the project. Written with character
 # classes so that a plain-text search of the repository for those phrases does not find this pattern;
 # ordinary words (pytest's fixture scopes, a "known issue") do not match.
-ORGANISATION = re.compile(r"\bsession[s]? [0-9]|\bthis[ ]session\b|\bdevice[ ](tool|call|kind)|nvidia-h2[0]0"
-                          r"|\bissue[s]? [0-9]|\bcarry[ ]\[|\bwork[ ]period|\bsub[a]gent", re.I)
+ORGANISATION = re.compile(
+    r"\bsession[s]? [0-9]|\bthis[ ]session\b|\bdevice[ ](tool|call|kind)|nvidia-h2[0]0"
+    r"|\bissue[s]? [0-9]|\bcarry[ ]\[|\bwork[ ]period|\bsub[a]gent",
+    re.I,
+)
 
 
 def test_no_file_speaks_of_how_the_work_was_organised():
@@ -211,7 +230,9 @@ def test_no_file_speaks_of_how_the_work_was_organised():
             text = path.read_text()
         except UnicodeDecodeError:
             continue
-        hits += [f"{name}:{i}: {line.strip()}" for i, line in enumerate(text.splitlines(), 1) if ORGANISATION.search(line)]
+        hits += [
+            f"{name}:{i}: {line.strip()}" for i, line in enumerate(text.splitlines(), 1) if ORGANISATION.search(line)
+        ]
     assert not hits, "\n".join(hits)
 
 
@@ -219,8 +240,11 @@ def test_the_launch_line_table_is_the_code_s():
     """docs/verl-launch-line.md's table is what the code does with each argument of the recipe's line."""
     from longqa.config.verl_keys import launch_line_table
 
-    line = [text for text in (ROOT / "tests" / "data" / "recipe_verl_launch_line.txt").read_text().splitlines()
-            if text and not text.startswith("#")]
+    line = [
+        text
+        for text in (ROOT / "tests" / "data" / "recipe_verl_launch_line.txt").read_text().splitlines()
+        if text and not text.startswith("#")
+    ]
     assert launch_line_table(line) in (ROOT / "docs" / "verl-launch-line.md").read_text()
 
 
@@ -243,5 +267,7 @@ def test_the_package_table_names_every_module_where_it_is():
     for name, text in rows:
         named = set(re.findall(r"`(\w+)\.py`", text))
         modules = {p.stem for p in (package / name).glob("*.py") if p.stem != "__init__"}
-        assert named == modules, f"{name}/: the table names {sorted(named - modules)} that are not there and " \
-                                 f"leaves out {sorted(modules - named)}"
+        assert named == modules, (
+            f"{name}/: the table names {sorted(named - modules)} that are not there and "
+            f"leaves out {sorted(modules - named)}"
+        )

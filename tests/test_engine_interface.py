@@ -33,8 +33,11 @@ def engine_probes(folder: Path) -> list[str]:
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
                 name, args = node.func.id, node.args
                 if name in ("isinstance", "issubclass") and len(args) == 2:
-                    named = {n.id if isinstance(n, ast.Name) else n.attr
-                             for n in ast.walk(args[1]) if isinstance(n, (ast.Name, ast.Attribute))}
+                    named = {
+                        n.id if isinstance(n, ast.Name) else n.attr
+                        for n in ast.walk(args[1])
+                        if isinstance(n, (ast.Name, ast.Attribute))
+                    }
                     probe = any(n.endswith(("Engine", "ENGINES")) for n in named - {"RolloutEngine"})
                 else:
                     probe = name in ("getattr", "hasattr", "type") and bool(args) and ast.unparse(args[0]) in THE_ENGINE
@@ -62,10 +65,17 @@ def test_the_check_finds_each_way_of_testing_an_engine_class(tmp_path):
         "    c = getattr(self.engine, 'graph_captures', 0)\n"
         "    d = hasattr(engine, 'close')\n"
         "    e = type(self.engine).__name__ == 'X' or self.engine.__class__\n"
-        "    f = getattr(self.actor.engine, 'module', None) and isinstance(self.engine, RolloutEngine)\n")
+        "    f = getattr(self.actor.engine, 'module', None) and isinstance(self.engine, RolloutEngine)\n"
+    )
     assert [line.split(": ")[0] for line in engine_probes(tmp_path)] == [
-        "probing.py:1", "probing.py:5", "probing.py:6", "probing.py:7", "probing.py:8", "probing.py:9",
-        "probing.py:9"]
+        "probing.py:1",
+        "probing.py:5",
+        "probing.py:6",
+        "probing.py:7",
+        "probing.py:8",
+        "probing.py:9",
+        "probing.py:9",
+    ]
 
 
 class Scripted(RolloutEngine):
@@ -104,31 +114,59 @@ def test_an_engine_of_one_s_own_trains_through_the_trainer_unchanged(tiny_model_
     from longqa.train.trainer import Trainer
 
     scorer = tmp_path / "odd.py"
-    scorer.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                      "    return float(len(solution_str) % 2)\n")
+    scorer.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return float(len(solution_str) % 2)\n"
+    )
     run = tmp_path / "run"
-    cfg = load_config(None, overrides(tiny_model_dir, data_dir, run, **{
-        "trainer.max_steps": 1, "trainer.test_freq": 0, "trainer.save_freq": 0, "rollout.n": 4,
-        "reward.path": scorer}))
+    cfg = load_config(
+        None,
+        overrides(
+            tiny_model_dir,
+            data_dir,
+            run,
+            **{
+                "trainer.max_steps": 1,
+                "trainer.test_freq": 0,
+                "trainer.save_freq": 0,
+                "rollout.n": 4,
+                "reward.path": scorer,
+            },
+        ),
+    )
     trainer = Trainer(cfg, build_engine=scripted)
     before = [p.detach().clone() for p in trainer.model.parameters()]
     result = trainer.run()
     assert result["steps"] == 1 and isinstance(trainer.engine, Scripted)
     assert trainer.engine.calls == [{"prompts": 4, "seeded": True}]
     [row] = records(run)
-    for key in ("reward/mean", "reward/std", "response_length/mean", "response/truncated", "zero_variance_groups",
-                "grad_norm", "lr", "entropy"):
+    for key in (
+        "reward/mean",
+        "reward/std",
+        "response_length/mean",
+        "response/truncated",
+        "zero_variance_groups",
+        "grad_norm",
+        "lr",
+        "entropy",
+    ):
         assert key in row, key
     assert 0 < row["reward/mean"] < 1 and row["zero_variance_groups"] < 4
     moved = [not torch.equal(a, b.detach()) for a, b in zip(before, trainer.model.parameters())]
     assert any(moved)
 
 
-@pytest.mark.parametrize("settings, message", [
-    ({"rollout.response_lengths": "lognormal"}, r"needs an engine that ends a sample at a drawn length "
-                                                r"\(ends_at_given_lengths\), which the engine built does not"),
-    ({"rollout.mode": "one_step_off", "rollout.overlap": "true"}, "needs an engine with weights of its own"),
-])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (
+            {"rollout.response_lengths": "lognormal"},
+            r"needs an engine that ends a sample at a drawn length "
+            r"\(ends_at_given_lengths\), which the engine built does not",
+        ),
+        ({"rollout.mode": "one_step_off", "rollout.overlap": "true"}, "needs an engine with weights of its own"),
+    ],
+)
 def test_an_engine_lacking_what_the_settings_ask_is_refused(tiny_model_dir, data_dir, tmp_path, settings, message):
     from longqa.train.trainer import Trainer
 
@@ -170,13 +208,28 @@ def test_an_engine_refuses_the_arguments_it_does_not_declare():
 def test_groups_sampled_ahead_keep_their_checkpoint_form():
     """What ``trainer_state.json`` holds under ``sampled_ahead``: plain lists, keys in this order, and the same
     groups back from it."""
-    groups = [SampledGroup(3, [9, 8], [Sample([1, 2], "stop", [-0.5, -0.25]), Sample([4], "length", [-1.0])],
-                           [RewardResult(1.0, None), RewardResult(0.0, "no_boxed")])]
+    groups = [
+        SampledGroup(
+            3,
+            [9, 8],
+            [Sample([1, 2], "stop", [-0.5, -0.25]), Sample([4], "length", [-1.0])],
+            [RewardResult(1.0, None), RewardResult(0.0, "no_boxed")],
+        )
+    ]
     ahead = SampledAhead(step=2, groups=groups, stats={"dropped_groups": 1}, sampled_with=1)
     saved = json.loads(json.dumps(ahead.state([g.state() for g in groups])))
-    assert saved == {"step": 2, "sampled_with": 1, "stats": {"dropped_groups": 1},
-                     "groups": [{"index": 3, "samples": [[[1, 2], "stop", [-0.5, -0.25]], [[4], "length", [-1.0]]],
-                                 "results": [[1.0, None], [0.0, "no_boxed"]]}]}
+    assert saved == {
+        "step": 2,
+        "sampled_with": 1,
+        "stats": {"dropped_groups": 1},
+        "groups": [
+            {
+                "index": 3,
+                "samples": [[[1, 2], "stop", [-0.5, -0.25]], [[4], "length", [-1.0]]],
+                "results": [[1.0, None], [0.0, "no_boxed"]],
+            }
+        ],
+    }
     assert list(saved) == ["step", "sampled_with", "stats", "groups"]
     back = SampledAhead.from_state(saved, [SampledGroup.from_state(g, [9, 8]) for g in saved["groups"]])
     assert back == ahead

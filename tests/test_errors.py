@@ -20,11 +20,15 @@ PACKAGE = Path(__file__).resolve().parent.parent / "src" / "longqa"
 ALLOWED = ("config/", "cli.py")
 
 
-
 def _config_error_names(tree: ast.AST) -> set[str]:
     """The names ConfigError goes by in a module: its own, and any it is imported as."""
-    return {"ConfigError"} | {alias.asname for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
-                              for alias in node.names if alias.name == "ConfigError" and alias.asname}
+    return {"ConfigError"} | {
+        alias.asname
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+        if alias.name == "ConfigError" and alias.asname
+    }
 
 
 def _outside_allowed(root: Path) -> list[tuple[str, ast.AST]]:
@@ -48,11 +52,13 @@ def config_errors_made(root: Path) -> list[str]:
 
         def is_config_error(node: ast.AST) -> bool:
             return (isinstance(node, ast.Name) and node.id in names) or (
-                isinstance(node, ast.Attribute) and node.attr == "ConfigError")
+                isinstance(node, ast.Attribute) and node.attr == "ConfigError"
+            )
 
         for node in ast.walk(tree):
-            if ((isinstance(node, ast.Call) and is_config_error(node.func))
-                    or (isinstance(node, ast.Raise) and node.exc is not None and is_config_error(node.exc))):
+            if (isinstance(node, ast.Call) and is_config_error(node.func)) or (
+                isinstance(node, ast.Raise) and node.exc is not None and is_config_error(node.exc)
+            ):
                 places.add((where, node.lineno))
     return [f"{where}:{line}" for where, line in sorted(places)]
 
@@ -63,16 +69,21 @@ def config_error_subclasses(root: Path) -> list[str]:
     for where, tree in _outside_allowed(root):
         module = ".".join(["longqa", *Path(where).with_suffix("").parts]).removesuffix(".__init__")
         names = _config_error_names(tree)
-        found += [f"{module}:{node.name}" for node in ast.walk(tree) if isinstance(node, ast.ClassDef)
-                  and any(isinstance(b, ast.Name) and b.id in names for b in node.bases)]
+        found += [
+            f"{module}:{node.name}"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ClassDef) and any(isinstance(b, ast.Name) and b.id in names for b in node.bases)
+        ]
     return sorted(found)
 
 
 def test_config_error_is_made_only_by_the_config_package_and_the_command_line():
     made = config_errors_made(PACKAGE)
-    assert made == [], (f"ConfigError made at {made}: move a settings rule into longqa/config/, or raise an "
-                           f"error class of the module's own (a subclass of ConfigError) for a setting that "
-                           f"conflicts with the world")
+    assert made == [], (
+        f"ConfigError made at {made}: move a settings rule into longqa/config/, or raise an "
+        f"error class of the module's own (a subclass of ConfigError) for a setting that "
+        f"conflicts with the world"
+    )
 
 
 def test_the_check_finds_a_config_error_made_outside_the_config_package(tmp_path):
@@ -82,8 +93,8 @@ def test_the_check_finds_a_config_error_made_outside_the_config_package(tmp_path
         "config/load.py": "class ConfigError(ValueError):\n    pass\ndef f():\n    raise ConfigError('x')\n",
         "cli.py": "from longqa.config import ConfigError\ndef f():\n    raise ConfigError('x')\n",
         "outputs/lock.py": "from longqa.config import ConfigError\nclass RunFolderBusy(ConfigError):\n    pass\n"
-                           "def f():\n    try:\n        raise RunFolderBusy('x')\n    except ConfigError:\n"
-                           "        pass\n",
+        "def f():\n    try:\n        raise RunFolderBusy('x')\n    except ConfigError:\n"
+        "        pass\n",
         "data/io.py": "from longqa.config import ConfigError\ndef f():\n    raise ConfigError('x') from None\n",
         "train/a.py": "from longqa.config import ConfigError as Wrong\ndef f():\n    return Wrong('x')\n",
         "train/b.py": "import longqa.config\ndef f():\n    raise longqa.config.ConfigError\n",
@@ -104,8 +115,11 @@ def _class(name: str) -> type[Exception]:
 
 
 def test_the_errors_of_the_world_are_found():
-    assert {"longqa.outputs.paths:OutputPathError", "longqa.outputs.lock:RunFolderBusy",
-            "longqa.train.resume:ResumeError"} <= set(SUBCLASSES)
+    assert {
+        "longqa.outputs.paths:OutputPathError",
+        "longqa.outputs.lock:RunFolderBusy",
+        "longqa.train.resume:ResumeError",
+    } <= set(SUBCLASSES)
 
 
 @pytest.mark.parametrize("name", SUBCLASSES)
@@ -118,8 +132,9 @@ def test_the_command_line_reports_each_error_of_the_world_in_one_line(name, monk
 
     monkeypatch.setattr(cli, "cmd_config_keys", command)
     assert cli.main(["config", "keys"]) == 2
-    assert capsys.readouterr().err == (f"longqa: error: trainer.output_dir=/runs/a is taken ({error.__name__}): "
-                                       f"give another folder\n")
+    assert capsys.readouterr().err == (
+        f"longqa: error: trainer.output_dir=/runs/a is taken ({error.__name__}): give another folder\n"
+    )
 
 
 @pytest.mark.parametrize("name", SUBCLASSES)

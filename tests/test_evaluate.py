@@ -39,8 +39,10 @@ META, RESPONSES = results(
 
 def test_rows_are_grouped_by_each_key_they_carry():
     by_length = score_by(META, RESPONSES, "target_tokens")
-    assert [(g["target_tokens"], g["n"], g["accuracy"]) for g in by_length] == [(1024, 3, pytest.approx(2 / 3)),
-                                                                                (4096, 2, 0.5)]
+    assert [(g["target_tokens"], g["n"], g["accuracy"]) for g in by_length] == [
+        (1024, 3, pytest.approx(2 / 3)),
+        (4096, 2, 0.5),
+    ]
     assert by_length[0]["guess_baseline"] == 0.5 and by_length[1]["guess_baseline"] == 0.25
     by_hops = score_by(META, RESPONSES, "hops")
     assert [(g["hops"], g["n"], g["accuracy"]) for g in by_hops] == [(2, 2, 0.5), (3, 2, 1.0), (4, 2, 0.5)]
@@ -60,7 +62,8 @@ def test_groupings_sit_beside_the_per_source_scores():
         "hops                                  n     acc      em      f1\n"
         "2                                     2   0.500   0.500   0.500\n"
         "3                                     2   1.000   1.000   1.000\n"
-        "4                                     2   0.500   0.500   0.500"]
+        "4                                     2   0.500   0.500   0.500",
+    ]
 
 
 def test_rows_without_groups_add_nothing():
@@ -88,8 +91,11 @@ def test_a_reward_function_decides_accuracy_and_its_failures_are_counted(tokeniz
             return [[Sample(list(p), "stop", None)] for p in prompts]
 
     ids = [tokenizer.encode(answered(name), add_special_tokens=False) for name in ("Tarvos", "Quillex", "Ada")]
-    prompts = PromptSet(np.concatenate(ids).astype(np.int32), np.cumsum([0] + [len(x) for x in ids]),
-                        [{"data_source": "s", "ground_truth": "Tarvos", "extra_info": {"index": i}} for i in range(3)])
+    prompts = PromptSet(
+        np.concatenate(ids).astype(np.int32),
+        np.cumsum([0] + [len(x) for x in ids]),
+        [{"data_source": "s", "ground_truth": "Tarvos", "extra_info": {"index": i}} for i in range(3)],
+    )
     calls = []
 
     def custom(data_source, solution_str, ground_truth, extra_info=None):
@@ -143,8 +149,10 @@ def test_generate_tells_a_response_that_stopped_from_one_the_limit_cut(tokenizer
     model = tiny_lm()
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(6, 60, (n,), generator=g).tolist() for n in (12, 20, 16, 9, 30)]
-    alone = [model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=6, pad_token_id=0)[0, len(p):].tolist()
-             for p in prompts]
+    alone = [
+        model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=6, pad_token_id=0)[0, len(p) :].tolist()
+        for p in prompts
+    ]
     stop = alone[0][2]  # the first response's third token: it stops there; others that never write it run on
     expected = ["stop" if stop in tokens else "length" for tokens in alone]
     assert {"stop", "length"} <= set(expected)

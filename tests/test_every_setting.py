@@ -145,8 +145,12 @@ def test_text_keys_named_as_taking_any_text_do(capsys, key):
 # another key turns them on, in verl as in longqa, so alone any value passes.
 VERL_KEYS_READ_BY_NO_ONE = {
     "actor_rollout_ref.actor.kl_loss_coef",  # read only with use_kl_loss=True
-    "algorithm.kl_penalty", "algorithm.kl_ctrl.type", "algorithm.kl_ctrl.kl_coef", "algorithm.kl_ctrl.horizon",
-    "algorithm.kl_ctrl.target_kl", "trainer.resume_from_path",
+    "algorithm.kl_penalty",
+    "algorithm.kl_ctrl.type",
+    "algorithm.kl_ctrl.kl_coef",
+    "algorithm.kl_ctrl.horizon",
+    "algorithm.kl_ctrl.target_kl",
+    "trainer.resume_from_path",
     # a speculative model's name: any names one (longqa speculates by prompt lookup whichever it is)
     "remote_backend.rollout.speculative_decoding.model",
 }
@@ -180,13 +184,28 @@ def test_path_keys_with_a_missing_path_are_refused_by_train(data_dir, tmp_path, 
     before any weight is read."""
     missing = tmp_path / "missing"
     (tmp_path / "a-file").write_text("")
-    base = [f"data.train_files={data_dir}/merged/train.parquet", f"data.val_files={data_dir}/merged/test.parquet",
-            f"data.cache_dir={tmp_path}/cache", f"trainer.output_dir={tmp_path}/run", "trainer.max_steps=1",
-            "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "trainer.logger=[jsonl]"]
-    bad = {"model.path": missing, "model.tokenizer_path": missing, "model.gguf_file": "missing.gguf",
-           "data.train_files": missing, "data.val_files": missing, "data.cache_dir": tmp_path / "a-file",
-           "reward.path": missing, "trainer.resume": missing, "trainer.output_dir": tmp_path / "a-file",
-           "actor.deepspeed_config": missing}
+    base = [
+        f"data.train_files={data_dir}/merged/train.parquet",
+        f"data.val_files={data_dir}/merged/test.parquet",
+        f"data.cache_dir={tmp_path}/cache",
+        f"trainer.output_dir={tmp_path}/run",
+        "trainer.max_steps=1",
+        "data.train_batch_size=4",
+        "actor.ppo_mini_batch_size=4",
+        "trainer.logger=[jsonl]",
+    ]
+    bad = {
+        "model.path": missing,
+        "model.tokenizer_path": missing,
+        "model.gguf_file": "missing.gguf",
+        "data.train_files": missing,
+        "data.val_files": missing,
+        "data.cache_dir": tmp_path / "a-file",
+        "reward.path": missing,
+        "trainer.resume": missing,
+        "trainer.output_dir": tmp_path / "a-file",
+        "actor.deepspeed_config": missing,
+    }
     assert set(bad) == set(ACCEPTS_ANY_TEXT)
     extra = {"actor.deepspeed_config": ["actor.strategy=deepspeed"]}
     for key, value in bad.items():
@@ -213,15 +232,26 @@ def _name(action) -> str:
 # UNDER_FILE are filled in by the `places` fixture: a path that does not exist, an existing file, an
 # existing folder, and a path below a file.
 BAD_TEXT = {
-    ("data", "loongrl", "output_dir"): "FILE", ("data", "loongrl", "source"): "no-such-source",
-    ("data", "synth", "output_dir"): "FILE", ("data", "synth", "tasks"): "no_such_task",
+    ("data", "loongrl", "output_dir"): "FILE",
+    ("data", "loongrl", "source"): "no-such-source",
+    ("data", "synth", "output_dir"): "FILE",
+    ("data", "synth", "tasks"): "no_such_task",
     ("data", "synth", "tokenizer"): "MISSING",
-    ("eval", "model"): "MISSING", ("eval", "data"): "MISSING", ("eval", "longbench"): "MISSING",
-    ("eval", "longbench_scores"): "MISSING", ("eval", "device"): "gpu", ("eval", "output"): "UNDER_FILE",
+    ("eval", "model"): "MISSING",
+    ("eval", "data"): "MISSING",
+    ("eval", "longbench"): "MISSING",
+    ("eval", "longbench_scores"): "MISSING",
+    ("eval", "device"): "gpu",
+    ("eval", "output"): "UNDER_FILE",
     ("eval", "samples"): "DIR",
-    ("export", "checkpoint"): "MISSING", ("export", "output"): "FILE",
-    ("sft", "train_files"): "MISSING", ("sft", "output_dir"): "FILE", ("sft", "eval_files"): "MISSING",
-    ("sft", "init"): "MISSING", ("sft", "response_key"): "no_such_key", ("sft", "device"): "gpu",
+    ("export", "checkpoint"): "MISSING",
+    ("export", "output"): "FILE",
+    ("sft", "train_files"): "MISSING",
+    ("sft", "output_dir"): "FILE",
+    ("sft", "eval_files"): "MISSING",
+    ("sft", "init"): "MISSING",
+    ("sft", "response_key"): "no_such_key",
+    ("sft", "device"): "gpu",
     **{("bench", c, "device"): "gpu" for c in ("train", "rollout", "step")},
     **{("bench", c, "json"): "DIR" for c in ("train", "rollout", "step")},
     **{("cluster", c, "hostfile"): "MISSING" for c in ("up", "down", "status")},
@@ -229,7 +259,9 @@ BAD_TEXT = {
     **{(*c, "overrides"): "no.such_key=1" for c in (("data", "prepare"), ("train",), ("plan",), ("config", "show"))},
 }
 ACCEPTS_ANY_TEXT_OPTION = {
-    **{("cluster", c, "ray"): "the ray executable on the hosts: only they can run it" for c in ("up", "down", "status")},
+    **{
+        ("cluster", c, "ray"): "the ray executable on the hosts: only they can run it" for c in ("up", "down", "status")
+    },
 }
 # Numeric options any number is right for.
 ANY_NUMBER_OPTION: set[tuple[str, ...]] = set()
@@ -292,21 +324,47 @@ def places(tmp_path_factory, data_dir):
         ("train",): [f"data.train_files={data}", "data.val_files=[]", "trainer.max_steps=1"],
         ("eval",): ["--data", data, "--device", "cpu", "--max-new-tokens", "2", "--limit", "1"],
         ("export",): ["{checkpoint}", "{output}"],
-        ("sft",): ["--train-files", data, "--output-dir", new, "--max-steps", "1", "--hidden-size", "32",
-                   "--num-layers", "1", "--num-heads", "2", "--num-kv-heads", "1", "--vocab-size", "300",
-                   "--eval-rows", "1", "--device", "cpu"],
+        ("sft",): [
+            "--train-files",
+            data,
+            "--output-dir",
+            new,
+            "--max-steps",
+            "1",
+            "--hidden-size",
+            "32",
+            "--num-layers",
+            "1",
+            "--num-heads",
+            "2",
+            "--num-kv-heads",
+            "1",
+            "--vocab-size",
+            "300",
+            "--eval-rows",
+            "1",
+            "--device",
+            "cpu",
+        ],
         ("bench", "train"): [*quick, "--response", "4", "--repeat", "1", "--layouts", "packed"],
         ("bench", "rollout"): [*quick, "--new-tokens", "4", "--groups", "1", "--hf-new-tokens", "0"],
         ("bench", "step"): [*quick, "--response", "4", "--prompts", "1", "--steps", "1"],
         **{("cluster", c): ["--hostfile", str(root / "hostfile"), "--dry-run"] for c in ("up", "down", "status")},
         ("plan",): ["--shape", "qwen3-tiny"],
-        ("config", "show"): [], ("config", "keys"): [],
+        ("config", "show"): [],
+        ("config", "keys"): [],
     }
     # an input that excludes --data takes its place
-    base_for = {("eval", "longbench"): ["--device", "cpu", "--output", str(root / "preds")],
-                ("eval", "longbench_scores"): []}
-    paths = {"MISSING": str(root / "missing"), "FILE": str(root / "a-file"), "DIR": str(root / "a-folder"),
-             "UNDER_FILE": str(root / "a-file" / "x.json")}
+    base_for = {
+        ("eval", "longbench"): ["--device", "cpu", "--output", str(root / "preds")],
+        ("eval", "longbench_scores"): [],
+    }
+    paths = {
+        "MISSING": str(root / "missing"),
+        "FILE": str(root / "a-file"),
+        "DIR": str(root / "a-folder"),
+        "UNDER_FILE": str(root / "a-file" / "x.json"),
+    }
     # positionals in the middle of a command line: their valid values, replaced one at a time
     positionals = {"{checkpoint}": str(root / "missing-run"), "{output}": new}
     return base, base_for, paths, positionals

@@ -21,8 +21,26 @@ def _probe():
 
 
 def _data(tmp_path) -> Path:
-    assert longqa(["data", "synth", "--output-dir", str(tmp_path / "data"), "--rows-per-task", "2", "--tasks",
-                   "hotpotqa", "musique", "--context-lengths", "256", "--test-ratio", "0.5"]) == 0
+    assert (
+        longqa(
+            [
+                "data",
+                "synth",
+                "--output-dir",
+                str(tmp_path / "data"),
+                "--rows-per-task",
+                "2",
+                "--tasks",
+                "hotpotqa",
+                "musique",
+                "--context-lengths",
+                "256",
+                "--test-ratio",
+                "0.5",
+            ]
+        )
+        == 0
+    )
     return tmp_path / "data" / "merged" / "test.parquet"
 
 
@@ -41,16 +59,28 @@ def test_prompt_variants_put_the_instruction_after_the_question_and_the_prefill_
     varied = tokenizer.decode(_probe().prompt_ids(row, tokenizer, " Box it.", system=False, prefill="<think>\n"))
     assert system not in varied and question + " Box it." in varied
     assert varied.endswith("<think>\n")  # after the question's end of turn and the assistant's opening:
-    tail = plain[plain.rindex(question) + len(question):]
-    assert varied[varied.rindex(" Box it.") + len(" Box it."):] == tail + "<think>\n"
+    tail = plain[plain.rindex(question) + len(question) :]
+    assert varied[varied.rindex(" Box it.") + len(" Box it.") :] == tail + "<think>\n"
 
 
 def test_the_counts_are_those_of_the_answers_written_and_the_same_command_answers_alike(tmp_path, capsys):
     data = _data(tmp_path)
     from longqa.model.load import EMBEDDED_MODEL
 
-    argv = ["--model", str(EMBEDDED_MODEL), "--data", str(data), "--prompts", "2", "-n", "3", "--max-new-tokens",
-            "24", "--device", "cpu"]
+    argv = [
+        "--model",
+        str(EMBEDDED_MODEL),
+        "--data",
+        str(data),
+        "--prompts",
+        "2",
+        "-n",
+        "3",
+        "--max-new-tokens",
+        "24",
+        "--device",
+        "cpu",
+    ]
     summary = _probe().main([*argv, "--samples", str(tmp_path / "a.jsonl")])
     again = _probe().main([*argv, "--samples", str(tmp_path / "b.jsonl")])
     capsys.readouterr()
@@ -60,6 +90,6 @@ def test_the_counts_are_those_of_the_answers_written_and_the_same_command_answer
     assert summary["boxed"] == sum("\\boxed{" in r["response"] for r in records) > 0  # the embedded model boxes
     assert summary["rewarded"] == sum(r["score"] > 0 for r in records)
     assert summary["mean_reward"] == sum(r["score"] for r in records) / 6
-    groups = [records[i:i + 3] for i in (0, 3)]
+    groups = [records[i : i + 3] for i in (0, 3)]
     assert summary["groups_with_gradient"] == sum(len({r["score"] for r in g}) > 1 for g in groups)
     assert sum(summary["reasons"].values()) == 6 and again["reasons"] == summary["reasons"]

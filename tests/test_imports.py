@@ -60,7 +60,8 @@ def package_graph(modules: dict[str, set[str]]) -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for module, imported in modules.items():
         graph.setdefault(package_of(module), set()).update(
-            package_of(other) for other in imported if package_of(other) != package_of(module))
+            package_of(other) for other in imported if package_of(other) != package_of(module)
+        )
     return graph
 
 
@@ -78,8 +79,8 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
             elif w in stack:
                 low[v] = min(low[v], order[w])
         if low[v] == order[v]:
-            group = stack[stack.index(v):]
-            del stack[stack.index(v):]
+            group = stack[stack.index(v) :]
+            del stack[stack.index(v) :]
             if len(group) > 1:
                 found.append(sorted(group))
 

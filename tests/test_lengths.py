@@ -15,10 +15,12 @@ def test_lognormal_lengths_average_about_forty_percent_of_the_limit():
 
 
 def test_lengths_are_a_function_of_the_seed():
-    assert draw_response_lengths("lognormal", 50, 300, (7, 2, 11)) == draw_response_lengths("lognormal", 50, 300,
-                                                                                             (7, 2, 11))
-    assert draw_response_lengths("lognormal", 50, 300, (7, 2, 11)) != draw_response_lengths("lognormal", 50, 300,
-                                                                                             (7, 2, 12))
+    assert draw_response_lengths("lognormal", 50, 300, (7, 2, 11)) == draw_response_lengths(
+        "lognormal", 50, 300, (7, 2, 11)
+    )
+    assert draw_response_lengths("lognormal", 50, 300, (7, 2, 11)) != draw_response_lengths(
+        "lognormal", 50, 300, (7, 2, 12)
+    )
     assert all(isinstance(x, int) and 1 <= x <= 3 for x in draw_response_lengths("lognormal", 100, 3, 1))
 
 

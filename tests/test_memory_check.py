@@ -12,9 +12,17 @@ from longqa.planning.activations import Compute, eager_layer_bytes
 from longqa.planning.planner import GIB, ModelSizes, PlanError, check_sft, sft_bytes
 
 # SmolLM2-135M-Instruct's config.json, sized without its weights
-SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-               num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True,
-               max_position_embeddings=8192)
+SMOLLM2 = dict(
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    vocab_size=49152,
+    tie_word_embeddings=True,
+    max_position_embeddings=8192,
+)
 H200 = 141 * 10**9  # bytes, as the GPU's datasheet counts them
 
 
@@ -37,8 +45,15 @@ def test_the_cpu_peak_is_the_allocator_s_largest_total_above_the_start():
 
 def _tiny(family: str, dtype=torch.float32):
     """One decoder layer whose widths differ (hidden 48, queries 72, keys 24, MLP 80), so a miscount shows."""
-    common = dict(hidden_size=48, intermediate_size=80, num_hidden_layers=1, num_attention_heads=6,
-                  num_key_value_heads=2, head_dim=12, vocab_size=128)
+    common = dict(
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=1,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=12,
+        vocab_size=128,
+    )
     config = (Qwen3Config if family == "qwen3" else LlamaConfig)(**common)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype).train()
@@ -74,8 +89,9 @@ def test_the_eager_layer_count_bounds_what_one_layer_saves(family, dtype, autoca
     model = _tiny(family, dtype)
     sizes = ModelSizes.from_config(model.config)
     assert sizes.qk_norm == (family == "qwen3") and sizes.heads == 6
-    counted = eager_layer_bytes(sizes, Compute(dtype_bytes=2 if autocast else dtype.itemsize,
-                                               param_bytes=dtype.itemsize, autocast=autocast))
+    counted = eager_layer_bytes(
+        sizes, Compute(dtype_bytes=2 if autocast else dtype.itemsize, param_bytes=dtype.itemsize, autocast=autocast)
+    )
     saved = _saved_per_token(model, 97, autocast)
     assert saved <= counted <= 1.1 * saved
 
@@ -102,8 +118,10 @@ def test_the_count_bounds_a_measured_update_micro_batch(name):
     assert case.measured <= case.predicted.total <= 1.5 * case.measured, case.row()
 
 
-@pytest.mark.parametrize("model,vocab,autocast,tokens", [(TINY, 1024, False, 2048), (TINY, 1024, True, 2048),
-                                                         (TINY, 32768, False, 2048), (SMOL, 1024, False, 1024)])
+@pytest.mark.parametrize(
+    "model,vocab,autocast,tokens",
+    [(TINY, 1024, False, 2048), (TINY, 1024, True, 2048), (TINY, 32768, False, 2048), (SMOL, 1024, False, 1024)],
+)
 def test_the_count_bounds_a_measured_sft_step(model, vocab, autocast, tokens):
     """sft's loss and backward on padded rows, in float32 (the CPU) and under the bf16 autocast of a GPU."""
     case = sft_case(**model, batch_tokens=tokens, longest=tokens // 4, vocab=vocab, autocast=autocast)
@@ -155,8 +173,12 @@ def test_the_trainer_check_names_the_largest_micro_batch_budget_that_fits(tmp_pa
     LlamaConfig(**SMOLLM2).save_pretrained(tmp_path)  # config.json alone: the check reads no weight
     sizes = ModelSizes.from_config(LlamaConfig(**SMOLLM2))
     for prompt in (8192, 2048):
-        overrides = [f"model.path={tmp_path}", f"data.max_prompt_length={prompt}", "data.max_response_length=384",
-                     "data.train_batch_size=64"]
+        overrides = [
+            f"model.path={tmp_path}",
+            f"data.max_prompt_length={prompt}",
+            "data.max_response_length=384",
+            "data.train_batch_size=64",
+        ]
         cfg = load_config("configs/gpu-long.yaml", overrides)
         with pytest.raises(PlanError) as refused:
             check_fit(cfg, 1, H200, sizes)
@@ -170,17 +192,24 @@ def test_the_trainer_check_names_the_largest_micro_batch_budget_that_fits(tmp_pa
         fits = int(offered.group(1))
         assert plan_config(cfg, sizes, 1, H200, micro_batch_tokens=fits).total <= H200
         assert plan_config(cfg, sizes, 1, H200, micro_batch_tokens=fits + 1).total > H200
-        check_fit(load_config("configs/gpu-long.yaml", [*overrides, f"actor.max_tokens_per_micro_batch={fits}"]),
-                  1, H200, sizes)
+        check_fit(
+            load_config("configs/gpu-long.yaml", [*overrides, f"actor.max_tokens_per_micro_batch={fits}"]),
+            1,
+            H200,
+            sizes,
+        )
 
 
-@pytest.mark.parametrize("config, prompt, mini_batch", [
-    ("configs/gpu-long.yaml", 2048, 64),  # float32 dense: masks and scores bound it far below a mini-batch
-    ("configs/gpu-long.yaml", 4352, 64),
-    ("configs/gpu-long.yaml", 8192, 64),  # not even one sample: refused as a number would be
-    ("configs/demo.yaml", 1024, 16),  # a small float32 run: the whole mini-batch share fits
-    ("configs/loongrl-qwen3-8b.yaml", 16384, None),  # the recipe's shape, its own model (Qwen3's config)
-])
+@pytest.mark.parametrize(
+    "config, prompt, mini_batch",
+    [
+        ("configs/gpu-long.yaml", 2048, 64),  # float32 dense: masks and scores bound it far below a mini-batch
+        ("configs/gpu-long.yaml", 4352, 64),
+        ("configs/gpu-long.yaml", 8192, 64),  # not even one sample: refused as a number would be
+        ("configs/demo.yaml", 1024, 16),  # a small float32 run: the whole mini-batch share fits
+        ("configs/loongrl-qwen3-8b.yaml", 16384, None),  # the recipe's shape, its own model (Qwen3's config)
+    ],
+)
 @pytest.mark.parametrize("gpu_gib", [24, 80, 141])
 def test_auto_micro_batch_budget_is_the_largest_that_fits_in_steps(tmp_path, config, prompt, mini_batch, gpu_gib):
     """actor.max_tokens_per_micro_batch=auto on a GPU: a multiple of the step whose plan fits where one step
@@ -201,12 +230,16 @@ def test_auto_micro_batch_budget_is_the_largest_that_fits_in_steps(tmp_path, con
     overrides = ["actor.max_tokens_per_micro_batch=auto", f"data.max_prompt_length={prompt}"]
     if config != "configs/loongrl-qwen3-8b.yaml":
         LlamaConfig(**SMOLLM2).save_pretrained(tmp_path)
-        overrides += [f"model.path={tmp_path}", f"actor.ppo_mini_batch_size={mini_batch}",
-                      f"data.train_batch_size={mini_batch}"]
+        overrides += [
+            f"model.path={tmp_path}",
+            f"actor.ppo_mini_batch_size={mini_batch}",
+            f"data.train_batch_size={mini_batch}",
+        ]
     else:
         from transformers import Qwen3Config
 
         from longqa.model.shapes import SHAPES
+
         Qwen3Config(**SHAPES["qwen3-8b"]).save_pretrained(tmp_path)
         overrides.append(f"model.path={tmp_path}")
     cfg = load_config(config, overrides)
@@ -257,15 +290,38 @@ def test_longqa_sft_refuses_on_a_gpu_before_building_the_model(tmp_path, monkeyp
 
     generate(tmp_path / "data", rows_per_task=2, context_tokens=256, max_hops=2, test_ratio=0.5, seed=5)
     monkeypatch.setattr(longqa.train.sft, "pick_device", lambda *args: torch.device("cuda"))
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(
-        total_memory=6 * GIB + 50 * 2**20))  # the margin and 50 MiB
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(total_memory=6 * GIB + 50 * 2**20)
+    )  # the margin and 50 MiB
     monkeypatch.setattr(longqa.train.sft, "_model", lambda *args: pytest.fail("the model was built"))
-    assert main(["sft", "--train-files", str(tmp_path / "data/merged/train.parquet"), "--output-dir",
-                 str(tmp_path / "model"), "--vocab-size", "400", "--hidden-size", "32", "--num-layers", "2",
-                 "--num-heads", "4", "--num-kv-heads", "2"]) == 2
+    assert (
+        main(
+            [
+                "sft",
+                "--train-files",
+                str(tmp_path / "data/merged/train.parquet"),
+                "--output-dir",
+                str(tmp_path / "model"),
+                "--vocab-size",
+                "400",
+                "--hidden-size",
+                "32",
+                "--num-layers",
+                "2",
+                "--num-heads",
+                "4",
+                "--num-kv-heads",
+                "2",
+            ]
+        )
+        == 2
+    )
     error = capsys.readouterr().err.strip()
-    assert re.fullmatch(r"longqa: error: longqa sft needs about [\d.]+ GiB at --batch-tokens 131072 but the GPU has "
-                        r"6\.0 GiB: use --batch-tokens \d+ or lower, the largest that fits", error)
+    assert re.fullmatch(
+        r"longqa: error: longqa sft needs about [\d.]+ GiB at --batch-tokens 131072 but the GPU has "
+        r"6\.0 GiB: use --batch-tokens \d+ or lower, the largest that fits",
+        error,
+    )
     assert not (tmp_path / "model" / "config.json").exists()
 
 

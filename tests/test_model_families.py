@@ -37,7 +37,7 @@ def own_logits(model) -> torch.Tensor:
 
 def plain_logprobs(model, prompt, response) -> torch.Tensor:
     ids = torch.tensor([prompt + response])
-    logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
+    logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
     return logits.log_softmax(-1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
 
 
@@ -72,8 +72,9 @@ def packed_outcome(family: str) -> str:
     for name, p in model.named_parameters():
         if name in expected_grads:  # a tensor whose true gradient is 0 (a key bias) is held to the overall scale
             scale = torch.maximum(expected_grads[name].abs().max(), 1e-3 * overall)
-            assert torch.allclose(p.grad, expected_grads[name], atol=1e-4 * scale, rtol=1e-3), \
+            assert torch.allclose(p.grad, expected_grads[name], atol=1e-4 * scale, rtol=1e-3), (
                 f"{family}: gradient of {name} differs"
+            )
     assert torch.allclose(own_logits(model), before, atol=1e-5), f"{family}: its own forward changed"
     return "exact"
 
@@ -83,7 +84,7 @@ def greedy_by_full_forwards(model, prompt) -> list[int]:
     with torch.no_grad():
         for _ in range(NEW_TOKENS):
             ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def engine_outcome(family: str) -> str:
@@ -96,7 +97,7 @@ def engine_outcome(family: str) -> str:
     except UnsupportedModelError as err:
         return refused(model, family, err, before)
     params = SamplingParams(n=2, temperature=0, max_new_tokens=NEW_TOKENS, stop_token_ids=(VOCAB + 1,))
-    for prompt, group, tokens in zip(PROMPTS, engine.generate(PROMPTS, params), expected):
+    for group, tokens in zip(engine.generate(PROMPTS, params), expected):
         for sample in group:
             assert sample.token_ids == tokens, f"{family}: engine {sample.token_ids} vs greedy {tokens}"
     assert torch.allclose(own_logits(model), before, atol=1e-5), f"{family}: its own forward changed"

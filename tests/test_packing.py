@@ -29,9 +29,18 @@ def random_prompt(length: int, seed: int) -> list[int]:
 
 
 def actor_for(model, shared: bool, budget: int = 100_000, extra=(), device="cpu") -> Actor:
-    cfg = load_config(None, [f"actor.shared_prompt={str(shared).lower()}", f"actor.max_tokens_per_micro_batch={budget}",
-                             "data.max_response_length=16", "actor.attention_backend=dense",
-                             "data.train_batch_size=3", "actor.ppo_mini_batch_size=3", *extra])
+    cfg = load_config(
+        None,
+        [
+            f"actor.shared_prompt={str(shared).lower()}",
+            f"actor.max_tokens_per_micro_batch={budget}",
+            "data.max_response_length=16",
+            "actor.attention_backend=dense",
+            "data.train_batch_size=3",
+            "actor.ppo_mini_batch_size=3",
+            *extra,
+        ],
+    )
     return Actor(model, cfg, 1, torch.device(device))
 
 
@@ -83,8 +92,13 @@ def test_flex_backend_log_probs_equal_the_naive_layout():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_compiled_flex_on_cuda_equals_the_naive_layout():
     # compiled flex_attention needs head_dim >= 16
-    assert_same(tiny_lm("qwen3", head_dim=16), samples_for(PROMPTS, LENGTHS), budget=40,
-                extra=("actor.attention_backend=flex",), device="cuda")
+    assert_same(
+        tiny_lm("qwen3", head_dim=16),
+        samples_for(PROMPTS, LENGTHS),
+        budget=40,
+        extra=("actor.attention_backend=flex",),
+        device="cuda",
+    )
 
 
 # Sliding windows (all layers: Mistral; alternating with full layers: Gemma3) and attention soft-capping
@@ -120,12 +134,16 @@ def test_flex_block_masks_honour_sliding_windows_and_soft_capping(family):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("family", WINDOWED)
 def test_compiled_flex_on_cuda_honours_windows_and_soft_capping(family):
-    assert_same(windowed_lm(family, head_dim=16), samples_for(PROMPTS, LENGTHS), budget=40,
-                extra=("actor.attention_backend=flex",), device="cuda")
+    assert_same(
+        windowed_lm(family, head_dim=16),
+        samples_for(PROMPTS, LENGTHS),
+        budget=40,
+        extra=("actor.attention_backend=flex",),
+        device="cuda",
+    )
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                                  "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_every_loss_aggregation_matches_with_entropy_and_kl(mode):
     extra = (f"algo.loss_agg_mode={mode}", "algo.entropy_coeff=0.01", "algo.kl_coef=0.1")
     assert_same(tiny_lm("qwen3"), samples_for(PROMPTS, LENGTHS), extra=extra)
@@ -156,8 +174,8 @@ def test_left_padded_inputs_are_unpadded_first():
     responses = torch.zeros(len(reference), width_r, dtype=torch.long)
     response_mask = torch.zeros_like(responses)
     for i, (p, r) in enumerate(zip(reference.prompt_ids, reference.response_ids)):
-        prompts[i, width_p - len(p):], prompt_mask[i, width_p - len(p):] = torch.tensor(p), 1
-        responses[i, :len(r)], response_mask[i, :len(r)] = torch.tensor(r), 1
+        prompts[i, width_p - len(p) :], prompt_mask[i, width_p - len(p) :] = torch.tensor(p), 1
+        responses[i, : len(r)], response_mask[i, : len(r)] = torch.tensor(r), 1
     padded = Samples.from_padded(prompts, prompt_mask, responses, response_mask, reference.advantages, 4)
     assert padded.prompt_ids == reference.prompt_ids and padded.response_ids == reference.response_ids
     ref_logp, _, _ = logprobs_and_grads(model, reference, shared=False)
@@ -175,8 +193,9 @@ def test_plain_forwards_and_generation_still_work_after_switching():
     use_longqa_attention(model)  # idempotent
     assert model.config._attn_implementation == "longqa:sdpa"
     assert torch.allclose(model(input_ids=ids, attention_mask=mask).logits, before, atol=1e-6)
-    assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
-                                      pad_token_id=0), greedy)
+    assert torch.equal(
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0), greedy
+    )
 
 
 def test_plan_keeps_groups_whole_and_counts_saved_tokens():
@@ -265,8 +284,8 @@ def test_block_mask_classifies_every_block_exactly():
     tiles = dense.view(blocks, BLOCK, blocks, BLOCK).permute(0, 2, 1, 3).reshape(blocks, blocks, -1)
     full, partial = bm.full_kv_num_blocks[0, 0], bm.kv_num_blocks[0, 0]
     for q in range(blocks):
-        full_set = set(bm.full_kv_indices[0, 0, q, :int(full[q])].tolist())
-        partial_set = set(bm.kv_indices[0, 0, q, :int(partial[q])].tolist())
+        full_set = set(bm.full_kv_indices[0, 0, q, : int(full[q])].tolist())
+        partial_set = set(bm.kv_indices[0, 0, q, : int(partial[q])].tolist())
         for k in range(blocks):
             tile = tiles[q, k]
             expected = "full" if tile.all() else "partial" if tile.any() else "none"

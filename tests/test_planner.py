@@ -27,8 +27,16 @@ def test_sizes_match_the_released_parameter_counts():
 
 def plan(shape, gpus, offload=False, checkpointing=True, strategy="fsdp2", offload_params=False, **extra):
     options = {**RECIPE, "groups_per_rank": 256 // gpus, **extra}  # the recipe's 256 prompts a step
-    p = plan_memory(sizes(shape), world_size=gpus, gpu_bytes=H200, gradient_checkpointing=checkpointing,
-                    cpu_offload=offload, strategy=strategy, offload_params=offload_params, **options)
+    p = plan_memory(
+        sizes(shape),
+        world_size=gpus,
+        gpu_bytes=H200,
+        gradient_checkpointing=checkpointing,
+        cpu_offload=offload,
+        strategy=strategy,
+        offload_params=offload_params,
+        **options,
+    )
     check_plan(p, offload, checkpointing, options["micro_batch_tokens"], options.get("kv_cache_bytes"))
     return p
 
@@ -57,8 +65,12 @@ def test_activation_settings_are_named_when_they_are_the_problem():
 
 
 def test_cli_prints_the_table_and_refuses_with_exit_2(capsys):
-    assert main(["plan", "configs/loongrl-qwen3-32b.yaml", "actor.cpu_offload=true", "--gpus", "8", "--shape",
-                 "qwen3-32b"]) == 0
+    assert (
+        main(
+            ["plan", "configs/loongrl-qwen3-32b.yaml", "actor.cpu_offload=true", "--gpus", "8", "--shape", "qwen3-32b"]
+        )
+        == 0
+    )
     assert "fits" in capsys.readouterr().out
     assert main(["plan", "configs/loongrl-qwen3-32b.yaml", "--gpus", "8", "--shape", "qwen3-32b"]) == 2
     captured = capsys.readouterr()
@@ -67,8 +79,22 @@ def test_cli_prints_the_table_and_refuses_with_exit_2(capsys):
 
 
 def test_cli_prints_host_memory_and_step_time_beside_the_gpu_table(capsys):
-    assert main(["plan", "configs/loongrl-qwen3-8b.yaml", "actor.cpu_offload=true", "--gpus", "2", "--shape",
-                 "qwen3-8b", "--response-length", "800"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "configs/loongrl-qwen3-8b.yaml",
+                "actor.cpu_offload=true",
+                "--gpus",
+                "2",
+                "--shape",
+                "qwen3-8b",
+                "--response-length",
+                "800",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "on 2 GPU(s) of 141 GiB, 2 per node with 250 GiB of host memory, FSDP2, CPU offload" in out
     assert "per rank, loading: the whole model             15.3 GiB" in out  # 8.19B parameters in bf16
@@ -76,8 +102,15 @@ def test_cli_prints_host_memory_and_step_time_beside_the_gpu_table(capsys):
     # float32 master shards, their gradients and moments: 16 bytes a parameter, half of them on each rank
     assert "per rank, training: offloaded state" in out and "(2 ranks)                           151.1 GiB" in out
     assert "step time per GRPO step (16 prompts x 4, responses of 800 tokens" in out
-    for phase in ("rollout: prefill", "rollout: decode", "old log-probs (forward)", "update (", "optimizer (2 steps)",
-                  "weight refresh (engine's copy)", "step  "):
+    for phase in (
+        "rollout: prefill",
+        "rollout: decode",
+        "old log-probs (forward)",
+        "update (",
+        "optimizer (2 steps)",
+        "weight refresh (engine's copy)",
+        "step  ",
+    ):
         assert f"\n  {phase}" in out
     assert main(["plan", "configs/loongrl-qwen3-32b.yaml", "--gpus", "32", "--shape", "qwen3-32b"]) == 0
     assert "32 GPU(s) of 141 GiB, 8 per node with 1000 GiB of host memory" in capsys.readouterr().out
@@ -97,8 +130,12 @@ def test_cli_finds_the_largest_shape_two_gpus_can_train(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("the largest Qwen3 shape on 2 GPU(s) of 141 GiB, 2 per node with 250 GiB")
     assert [line.split(":")[0].strip() for line in lines[1:]] == [
-        "qwen3-32b, actor.cpu_offload=false", "qwen3-32b, actor.cpu_offload=true", "qwen3-14b, actor.cpu_offload=false",
-        "qwen3-14b, actor.cpu_offload=true", "qwen3-8b, actor.cpu_offload=false"]
+        "qwen3-32b, actor.cpu_offload=false",
+        "qwen3-32b, actor.cpu_offload=true",
+        "qwen3-14b, actor.cpu_offload=false",
+        "qwen3-14b, actor.cpu_offload=true",
+        "qwen3-8b, actor.cpu_offload=false",
+    ]
     assert "GiB per GPU but a GPU has 141.0 GiB" in lines[1] and "GiB of host memory per node" in lines[2]
     assert re.search(r"fits \(GPU 1\d\d\.\d GiB, host \d+\.\d GiB per node\)$", lines[5])
 
@@ -110,8 +147,15 @@ def test_one_process_shares_its_weights_and_the_kv_cache_takes_its_share_of_the_
     group = 2 * 2 * 36 * 8 * 128 * (16384 + 8 * 4096)  # keys and values, bf16, layers, KV heads, head_dim, tokens
     free = H200 - 2 * qwen3_8b.params  # before the first update only the bf16 weights are allocated
     assert one.kv_groups == int(0.4 * free) // group and one.rollout_kv == one.kv_groups * group
-    capped = plan_memory(qwen3_8b, world_size=1, gpu_bytes=H200, sharded=False, groups_per_rank=64,
-                         kv_cache_bytes=3 * group + 1, **RECIPE)
+    capped = plan_memory(
+        qwen3_8b,
+        world_size=1,
+        gpu_bytes=H200,
+        sharded=False,
+        groups_per_rank=64,
+        kv_cache_bytes=3 * group + 1,
+        **RECIPE,
+    )
     assert capped.kv_groups == 3
     with pytest.raises(PlanError, match="set rollout.kv_cache_bytes"):
         plan("qwen3-8b", 1, checkpointing=0.5, micro_batch_tokens=32768)
@@ -119,8 +163,9 @@ def test_one_process_shares_its_weights_and_the_kv_cache_takes_its_share_of_the_
 
 def test_loading_the_whole_model_on_each_gpu_is_checked_first():
     """Every rank moves the whole model to its GPU and the engine copies it before the model is sharded."""
-    fp32 = plan_memory(sizes("qwen3-32b"), world_size=8, gpu_bytes=H200, cpu_offload=True,
-                       **{**RECIPE, "param_bytes": 4})
+    fp32 = plan_memory(
+        sizes("qwen3-32b"), world_size=8, gpu_bytes=H200, cpu_offload=True, **{**RECIPE, "param_bytes": 4}
+    )
     assert fp32.loading == 2 * 4 * sizes("qwen3-32b").params + 6 * GIB  # the model and the engine's copy, fp32
     with pytest.raises(PlanError, match=r"loading needs about 250.1 GiB per GPU.*model.dtype=bfloat16"):
         check_plan(fp32, True, 1.0, 16384, None)
@@ -141,9 +186,17 @@ def test_the_trainer_check_refuses_before_loading(tmp_path):
 
 
 def test_recomputing_part_of_the_layers_plans_activations_between_none_and_all():
-    activations = [plan_memory(sizes("qwen3-8b"), world_size=1, gpu_bytes=H200, gradient_checkpointing=fraction,
-                               cpu_offload=True, **{**RECIPE, "micro_batch_tokens": 32768}).activations
-                   for fraction in (1.0, 0.5, 0.25, 0.0)]
+    activations = [
+        plan_memory(
+            sizes("qwen3-8b"),
+            world_size=1,
+            gpu_bytes=H200,
+            gradient_checkpointing=fraction,
+            cpu_offload=True,
+            **{**RECIPE, "micro_batch_tokens": 32768},
+        ).activations
+        for fraction in (1.0, 0.5, 0.25, 0.0)
+    ]
     assert activations == sorted(activations) and len(set(activations)) == 4
     with pytest.raises(PlanError, match="raise model.checkpoint_fraction"):
         plan("qwen3-8b", 1, offload=True, checkpointing=0.25, micro_batch_tokens=65536)
@@ -198,8 +251,11 @@ def test_a_partial_offload_keeps_zero3_s_first_sub_groups_on_the_gpu(gpus, ratio
     on_gpu = int((1 - ratio) * groups)
 
     def config(r):
-        return load_config("configs/loongrl-qwen3-8b.yaml", ["actor.strategy=deepspeed", "actor.cpu_offload=true",
-                                                             f"actor.cpu_offload_ratio={r}"])
+        return load_config(
+            "configs/loongrl-qwen3-8b.yaml",
+            ["actor.strategy=deepspeed", "actor.cpu_offload=true", f"actor.cpu_offload_ratio={r}"],
+        )
+
     whole, part = config(1.0), config(ratio)
     assert offload_fraction(whole, gpus, qwen3_8b.params) == 1.0
     assert offload_fraction(part, gpus, qwen3_8b.params) == (groups - on_gpu) / groups
@@ -216,25 +272,51 @@ def test_a_partial_offload_keeps_zero3_s_first_sub_groups_on_the_gpu(gpus, ratio
 def test_the_plan_names_the_partial_offload_where_host_memory_runs_out(capsys):
     """Qwen3-8B on one H200 of 64 GiB host memory: the offloaded optimizer (122 GiB) cannot be held, and the plan
     names the ratio that fits the host; with it, the plan fits and says what steps where."""
-    base = ["plan", "configs/loongrl-qwen3-8b.yaml", "--shape", "qwen3-8b", "--host-memory-gib", "96",
-            "actor.strategy=deepspeed", "actor.cpu_offload=true", "data.train_batch_size=2",
-            "actor.ppo_mini_batch_size=2"]
+    base = [
+        "plan",
+        "configs/loongrl-qwen3-8b.yaml",
+        "--shape",
+        "qwen3-8b",
+        "--host-memory-gib",
+        "96",
+        "actor.strategy=deepspeed",
+        "actor.cpu_offload=true",
+        "data.train_batch_size=2",
+        "actor.ppo_mini_batch_size=2",
+    ]
     assert main(base) == 2
     ratio = re.search(r"actor.cpu_offload_ratio=([0-9.]+) or lower", capsys.readouterr().err).group(1)
     assert main([*base, f"actor.cpu_offload_ratio={ratio}"]) == 0
     out = capsys.readouterr().out
     share = (9 - int((1 - float(ratio)) * 9)) / 9  # ZeRO-3 keeps whole sub-groups of 1e9 parameters on the GPU
-    assert f"{share:.0%} of the optimizer offloaded (DeepSpeed's CPU Adam steps it on the host, torch's AdamW " \
-           f"the rest on the GPU)" in out and out.rstrip().endswith("fits")
+    assert (
+        f"{share:.0%} of the optimizer offloaded (DeepSpeed's CPU Adam steps it on the host, torch's AdamW "
+        f"the rest on the GPU)"
+        in out
+        and out.rstrip().endswith("fits")
+    )
     # a ratio that keeps no whole sub-group on the GPU offloads all of it, and the plan says so
     assert main([*base, "actor.cpu_offload_ratio=0.9", "--host-memory-gib", "200"]) == 0
-    assert ("the whole optimizer offloaded: actor.cpu_offload_ratio=0.9 keeps int(0.1 x 9) = 0 of its 9 sub-groups"
-            in capsys.readouterr().out)
+    assert (
+        "the whole optimizer offloaded: actor.cpu_offload_ratio=0.9 keeps int(0.1 x 9) = 0 of its 9 sub-groups"
+        in capsys.readouterr().out
+    )
     assert main([*base, "actor.cpu_offload_ratio=0.05", "--gpu-memory-gib", "96"]) == 2
     assert "offload more of the optimizer (raise actor.cpu_offload_ratio)" in capsys.readouterr().err
     # --largest tries that share where the whole optimizer does not fit the host but the GPU has room
-    assert main(["plan", "configs/loongrl-qwen3-8b.yaml", "--largest", "--host-memory-gib", "96",
-                 "actor.strategy=deepspeed"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "configs/loongrl-qwen3-8b.yaml",
+                "--largest",
+                "--host-memory-gib",
+                "96",
+                "actor.strategy=deepspeed",
+            ]
+        )
+        == 0
+    )
     last = capsys.readouterr().out.splitlines()[-2:]
     assert "qwen3-8b, actor.cpu_offload=true: this plan needs about" in last[0]
     assert last[1].startswith(f"  qwen3-8b, actor.cpu_offload=true actor.cpu_offload_ratio={ratio}: fits")
@@ -242,10 +324,17 @@ def test_the_plan_names_the_partial_offload_where_host_memory_runs_out(capsys):
 
 def test_offloaded_layers_keep_no_activations_on_the_gpu():
     """A layer offloaded holds nothing on the GPU, a recomputed one its input; the rest all of theirs."""
+
     def activations(checkpointing, offload):
-        return plan_memory(sizes("qwen3-8b"), world_size=1, gpu_bytes=H200, gradient_checkpointing=checkpointing,
-                           activation_offload=offload, cpu_offload=True,
-                           **{**RECIPE, "micro_batch_tokens": 32768}).activations
+        return plan_memory(
+            sizes("qwen3-8b"),
+            world_size=1,
+            gpu_bytes=H200,
+            gradient_checkpointing=checkpointing,
+            activation_offload=offload,
+            cpu_offload=True,
+            **{**RECIPE, "micro_batch_tokens": 32768},
+        ).activations
 
     none, quarter_recomputed, quarter_offloaded = activations(0, 0), activations(0.25, 0), activations(0, 0.25)
     layer = (none - quarter_offloaded) / 9  # 9 of 36 layers
@@ -267,9 +356,21 @@ def test_a_kl_penalty_s_reference_model_is_counted_on_each_gpu():
 
     qwen3_8b = sizes("qwen3-8b")
     base = ["model.dtype=bfloat16", "actor.cpu_offload=true"]
-    plans = {kl: {strategy: plan_config(load_config("configs/loongrl-qwen3-8b.yaml", [
-        *base, f"algo.kl_coef={kl}", f"actor.strategy={strategy}", "rollout.kv_cache_bytes=1000000000"]),
-        qwen3_8b, 8, H200) for strategy in ("fsdp2", "deepspeed")} for kl in (0, 0.001)}
+    plans = {
+        kl: {
+            strategy: plan_config(
+                load_config(
+                    "configs/loongrl-qwen3-8b.yaml",
+                    [*base, f"algo.kl_coef={kl}", f"actor.strategy={strategy}", "rollout.kv_cache_bytes=1000000000"],
+                ),
+                qwen3_8b,
+                8,
+                H200,
+            )
+            for strategy in ("fsdp2", "deepspeed")
+        }
+        for kl in (0, 0.001)
+    }
     for strategy, share in (("fsdp2", 8), ("deepspeed", 1)):
         without, with_kl = plans[0][strategy], plans[0.001][strategy]
         assert with_kl.reference_weights == 2 * qwen3_8b.params // share and without.reference_weights == 0
@@ -290,10 +391,17 @@ def test_plan_takes_the_gpu_count_a_ray_config_runs_and_refuses_another(capsys):
     assert "--gpus 8, but the config runs trainer.ray_workers=32 Ray workers" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("workers, gpus, use_gpu, expected", [
-    (None, 8, True, 8), (8, 8, True, 8), (4, 8, True, 4), (32, 8, True, None), (None, 0, False, None),
-    (2, 0, False, 2),  # CPU workers on a cluster without GPUs
-])
+@pytest.mark.parametrize(
+    "workers, gpus, use_gpu, expected",
+    [
+        (None, 8, True, 8),
+        (8, 8, True, 8),
+        (4, 8, True, 4),
+        (32, 8, True, None),
+        (None, 0, False, None),
+        (2, 0, False, 2),  # CPU workers on a cluster without GPUs
+    ],
+)
 def test_ray_workers_are_never_more_than_the_cluster_s_gpus(workers, gpus, use_gpu, expected):
     from longqa.config import ConfigError, load_config
     from longqa.train.ray_launcher import ray_worker_count
@@ -313,23 +421,47 @@ def test_sampling_beside_the_update_counts_the_engine_s_copy_of_the_weights():
     from longqa.planning.planner import plan_config
 
     smollm2 = sizes("smollm2-135m")
-    plans = {overlap: plan_config(load_config(None, [
-        "model.dtype=float32", "rollout.mode=one_step_off", f"rollout.overlap={str(overlap).lower()}",
-        "rollout.kv_cache_bytes=1000000000", "actor.max_tokens_per_micro_batch=8192"]), smollm2, 1, H200)
-        for overlap in (False, True)}
+    plans = {
+        overlap: plan_config(
+            load_config(
+                None,
+                [
+                    "model.dtype=float32",
+                    "rollout.mode=one_step_off",
+                    f"rollout.overlap={str(overlap).lower()}",
+                    "rollout.kv_cache_bytes=1000000000",
+                    "actor.max_tokens_per_micro_batch=8192",
+                ],
+            ),
+            smollm2,
+            1,
+            H200,
+        )
+        for overlap in (False, True)
+    }
     assert plans[False].rollout_weights == 0 and plans[True].rollout_weights == 4 * smollm2.params
     assert plans[True].total - plans[False].total == 4 * smollm2.params
 
 
-SPLIT_RUN = ["--shape", "qwen3-1.7b", "data.max_prompt_length=8192", "data.max_response_length=1024", "rollout.n=8",
-             "data.train_batch_size=24", "actor.ppo_mini_batch_size=24", "actor.max_tokens_per_micro_batch=16384",
-             "model.dtype=bfloat16"]
+SPLIT_RUN = [
+    "--shape",
+    "qwen3-1.7b",
+    "data.max_prompt_length=8192",
+    "data.max_response_length=1024",
+    "rollout.n=8",
+    "data.train_batch_size=24",
+    "actor.ppo_mini_batch_size=24",
+    "actor.max_tokens_per_micro_batch=16384",
+    "model.dtype=bfloat16",
+]
 
 
-@pytest.mark.parametrize("setting, split_wins", [("rollout.response_lengths=lognormal", False),
-                                                  ("data.max_response_length=4096", True)])
-def test_each_split_of_the_gpus_takes_the_longer_side_and_the_fastest_that_fits_is_proposed(capsys, setting,
-                                                                                           split_wins):
+@pytest.mark.parametrize(
+    "setting, split_wins", [("rollout.response_lengths=lognormal", False), ("data.max_response_length=4096", True)]
+)
+def test_each_split_of_the_gpus_takes_the_longer_side_and_the_fastest_that_fits_is_proposed(
+    capsys, setting, split_wins
+):
     """`longqa plan --split`: on 6 GPUs, every number of sampler ranks from 1 to 5; a split whose training ranks do
     not divide the batch is marked with the trainer's own refusal; each step is the longer of the samplers' rollout
     and the training ranks' work plus the weights' broadcast; more samplers sample faster, more training ranks train
@@ -358,8 +490,10 @@ def test_each_split_of_the_gpus_takes_the_longer_side_and_the_fastest_that_fits_
     if split_wins:
         assert f"proposed: rollout.sampler_ranks={best.samplers} rollout.mode=one_step_off, {best.trainers} " in out
     else:  # no split beats every GPU sampling then training: that is the proposal
-        assert f"proposed: every GPU samples and trains (rollout.sampler_ranks=0): the fastest split, " \
-               f"rollout.sampler_ranks={best.samplers}, would take {best.step_s:.1f} s" in out
+        assert (
+            f"proposed: every GPU samples and trains (rollout.sampler_ranks=0): the fastest split, "
+            f"rollout.sampler_ranks={best.samplers}, would take {best.step_s:.1f} s" in out
+        )
 
 
 def test_a_split_plan_proposes_only_a_layout_that_plan_accepts(capsys):
@@ -373,8 +507,11 @@ def test_a_split_plan_proposes_only_a_layout_that_plan_accepts(capsys):
     out = capsys.readouterr().out
     synchronous = re.search(r"every GPU sampling then training: (\S+) s a step; fits: (.*)", out)
     assert float(synchronous.group(1)) > 0 and synchronous.group(2) == f"no: {refusal}"
-    proposed = re.search(r"proposed: (rollout.sampler_ranks=\d+) (rollout.mode=one_step_off), .*: (\S+) s a step, "
-                         r"every GPU sampling then training does not fit", out)
+    proposed = re.search(
+        r"proposed: (rollout.sampler_ranks=\d+) (rollout.mode=one_step_off), .*: (\S+) s a step, "
+        r"every GPU sampling then training does not fit",
+        out,
+    )
     assert proposed and float(proposed.group(3)) > 0
     assert main(["plan", "--gpus", "3", proposed.group(1), proposed.group(2)]) == 0
     assert capsys.readouterr().out.endswith("fits\n")
@@ -383,12 +520,29 @@ def test_a_split_plan_proposes_only_a_layout_that_plan_accepts(capsys):
 def test_a_mini_batch_that_does_not_divide_the_batch_is_refused_on_one_rank_as_on_several(capsys):
     """Mini-batches of 3 groups out of 4 would make a last mini-batch of 1 on one rank, as they give a rank of
     two no whole share: one rule refuses it in `plan` for any number of GPUs, in `config show` and in `train`."""
-    message = ("actor.ppo_mini_batch_size=3 must divide data.train_batch_size=4{}: each optimizer step takes a "
-               "mini-batch of that many groups, and every mini-batch must be alike; use {} (or another such size)")
-    for gpus, ranks, use in ((1, "", 2), (2, " and be a multiple of the 2 ranks", 2), (4, " and be a multiple of "
-                                                                                           "the 4 ranks", 4)):
-        assert main(["plan", "--gpus", str(gpus), "--shape", "qwen3-tiny", "data.train_batch_size=4",
-                     "actor.ppo_mini_batch_size=3"]) == 2
+    message = (
+        "actor.ppo_mini_batch_size=3 must divide data.train_batch_size=4{}: each optimizer step takes a "
+        "mini-batch of that many groups, and every mini-batch must be alike; use {} (or another such size)"
+    )
+    for gpus, ranks, use in (
+        (1, "", 2),
+        (2, " and be a multiple of the 2 ranks", 2),
+        (4, " and be a multiple of the 4 ranks", 4),
+    ):
+        assert (
+            main(
+                [
+                    "plan",
+                    "--gpus",
+                    str(gpus),
+                    "--shape",
+                    "qwen3-tiny",
+                    "data.train_batch_size=4",
+                    "actor.ppo_mini_batch_size=3",
+                ]
+            )
+            == 2
+        )
         assert capsys.readouterr().err == f"longqa: error: {message.format(ranks, use)}\n"
     assert main(["config", "show", "data.train_batch_size=4", "actor.ppo_mini_batch_size=3"]) == 2
     assert capsys.readouterr().err == f"longqa: error: {message.format('', 2)}\n"
@@ -412,14 +566,38 @@ def test_a_training_rank_beside_sampler_ranks_plans_no_engine():
 def test_plan_with_sampler_ranks_is_a_training_rank_s_over_the_other_gpus(capsys):
     """`longqa plan --gpus 3 rollout.sampler_ranks=1` plans what the trainer checks: 2 training ranks, no engine on
     them; a job with no training rank left is refused as the trainer refuses it."""
-    assert main(["plan", "--gpus", "3", *SPLIT_RUN, "data.train_batch_size=4", "actor.ppo_mini_batch_size=4",
-                 "rollout.sampler_ranks=1"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--gpus",
+                "3",
+                *SPLIT_RUN,
+                "data.train_batch_size=4",
+                "actor.ppo_mini_batch_size=4",
+                "rollout.sampler_ranks=1",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "on 2 GPU(s) of 141 GiB" in out and "1 more GPU(s) only sample, rollout.sampler_ranks=1" in out
     assert re.search(r"rollout weights \(engine's copy\) +0\.0 GiB", out)
     assert re.search(r"rollout KV cache \(none here\) +0\.0 GiB", out)
-    assert main(["plan", "--gpus", "2", *SPLIT_RUN, "data.train_batch_size=3", "actor.ppo_mini_batch_size=3",
-                 "rollout.sampler_ranks=1"]) == 0  # one training rank: any batch
+    assert (
+        main(
+            [
+                "plan",
+                "--gpus",
+                "2",
+                *SPLIT_RUN,
+                "data.train_batch_size=3",
+                "actor.ppo_mini_batch_size=3",
+                "rollout.sampler_ranks=1",
+            ]
+        )
+        == 0
+    )  # one training rank: any batch
     assert main(["plan", "--gpus", "1", *SPLIT_RUN, "rollout.sampler_ranks=1"]) == 2
     assert "rollout.sampler_ranks=1 sets that many ranks apart to sample, but the job has 1" in capsys.readouterr().err
 

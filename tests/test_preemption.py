@@ -54,9 +54,13 @@ def test_the_first_signal_is_said_at_once_by_one_rank_and_its_echo_is_not(handle
             first = capfd.readouterr().err
             signal.raise_signal(signal.SIGINT)  # an echo of the same request
             assert capfd.readouterr().err == ""
-        assert first.strip() == ("longqa: SIGINT: stopping once the sampling, update or validation in flight ends; "
-                                 "the last finished step is then saved and the run exits 75 (another signal, 5 s "
-                                 "or more after this one, ends it at once)" if said else "")
+        assert first.strip() == (
+            "longqa: SIGINT: stopping once the sampling, update or validation in flight ends; "
+            "the last finished step is then saved and the run exits 75 (another signal, 5 s "
+            "or more after this one, ends it at once)"
+            if said
+            else ""
+        )
 
 
 def test_a_signal_the_process_ignores_stays_ignored(handlers):
@@ -85,13 +89,20 @@ def test_outside_the_main_thread_nothing_is_installed(handlers):
 def test_a_second_signal_ends_the_process_at_once_and_an_echo_does_not():
     """An echo (Slurm signals every process, torchrun passes its own on) comes within ECHO_S and is the
     same request; a signal after that is a second one."""
-    code = ("import signal, time\nfrom longqa.train import preemption\npreemption.ECHO_S = 0.5\n"
-            "with preemption.StopRequest():\n"
-            "    signal.raise_signal(signal.SIGTERM)\n    signal.raise_signal(signal.SIGTERM)\n"
-            "    print('noted', flush=True)\n    time.sleep(0.6)\n"
-            "    signal.raise_signal(signal.SIGTERM)\n    time.sleep(30)\n    print('still running')\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    code = (
+        "import signal, time\nfrom longqa.train import preemption\npreemption.ECHO_S = 0.5\n"
+        "with preemption.StopRequest():\n"
+        "    signal.raise_signal(signal.SIGTERM)\n    signal.raise_signal(signal.SIGTERM)\n"
+        "    print('noted', flush=True)\n    time.sleep(0.6)\n"
+        "    signal.raise_signal(signal.SIGTERM)\n    time.sleep(30)\n    print('still running')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+    )
     assert done.stdout == "noted\n" and done.returncode == -signal.SIGTERM, done.stderr
 
 

@@ -59,15 +59,26 @@ def test_overlong_prompts_filtered_or_truncated(files, tokenizer):
         prepare_prompts(files, tokenizer, PromptOptions(3))
 
 
-@pytest.mark.parametrize("breakage, reason", [
-    (lambda r: r.update(prompt=[]), "'prompt' must be a non-empty list"),
-    (lambda r: r.update(prompt=[{"role": "robot", "content": "x"}]), "'prompt[0].role' is 'robot'"),
-    (lambda r: r["reward_model"].update(ground_truth=None), "'reward_model.ground_truth' must be a string or a list"),
-    (lambda r: r["reward_model"].update(ground_truth=["ok", ""]),
-     "'reward_model.ground_truth' must be a non-empty list of non-empty strings"),
-    (lambda r: r.pop("data_source"), "'data_source' must be a non-empty string"),
-    (lambda r: r.update(prompt=[{"role": "system", "content": "only a system message"}]), "'prompt' has no user message"),
-])
+@pytest.mark.parametrize(
+    "breakage, reason",
+    [
+        (lambda r: r.update(prompt=[]), "'prompt' must be a non-empty list"),
+        (lambda r: r.update(prompt=[{"role": "robot", "content": "x"}]), "'prompt[0].role' is 'robot'"),
+        (
+            lambda r: r["reward_model"].update(ground_truth=None),
+            "'reward_model.ground_truth' must be a string or a list",
+        ),
+        (
+            lambda r: r["reward_model"].update(ground_truth=["ok", ""]),
+            "'reward_model.ground_truth' must be a non-empty list of non-empty strings",
+        ),
+        (lambda r: r.pop("data_source"), "'data_source' must be a non-empty string"),
+        (
+            lambda r: r.update(prompt=[{"role": "system", "content": "only a system message"}]),
+            "'prompt' has no user message",
+        ),
+    ],
+)
 def test_bad_rows_stop_with_file_row_reason_or_are_skipped(tmp_path, tokenizer, breakage, reason):
     rows = [qa_row(i) for i in range(6)]
     breakage(rows[4])
@@ -186,8 +197,10 @@ def expected_tallies(rows, limit: int, mode: str, tokenizer) -> dict[str, dict]:
     for row in rows:
         bad = not any(m["role"] == "user" for m in row["prompt"])
         over = not bad and len(reference_ids(tokenizer, row)) > limit
-        for group, key in (("data_source", row.get("data_source") or "(no data_source)"),
-                           ("target_tokens", row["extra_info"].get("target_tokens"))):
+        for group, key in (
+            ("data_source", row.get("data_source") or "(no data_source)"),
+            ("target_tokens", row["extra_info"].get("target_tokens")),
+        ):
             if key is None:
                 continue
             counts = out[group].setdefault(key, [0, 0, 0])
@@ -199,14 +212,16 @@ def expected_tallies(rows, limit: int, mode: str, tokenizer) -> dict[str, dict]:
 
 def said(key, rows: int, dropped: int, truncated: int) -> str:
     parts = ([f"{dropped} of {rows} dropped" + (", none left" if dropped == rows else "")] if dropped else []) + (
-        [f"{truncated} of {rows} truncated"] if truncated else [])
+        [f"{truncated} of {rows} truncated"] if truncated else []
+    )
     return f"{key}: {' and '.join(parts)}"
 
 
 def limits_that_cut(rows, tokenizer) -> list[int]:
     """Every limit that keeps a different set of prompts whole: each good row's prompt length, longest first."""
-    return sorted({len(reference_ids(tokenizer, r)) for r in rows if any(m["role"] == "user" for m in r["prompt"])},
-                  reverse=True)
+    return sorted(
+        {len(reference_ids(tokenizer, r)) for r in rows if any(m["role"] == "user" for m in r["prompt"])}, reverse=True
+    )
 
 
 @pytest.mark.parametrize("mode", ["filter", "truncate"])
@@ -248,7 +263,8 @@ def test_a_set_that_lost_nothing_says_so(files, tokenizer):
 
     options = PromptOptions(10_000)
     assert describe_losses(prepare_prompts(files, tokenizer, options), "validation prompts", options) == [
-        "validation prompts: all 75 kept whole"]
+        "validation prompts: all 75 kept whole"
+    ]
 
 
 @pytest.mark.parametrize("mode", ["filter", "truncate"])
@@ -266,21 +282,34 @@ def test_a_validation_set_that_loses_rows_is_said_and_named_in_its_metrics(tmp_p
     train = write_rows(rows_at_lengths(), tmp_path / "train.parquet")
     partial_limits = 0
     for limit in limits_that_cut(rows, tokenizer):
-        base = [f"data.max_prompt_length={limit}", f"data.filter_overlong_prompts={mode == 'filter'}",
-                "data.train_batch_size=1", "actor.ppo_mini_batch_size=1", f"data.cache_dir={tmp_path / 'cache'}"]
+        base = [
+            f"data.max_prompt_length={limit}",
+            f"data.filter_overlong_prompts={mode == 'filter'}",
+            "data.train_batch_size=1",
+            "actor.ppo_mini_batch_size=1",
+            f"data.cache_dir={tmp_path / 'cache'}",
+        ]
         said_lines = []
         expected = expected_tallies(rows, limit, mode, tokenizer)
         sources = [said(k, *c) for k, c in sorted(expected["data_source"].items()) if c[1] or c[2]]
         cfg = load_config(None, [*base, f"data.train_files={train}", f"data.val_files={val}"])
         _, kept = load_prompts(cfg, tokenizer, say=said_lines.append)
         assert len(kept) == len(rows) - sum(c[1] for c in expected["data_source"].values())
-        suffixes = {(group, key): f"_whole_{c[0] - c[1]}_of_{c[0]}" for group, counts in expected.items()
-                    for key, c in counts.items() if 0 < c[1] < c[0]}  # dropped some, not all
+        suffixes = {
+            (group, key): f"_whole_{c[0] - c[1]}_of_{c[0]}"
+            for group, counts in expected.items()
+            for key, c in counts.items()
+            if 0 < c[1] < c[0]
+        }  # dropped some, not all
         assert lost_row_suffixes(kept) == suffixes
-        val_lines = said_lines[said_lines.index(next(x for x in said_lines if x.startswith("validation"))):]
+        val_lines = said_lines[said_lines.index(next(x for x in said_lines if x.startswith("validation"))) :]
         assert (f"  by data_source: {'; '.join(sources)}" in val_lines) == bool(sources)
-        names = [validation_metric(group, key, suffix) for (group, key), suffix in  # in the order said: by group, key
-                 sorted(suffixes.items(), key=lambda item: (item[0][0] != "data_source", item[0][1]))]
+        names = [
+            validation_metric(group, key, suffix)
+            for (group, key), suffix in sorted(  # in the order said: by group, key
+                suffixes.items(), key=lambda item: (item[0][0] != "data_source", item[0][1])
+            )
+        ]
         if names:
             assert any(names[0] in line for line in val_lines)
         else:

@@ -7,8 +7,11 @@ from longqa.train.ray_launcher import _failure_config, check_placeable, describe
 
 
 def test_cpu_workers_past_the_clusters_cpus_are_refused_naming_what_there_is():
-    with pytest.raises(ConfigError, match=r"trainer.ray_workers=8 Ray workers need one CPU each, but the Ray cluster "
-                                          r"has 0 GPUs and 2 CPUs"):
+    with pytest.raises(
+        ConfigError,
+        match=r"trainer.ray_workers=8 Ray workers need one CPU each, but the Ray cluster "
+        r"has 0 GPUs and 2 CPUs",
+    ):
         check_placeable(8, False, {"CPU": 2.0})
     check_placeable(2, False, {"CPU": 2.0})
 
@@ -56,8 +59,9 @@ def test_worker_paths_expand_the_home_folder(tmp_path, monkeypatch):
 
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.chdir(tmp_path)
-    cfg = _absolute(load_config(None, ["data.cache_dir=~/.cache/longqa", "trainer.output_dir=~/runs/x",
-                                       "trainer.resume=none"]))
+    cfg = _absolute(
+        load_config(None, ["data.cache_dir=~/.cache/longqa", "trainer.output_dir=~/runs/x", "trainer.resume=none"])
+    )
     assert cfg.data.cache_dir == str(tmp_path / ".cache" / "longqa")
     assert cfg.trainer.output_dir == str(tmp_path / "runs" / "x")
     assert cfg.trainer.resume == "auto"  # (the driver checked the folder: a restart resumes this run's own)
@@ -70,7 +74,15 @@ def test_the_driver_checks_before_ray_starts(tmp_path):
     from longqa.train.trainer import check_before_workers
 
     with pytest.raises(DataFileError, match="nope.parquet: no such file"):
-        check_before_workers(load_config(None, [f"data.train_files={tmp_path}/nope.parquet", "data.val_files=[]",
-                                                f"trainer.output_dir={tmp_path}/run"]))
+        check_before_workers(
+            load_config(
+                None,
+                [
+                    f"data.train_files={tmp_path}/nope.parquet",
+                    "data.val_files=[]",
+                    f"trainer.output_dir={tmp_path}/run",
+                ],
+            )
+        )
     with pytest.raises(ConfigError, match="rollout.n=1"):
         check_before_workers(load_config(None, ["rollout.n=1", f"trainer.output_dir={tmp_path}/run"]))

@@ -14,8 +14,14 @@ import torch
 
 from longqa.train.report import SINKS, MetricsLogger, read_metrics, write_report
 
-STEP = {"reward/mean": 0.5, "reward/full_fraction": 0.375, "response_length/mean": 812.4, "response_length/max": 2048,
-        "perf/tokens_per_s": 1234.4, "time/step_s": 2.0}
+STEP = {
+    "reward/mean": 0.5,
+    "reward/full_fraction": 0.375,
+    "response_length/mean": 812.4,
+    "response_length/max": 2048,
+    "perf/tokens_per_s": 1234.4,
+    "time/step_s": 2.0,
+}
 
 
 def jsonl_steps(run_dir) -> list[int]:
@@ -69,7 +75,10 @@ def test_the_eta_counts_training_steps_not_the_validation_before_them(tmp_path, 
         logger.log(1, {**STEP, "time/step_s": 9.0})
         logger.log(2, {**STEP, "time/step_s": 11.0})
     assert [line.rpartition(" | ")[2] for line in capsys.readouterr().out.splitlines()] == [
-        "val/accuracy 0.500", "ETA 0:05:51", "ETA 0:06:20"]  # 39 steps of 9 s, then 38 of the mean 10 s
+        "val/accuracy 0.500",
+        "ETA 0:05:51",
+        "ETA 0:06:20",
+    ]  # 39 steps of 9 s, then 38 of the mean 10 s
 
 
 def test_console_shows_reward_errors_when_there_are_any(tmp_path, capsys):
@@ -91,9 +100,9 @@ def test_console_rewrites_its_line_on_a_terminal(tmp_path, monkeypatch):
         logger.log(1, {"reward/mean": 0.125, "time/step_s": 1.0})
         logger.log(2, {"reward/mean": 0.25, "val/accuracy": 0.5, "time/step_s": 1.0})  # kept: ends its line
         logger.log(3, {"reward/mean": 0.5, "time/step_s": 1.0})
-    assert screen.getvalue() == ("\rstep 1 | reward 0.125"
-                                 "\rstep 2 | reward 0.250 | val/accuracy 0.500\n"
-                                 "\rstep 3 | reward 0.500\n")
+    assert screen.getvalue() == (
+        "\rstep 1 | reward 0.125\rstep 2 | reward 0.250 | val/accuracy 0.500\n\rstep 3 | reward 0.500\n"
+    )
 
 
 def test_unknown_sink_is_refused_with_the_allowed_ones(tmp_path):
@@ -112,8 +121,9 @@ def test_tensorboard_writes_event_files(tmp_path):
     assert events and events[0].stat().st_size > 0
 
 
-@pytest.mark.parametrize("sink, module, package", [
-    ("tensorboard", "torch.utils.tensorboard", "tensorboard"), ("wandb", "wandb", "wandb")])
+@pytest.mark.parametrize(
+    "sink, module, package", [("tensorboard", "torch.utils.tensorboard", "tensorboard"), ("wandb", "wandb", "wandb")]
+)
 def test_a_missing_optional_package_is_named_before_anything_changes(tmp_path, monkeypatch, sink, module, package):
     monkeypatch.setitem(sys.modules, module, None)  # makes the import fail as if not installed
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
@@ -125,8 +135,9 @@ def test_a_missing_optional_package_is_named_before_anything_changes(tmp_path, m
 def fake_wandb(calls: list):
     def init(**kwargs):
         calls.append(("init", kwargs))
-        return types.SimpleNamespace(log=lambda data, step: calls.append(("log", step, data)),
-                                     finish=lambda: calls.append(("finish",)))
+        return types.SimpleNamespace(
+            log=lambda data, step: calls.append(("log", step, data)), finish=lambda: calls.append(("finish",))
+        )
 
     return types.SimpleNamespace(init=init)
 
@@ -138,8 +149,14 @@ def test_wandb_gets_config_numbers_and_keeps_its_run_id_across_a_resume(tmp_path
     with MetricsLogger(tmp_path, ["wandb"], total_steps=5, config=config, project="p", name="run-1") as logger:
         logger.log(1, {"reward/mean": 0.5, "note": "text is not sent", "time/step_s": 1.0})
     (_, init), log, finish = calls
-    assert init == {"project": "p", "name": "run-1", "config": config, "dir": str(tmp_path), "id": init["id"],
-                    "resume": "allow"}
+    assert init == {
+        "project": "p",
+        "name": "run-1",
+        "config": config,
+        "dir": str(tmp_path),
+        "id": init["id"],
+        "resume": "allow",
+    }
     assert log == ("log", 1, {"time/step_s": 1.0, "reward/mean": 0.5}) and finish == ("finish",)
 
     calls.clear()
@@ -163,9 +180,18 @@ def write_metrics(run_dir, records, tail: str = "") -> None:
 
 
 def test_write_report_plots_and_summarises(tmp_path):
-    records = [{"step": s, "reward/mean": s / 20, "reward/full_fraction": s / 40, "response_length/mean": 100.0 + s,
-                "response_length/max": 200 + 2 * s, "perf/tokens_per_s": 1000.0, "time/step_s": 3.0}
-               for s in range(1, 21)]
+    records = [
+        {
+            "step": s,
+            "reward/mean": s / 20,
+            "reward/full_fraction": s / 40,
+            "response_length/mean": 100.0 + s,
+            "response_length/max": 200 + 2 * s,
+            "perf/tokens_per_s": 1000.0,
+            "time/step_s": 3.0,
+        }
+        for s in range(1, 21)
+    ]
     for r in records[4::5]:
         r["val/accuracy"] = r["step"] / 50
     records[9]["reward/mean"] = float("nan")  # a bad step must not become the "best"
@@ -186,8 +212,13 @@ def test_write_report_plots_and_summarises(tmp_path):
 
 
 def test_the_report_counts_training_steps_not_the_validation_before_them(tmp_path):
-    write_metrics(tmp_path, [{"step": 0, "val/accuracy": 0.1, "time/step_s": 1.0},
-                             *({"step": s, "reward/mean": 0.5, "time/step_s": 2.0} for s in (1, 2))])
+    write_metrics(
+        tmp_path,
+        [
+            {"step": 0, "val/accuracy": 0.1, "time/step_s": 1.0},
+            *({"step": s, "reward/mean": 0.5, "time/step_s": 2.0} for s in (1, 2)),
+        ],
+    )
     assert "- steps: 2 (last step 2)" in write_report(tmp_path).read_text()
 
 
@@ -203,8 +234,10 @@ def test_write_report_draws_accuracy_by_length_at_the_first_and_last_validation(
     write_metrics(tmp_path, records)
 
     keys = ["val/accuracy@512", "val/accuracy@1024", "val/accuracy@2048", "val/accuracy@4096"]
-    assert _length_curves(records, keys) == {0: ([512, 1024, 2048, 4096], [10 / 512, 10 / 1024, 10 / 2048, 10 / 4096]),
-                                             20: ([512, 1024, 2048], [30 / 512, 30 / 1024, 30 / 2048])}
+    assert _length_curves(records, keys) == {
+        0: ([512, 1024, 2048, 4096], [10 / 512, 10 / 1024, 10 / 2048, 10 / 4096]),
+        20: ([512, 1024, 2048], [30 / 512, 30 / 1024, 30 / 2048]),
+    }
     text = write_report(tmp_path).read_text()
     assert png_size(tmp_path / "report" / "accuracy_by_length.png") == (700, 400)
     assert text.splitlines()[-1] == "![accuracy_by_length](accuracy_by_length.png)"

@@ -29,7 +29,8 @@ def test_every_config_key_is_either_applied_or_refused_on_resume():
     assert not APPLIED_ON_RESUME & REFUSED_ON_RESUME
     assert APPLIED_ON_RESUME | REFUSED_ON_RESUME == keys, (
         f"unclassified: {sorted(keys - APPLIED_ON_RESUME - REFUSED_ON_RESUME)}; "
-        f"not keys: {sorted((APPLIED_ON_RESUME | REFUSED_ON_RESUME) - keys)}")
+        f"not keys: {sorted((APPLIED_ON_RESUME | REFUSED_ON_RESUME) - keys)}"
+    )
 
 
 def default_of(key: str):
@@ -119,8 +120,9 @@ def test_a_file_given_relative_or_absolute_is_the_same_setting(tmp_path, monkeyp
     relative = load_config(None, ["data.train_files=d/train.parquet", "model.path=models/m"])
     absolute = load_config(None, [f"data.train_files={tmp_path}/d/train.parquet", f"model.path={tmp_path}/models/m"])
     assert config_changes(to_dict(absolute), relative) == []
-    assert [c.key for c in config_changes(to_dict(relative), load_config(None, ["data.train_files=e/train.parquet"]))
-            ] == ["model.path", "data.train_files"]
+    assert [
+        c.key for c in config_changes(to_dict(relative), load_config(None, ["data.train_files=e/train.parquet"]))
+    ] == ["model.path", "data.train_files"]
 
 
 def test_a_key_the_checkpoint_does_not_record_is_compared_with_its_default():
@@ -141,8 +143,11 @@ def test_data_replaced_under_the_same_name_is_refused_unless_allowed(tmp_path, m
     recorded, then = to_dict(cfg), data_fingerprint(cfg)
     assert check_resume(CHECKPOINT, recorded, cfg, then, data_fingerprint(cfg)) == []
     (tmp_path / "d" / "train.parquet").write_bytes(b"other rows")
-    with pytest.raises(ResumeError, match=r"data.train_files: the contents of d/train.parquet changed since the "
-                                          r"checkpoint; resume with"):
+    with pytest.raises(
+        ResumeError,
+        match=r"data.train_files: the contents of d/train.parquet changed since the "
+        r"checkpoint; resume with",
+    ):
         check_resume(CHECKPOINT, recorded, cfg, then, data_fingerprint(cfg))
     cfg.trainer.resume_allow_changes = True
     changes = check_resume(CHECKPOINT, recorded, cfg, then, data_fingerprint(cfg))

@@ -23,8 +23,10 @@ def test_a_checkpoint_past_max_steps_trains_nothing_and_says_why(tmp_path, capsy
     trainer = trainer_at(tmp_path, 3, ["trainer.max_steps=1"], 1)
     assert trainer._run() == {"steps": 3, "trained": 0, "report": None, "preempted": None}
     line = capsys.readouterr().out.strip()
-    assert line.endswith("is already at step 3 >= trainer.max_steps=1: nothing to train; raise trainer.max_steps "
-                         "(or trainer.total_epochs) to go on")
+    assert line.endswith(
+        "is already at step 3 >= trainer.max_steps=1: nothing to train; raise trainer.max_steps "
+        "(or trainer.total_epochs) to go on"
+    )
 
 
 def test_a_checkpoint_at_the_last_epoch_step_names_the_epochs(tmp_path, capsys):

@@ -20,8 +20,14 @@ from longqa.reward import (
     validate_mode,
 )
 
-ENV_KNOBS = ("REWARD_CALC_TYPE", "MAX_BOXED_LIMIT", "PUNISH_MULTIPLE_BRACES", "ANSWER_OVER_FLOW_LIMIT",
-             "EOT_OVER_FLOW_LIMIT", "F1_SCORE_THRESHOLD")
+ENV_KNOBS = (
+    "REWARD_CALC_TYPE",
+    "MAX_BOXED_LIMIT",
+    "PUNISH_MULTIPLE_BRACES",
+    "ANSWER_OVER_FLOW_LIMIT",
+    "EOT_OVER_FLOW_LIMIT",
+    "F1_SCORE_THRESHOLD",
+)
 THINK = "<think>Bart's best friend is the son of Kirk and Luann; the article names him in full.</think>\n"
 HEDGE = r"I am not sure; it could be \boxed{Paris} or \boxed{London}."
 
@@ -58,23 +64,42 @@ CASES = [
     ("qualified_place", answered("Paris, France"), "Paris", (0.0, "answer_overflow"), 1.0, 1.0, 2 / 3),
     ("three_candidates", answered("London Paris Rome"), "Paris", (0.0, "answer_overflow"), 1.0, 1.0, 0.0),
     ("qualified_number", answered("less than 13"), "13", (0.0, "answer_overflow"), 1.0, 1.0, 0.0),
-    ("five_candidates", answered("Paris, London, Berlin, Madrid, Rome"), "Rome",
-     (0.0, "answer_overflow"), 1.0, 1.0, 0.0),
+    (
+        "five_candidates",
+        answered("Paris, London, Berlin, Madrid, Rome"),
+        "Rome",
+        (0.0, "answer_overflow"),
+        1.0,
+        1.0,
+        0.0,
+    ),
     ("or_in_box", answered("Paris or London"), "Paris", (0.0, "multiple_answers"), 1.0, 1.0, 0.0),
     ("two_boxes_hedge", THINK + HEDGE, "London", (0.0, "multiple_answers"), 1.0, 0.0, 0.0),
     ("repeated_box", THINK + r"So \boxed{Paris}. Final: \boxed{paris}", "Paris", (1.0, None), 1.0, 0.0, 0.0),
-    ("answer_only_in_think", r"<think>It must be \boxed{Paris}.</think> The answer is Paris.", "Paris",
-     (0.0, "boxed_in_think"), 1.0, 1.0, 1.0),
+    (
+        "answer_only_in_think",
+        r"<think>It must be \boxed{Paris}.</think> The answer is Paris.",
+        "Paris",
+        (0.0, "boxed_in_think"),
+        1.0,
+        1.0,
+        1.0,
+    ),
     ("answer_outside_box", THINK + "The answer is Paris.", "Paris", (0.0, "no_boxed"), 0.0, 0.0, 0.0),
-    ("unclosed_think", r"<think>Capital of France is Paris, so \boxed{Paris}", "Paris",
-     (0.0, "unclosed_think"), 1.0, 1.0, 1.0),
-    ("think_reopened", THINK + r"\boxed{Paris}<think>wait, let me re", "Paris", (0.0, "unclosed_think"),
-     1.0, 1.0, 1.0),
+    (
+        "unclosed_think",
+        r"<think>Capital of France is Paris, so \boxed{Paris}",
+        "Paris",
+        (0.0, "unclosed_think"),
+        1.0,
+        1.0,
+        1.0,
+    ),
+    ("think_reopened", THINK + r"\boxed{Paris}<think>wait, let me re", "Paris", (0.0, "unclosed_think"), 1.0, 1.0, 1.0),
     ("template_opened_think", r"Paris is the capital.</think>\boxed{Paris}", "Paris", (1.0, None), 1.0, 1.0, 1.0),
     ("unclosed_box", THINK + r"\boxed{Paris", "Paris", (0.0, "unclosed_boxed"), 0.0, 0.0, 0.0),
     ("space_form", THINK + r"The answer is $\boxed Paris$.", "Paris", (0.0, "no_boxed"), 1.0, 1.0, 1.0),
-    ("space_form_essay", THINK + r"\boxed maybe Paris or London or Rome", "Rome", (0.0, "no_boxed"),
-     1.0, 1.0, 0.0),
+    ("space_form_essay", THINK + r"\boxed maybe Paris or London or Rome", "Rome", (0.0, "no_boxed"), 1.0, 1.0, 0.0),
     ("space_before_brace", THINK + r"\boxed {Paris}", "Paris", (1.0, None), 1.0, 1.0, 1.0),
     ("fbox", THINK + r"\fbox{Paris}", "Paris", (1.0, None), 0.0, 0.0, 0.0),
     ("text_in_box", answered(r"\text{Paris}"), "Paris", (1.0, None), 1.0, 1.0, 0.0),
@@ -82,8 +107,15 @@ CASES = [
     ("accent", answered("Beyoncé"), "Beyonce", (1.0, None), 0.0, 0.0, 0.0),
     ("fullwidth", answered("ＰＡＲＩＳ"), "Paris", (1.0, None), 0.0, 0.0, 0.0),
     ("long_boxed_text", answered("Paris " * 500), "Paris", (0.0, "answer_overflow"), 1.0, 0.0, 0.0),
-    ("text_after_answer", answered("Paris", ". Let me double-check the second paragraph once more, then stop."),
-     "Paris", (1.0, None), 1.0, 0.0, 0.0),
+    (
+        "text_after_answer",
+        answered("Paris", ". Let me double-check the second paragraph once more, then stop."),
+        "Paris",
+        (1.0, None),
+        1.0,
+        0.0,
+        0.0,
+    ),
 ]
 
 
@@ -105,27 +137,33 @@ def test_modes_are_listed_with_hardened_first():
     assert REWARD_MODES == ("hardened", "pure_exact_match", "format_exact_match", "format_f1_score")
 
 
-@pytest.mark.parametrize("solution, truth, mode, reason", [
-    (THINK + HEDGE, "London", "format_exact_match", "too_many_boxed"),
-    (answered(r"\text{\textbf{Paris}}"), "Paris", "format_f1_score", "multiple_braces"),
-    (THINK + r"\fbox{Paris}", "Paris", "pure_exact_match", "error:bad_boxed"),
-    (answered("Paris", " " + "x" * 40), "Paris", "format_exact_match", "eot_overflow"),
-    (answered("Paris " * 500), "Paris", "format_exact_match", "answer_overflow"),
-    (answered("Van Houten"), "Milhouse Van Houten", "format_f1_score", "partial"),
-    (answered("Berlin"), ["Paris", "London"], "format_f1_score", "wrong"),
-    (THINK + "no box at all", "Paris", "pure_exact_match", "no_boxed"),
-])
+@pytest.mark.parametrize(
+    "solution, truth, mode, reason",
+    [
+        (THINK + HEDGE, "London", "format_exact_match", "too_many_boxed"),
+        (answered(r"\text{\textbf{Paris}}"), "Paris", "format_f1_score", "multiple_braces"),
+        (THINK + r"\fbox{Paris}", "Paris", "pure_exact_match", "error:bad_boxed"),
+        (answered("Paris", " " + "x" * 40), "Paris", "format_exact_match", "eot_overflow"),
+        (answered("Paris " * 500), "Paris", "format_exact_match", "answer_overflow"),
+        (answered("Van Houten"), "Milhouse Van Houten", "format_f1_score", "partial"),
+        (answered("Berlin"), ["Paris", "London"], "format_f1_score", "wrong"),
+        (THINK + "no box at all", "Paris", "pure_exact_match", "no_boxed"),
+    ],
+)
 def test_recipe_reasons(solution, truth, mode, reason):
     assert score_detailed("hotpotqa", solution, truth, mode=mode).reason == reason
 
 
-@pytest.mark.parametrize("answer, truth, expected", [
-    ("import os as o\nLondon", "Paris London", 1.0),  # the line deleted: "london" is in the answer
-    ("import os as o London", "Paris London", 0.0),  # no newline, no deletion
-    ("import os.path as p\nLondon", "Paris London", 0.0),  # the dot became a space first: no module name
-    ("London", "import os as o\nParis London", 1.0),  # the answer's side too
-    ("IMPORT OS AS O\nLondon", "Paris London", 1.0),  # after lower-casing
-])
+@pytest.mark.parametrize(
+    "answer, truth, expected",
+    [
+        ("import os as o\nLondon", "Paris London", 1.0),  # the line deleted: "london" is in the answer
+        ("import os as o London", "Paris London", 0.0),  # no newline, no deletion
+        ("import os.path as p\nLondon", "Paris London", 0.0),  # the dot became a space first: no module name
+        ("London", "import os as o\nParis London", 1.0),  # the answer's side too
+        ("IMPORT OS AS O\nLondon", "Paris London", 1.0),  # after lower-casing
+    ],
+)
 @pytest.mark.parametrize("mode", ["pure_exact_match", "format_exact_match"])
 def test_recipe_modes_delete_an_import_as_line_as_the_recipe_does(answer, truth, expected, mode):
     """The recipe's normalisation (its reward.py's normalize_text) deletes `import X as Y` followed by a newline,
@@ -149,7 +187,8 @@ def test_overflow_on_one_truth_does_not_hide_a_match_on_another(monkeypatch):
     solution = answered("Paris, France")
     assert score_detailed("x", solution, ["P", "Paris"], mode="format_exact_match") == RewardResult(1.0, None)
     assert score_detailed("x", solution, ["P", "Berlin"], mode="format_exact_match") == RewardResult(
-        0.0, "answer_overflow")
+        0.0, "answer_overflow"
+    )
 
 
 # --- environment knobs ---------------------------------------------------------------------------
@@ -203,14 +242,26 @@ def test_f1_threshold(monkeypatch):
 def test_malformed_knob_is_an_error_not_a_crash(monkeypatch):
     monkeypatch.setenv("MAX_BOXED_LIMIT", "many")
     assert score_detailed("x", answered("Paris"), "Paris", mode="format_exact_match") == RewardResult(
-        0.0, "error:ValueError")
+        0.0, "error:ValueError"
+    )
 
 
 # --- robustness ----------------------------------------------------------------------------------
 
 GARBAGE_SOLUTIONS = [None, 42, 3.5, {"text": "Paris"}, b"\\boxed{Paris}", ["\\boxed{Paris}"], object()]
-GARBAGE_TRUTHS = [None, True, float("nan"), [], [None], ["Paris", float("inf")], [""], "   ", {"answer": "Paris"},
-                  b"Paris", object()]
+GARBAGE_TRUTHS = [
+    None,
+    True,
+    float("nan"),
+    [],
+    [None],
+    ["Paris", float("inf")],
+    [""],
+    "   ",
+    {"answer": "Paris"},
+    b"Paris",
+    object(),
+]
 
 
 @pytest.mark.parametrize("mode", REWARD_MODES)
@@ -226,8 +277,11 @@ def test_garbage_ground_truth_scores_zero(mode, truth):
 
 
 @pytest.mark.parametrize("mode", REWARD_MODES)
-@pytest.mark.parametrize("truth, box", [(42, "42"), (5.0, "5"), (3.5, "3.5"), (np.int64(7), "7"), ([5, "five"], "5"),
-                                        (np.array([1990]), "1990")], ids=repr)
+@pytest.mark.parametrize(
+    "truth, box",
+    [(42, "42"), (5.0, "5"), (3.5, "3.5"), (np.int64(7), "7"), ([5, "five"], "5"), (np.array([1990]), "1990")],
+    ids=repr,
+)
 def test_a_number_is_a_ground_truth(mode, truth, box):
     """A Python caller's number scores like its text (verl's parquet files hold strings, but a script need not)."""
     assert score_detailed("x", answered(box), truth, mode=mode) == RewardResult(1.0)
@@ -235,13 +289,17 @@ def test_a_number_is_a_ground_truth(mode, truth, box):
 
 
 @pytest.mark.parametrize("mode", REWARD_MODES)
-@pytest.mark.parametrize("solution", [
-    THINK + "\\boxed{" + "Paris " * 200_000 + "}",
-    "{" * 200_000 + "\\boxed{Paris}",
-    "\\boxed{" * 100_000,
-    "</think>" * 50_000 + "\\boxed{Paris}",
-    "\x00\ud800\\boxed{\x00}",
-], ids=["huge_box", "deep_braces", "many_open_boxes", "many_think_ends", "odd_characters"])
+@pytest.mark.parametrize(
+    "solution",
+    [
+        THINK + "\\boxed{" + "Paris " * 200_000 + "}",
+        "{" * 200_000 + "\\boxed{Paris}",
+        "\\boxed{" * 100_000,
+        "</think>" * 50_000 + "\\boxed{Paris}",
+        "\x00\ud800\\boxed{\x00}",
+    ],
+    ids=["huge_box", "deep_braces", "many_open_boxes", "many_think_ends", "odd_characters"],
+)
 def test_huge_and_odd_strings_never_raise(mode, solution):
     score = compute_score("x", solution, "Paris", mode=mode)
     assert isinstance(score, float) and 0.0 <= score <= 1.0
@@ -256,8 +314,13 @@ def test_numpy_like_ground_truth_is_accepted():
 
 
 def test_verl_keyword_call_with_extra_kwargs():
-    score = compute_score(data_source="hotpotqa", solution_str=answered("Paris"), ground_truth="Paris",
-                          extra_info={"index": 3}, reward_router_address=None)
+    score = compute_score(
+        data_source="hotpotqa",
+        solution_str=answered("Paris"),
+        ground_truth="Paris",
+        extra_info={"index": 3},
+        reward_router_address=None,
+    )
     assert score == 1.0 and isinstance(score, float)
 
 
@@ -281,36 +344,45 @@ def test_reward_result_is_frozen():
 # --- evaluation functions ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("solution, expected", [
-    (answered(r"\text{AT\&T}~Inc"), "AT&T Inc"),
-    (THINK + r"\boxed{Paris} then \boxed{London}", "London"),
-    (r"<think>\boxed{Paris}</think> Paris", None),
-    (r"<think>\boxed{Paris}", None),
-    (THINK + r"\boxed{Paris", None),
-    (None, None),
-])
+@pytest.mark.parametrize(
+    "solution, expected",
+    [
+        (answered(r"\text{AT\&T}~Inc"), "AT&T Inc"),
+        (THINK + r"\boxed{Paris} then \boxed{London}", "London"),
+        (r"<think>\boxed{Paris}</think> Paris", None),
+        (r"<think>\boxed{Paris}", None),
+        (THINK + r"\boxed{Paris", None),
+        (None, None),
+    ],
+)
 def test_extract_answer(solution, expected):
     assert extract_answer(solution) == expected
 
 
-@pytest.mark.parametrize("prediction, truth, expected", [
-    ("The Eiffel Tower!", "eiffel tower", 1.0),
-    ("Eiffel", "Eiffel Tower", 0.0),
-    ("JFK", ["John F. Kennedy", "jfk"], 1.0),
-    (None, "Paris", 0.0),
-])
+@pytest.mark.parametrize(
+    "prediction, truth, expected",
+    [
+        ("The Eiffel Tower!", "eiffel tower", 1.0),
+        ("Eiffel", "Eiffel Tower", 0.0),
+        ("JFK", ["John F. Kennedy", "jfk"], 1.0),
+        (None, "Paris", 0.0),
+    ],
+)
 def test_exact_match(prediction, truth, expected):
     assert exact_match(prediction, truth) == expected
 
 
-@pytest.mark.parametrize("prediction, truth, expected", [
-    ("Van Houten", "Milhouse Van Houten", 0.8),            # P=1, R=2/3
-    ("Barack Obama president", "Barack Obama", 0.8),       # P=2/3, R=1
-    ("Paris", ["London", "Paris, France"], 2 / 3),         # best of 0 and P=1, R=1/2
-    ("the the", "The", 0.0),                               # both normalise to nothing: no common token
-    ("", "Paris", 0.0),
-    (None, "Paris", 0.0),
-])
+@pytest.mark.parametrize(
+    "prediction, truth, expected",
+    [
+        ("Van Houten", "Milhouse Van Houten", 0.8),  # P=1, R=2/3
+        ("Barack Obama president", "Barack Obama", 0.8),  # P=2/3, R=1
+        ("Paris", ["London", "Paris, France"], 2 / 3),  # best of 0 and P=1, R=1/2
+        ("the the", "The", 0.0),  # both normalise to nothing: no common token
+        ("", "Paris", 0.0),
+        (None, "Paris", 0.0),
+    ],
+)
 def test_token_f1(prediction, truth, expected):
     assert token_f1(prediction, truth) == pytest.approx(expected)
 
@@ -331,18 +403,25 @@ def write_reward(tmp_path, body: str):
     return path
 
 
-@pytest.mark.parametrize("body, expected", [
-    ("def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw):\n"
-     "    return 0.5 if ground_truth in solution_str else 0.0\n", RewardResult(0.5, None)),
-    ("def compute_score(**kw):\n    return {'score': 1, 'acc': True}\n", RewardResult(1.0, None)),
-    ("def compute_score(**kw):\n    return True\n", RewardResult(1.0, None)),
-    ("def compute_score(**kw):\n    raise RuntimeError('boom')\n", RewardResult(0.0, "error:RuntimeError")),
-    ("def compute_score(**kw):\n    return float('nan')\n", RewardResult(0.0, "error:not_finite")),
-    ("def compute_score(**kw):\n    return {'score': float('inf')}\n", RewardResult(0.0, "error:not_finite")),
-    ("def compute_score(**kw):\n    return None\n", RewardResult(0.0, "error:not_a_number")),
-    ("def compute_score(**kw):\n    return '1.0'\n", RewardResult(0.0, "error:not_a_number")),
-    ("def compute_score(**kw):\n    return {'acc': 1.0}\n", RewardResult(0.0, "error:not_a_number")),
-], ids=["float", "dict", "bool", "raises", "nan", "inf", "none", "string", "dict_without_score"])
+@pytest.mark.parametrize(
+    "body, expected",
+    [
+        (
+            "def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw):\n"
+            "    return 0.5 if ground_truth in solution_str else 0.0\n",
+            RewardResult(0.5, None),
+        ),
+        ("def compute_score(**kw):\n    return {'score': 1, 'acc': True}\n", RewardResult(1.0, None)),
+        ("def compute_score(**kw):\n    return True\n", RewardResult(1.0, None)),
+        ("def compute_score(**kw):\n    raise RuntimeError('boom')\n", RewardResult(0.0, "error:RuntimeError")),
+        ("def compute_score(**kw):\n    return float('nan')\n", RewardResult(0.0, "error:not_finite")),
+        ("def compute_score(**kw):\n    return {'score': float('inf')}\n", RewardResult(0.0, "error:not_finite")),
+        ("def compute_score(**kw):\n    return None\n", RewardResult(0.0, "error:not_a_number")),
+        ("def compute_score(**kw):\n    return '1.0'\n", RewardResult(0.0, "error:not_a_number")),
+        ("def compute_score(**kw):\n    return {'acc': 1.0}\n", RewardResult(0.0, "error:not_a_number")),
+    ],
+    ids=["float", "dict", "bool", "raises", "nan", "inf", "none", "string", "dict_without_score"],
+)
 def test_custom_reward_results(tmp_path, body, expected):
     score = load_reward_function(write_reward(tmp_path, body))
     assert score("hotpotqa", answered("Paris"), "Paris", mode="ignored") == expected

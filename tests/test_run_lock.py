@@ -20,8 +20,11 @@ def test_a_lock_from_another_host_holds_until_it_goes_unrefreshed_for_the_stated
     elsewhere.__enter__()  # a run on node-7, never ended (its node was lost)
     monkeypatch.setattr(socket, "gethostname", lambda: here)
     try:
-        with pytest.raises(RunFolderBusy, match=rf"trainer.output_dir={run} is in use by another run \(host node-7, "
-                                                rf"pid {os.getpid()}, started "):
+        with pytest.raises(
+            RunFolderBusy,
+            match=rf"trainer.output_dir={run} is in use by another run \(host node-7, "
+            rf"pid {os.getpid()}, started ",
+        ):
             with hold_run_folder(run):
                 pass
         old = time.time() - STALE_S - 60
@@ -29,10 +32,13 @@ def test_a_lock_from_another_host_holds_until_it_goes_unrefreshed_for_the_stated
         said = []
         with hold_run_folder(run, say=said.append):
             assert (run / LOCK_FILE).is_file()
-        assert len(said) == 1 and said[0].startswith(f"note: trainer.output_dir={run} was held by a run that is gone "
-                                                     f"(host node-7, pid {os.getpid()}, started ")
-        assert said[0].endswith("; not refreshed for 11 minutes, longer than the 10 a live run on another host "
-                                "allows): this run takes it over")
+        assert len(said) == 1 and said[0].startswith(
+            f"note: trainer.output_dir={run} was held by a run that is gone (host node-7, pid {os.getpid()}, started "
+        )
+        assert said[0].endswith(
+            "; not refreshed for 11 minutes, longer than the 10 a live run on another host "
+            "allows): this run takes it over"
+        )
         assert not (run / LOCK_FILE).exists()  # given back at the end
     finally:
         elsewhere.__exit__(None, None, None)  # (the lock is no longer its own: it removes nothing)

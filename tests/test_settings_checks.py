@@ -27,8 +27,10 @@ CASES = {
     "check_vllm_model": (["rollout.engine=vllm", "model.gguf_file=model.gguf"], 1),
     "check_offload": (["actor.cpu_offload=true", "rollout.engine=hf"], 1),
     "check_deepspeed_engine": (["actor.strategy=deepspeed", "rollout.engine=hf"], 1),
-    "check_layer_memory": (["model.gradient_checkpointing=true", "model.activation_offload=0.5",
-                            "model.checkpoint_fraction=0.75"], 1),
+    "check_layer_memory": (
+        ["model.gradient_checkpointing=true", "model.activation_offload=0.5", "model.checkpoint_fraction=0.75"],
+        1,
+    ),
 }
 
 
@@ -74,8 +76,9 @@ def test_every_command_refuses_each_rule_in_its_words(index, tmp_path, monkeypat
     assert str(refused.value) == message
     monkeypatch.delenv("WORLD_SIZE")  # the driver's job is its Ray workers
     with pytest.raises(ConfigError) as refused:
-        check_before_workers(load_config(DEMO_CONFIG, [*overrides, *run, "trainer.launcher=ray",
-                                                       f"trainer.ray_workers={ranks}"]))
+        check_before_workers(
+            load_config(DEMO_CONFIG, [*overrides, *run, "trainer.launcher=ray", f"trainer.ray_workers={ranks}"])
+        )
     assert str(refused.value) == message
 
 
@@ -84,8 +87,10 @@ def test_config_show_counts_the_ranks_train_runs_on(monkeypatch, capsys):
     train does, and plan for --gpus 2."""
     assert main(["config", "show", "rollout.engine=hf"]) == 0
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert _refusal(capsys, ["config", "show", "rollout.engine=hf"]) == "rollout.engine=hf is not supported with 2 " \
-                                                                         "ranks yet"
+    assert (
+        _refusal(capsys, ["config", "show", "rollout.engine=hf"]) == "rollout.engine=hf is not supported with 2 "
+        "ranks yet"
+    )
 
 
 def test_filling_auto_returns_a_new_config_and_leaves_the_one_given_as_it_was():
@@ -97,7 +102,8 @@ def test_filling_auto_returns_a_new_config_and_leaves_the_one_given_as_it_was():
     assert filled.actor.max_tokens_per_micro_batch == CPU_MICRO_BATCH_TOKENS and "16,384 tokens" in note
     filled, note = resolve_auto(cfg, 1, 141 * GIB, model_sizes(cfg))  # a GPU's, sized by the memory plan
     assert isinstance(filled.actor.max_tokens_per_micro_batch, int) and note.startswith(
-        "actor.max_tokens_per_micro_batch=auto: ")
+        "actor.max_tokens_per_micro_batch=auto: "
+    )
     checked = check_run(cfg, 1, machine=False, gpu_bytes=141 * GIB)
     assert checked.config.actor.max_tokens_per_micro_batch == filled.actor.max_tokens_per_micro_batch
     assert to_dict(cfg) == before and cfg.actor.max_tokens_per_micro_batch == "auto"
@@ -116,6 +122,9 @@ def test_the_rules_on_what_a_run_reads_name_the_settings():
     check_positions(cfg, 1000, 1024)  # the fast engine samples past a plain-RoPE model's limit (with a warning)
     vllm = load_config(None, ["rollout.engine=vllm", "data.max_response_length=100"])
     check_positions(vllm, 924, 1024)
-    with pytest.raises(ConfigError, match=r"^prompts of up to 925 tokens and responses of up to 100 need 1025 "
-                                          r"positions, past the model's 1024, and rollout.engine=vllm samples none"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^prompts of up to 925 tokens and responses of up to 100 need 1025 "
+        r"positions, past the model's 1024, and rollout.engine=vllm samples none",
+    ):
         check_positions(vllm, 925, 1024)

@@ -13,11 +13,42 @@ def test_sft_builds_a_model_that_loads_and_a_card(tmp_path):
 
     generate(tmp_path / "data", rows_per_task=6, context_tokens=256, max_hops=2, test_ratio=0.34, seed=5)
     out = tmp_path / "model"
-    assert main(["sft", "--train-files", str(tmp_path / "data/merged/train.parquet"),
-                 "--eval-files", str(tmp_path / "data/merged/test.parquet"), "--output-dir", str(out),
-                 "--vocab-size", "400", "--hidden-size", "32", "--num-layers", "2", "--num-heads", "4",
-                 "--num-kv-heads", "2", "--max-steps", "4", "--eval-every", "2", "--eval-rows", "3",
-                 "--batch-tokens", "8192", "--warmup-steps", "2", "--device", "cpu"]) == 0
+    assert (
+        main(
+            [
+                "sft",
+                "--train-files",
+                str(tmp_path / "data/merged/train.parquet"),
+                "--eval-files",
+                str(tmp_path / "data/merged/test.parquet"),
+                "--output-dir",
+                str(out),
+                "--vocab-size",
+                "400",
+                "--hidden-size",
+                "32",
+                "--num-layers",
+                "2",
+                "--num-heads",
+                "4",
+                "--num-kv-heads",
+                "2",
+                "--max-steps",
+                "4",
+                "--eval-every",
+                "2",
+                "--eval-rows",
+                "3",
+                "--batch-tokens",
+                "8192",
+                "--warmup-steps",
+                "2",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     summary = json.loads((out / "sft_summary.json").read_text())
     assert summary["steps"] == 4 and [e["step"] for e in summary["evals"]] == [2, 4, 4]
     assert summary["shape"]["num_hidden_layers"] == 2 and summary["final"]["all"]["n"] == 3
@@ -25,7 +56,8 @@ def test_sft_builds_a_model_that_loads_and_a_card(tmp_path):
     assert "longqa sft --train-files" in card and "2 layers" in card and "guessing baseline" in card
     model, tokenizer = load_model(str(out))
     assert len(tokenizer) == model.config.vocab_size and model.config.eos_token_id == tokenizer.convert_tokens_to_ids(
-        "<|im_end|>")
+        "<|im_end|>"
+    )
     assert next(model.parameters()).dtype == torch.float32  # stored in bf16, loaded as asked
 
 
@@ -57,17 +89,54 @@ def test_sft_from_a_model_raises_its_position_limit_or_refuses_examples_past_it(
     from longqa.data.synth import generate
 
     generate(tmp_path / "data", rows_per_task=2, context_tokens=256, max_hops=2, test_ratio=0.5, seed=5)
-    common = ["--train-files", str(tmp_path / "data/merged/train.parquet"), "--max-steps", "1",
-              "--batch-tokens", "8192", "--warmup-steps", "1", "--device", "cpu"]
+    common = [
+        "--train-files",
+        str(tmp_path / "data/merged/train.parquet"),
+        "--max-steps",
+        "1",
+        "--batch-tokens",
+        "8192",
+        "--warmup-steps",
+        "1",
+        "--device",
+        "cpu",
+    ]
     first = tmp_path / "first"
-    assert main(["sft", *common, "--output-dir", str(first), "--vocab-size", "400", "--hidden-size", "32",
-                 "--num-layers", "2", "--num-heads", "4", "--num-kv-heads", "2", "--max-positions", "1000"]) == 0
+    assert (
+        main(
+            [
+                "sft",
+                *common,
+                "--output-dir",
+                str(first),
+                "--vocab-size",
+                "400",
+                "--hidden-size",
+                "32",
+                "--num-layers",
+                "2",
+                "--num-heads",
+                "4",
+                "--num-kv-heads",
+                "2",
+                "--max-positions",
+                "1000",
+            ]
+        )
+        == 0
+    )
     assert json.loads((first / "config.json").read_text())["max_position_embeddings"] == 1000
-    assert main(["sft", *common, "--init", str(first), "--output-dir", str(tmp_path / "longer"),
-                 "--max-positions", "2000"]) == 0
+    assert (
+        main(
+            ["sft", *common, "--init", str(first), "--output-dir", str(tmp_path / "longer"), "--max-positions", "2000"]
+        )
+        == 0
+    )
     assert json.loads((tmp_path / "longer/config.json").read_text())["max_position_embeddings"] == 2000
     card = (tmp_path / "longer/README.md").read_text()
     assert f"continued from `{first}`" in card and "2,000 positions" in card
-    assert main(["sft", *common, "--init", str(first), "--output-dir", str(tmp_path / "short"),
-                 "--max-positions", "64"]) == 2
+    assert (
+        main(["sft", *common, "--init", str(first), "--output-dir", str(tmp_path / "short"), "--max-positions", "64"])
+        == 2
+    )
     assert "raise --max-positions" in capsys.readouterr().err and not (tmp_path / "short/config.json").exists()

@@ -31,13 +31,13 @@ def naive_draft(text: list[int], k: int, min_match: int, max_match: int) -> list
             j += 1
         if j >= min_match and j > best_match:
             best, best_match = c, j
-    return [] if best is None else text[best:best + k]
+    return [] if best is None else text[best : best + k]
 
 
 def padded(texts: list[list[int]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
     rows = torch.full((len(texts), width), NO_TOKEN)
     for i, t in enumerate(texts):
-        rows[i, :len(t)] = torch.tensor(t, dtype=torch.long)
+        rows[i, : len(t)] = torch.tensor(t, dtype=torch.long)
     return rows, torch.tensor([len(t) for t in texts])
 
 
@@ -97,29 +97,39 @@ def test_bad_settings_are_clear_errors():
 def assert_same_samples(plain, spec, atol=1e-5):
     """Token for token and finish reason for finish reason; log-probs up to the float rounding of a step
     that computes several tokens per row."""
-    assert [[(s.token_ids, s.finish_reason) for s in g] for g in spec] == \
-           [[(s.token_ids, s.finish_reason) for s in g] for g in plain]
+    assert [[(s.token_ids, s.finish_reason) for s in g] for g in spec] == [
+        [(s.token_ids, s.finish_reason) for s in g] for g in plain
+    ]
     for group_a, group_b in zip(plain, spec):
         for a, b in zip(group_a, group_b):
             torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=atol, rtol=0)
 
 
 def speculating(model, k, **options):
-    return FastRolloutEngine(model, max_groups=2, sync_every=3, speculative="prompt_lookup",
-                             num_speculative_tokens=k, prompt_lookup_min=1, **options)
+    return FastRolloutEngine(
+        model,
+        max_groups=2,
+        sync_every=3,
+        speculative="prompt_lookup",
+        num_speculative_tokens=k,
+        prompt_lookup_min=1,
+        **options,
+    )
 
 
 STOP_AT = [[14, 3, 9], [14, 14, 1], [5, 14, 14], [2, 8, 14], [14, 14, 14]]
 
 
-@pytest.mark.parametrize("k, temperature, top_k, top_p", [(1, 0.0, -1, 1.0), (4, 0.0, -1, 1.0), (2, 1.0, -1, 1.0),
-                                                         (6, 0.8, 20, 0.9)])
+@pytest.mark.parametrize(
+    "k, temperature, top_k, top_p", [(1, 0.0, -1, 1.0), (4, 0.0, -1, 1.0), (2, 1.0, -1, 1.0), (6, 0.8, 20, 0.9)]
+)
 def test_speculation_leaves_every_sample_unchanged(k, temperature, top_k, top_p):
     """Tiny random Qwen3, five prompts through two slots (refilled as groups finish), stop tokens,
     stop_at lengths and max_new_tokens: the same samples as without speculation."""
     model = tiny_lm()
-    params = SamplingParams(n=3, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=14,
-                            stop_token_ids=(STOP,))
+    params = SamplingParams(
+        n=3, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=14, stop_token_ids=(STOP,)
+    )
     reference = FastRolloutEngine(model, max_groups=2, sync_every=3)
     plain = reference.generate(prompts(), params, seeds=SEEDS, stop_at=STOP_AT)
     engine = speculating(model, k)
@@ -144,8 +154,9 @@ def test_stop_strings_cut_the_same_tokens(tokenizer):
     for stops in (("a",), ("e",), ("Quillex",)):
         params = SamplingParams(n=2, temperature=0, max_new_tokens=15, stop_strings=stops)
         plain = FastRolloutEngine(model, tokenizer, sync_every=4).generate(ids, params)
-        engine = FastRolloutEngine(model, tokenizer, sync_every=4, speculative="prompt_lookup",
-                                   num_speculative_tokens=3, prompt_lookup_min=1)
+        engine = FastRolloutEngine(
+            model, tokenizer, sync_every=4, speculative="prompt_lookup", num_speculative_tokens=3, prompt_lookup_min=1
+        )
         assert_same_samples(plain, engine.generate(ids, params))
         reasons += [s.finish_reason for g in plain for s in g]
         accepted += engine.last_run["accepted_draft_tokens"]
@@ -156,10 +167,11 @@ def oracle(samples: list[list[int]], wrong_at: int | None):
     """A drafter that knows every sample (prompt + response): for a row whose text begins one, the next k
     tokens of it, the one at ``wrong_at`` (if any) replaced by another; none for a row holding no sample
     (a slot never filled). Samples are told apart by their prompts (one sample per prompt)."""
+
     def draft(text: list[int], k: int) -> list[int]:
         for full in samples:
-            if full[:len(text)] == text:
-                guess = full[len(text):len(text) + k]
+            if full[: len(text)] == text:
+                guess = full[len(text) : len(text) + k]
                 if wrong_at is not None and wrong_at < len(guess):
                     guess[wrong_at] = (guess[wrong_at] + 1) % VOCAB
                 return guess
@@ -169,9 +181,10 @@ def oracle(samples: list[list[int]], wrong_at: int | None):
         drafts = torch.zeros(text.shape[0], k, dtype=torch.long)
         count = torch.zeros(text.shape[0], dtype=torch.long)
         for row in range(text.shape[0]):
-            guess = draft(text[row, :length[row]].tolist(), k)
-            drafts[row, :len(guess)], count[row] = torch.tensor(guess, dtype=torch.long), len(guess)
+            guess = draft(text[row, : length[row]].tolist(), k)
+            drafts[row, : len(guess)], count[row] = torch.tensor(guess, dtype=torch.long), len(guess)
         return drafts, count
+
     return draft, propose_known
 
 
@@ -184,8 +197,9 @@ def test_known_drafts_are_accepted_and_wrong_ones_rolled_back(monkeypatch, k, wr
     model = tiny_lm()
     params = SamplingParams(n=1, temperature=1.0, max_new_tokens=16, stop_token_ids=(STOP,))
     stop_at = [[16], [11], [16], [4], [16]]
-    plain = FastRolloutEngine(model, max_groups=2, sync_every=3).generate(prompts(), params, seeds=SEEDS,
-                                                                          stop_at=stop_at)
+    plain = FastRolloutEngine(model, max_groups=2, sync_every=3).generate(
+        prompts(), params, seeds=SEEDS, stop_at=stop_at
+    )
     samples = [p + g[0].token_ids for p, g in zip(prompts(), plain)]
     draft, propose_known = oracle(samples, wrong_at)
     monkeypatch.setattr(fast, "propose", propose_known)
@@ -232,8 +246,9 @@ def demo_prompts(tmp_path_factory):
     root = tmp_path_factory.mktemp("demo-data")
     generate(root, **{**DEMO_DATA, "rows_per_task": 2})
     model, tokenizer = load_model(None)
-    prompt_set = prepare_prompts([root / "merged" / "test.parquet", root / "merged" / "train.parquet"], tokenizer,
-                                 PromptOptions(1024))
+    prompt_set = prepare_prompts(
+        [root / "merged" / "test.parquet", root / "merged" / "train.parquet"], tokenizer, PromptOptions(1024)
+    )
     return model, tokenizer, [prompt_set.ids(i).tolist() for i in range(6)]
 
 
@@ -245,8 +260,9 @@ def test_the_embedded_model_on_its_demo_prompts(demo_prompts, temperature):
     from longqa.evaluation.evaluate import stop_token_ids
 
     model, tokenizer, ids = demo_prompts
-    params = SamplingParams(n=4, temperature=temperature, max_new_tokens=128,
-                            stop_token_ids=tuple(stop_token_ids(tokenizer)))
+    params = SamplingParams(
+        n=4, temperature=temperature, max_new_tokens=128, stop_token_ids=tuple(stop_token_ids(tokenizer))
+    )
     plain = FastRolloutEngine(model, tokenizer, max_groups=4).generate(ids, params, seeds=range(len(ids)))
     engine = FastRolloutEngine(model, tokenizer, max_groups=4, speculative="prompt_lookup", num_speculative_tokens=4)
     assert_same_samples(plain, engine.generate(ids, params, seeds=range(len(ids))), atol=1e-4)
@@ -261,15 +277,19 @@ def test_cuda_graphs_per_k_sample_the_same(kernel):
     model = tiny_lm(head_dim=16).cuda()
     params = SamplingParams(n=3, temperature=1.0, max_new_tokens=14, stop_token_ids=(STOP,))
     plain = FastRolloutEngine(model, max_groups=2, sync_every=3, decode_kernel=kernel).generate(
-        prompts(), params, seeds=SEEDS, stop_at=STOP_AT)
+        prompts(), params, seeds=SEEDS, stop_at=STOP_AT
+    )
     for k in (2, 5):
         engine = speculating(model, k, decode_kernel=kernel)
         assert engine.cuda_graphs
         assert_same_samples(plain, engine.generate(prompts(), params, seeds=SEEDS, stop_at=STOP_AT), atol=1e-4)
         assert engine.graph_captures >= 1
         greedy = SamplingParams(n=3, temperature=0, max_new_tokens=14, stop_token_ids=(STOP,))
-        assert_same_samples(FastRolloutEngine(model, max_groups=2, decode_kernel=kernel).generate(prompts(), greedy),
-                            engine.generate(prompts(), greedy), atol=1e-4)
+        assert_same_samples(
+            FastRolloutEngine(model, max_groups=2, decode_kernel=kernel).generate(prompts(), greedy),
+            engine.generate(prompts(), greedy),
+            atol=1e-4,
+        )
         assert engine.last_run["accepted_draft_tokens"] > 0
 
 
@@ -278,9 +298,11 @@ def test_cuda_graphs_per_k_sample_the_same(kernel):
 # prompts and responses cross them): a group that finished, or a longer prompt's, leaves its slot holding
 # more text than a later step's views show.
 LENGTH_MIXES = {"equal": (6, 6, 6), "different": (3, 10, 1), "one much longer": (4, 30, 7)}
-BATCHES = {"one group": ((30,), None),  # (prompt lengths, max_groups)
-           **{f"{mix}, all at once": (lengths, None) for mix, lengths in LENGTH_MIXES.items()},
-           **{f"{mix}, through two slots": (lengths, 2) for mix, lengths in LENGTH_MIXES.items()}}
+BATCHES = {
+    "one group": ((30,), None),  # (prompt lengths, max_groups)
+    **{f"{mix}, all at once": (lengths, None) for mix, lengths in LENGTH_MIXES.items()},
+    **{f"{mix}, through two slots": (lengths, 2) for mix, lengths in LENGTH_MIXES.items()},
+}
 RESPONSE_LIMITS = (1, 2, 8)  # no decode step, one, across view steps
 # k acts on shapes through the k + 1 tokens a step feeds per row, against the view step and the limits:
 # one draft; fewer than a view step; more than a view step and than any response.
@@ -318,13 +340,20 @@ def test_every_batch_shape_samples_as_plain_decoding(small_views, model, batch, 
     finish reasons as without speculation. Greedy decoding accepts drafts (steps that keep several tokens,
     cut at the limits); sampling rejects most."""
     lengths, max_groups = BATCHES[batch]
-    ids, seeds, stop_at = prompts(lengths), SEEDS[:len(lengths)], response_limits(max_new, len(lengths))
+    ids, seeds, stop_at = prompts(lengths), SEEDS[: len(lengths)], response_limits(max_new, len(lengths))
     params = SamplingParams(n=3, temperature=temperature, max_new_tokens=max_new, stop_token_ids=STOPS)
-    plain = FastRolloutEngine(model, max_groups=max_groups, sync_every=3).generate(ids, params, seeds=seeds,
-                                                                                   stop_at=stop_at)
+    plain = FastRolloutEngine(model, max_groups=max_groups, sync_every=3).generate(
+        ids, params, seeds=seeds, stop_at=stop_at
+    )
     for k in K_VALUES:
-        engine = FastRolloutEngine(model, max_groups=max_groups, sync_every=3, speculative="prompt_lookup",
-                                   num_speculative_tokens=k, prompt_lookup_min=1)
+        engine = FastRolloutEngine(
+            model,
+            max_groups=max_groups,
+            sync_every=3,
+            speculative="prompt_lookup",
+            num_speculative_tokens=k,
+            prompt_lookup_min=1,
+        )
         assert_same_samples(plain, engine.generate(ids, params, seeds=seeds, stop_at=stop_at))
 
 
@@ -332,10 +361,11 @@ def test_every_batch_shape_samples_as_plain_decoding(small_views, model, batch, 
 def test_a_reused_engine_samples_as_plain_decoding(small_views, model, k):
     """Calls on one engine, each with fewer, shorter prompts than the one before: the slots a call leaves
     empty still hold the earlier call's groups."""
-    engine = FastRolloutEngine(model, sync_every=3, speculative="prompt_lookup", num_speculative_tokens=k,
-                               prompt_lookup_min=1)
+    engine = FastRolloutEngine(
+        model, sync_every=3, speculative="prompt_lookup", num_speculative_tokens=k, prompt_lookup_min=1
+    )
     for lengths, max_new in [((4, 7, 30), 8), ((6, 6), 8), ((3,), 2)]:
-        ids, seeds = prompts(lengths), SEEDS[:len(lengths)]
+        ids, seeds = prompts(lengths), SEEDS[: len(lengths)]
         params = SamplingParams(n=3, temperature=0, max_new_tokens=max_new, stop_token_ids=STOPS)
         plain = FastRolloutEngine(model, sync_every=3).generate(ids, params, seeds=seeds)
         assert_same_samples(plain, engine.generate(ids, params, seeds=seeds))

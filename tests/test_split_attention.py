@@ -31,16 +31,20 @@ def dense_reference(q, k, v, segments, length, scale):
         end = start + prompt + sum(responses)
         mask = pack_mask(prompt, responses, q.device)
         out[:, :, start:end] = torch.nn.functional.scaled_dot_product_attention(
-            q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], attn_mask=mask, scale=scale,
-            enable_gqa=k.shape[1] != q.shape[1])
+            q[:, :, start:end],
+            k[:, :, start:end],
+            v[:, :, start:end],
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=k.shape[1] != q.shape[1],
+        )
     return out
 
 
 @pytest.mark.parametrize("step,prompt_step", [(1, 4), (16, 4), (1, 512)])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1)])
 @pytest.mark.parametrize("segments,length", LAYOUTS)
-def test_split_attention_and_its_gradients_equal_masked_attention(segments, length, heads, kv_heads, step,
-                                                                  prompt_step):
+def test_split_attention_and_its_gradients_equal_masked_attention(segments, length, heads, kv_heads, step, prompt_step):
     """``step`` 16 rounds the prefix halves' query slices up past their packs (and past the row's end);
     ``prompt_step`` 4 splits prompts between the prefix half and a tail in the own half (512: whole prompts
     in the own half, 1: whole prompts in the prefix half)."""
@@ -76,8 +80,9 @@ def test_layout_rounds_shapes_and_moves_prompt_tails_to_the_own_half():
     assert (first.sequences, first.width, second.sequences) == (4, RESPONSE_STEP, 2)
     w = RESPONSE_STEP
     assert first.in_rows.tolist() == [4, 5, 6] + [4, 5, 6, 7, 8, 9] + [4, 5, 6, 10] + [4, 5, 6, 11, 12, 13, 14, 15]
-    assert first.in_slots.tolist() == [0, 1, 2] + [w + i for i in range(6)] + [2 * w + i for i in range(4)] + \
-        [3 * w + i for i in range(8)]
+    assert first.in_slots.tolist() == [0, 1, 2] + [w + i for i in range(6)] + [2 * w + i for i in range(4)] + [
+        3 * w + i for i in range(8)
+    ]
     assert first.out_slots.tolist() == [0, 1, 2, w + 3, w + 4, w + 5, 2 * w + 3] + [3 * w + 3 + i for i in range(5)]
     assert second.in_rows.tolist() == [20, 21, 22, 23, 24, 25, 26, 27]
     assert second.out_slots.tolist() == [0, 1] + [w + i for i in range(6)]
@@ -97,13 +102,15 @@ def test_shapes_stay_few_whatever_the_prompt_lengths():
     assert len(shapes) <= 40, len(shapes)
 
 
-@pytest.mark.parametrize("family,budget,prompt_step", [("qwen3", 100_000, 4), ("qwen3", 40, 512), ("qwen2", 40, 4),
-                                                       ("llama", 40, 4)])
+@pytest.mark.parametrize(
+    "family,budget,prompt_step", [("qwen3", 100_000, 4), ("qwen3", 40, 512), ("qwen2", 40, 4), ("llama", 40, 4)]
+)
 def test_split_backend_log_probs_and_gradients_equal_the_naive_layout(family, budget, prompt_step, monkeypatch):
     """``prompt_step`` 4: the prompts (5 and 11 tokens) split between the two halves; 512: all in the own half."""
     monkeypatch.setattr(split_attention, "PROMPT_STEP", prompt_step)
-    actor = assert_same(tiny_lm(family), samples_for(PROMPTS, LENGTHS), budget=budget,
-                        extra=("actor.attention_backend=split",))
+    actor = assert_same(
+        tiny_lm(family), samples_for(PROMPTS, LENGTHS), budget=budget, extra=("actor.attention_backend=split",)
+    )
     assert actor.backend == "split"
 
 

@@ -33,12 +33,34 @@ def tiny():
 
 
 def step(sizes, world=1, cpu_offload=False, batch=2, mini=2, n=2, prompt=100, response=10, budget=1000, **extra):
-    plan = plan_memory(sizes, world_size=world, gpu_bytes=141 * GIB, micro_batch_tokens=budget, prompt_length=prompt,
-                       response_length=response, n=n, cpu_offload=cpu_offload, param_bytes=2,
-                       sharded=world > 1 or cpu_offload, groups_per_rank=batch // world)
-    return plan_step_time(sizes, plan, gpus_per_node=8, prompt_length=prompt, response_length=response, n=n,
-                          batch_size=batch, mini_batch_size=mini, epochs=1, micro_batch_tokens=budget,
-                          recomputed=0.0, cpu_offload=cpu_offload, **extra)
+    plan = plan_memory(
+        sizes,
+        world_size=world,
+        gpu_bytes=141 * GIB,
+        micro_batch_tokens=budget,
+        prompt_length=prompt,
+        response_length=response,
+        n=n,
+        cpu_offload=cpu_offload,
+        param_bytes=2,
+        sharded=world > 1 or cpu_offload,
+        groups_per_rank=batch // world,
+    )
+    return plan_step_time(
+        sizes,
+        plan,
+        gpus_per_node=8,
+        prompt_length=prompt,
+        response_length=response,
+        n=n,
+        batch_size=batch,
+        mini_batch_size=mini,
+        epochs=1,
+        micro_batch_tokens=budget,
+        recomputed=0.0,
+        cpu_offload=cpu_offload,
+        **extra,
+    )
 
 
 def test_one_gpu_phases_against_hand_counts():
@@ -87,8 +109,18 @@ def test_the_measured_offloaded_updates_are_reproduced(strategy, measured):
     to 64 (a mean of about 26), one group a micro-batch: updates of 39.63 s under FSDP2 and 4.69 s under ZeRO-3
     (benchmarks/RESULTS.md, offloaded optimizer, e4fccee)."""
     sizes = ModelSizes.from_config(Qwen3Config(**SHAPES["qwen3-1.7b"]))
-    t = step(sizes, cpu_offload=True, batch=8, mini=8, n=8, prompt=512, response=26, budget=1024, strategy=strategy,
-             state_bytes=4)
+    t = step(
+        sizes,
+        cpu_offload=True,
+        batch=8,
+        mini=8,
+        n=8,
+        prompt=512,
+        response=26,
+        budget=1024,
+        strategy=strategy,
+        state_bytes=4,
+    )
     assert t.micro_batches == 8
     assert t.update + t.optimizer == pytest.approx(measured, rel=0.1)
 
@@ -141,19 +173,51 @@ def test_drawn_lengths_hold_each_group_until_its_longest_sample():
     from longqa.rollout.lengths import draw_response_lengths
 
     sizes = tiny()
-    cfg = load_config(None, ["rollout.response_lengths=lognormal", "rollout.n=8", "data.train_batch_size=6",
-                             "data.max_response_length=64", "trainer.seed=3"])
+    cfg = load_config(
+        None,
+        [
+            "rollout.response_lengths=lognormal",
+            "rollout.n=8",
+            "data.train_batch_size=6",
+            "data.max_response_length=64",
+            "trainer.seed=3",
+        ],
+    )
     lengths = planned_lengths(cfg, world_size=2)
     assert lengths == [draw_response_lengths("lognormal", 8, 64, (3, 0, g, 0)) for g in range(3)]
     assert planned_lengths(cfg, world_size=2, response_length=40) == 40
     assert planned_lengths(load_config(None, ["data.max_response_length=64"]), world_size=2) == 64
     flat = [length for group in lengths for length in group]
     mean = round(sum(flat) / len(flat))
-    plan = plan_memory(sizes, world_size=1, gpu_bytes=141 * GIB, micro_batch_tokens=1000, prompt_length=100,
-                       response_length=64, n=8, param_bytes=2, sharded=False, groups_per_rank=3)
-    drawn, averaged = (plan_step_time(sizes, plan, gpus_per_node=8, prompt_length=100, response_length=r, n=8,
-                                      batch_size=3, mini_batch_size=3, epochs=1, micro_batch_tokens=1000,
-                                      recomputed=0.0, cpu_offload=False) for r in (lengths, mean))
+    plan = plan_memory(
+        sizes,
+        world_size=1,
+        gpu_bytes=141 * GIB,
+        micro_batch_tokens=1000,
+        prompt_length=100,
+        response_length=64,
+        n=8,
+        param_bytes=2,
+        sharded=False,
+        groups_per_rank=3,
+    )
+    drawn, averaged = (
+        plan_step_time(
+            sizes,
+            plan,
+            gpus_per_node=8,
+            prompt_length=100,
+            response_length=r,
+            n=8,
+            batch_size=3,
+            mini_batch_size=3,
+            epochs=1,
+            micro_batch_tokens=1000,
+            recomputed=0.0,
+            cpu_offload=False,
+        )
+        for r in (lengths, mean)
+    )
     floor = decode_floor_s(sizes.config, 100, lengths, in_flight=plan.kv_groups)
     assert drawn.decode == pytest.approx(floor / DECODE_FRACTION_OF_FLOOR)
     assert drawn.decode > averaged.decode and max(flat) > mean

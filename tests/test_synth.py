@@ -12,9 +12,19 @@ from longqa.data.io import read_rows
 from longqa.data.schema import SYSTEM_PROMPT, row_problem
 
 EXTRA_INFO_TYPES = {
-    "index": int, "task": str, "style": str, "hops": int, "question": str, "answer_type": str,
-    "num_candidates": int, "supporting_facts": list, "reference_response": str, "context_tokens": int,
-    "keychain": bool, "near_miss_facts": list, "near_miss_answers": list,
+    "index": int,
+    "task": str,
+    "style": str,
+    "hops": int,
+    "question": str,
+    "answer_type": str,
+    "num_candidates": int,
+    "supporting_facts": list,
+    "reference_response": str,
+    "context_tokens": int,
+    "keychain": bool,
+    "near_miss_facts": list,
+    "near_miss_answers": list,
 }
 PAIR = re.compile(r'\{"([0-9a-f]{8})": "([^"]+)"\}\.')
 BY_LENGTH = (1024, 2048, 4096)
@@ -39,7 +49,7 @@ def user_text(row: dict) -> str:
 def passages(row: dict) -> list[tuple[str, str]]:
     """(title, text) of every passage of a row's prompt."""
     content = user_text(row)
-    body = content[content.index("\n") + 1:content.rindex("\n\n")]
+    body = content[content.index("\n") + 1 : content.rindex("\n\n")]
     return [tuple(p.split("\n", 1)) for p in re.split(r"(?:^|\n\n)Passage \d+:\n", body)[1:]]
 
 
@@ -87,8 +97,9 @@ def test_generate_writes_recipe_layout_deterministically(tmp_path):
     synth.generate(tmp_path / "b", rows_per_task=20, seed=3, workers=2)
     synth.generate(tmp_path / "c", rows_per_task=20, seed=4)
     files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*.parquet"))
-    assert [str(f) for f in files] == [f"{d}/{s}.parquet" for d in ("2wikimqa", "hotpotqa", "merged", "musique")
-                                       for s in ("test", "train")]
+    assert [str(f) for f in files] == [
+        f"{d}/{s}.parquet" for d in ("2wikimqa", "hotpotqa", "merged", "musique") for s in ("test", "train")
+    ]
     for f in files:
         assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes()
         assert (tmp_path / "a" / f).read_bytes() != (tmp_path / "c" / f).read_bytes()
@@ -172,23 +183,46 @@ def test_data_synth_says_how_many_contexts_missed_their_target_and_by_how_much(t
     within 10% is not mentioned."""
     from longqa.cli import main
 
-    assert main(["data", "synth", "--output-dir", str(tmp_path / "one"), "--context-tokens", "256",
-                 "--rows-per-task", "10"]) == 0
+    assert (
+        main(
+            ["data", "synth", "--output-dir", str(tmp_path / "one"), "--context-tokens", "256", "--rows-per-task", "10"]
+        )
+        == 0
+    )
     rows = [r for split in ("train", "test") for r in read_rows(tmp_path / "one" / "merged" / f"{split}.parquet")]
     counts = sorted(r["extra_info"]["context_tokens"] for r in rows)
     over = [n for n in counts if n > 1.1 * 256]
     assert over and not [n for n in counts if n < 0.9 * 256]
     notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")]
-    assert notes == [f"note: the 256-token contexts (median {counts[15]} tokens): {len(over)} of 30 are more than "
-                     f"10% over 256 (up to {over[-1]}): the passages their questions need, with the prompt around "
-                     f"them, take more"]
+    assert notes == [
+        f"note: the 256-token contexts (median {counts[15]} tokens): {len(over)} of 30 are more than "
+        f"10% over 256 (up to {over[-1]}): the passages their questions need, with the prompt around "
+        f"them, take more"
+    ]
 
-    assert main(["data", "synth", "--output-dir", str(tmp_path / "two"), "--context-lengths", "256", "1024",
-                 "--rows-per-task", "10"]) == 0
+    assert (
+        main(
+            [
+                "data",
+                "synth",
+                "--output-dir",
+                str(tmp_path / "two"),
+                "--context-lengths",
+                "256",
+                "1024",
+                "--rows-per-task",
+                "10",
+            ]
+        )
+        == 0
+    )
     notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")]
     assert len(notes) == 1 and notes[0].startswith("note: the 256-token contexts of ctx256/ (median ")
-    longer = [r["extra_info"]["context_tokens"] for split in ("train", "test")
-              for r in read_rows(tmp_path / "two" / "ctx1024" / "merged" / f"{split}.parquet")]
+    longer = [
+        r["extra_info"]["context_tokens"]
+        for split in ("train", "test")
+        for r in read_rows(tmp_path / "two" / "ctx1024" / "merged" / f"{split}.parquet")
+    ]
     assert all(0.9 * 1024 <= n <= 1.1 * 1024 for n in longer)
 
 
@@ -244,8 +278,9 @@ def by_length_rows() -> list[list[dict]]:
     """Each question's rows at every length: plain, and with KeyChain (whose chains need 2048 tokens)."""
     plain = synth.SynthConfig(seed=11)
     keyed = synth.SynthConfig(seed=11, keychain=True)
-    return ([synth.make_synth_rows(task, i, plain, BY_LENGTH[::-1]) for task in synth.TASKS for i in range(8)]
-            + [synth.make_synth_rows(task, i, keyed, BY_LENGTH[1:]) for task in synth.TASKS for i in range(3)])
+    return [synth.make_synth_rows(task, i, plain, BY_LENGTH[::-1]) for task in synth.TASKS for i in range(8)] + [
+        synth.make_synth_rows(task, i, keyed, BY_LENGTH[1:]) for task in synth.TASKS for i in range(3)
+    ]
 
 
 def bare_passages(row: dict) -> set[str]:
@@ -254,11 +289,21 @@ def bare_passages(row: dict) -> set[str]:
 
 
 def test_by_length_rows_ask_one_question_at_every_length(by_length_rows):
-    same = ("index", "task", "style", "hops", "question", "answer_type", "supporting_facts", "reference_response",
-            "keychain", "question_id")
+    same = (
+        "index",
+        "task",
+        "style",
+        "hops",
+        "question",
+        "answer_type",
+        "supporting_facts",
+        "reference_response",
+        "keychain",
+        "question_id",
+    )
     for rows in by_length_rows:
         infos = [r["extra_info"] for r in rows]
-        assert [i["target_tokens"] for i in infos] == list(BY_LENGTH[-len(rows):])
+        assert [i["target_tokens"] for i in infos] == list(BY_LENGTH[-len(rows) :])
         assert infos[0]["question_id"] == f"{infos[0]['task']}/{infos[0]['index']}"
         for key in same:
             assert len({repr(i[key]) for i in infos}) == 1, key
@@ -291,21 +336,31 @@ def test_one_length_is_the_plain_row():
 
 
 def test_generate_by_length_holds_out_the_same_questions_at_every_length(tmp_path):
-    counts = synth.generate(tmp_path, rows_per_task=8, tasks=("hotpotqa", "musique"), context_lengths=(512, 256),
-                            test_ratio=0.25)
+    counts = synth.generate(
+        tmp_path, rows_per_task=8, tasks=("hotpotqa", "musique"), context_lengths=(512, 256), test_ratio=0.25
+    )
     folders = [f"ctx{n}/{name}" for n in (256, 512) for name in ("hotpotqa", "musique", "merged")]
     assert list(counts) == [*folders, "merged"]
     assert counts["ctx256/merged"] == {"train": 12, "test": 4} and counts["merged"] == {"train": 24, "test": 8}
     for split in ("train", "test"):
         by_length = [read_rows(tmp_path / f"ctx{n}" / "merged" / f"{split}.parquet") for n in (256, 512)]
-        assert [r["extra_info"]["question_id"] for r in by_length[0]] == [r["extra_info"]["question_id"]
-                                                                          for r in by_length[1]]
+        assert [r["extra_info"]["question_id"] for r in by_length[0]] == [
+            r["extra_info"]["question_id"] for r in by_length[1]
+        ]
         assert read_rows(tmp_path / "merged" / f"{split}.parquet") == by_length[0] + by_length[1]
 
 
-@pytest.mark.parametrize("kwargs", [{"tasks": ("squad",)}, {"min_hops": 1}, {"min_hops": 4, "max_hops": 3},
-                                    {"max_hops": synth.MAX_HOPS + 1}, {"context_tokens": 100},
-                                    {"context_lengths": (1024, 100)}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"tasks": ("squad",)},
+        {"min_hops": 1},
+        {"min_hops": 4, "max_hops": 3},
+        {"max_hops": synth.MAX_HOPS + 1},
+        {"context_tokens": 100},
+        {"context_lengths": (1024, 100)},
+    ],
+)
 def test_bad_arguments_are_refused(tmp_path: Path, kwargs):
     with pytest.raises(ValueError):
         synth.generate(tmp_path, rows_per_task=4, **kwargs)
@@ -318,8 +373,11 @@ def shares_a_name_part(a: str, b: str) -> bool:
 
 @pytest.fixture(scope="module")
 def near_miss_rows() -> list[dict]:
-    return [r for task in synth.TASKS
-            for r in synth.generate_rows(task, 12, context_tokens=4096, min_hops=3, max_hops=4, near_misses=True)]
+    return [
+        r
+        for task in synth.TASKS
+        for r in synth.generate_rows(task, 12, context_tokens=4096, min_hops=3, max_hops=4, near_misses=True)
+    ]
 
 
 def test_near_misses_lead_fact_by_fact_to_other_answers_of_the_answer_s_type(near_miss_rows):
@@ -359,13 +417,14 @@ def test_near_misses_lead_fact_by_fact_to_other_answers_of_the_answer_s_type(nea
 def test_near_misses_fill_a_short_context_first_and_a_longer_one_keeps_them():
     for task in ("musique", "2wikimqa"):
         for index in range(6):
-            short, long = synth.make_synth_rows(task, index, synth.SynthConfig(min_hops=4, near_misses=True),
-                                                [1024, 8192])
-            s, l = short["extra_info"], long["extra_info"]
+            short, long = synth.make_synth_rows(
+                task, index, synth.SynthConfig(min_hops=4, near_misses=True), [1024, 8192]
+            )
+            s, ln = short["extra_info"], long["extra_info"]
             if s["style"] in synth.COMPARISON_STYLES:
                 continue
-            assert len(l["near_miss_facts"]) == l["hops"]
-            assert s["near_miss_facts"] == l["near_miss_facts"][:len(s["near_miss_facts"])]
+            assert len(ln["near_miss_facts"]) == ln["hops"]
+            assert s["near_miss_facts"] == ln["near_miss_facts"][: len(s["near_miss_facts"])]
             assert s["near_miss_facts"], "the last link's near miss is in every context"
 
 

@@ -21,10 +21,14 @@ from longqa.data.loongrl import SUBSET_PAIRS
 from longqa.data.prompts import PromptOptions, prepare_prompts
 
 # verl imports Ray as it loads (the `test` extra installs it; .ci/run installs verl).
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(
-    importlib.util.find_spec("verl") is None or importlib.util.find_spec("ray") is None,
-    reason="needs verl and Ray, which verl imports: .ci/run installs both (pip install --no-deps verl, and the "
-           "test extra)")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("verl") is None or importlib.util.find_spec("ray") is None,
+        reason="needs verl and Ray, which verl imports: .ci/run installs both (pip install --no-deps verl, and the "
+        "test extra)",
+    ),
+]
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +43,21 @@ def verl():
     from verl.utils.tokenizer.continuous_token_wiring import create_continuous_token_builder
     from verl.workers.reward_manager import get_reward_manager_cls
 
-    return types.SimpleNamespace(**{f.__name__: f for f in (
-        OmegaConf, DataProto, RewardLoopWorker, get_custom_reward_fn, RLHFDataset, collate_fn,
-        create_continuous_token_builder, get_reward_manager_cls)})
+    return types.SimpleNamespace(
+        **{
+            f.__name__: f
+            for f in (
+                OmegaConf,
+                DataProto,
+                RewardLoopWorker,
+                get_custom_reward_fn,
+                RLHFDataset,
+                collate_fn,
+                create_continuous_token_builder,
+                get_reward_manager_cls,
+            )
+        }
+    )
 
 
 def _responses(truth: str) -> list[str]:
@@ -63,17 +79,47 @@ def _responses(truth: str) -> list[str]:
 def files(tmp_path_factory):
     """The merged train files of ``longqa data synth`` and of ``longqa data loongrl`` (from a local copy)."""
     root = tmp_path_factory.mktemp("verl-files")
-    assert main(["data", "synth", "--output-dir", str(root / "synth"), "--rows-per-task", "4",
-                 "--context-tokens", "256", "--max-hops", "2"]) == 0
+    assert (
+        main(
+            [
+                "data",
+                "synth",
+                "--output-dir",
+                str(root / "synth"),
+                "--rows-per-task",
+                "4",
+                "--context-tokens",
+                "256",
+                "--max-hops",
+                "2",
+            ]
+        )
+        == 0
+    )
     source = root / "LoongRL-Train-Data"
     for subset in (s for pair in SUBSET_PAIRS.values() for s in pair):
-        write_rows([{"input": f"q{i}", "context": "c", "answers": [f"Ans {i}"],
-                     "data_source": f"custom_longcontext_needle_qa_{subset}", "ability": "longcontext_qa",
-                     "prompt": [{"role": "user", "content": f"The following are given passages.\n{'fact ' * (3 * i)}"
-                                                            f"\n\nQuestion: {subset} {i}?"}],
-                     "reward_model": {"style": "rule", "ground_truth": [f"Van Houten {i}", f"Milhouse {i}"]},
-                     "extra_info": {"index": i, "split": "train"}} for i in range(3)],
-                   source / subset / "train-00000-of-00001.parquet")
+        write_rows(
+            [
+                {
+                    "input": f"q{i}",
+                    "context": "c",
+                    "answers": [f"Ans {i}"],
+                    "data_source": f"custom_longcontext_needle_qa_{subset}",
+                    "ability": "longcontext_qa",
+                    "prompt": [
+                        {
+                            "role": "user",
+                            "content": f"The following are given passages.\n{'fact ' * (3 * i)}"
+                            f"\n\nQuestion: {subset} {i}?",
+                        }
+                    ],
+                    "reward_model": {"style": "rule", "ground_truth": [f"Van Houten {i}", f"Milhouse {i}"]},
+                    "extra_info": {"index": i, "split": "train"},
+                }
+                for i in range(3)
+            ],
+            source / subset / "train-00000-of-00001.parquet",
+        )
     assert main(["data", "loongrl", "--output-dir", str(root / "loongrl"), "--source", str(source)]) == 0
     return {kind: root / kind / "merged" / "train.parquet" for kind in ("synth", "loongrl")}
 
@@ -84,12 +130,21 @@ def verl_config(verl, tokenizer_dir: Path, train_file: Path, tmp_path: Path, *ov
     holding other threads (gloo's, from an earlier test) hung."""
     shipped = Path(importlib.util.find_spec("verl").origin).parent / "trainer/config/_generated_ppo_trainer.yaml"
     reward_file = Path(longqa.reward.__file__)
-    return verl.OmegaConf.merge(verl.OmegaConf.load(shipped), verl.OmegaConf.from_dotlist([
-        f"data.train_files=[{train_file}]", f"data.cache_dir={tmp_path / 'verl-cache'}",
-        "data.filter_overlong_prompts=True", "data.filter_overlong_prompts_workers=null",
-        f"actor_rollout_ref.model.path={tokenizer_dir}",
-        f"reward.custom_reward_function.path={reward_file}", "reward.custom_reward_function.name=compute_score",
-        *overrides]))
+    return verl.OmegaConf.merge(
+        verl.OmegaConf.load(shipped),
+        verl.OmegaConf.from_dotlist(
+            [
+                f"data.train_files=[{train_file}]",
+                f"data.cache_dir={tmp_path / 'verl-cache'}",
+                "data.filter_overlong_prompts=True",
+                "data.filter_overlong_prompts_workers=null",
+                f"actor_rollout_ref.model.path={tokenizer_dir}",
+                f"reward.custom_reward_function.path={reward_file}",
+                "reward.custom_reward_function.name=compute_score",
+                *overrides,
+            ]
+        ),
+    )
 
 
 @pytest.mark.parametrize("kind", ["synth", "loongrl"])
@@ -127,17 +182,29 @@ def _rollout_batch(verl, dataset, tokenizer, builder):
     width_p, width_r = max(map(len, prompts)), max(map(len, responses))
     prompt = torch.tensor([[pad] * (width_p - len(p)) + p for p in prompts])
     response = torch.tensor([r + [pad] * (width_r - len(r)) for r in responses])
-    mask = torch.tensor([[0] * (width_p - len(p)) + [1] * len(p) + [1] * len(r) + [0] * (width_r - len(r))
-                         for p, r in zip(prompts, responses)])
+    mask = torch.tensor(
+        [
+            [0] * (width_p - len(p)) + [1] * len(p) + [1] * len(r) + [0] * (width_r - len(r))
+            for p, r in zip(prompts, responses)
+        ]
+    )
     columns = {k: v for k, v in verl.collate_fn(items).items() if isinstance(v, np.ndarray)}
-    data = verl.DataProto.from_dict(tensors={"prompts": prompt, "responses": response, "attention_mask": mask,
-                                        "input_ids": torch.cat([prompt, response], dim=1)}, non_tensors=columns)
+    data = verl.DataProto.from_dict(
+        tensors={
+            "prompts": prompt,
+            "responses": response,
+            "attention_mask": mask,
+            "input_ids": torch.cat([prompt, response], dim=1),
+        },
+        non_tensors=columns,
+    )
     return data, cases
 
 
 @pytest.mark.parametrize("kind, mode", [("synth", None), ("loongrl", None), ("loongrl", "pure_exact_match")])
-def test_verl_s_reward_managers_score_through_our_reward_as_we_do(verl, kind, mode, files, tokenizer, tokenizer_dir,
-                                                                  tmp_path):
+def test_verl_s_reward_managers_score_through_our_reward_as_we_do(
+    verl, kind, mode, files, tokenizer, tokenizer_dir, tmp_path
+):
     kwargs = [f"reward.custom_reward_function.reward_kwargs.mode={mode}"] if mode else []
     cfg = verl_config(verl, tokenizer_dir, files[kind], tmp_path, "data.max_prompt_length=4096", *kwargs)
     dataset = verl.RLHFDataset(data_files=cfg.data.train_files, tokenizer=tokenizer, config=cfg.data)
@@ -146,8 +213,12 @@ def test_verl_s_reward_managers_score_through_our_reward_as_we_do(verl, kind, mo
     rows = read_rows(files[kind])  # the reference reads the file with longqa's reader, not verl's
     assert len(dataset) == len(rows)
     extra = {"mode": mode} if mode else {}
-    expected = [longqa.reward.compute_score(rows[i]["data_source"], text, rows[i]["reward_model"]["ground_truth"],
-                                            rows[i]["extra_info"], **extra) for i, text in cases]
+    expected = [
+        longqa.reward.compute_score(
+            rows[i]["data_source"], text, rows[i]["reward_model"]["ground_truth"], rows[i]["extra_info"], **extra
+        )
+        for i, text in cases
+    ]
 
     # The reward loop (verl's trainer path): the custom function loaded by path, the naive manager per response.
     worker = verl.RewardLoopWorker(cfg)
@@ -157,9 +228,10 @@ def test_verl_s_reward_managers_score_through_our_reward_as_we_do(verl, kind, mo
     assert scores == expected
     rm_scores = worker.reward_manager.assemble_rm_scores(data, scores)
     # The batch reward manager, fed by the same hook: each score on the response's last token (its EOS).
-    batch_manager = verl.get_reward_manager_cls("naive")(tokenizer=tokenizer, num_examine=0,
-                                                         compute_score=verl.get_custom_reward_fn(cfg))
-    last = data.batch["attention_mask"][:, data.batch["prompts"].shape[1]:].sum(dim=1) - 1
+    batch_manager = verl.get_reward_manager_cls("naive")(
+        tokenizer=tokenizer, num_examine=0, compute_score=verl.get_custom_reward_fn(cfg)
+    )
+    last = data.batch["attention_mask"][:, data.batch["prompts"].shape[1] :].sum(dim=1) - 1
     for tensor in (rm_scores, batch_manager(data)):
         assert tensor.sum(dim=1).tolist() == expected
         assert tensor[torch.arange(len(last)), last].tolist() == expected
@@ -178,9 +250,13 @@ def test_verl_s_actor_strategies_map_to_longqa_s_or_are_named_in_the_error(tmp_p
 
     from longqa.config import ConfigError, load_config
 
-    strategies = {field.default for cls in vars(actor_configs).values()
-                  if isinstance(cls, type) and issubclass(cls, actor_configs.ActorConfig)
-                  for field in dataclasses.fields(cls) if field.name == "strategy" and isinstance(field.default, str)}
+    strategies = {
+        field.default
+        for cls in vars(actor_configs).values()
+        if isinstance(cls, type) and issubclass(cls, actor_configs.ActorConfig)
+        for field in dataclasses.fields(cls)
+        if field.name == "strategy" and isinstance(field.default, str)
+    }
     strategies.discard("???")  # the base class's "must be given"
     shipped = verl_config(verl, tokenizer_dir, files["synth"], tmp_path).actor_rollout_ref.actor.strategy
     assert {"fsdp", "megatron"} <= strategies and shipped == "fsdp"
@@ -189,6 +265,9 @@ def test_verl_s_actor_strategies_map_to_longqa_s_or_are_named_in_the_error(tmp_p
         if strategy in ("fsdp", "fsdp2"):
             assert load_config(None, line).actor.strategy == "fsdp2"
             continue
-        with pytest.raises(ConfigError, match=f"actor_rollout_ref.actor.strategy={strategy}: longqa shards the "
-                                              r"actor with FSDP2 \(fsdp, fsdp2\) or DeepSpeed ZeRO-3 \(deepspeed\)"):
+        with pytest.raises(
+            ConfigError,
+            match=f"actor_rollout_ref.actor.strategy={strategy}: longqa shards the "
+            r"actor with FSDP2 \(fsdp, fsdp2\) or DeepSpeed ZeRO-3 \(deepspeed\)",
+        ):
             load_config(None, line)

@@ -25,66 +25,128 @@ from longqa.train.resume import REFUSED_ON_RESUME
 # The reference recipe's verl launch (Qwen3-32B on LoongRL, 4 nodes of 8 GPUs), values filled in: the keys
 # longqa has ...
 RECIPE_TAKEN = [
-    "algorithm.adv_estimator=grpo", "algorithm.norm_adv_by_std_in_grpo=True", "algorithm.use_kl_in_reward=False",
-    "algorithm.kl_ctrl.kl_coef=0.001", "data.train_files=/data/merged/train.parquet",
-    "data.val_files=/data/merged/test.parquet", "data.train_batch_size=256", "data.max_prompt_length=16384",
-    "data.max_response_length=4096", "data.filter_overlong_prompts=True", "data.truncation=left", "data.seed=42",
-    "custom_reward_function.path=/recipe/reward.py", "custom_reward_function.name=compute_score",
-    "actor_rollout_ref.model.path=Qwen/Qwen3-32B", "actor_rollout_ref.model.use_remove_padding=True",
-    "actor_rollout_ref.model.enable_gradient_checkpointing=True", "actor_rollout_ref.actor.strategy=fsdp2",
-    "actor_rollout_ref.actor.fsdp_config.strategy=fsdp2", "actor_rollout_ref.actor.use_dynamic_bsz=True",
-    "actor_rollout_ref.actor.ppo_mini_batch_size=64", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=40960",
-    "actor_rollout_ref.actor.clip_ratio=0.2", "actor_rollout_ref.actor.use_kl_loss=False",
-    "actor_rollout_ref.actor.kl_loss_coef=0.001", "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
-    "actor_rollout_ref.actor.entropy_coeff=0", "actor_rollout_ref.actor.optim.lr=1e-6",
-    "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.05", "actor_rollout_ref.actor.optim.betas=[0.9,0.95]",
+    "algorithm.adv_estimator=grpo",
+    "algorithm.norm_adv_by_std_in_grpo=True",
+    "algorithm.use_kl_in_reward=False",
+    "algorithm.kl_ctrl.kl_coef=0.001",
+    "data.train_files=/data/merged/train.parquet",
+    "data.val_files=/data/merged/test.parquet",
+    "data.train_batch_size=256",
+    "data.max_prompt_length=16384",
+    "data.max_response_length=4096",
+    "data.filter_overlong_prompts=True",
+    "data.truncation=left",
+    "data.seed=42",
+    "custom_reward_function.path=/recipe/reward.py",
+    "custom_reward_function.name=compute_score",
+    "actor_rollout_ref.model.path=Qwen/Qwen3-32B",
+    "actor_rollout_ref.model.use_remove_padding=True",
+    "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+    "actor_rollout_ref.actor.strategy=fsdp2",
+    "actor_rollout_ref.actor.fsdp_config.strategy=fsdp2",
+    "actor_rollout_ref.actor.use_dynamic_bsz=True",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=64",
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=40960",
+    "actor_rollout_ref.actor.clip_ratio=0.2",
+    "actor_rollout_ref.actor.use_kl_loss=False",
+    "actor_rollout_ref.actor.kl_loss_coef=0.001",
+    "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+    "actor_rollout_ref.actor.entropy_coeff=0",
+    "actor_rollout_ref.actor.optim.lr=1e-6",
+    "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.05",
+    "actor_rollout_ref.actor.optim.betas=[0.9,0.95]",
     "actor_rollout_ref.actor.fsdp_config.param_offload=True",
     "actor_rollout_ref.actor.fsdp_config.optimizer_offload=True",
-    "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "actor_rollout_ref.rollout.name=vllm",
-    "actor_rollout_ref.rollout.gpu_memory_utilization=0.7", "actor_rollout_ref.rollout.free_cache_engine=True",
-    "actor_rollout_ref.rollout.n=8", "actor_rollout_ref.rollout.temperature=1.0", "actor_rollout_ref.rollout.top_p=1.0",
-    "actor_rollout_ref.rollout.enforce_eager=False", "actor_rollout_ref.rollout.val_kwargs.top_k=-1",
-    "actor_rollout_ref.rollout.val_kwargs.top_p=1.0", "actor_rollout_ref.rollout.val_kwargs.temperature=0",
-    "actor_rollout_ref.rollout.val_kwargs.n=1", "actor_rollout_ref.rollout.val_kwargs.do_sample=False",
-    "trainer.default_local_dir=/checkpoint/run", "trainer.resume_mode=disable", "trainer.logger=['console']",
-    "trainer.n_gpus_per_node=8", "trainer.nnodes=4", "trainer.save_freq=-1", "trainer.test_freq=10",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+    "actor_rollout_ref.rollout.name=vllm",
+    "actor_rollout_ref.rollout.gpu_memory_utilization=0.7",
+    "actor_rollout_ref.rollout.free_cache_engine=True",
+    "actor_rollout_ref.rollout.n=8",
+    "actor_rollout_ref.rollout.temperature=1.0",
+    "actor_rollout_ref.rollout.top_p=1.0",
+    "actor_rollout_ref.rollout.enforce_eager=False",
+    "actor_rollout_ref.rollout.val_kwargs.top_k=-1",
+    "actor_rollout_ref.rollout.val_kwargs.top_p=1.0",
+    "actor_rollout_ref.rollout.val_kwargs.temperature=0",
+    "actor_rollout_ref.rollout.val_kwargs.n=1",
+    "actor_rollout_ref.rollout.val_kwargs.do_sample=False",
+    "trainer.default_local_dir=/checkpoint/run",
+    "trainer.resume_mode=disable",
+    "trainer.logger=['console']",
+    "trainer.n_gpus_per_node=8",
+    "trainer.nnodes=4",
+    "trainer.save_freq=-1",
+    "trainer.test_freq=10",
     "trainer.total_epochs=20",
 ]
 # ... the same run in longqa's own keys (written by hand: the independent reference) ...
 RECIPE_IN_LONGQA_KEYS = [
-    "algo.adv_estimator=grpo", "algo.norm_adv_by_std=true", "algo.kl_coef=0",
+    "algo.adv_estimator=grpo",
+    "algo.norm_adv_by_std=true",
+    "algo.kl_coef=0",
     "data.train_files=/data/merged/train.parquet",
-    "data.val_files=/data/merged/test.parquet", "data.train_batch_size=256", "data.max_prompt_length=16384",
-    "data.max_response_length=4096", "data.filter_overlong_prompts=true", "data.truncation=left", "trainer.seed=42",
-    "reward.path=/recipe/reward.py", "reward.name=compute_score", "model.path=Qwen/Qwen3-32B",
-    "model.gradient_checkpointing=true", "actor.strategy=fsdp2", "actor.ppo_mini_batch_size=64",
+    "data.val_files=/data/merged/test.parquet",
+    "data.train_batch_size=256",
+    "data.max_prompt_length=16384",
+    "data.max_response_length=4096",
+    "data.filter_overlong_prompts=true",
+    "data.truncation=left",
+    "trainer.seed=42",
+    "reward.path=/recipe/reward.py",
+    "reward.name=compute_score",
+    "model.path=Qwen/Qwen3-32B",
+    "model.gradient_checkpointing=true",
+    "actor.strategy=fsdp2",
+    "actor.ppo_mini_batch_size=64",
     "actor.max_tokens_per_micro_batch=auto",
-    "algo.clip_ratio=0.2", "algo.kl_type=low_var_kl", "algo.entropy_coeff=0", "actor.lr=1e-6",
-    "actor.warmup_ratio=0.05", "actor.betas=[0.9, 0.95]", "actor.cpu_offload=true",
-    "rollout.tensor_model_parallel_size=2", "rollout.engine=vllm", "rollout.gpu_memory_utilization=0.7",
-    "rollout.free_cache_engine=true", "rollout.n=8", "rollout.temperature=1.0", "rollout.top_p=1.0",
-    "rollout.enforce_eager=false", "trainer.output_dir=/checkpoint/run", "trainer.resume=none",
-    "trainer.logger=[console]", "trainer.launcher=ray", "trainer.ray_workers=32", "trainer.save_freq=0",
-    "trainer.test_freq=10", "trainer.total_epochs=20",
+    "algo.clip_ratio=0.2",
+    "algo.kl_type=low_var_kl",
+    "algo.entropy_coeff=0",
+    "actor.lr=1e-6",
+    "actor.warmup_ratio=0.05",
+    "actor.betas=[0.9, 0.95]",
+    "actor.cpu_offload=true",
+    "rollout.tensor_model_parallel_size=2",
+    "rollout.engine=vllm",
+    "rollout.gpu_memory_utilization=0.7",
+    "rollout.free_cache_engine=true",
+    "rollout.n=8",
+    "rollout.temperature=1.0",
+    "rollout.top_p=1.0",
+    "rollout.enforce_eager=false",
+    "trainer.output_dir=/checkpoint/run",
+    "trainer.resume=none",
+    "trainer.logger=[console]",
+    "trainer.launcher=ray",
+    "trainer.ray_workers=32",
+    "trainer.save_freq=0",
+    "trainer.test_freq=10",
+    "trainer.total_epochs=20",
 ]
 # ... the keys of verl's machinery with no longqa counterpart, which change no result (taken, and said) ...
 RECIPE_NOTED = [
-    "data.filter_overlong_prompts_workers=8", "actor_rollout_ref.model.use_liger=True",
+    "data.filter_overlong_prompts_workers=8",
+    "actor_rollout_ref.model.use_liger=True",
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
     "actor_rollout_ref.actor.fsdp_config.forward_prefetch=True",
-    "actor_rollout_ref.rollout.max_num_seqs=256", "actor_rollout_ref.rollout.max_num_batched_tokens=40960",
+    "actor_rollout_ref.rollout.max_num_seqs=256",
+    "actor_rollout_ref.rollout.max_num_batched_tokens=40960",
     "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=4096",
     "actor_rollout_ref.rollout.agent.num_workers=1",
-    "actor_rollout_ref.ref.fsdp_config.param_offload=True", "actor_rollout_ref.nccl_timeout=1800",
-    "trainer.use_legacy_worker_impl=disable", "trainer.balance_batch=False",
+    "actor_rollout_ref.ref.fsdp_config.param_offload=True",
+    "actor_rollout_ref.nccl_timeout=1800",
+    "trainer.use_legacy_worker_impl=disable",
+    "trainer.balance_batch=False",
 ]
 # ... keys that are longqa settings under another name or value ...
 RECIPE_MAPPED = {
     "actor_rollout_ref.actor.data_loader_seed=42": ("trainer.seed", 42),
-    "+actor_rollout_ref.model.override_config.attn_implementation=flash_attention_3": ("model.attn_implementation",
-                                                                                      "sdpa"),
+    "+actor_rollout_ref.model.override_config.attn_implementation=flash_attention_3": (
+        "model.attn_implementation",
+        "sdpa",
+    ),
     "actor_rollout_ref.actor.use_torch_compile=False": ("actor.compile_layers", False),
     "actor_rollout_ref.rollout.calculate_log_probs=False": None,  # longqa recomputes them: the only value
     "trainer.project_name=arctic_rl_long_context": ("trainer.project_name", "arctic_rl_long_context"),
@@ -92,8 +154,10 @@ RECIPE_MAPPED = {
     "trainer.val_before_train=False": ("trainer.val_before_train", False),
 }
 # ... and a value longqa cannot run.
-RECIPE_REFUSED = ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
-                  "actor_rollout_ref.rollout.calculate_log_probs=True"]
+RECIPE_REFUSED = [
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+    "actor_rollout_ref.rollout.calculate_log_probs=True",
+]
 
 
 def test_the_recipe_launch_maps_to_the_same_run_in_longqa_keys():
@@ -116,8 +180,10 @@ def test_keys_without_a_counterpart_are_taken_and_each_said_once():
     notes = verl_notes(RECIPE_TAKEN + RECIPE_NOTED + list(RECIPE_MAPPED))
     for text in RECIPE_NOTED:
         assert sum(line.startswith(f"{text}: ") for line in notes) == 1, text
-    assert any(line.startswith("actor_rollout_ref.model.override_config.attn_implementation=flash_attention_3: "
-                               "runs as sdpa") for line in notes)
+    assert any(
+        line.startswith("actor_rollout_ref.model.override_config.attn_implementation=flash_attention_3: runs as sdpa")
+        for line in notes
+    )
     assert len(notes) == len(RECIPE_NOTED) + 2  # and the FlashAttention 3 and token budget values
     assert set(NOTED) >= {text.partition("=")[0] for text in RECIPE_NOTED}
     for key in NOTED:  # any value at all
@@ -145,26 +211,40 @@ def test_every_refused_key_of_the_recipe_is_named_in_one_error():
 
 
 def test_a_mixed_line_takes_both_vocabularies():
-    cfg = load_config(None, ["data.train_files=a.parquet", "actor_rollout_ref.rollout.n=4", "rollout.engine=hf",
-                             "actor_rollout_ref.actor.optim.lr=2e-6", "trainer.max_steps=5", "rollout.n=4",
-                             "actor_rollout_ref.actor.clip_ratio_high=0.28", "algo.clip_ratio=0.2",
-                             "actor_rollout_ref.actor.clip_ratio_low=0.2", "trainer.total_training_steps=5"])
+    cfg = load_config(
+        None,
+        [
+            "data.train_files=a.parquet",
+            "actor_rollout_ref.rollout.n=4",
+            "rollout.engine=hf",
+            "actor_rollout_ref.actor.optim.lr=2e-6",
+            "trainer.max_steps=5",
+            "rollout.n=4",
+            "actor_rollout_ref.actor.clip_ratio_high=0.28",
+            "algo.clip_ratio=0.2",
+            "actor_rollout_ref.actor.clip_ratio_low=0.2",
+            "trainer.total_training_steps=5",
+        ],
+    )
     assert (cfg.data.train_files, cfg.rollout.n, cfg.rollout.engine, cfg.actor.lr) == (["a.parquet"], 4, "hf", 2e-6)
     assert (cfg.algo.clip_ratio, cfg.algo.clip_ratio_high, cfg.trainer.max_steps) == (0.2, 0.28, 5)
     assert is_verl_line(["rollout.n=8", "+actor_rollout_ref.rollout.n=8"])
     assert not is_verl_line(["rollout.n=8", "data.train_files=a.parquet", "trainer.save_freq=-1"])  # shared names
 
 
-@pytest.mark.parametrize("line", [
-    ["rollout.n=8", "actor_rollout_ref.rollout.n=4"],
-    ["actor_rollout_ref.actor.clip_ratio=0.3", "actor_rollout_ref.actor.clip_ratio_low=0.2"],
-    ["data.max_response_length=4096", "actor_rollout_ref.rollout.response_length=2048"],
-    ["trainer.launcher=local", "trainer.n_gpus_per_node=8"],
-    ["algo.kl_coef=0.1", "actor_rollout_ref.actor.use_kl_loss=False"],
-    ["actor.grad_clip=1.0", "actor_rollout_ref.actor.optim.clip_grad=0.5"],
-    ["trainer.nnodes=2", "trainer.nnodes=4"],
-    ["actor.strategy=deepspeed", "actor_rollout_ref.actor.strategy=fsdp"],
-])
+@pytest.mark.parametrize(
+    "line",
+    [
+        ["rollout.n=8", "actor_rollout_ref.rollout.n=4"],
+        ["actor_rollout_ref.actor.clip_ratio=0.3", "actor_rollout_ref.actor.clip_ratio_low=0.2"],
+        ["data.max_response_length=4096", "actor_rollout_ref.rollout.response_length=2048"],
+        ["trainer.launcher=local", "trainer.n_gpus_per_node=8"],
+        ["algo.kl_coef=0.1", "actor_rollout_ref.actor.use_kl_loss=False"],
+        ["actor.grad_clip=1.0", "actor_rollout_ref.actor.optim.clip_grad=0.5"],
+        ["trainer.nnodes=2", "trainer.nnodes=4"],
+        ["actor.strategy=deepspeed", "actor_rollout_ref.actor.strategy=fsdp"],
+    ],
+)
 def test_one_setting_given_two_values_under_two_names_is_an_error(line):
     with pytest.raises(ConfigError) as e:
         load_config(None, line)
@@ -177,54 +257,69 @@ def test_the_same_value_under_two_names_and_longqa_repeats_are_fine():
     assert load_config(None, ["rollout.n=8", "rollout.n=4"]).rollout.n == 4  # longqa's own keys: the last wins
 
 
-@pytest.mark.parametrize("line, key, value", [
-    (["actor_rollout_ref.rollout.name=hf"], "rollout.engine", "hf"),
-    (["algorithm.adv_estimator=rloo_vectorized"], "algo.adv_estimator", "rloo"),
-    (["algorithm.norm_adv_by_std_in_grpo=False"], "algo.norm_adv_by_std", False),
-    (["actor_rollout_ref.actor.kl_loss_type=k2"], "algo.kl_type", "mse"),
-    (["actor_rollout_ref.rollout.top_k=0"], "rollout.top_k", -1),
-    (["trainer.save_freq=-1"], "trainer.save_freq", 0),
-    (["trainer.test_freq=-1"], "trainer.test_freq", 0),
-    (["actor_rollout_ref.actor.use_kl_loss=True"], "algo.kl_coef", 0.001),  # verl's default coefficient
-    (["actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.01"], "algo.kl_coef", 0.01),
-    (["actor_rollout_ref.actor.kl_loss_coef=0.01"], "algo.kl_coef", 0.0),  # verl adds no KL without use_kl_loss
-    (["trainer.nnodes=2"], "trainer.ray_workers", 16),  # verl's default 8 GPUs per node
-    (["trainer.n_gpus_per_node=1"], "trainer.launcher", "ray"),
-    (["trainer.resume_mode=resume_path", "trainer.resume_from_path=ckpt/step_7"], "trainer.resume", "ckpt/step_7"),
-    (["trainer.resume_from_path=ckpt/step_7"], "trainer.resume", "auto"),  # verl reads it only with resume_path
-    (["++reward.custom_reward_function.path=r.py"], "reward.path", "r.py"),
-    (["trainer.default_local_dir=007"], "trainer.output_dir", "007"),  # read as the longqa key's type: a string
-    (["actor_rollout_ref.actor.optim.betas=[0.9,0.999]"], "actor.betas", [0.9, 0.999]),
-    (["actor_rollout_ref.actor.strategy=fsdp"], "actor.strategy", "fsdp2"),  # verl's FSDP1: longqa's is FSDP2
-    (["actor_rollout_ref.actor.strategy=fsdp2"], "actor.strategy", "fsdp2"),
-    (["actor_rollout_ref.actor.strategy=deepspeed"], "actor.strategy", "deepspeed"),
-    (["actor_rollout_ref.actor.fsdp_config.model_dtype=fp32"], "actor.master_weights", "float32"),
-    (["actor_rollout_ref.actor.fsdp_config.model_dtype=bf16"], "actor.master_weights", "model"),
-])
+@pytest.mark.parametrize(
+    "line, key, value",
+    [
+        (["actor_rollout_ref.rollout.name=hf"], "rollout.engine", "hf"),
+        (["algorithm.adv_estimator=rloo_vectorized"], "algo.adv_estimator", "rloo"),
+        (["algorithm.norm_adv_by_std_in_grpo=False"], "algo.norm_adv_by_std", False),
+        (["actor_rollout_ref.actor.kl_loss_type=k2"], "algo.kl_type", "mse"),
+        (["actor_rollout_ref.rollout.top_k=0"], "rollout.top_k", -1),
+        (["trainer.save_freq=-1"], "trainer.save_freq", 0),
+        (["trainer.test_freq=-1"], "trainer.test_freq", 0),
+        (["actor_rollout_ref.actor.use_kl_loss=True"], "algo.kl_coef", 0.001),  # verl's default coefficient
+        (
+            ["actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.01"],
+            "algo.kl_coef",
+            0.01,
+        ),
+        (["actor_rollout_ref.actor.kl_loss_coef=0.01"], "algo.kl_coef", 0.0),  # verl adds no KL without use_kl_loss
+        (["trainer.nnodes=2"], "trainer.ray_workers", 16),  # verl's default 8 GPUs per node
+        (["trainer.n_gpus_per_node=1"], "trainer.launcher", "ray"),
+        (["trainer.resume_mode=resume_path", "trainer.resume_from_path=ckpt/step_7"], "trainer.resume", "ckpt/step_7"),
+        (["trainer.resume_from_path=ckpt/step_7"], "trainer.resume", "auto"),  # verl reads it only with resume_path
+        (["++reward.custom_reward_function.path=r.py"], "reward.path", "r.py"),
+        (["trainer.default_local_dir=007"], "trainer.output_dir", "007"),  # read as the longqa key's type: a string
+        (["actor_rollout_ref.actor.optim.betas=[0.9,0.999]"], "actor.betas", [0.9, 0.999]),
+        (["actor_rollout_ref.actor.strategy=fsdp"], "actor.strategy", "fsdp2"),  # verl's FSDP1: longqa's is FSDP2
+        (["actor_rollout_ref.actor.strategy=fsdp2"], "actor.strategy", "fsdp2"),
+        (["actor_rollout_ref.actor.strategy=deepspeed"], "actor.strategy", "deepspeed"),
+        (["actor_rollout_ref.actor.fsdp_config.model_dtype=fp32"], "actor.master_weights", "float32"),
+        (["actor_rollout_ref.actor.fsdp_config.model_dtype=bf16"], "actor.master_weights", "model"),
+    ],
+)
 def test_values_verl_spells_differently(line, key, value):
     section, name = key.split(".")
     assert getattr(getattr(load_config(None, line), section), name) == value
 
 
-@pytest.mark.parametrize("line, says", [
-    (["actor_rollout_ref.rollout.name=sglang"], "rollout.engine=fast (its own engine; verl's arctic), hf or vllm"),
-    (["actor_rollout_ref.actor.strategy=megatron"], "actor_rollout_ref.actor.strategy=megatron: longqa shards the "
-                                                    "actor with FSDP2 (fsdp, fsdp2) or DeepSpeed ZeRO-3 (deepspeed)"),
-    (["actor_rollout_ref.actor.fsdp_config.strategy=zero3"], "longqa's FSDP is FSDP2"),
-    (["algorithm.adv_estimator=gae"], "estimators are grpo"),
-    (["actor_rollout_ref.actor.kl_loss_type=full"], "KL estimators are"),
-    (["actor_rollout_ref.actor.fsdp_config.optimizer_offload=True"], "set both to the same value"),
-    (["algorithm.use_kl_in_reward=True", "algorithm.kl_ctrl.kl_coef=0.01"], "no KL penalty in the reward"),
-    (["actor_rollout_ref.rollout.val_kwargs.temperature=0.6"], "one greedy answer per question"),
-    (["actor_rollout_ref.actor.use_dynamic_bsz=False"], "token budget"),
-    (["trainer.resume_mode=resume_path"], "needs trainer.resume_from_path"),
-    (["trainer.nnodes=0"], "integers > 0"),
-    (["actor_rollout_ref.actor.use_kl_loss=maybe"], "use_kl_loss must be true or false"),
-    (["actor_rollout_ref.rollout.n=0"],
-     "config key 'rollout.n' must be > 0, got 0 (given as actor_rollout_ref.rollout.n=0)"),
-    (["actor_rollout_ref.actor.optim.lrr=1"], "'actor_rollout_ref.actor.optim.lrr': neither a longqa setting nor"),
-    (["trainer.max_step=3"], "did you mean 'trainer.max_steps'?"),
-])
+@pytest.mark.parametrize(
+    "line, says",
+    [
+        (["actor_rollout_ref.rollout.name=sglang"], "rollout.engine=fast (its own engine; verl's arctic), hf or vllm"),
+        (
+            ["actor_rollout_ref.actor.strategy=megatron"],
+            "actor_rollout_ref.actor.strategy=megatron: longqa shards the "
+            "actor with FSDP2 (fsdp, fsdp2) or DeepSpeed ZeRO-3 (deepspeed)",
+        ),
+        (["actor_rollout_ref.actor.fsdp_config.strategy=zero3"], "longqa's FSDP is FSDP2"),
+        (["algorithm.adv_estimator=gae"], "estimators are grpo"),
+        (["actor_rollout_ref.actor.kl_loss_type=full"], "KL estimators are"),
+        (["actor_rollout_ref.actor.fsdp_config.optimizer_offload=True"], "set both to the same value"),
+        (["algorithm.use_kl_in_reward=True", "algorithm.kl_ctrl.kl_coef=0.01"], "no KL penalty in the reward"),
+        (["actor_rollout_ref.rollout.val_kwargs.temperature=0.6"], "one greedy answer per question"),
+        (["actor_rollout_ref.actor.use_dynamic_bsz=False"], "token budget"),
+        (["trainer.resume_mode=resume_path"], "needs trainer.resume_from_path"),
+        (["trainer.nnodes=0"], "integers > 0"),
+        (["actor_rollout_ref.actor.use_kl_loss=maybe"], "use_kl_loss must be true or false"),
+        (
+            ["actor_rollout_ref.rollout.n=0"],
+            "config key 'rollout.n' must be > 0, got 0 (given as actor_rollout_ref.rollout.n=0)",
+        ),
+        (["actor_rollout_ref.actor.optim.lrr=1"], "'actor_rollout_ref.actor.optim.lrr': neither a longqa setting nor"),
+        (["trainer.max_step=3"], "did you mean 'trainer.max_steps'?"),
+    ],
+)
 def test_what_longqa_cannot_run_is_refused_saying_why(line, says):
     with pytest.raises(ConfigError) as e:
         load_config(None, line)
@@ -258,8 +353,11 @@ def test_the_table_uses_verl_s_own_key_names():
     free_form = "actor_rollout_ref.model.override_config."  # a mapping handed to the model config as it is
     # the Arctic remote backend's keys are Snowflake's verl fork's (the reference recipe runs it), not upstream's
     fork = {"trainer.remote_backend", "trainer.use_legacy_worker_impl"}
-    keys = [key for key, _ in verl_key_table() if not key.startswith(free_form)
-            and key.split(".")[0] != "remote_backend" and key not in fork]
+    keys = [
+        key
+        for key, _ in verl_key_table()
+        if not key.startswith(free_form) and key.split(".")[0] != "remote_backend" and key not in fork
+    ]
     assert [key for key in keys if not exists(key)] == []
     assert exists(free_form.rstrip("."))
 
@@ -276,13 +374,23 @@ def test_a_verl_launch_line_trains(tmp_path, tokenizer, data_dir, capsys):
     """``longqa train`` with verl's keys alone, console logging only as verl lines often have: it trains the
     steps asked for, and a run that logs no metrics file simply writes no report."""
     out = tmp_path / "run"
-    line = [f"actor_rollout_ref.model.path={save_tiny_qwen3(tmp_path / 'model', tokenizer)}",
-            f"data.train_files={data_dir}/merged/train.parquet", "data.max_prompt_length=4096",
-            "data.max_response_length=4", "data.train_batch_size=2", f"data.cache_dir={tmp_path}/cache",
-            "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-            "actor_rollout_ref.actor.optim.lr=1e-3", "trainer.total_training_steps=1", "trainer.test_freq=-1",
-            "trainer.save_freq=-1", f"trainer.default_local_dir={out}", "trainer.logger=['console']",
-            "trainer.device=cpu"]
+    line = [
+        f"actor_rollout_ref.model.path={save_tiny_qwen3(tmp_path / 'model', tokenizer)}",
+        f"data.train_files={data_dir}/merged/train.parquet",
+        "data.max_prompt_length=4096",
+        "data.max_response_length=4",
+        "data.train_batch_size=2",
+        f"data.cache_dir={tmp_path}/cache",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.optim.lr=1e-3",
+        "trainer.total_training_steps=1",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        f"trainer.default_local_dir={out}",
+        "trainer.logger=['console']",
+        "trainer.device=cpu",
+    ]
     assert main(["train", *line]) == 0
     assert "step 1/1" in capsys.readouterr().out
     assert not (out / "checkpoints").exists() and not (out / "report").exists()
@@ -311,10 +419,18 @@ def test_the_recipe_s_own_launch_line_runs_as_it_is(capsys):
     assert notes[0].startswith("verl keys and no config file: starting from longqa's defaults with verl's")
     assert notes[1:] == verl_notes(line)
     said = {note.partition("=")[0] for note in notes[1:]}
-    run_as_another_value = {"actor_rollout_ref.model.override_config.attn_implementation",  # FlashAttention 3
-                            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"}  # a budget counted verl's way
-    read_by_vllm_alone = {"actor_rollout_ref.rollout." + key for key in  # and this line samples with the fast engine
-                          ("gpu_memory_utilization", "free_cache_engine", "enforce_eager")}
+    run_as_another_value = {
+        "actor_rollout_ref.model.override_config.attn_implementation",  # FlashAttention 3
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+    }  # a budget counted verl's way
+    read_by_vllm_alone = {
+        "actor_rollout_ref.rollout." + key
+        for key in (  # and this line samples with the fast engine
+            "gpu_memory_utilization",
+            "free_cache_engine",
+            "enforce_eager",
+        )
+    }
     without_effect = said - run_as_another_value - read_by_vllm_alone
     assert len(said) == 28 and (run_as_another_value | read_by_vllm_alone) <= said and len(without_effect) == 23
     assert (cfg.trainer.launcher, cfg.trainer.ray_workers) == ("ray", 32)  # not verl's driver's 1 x 1
@@ -329,8 +445,7 @@ def test_the_recipe_config_computes_what_the_recipe_s_launch_line_does():
     computes (those a resume refuses to change), but the files it reads and where the optimizer's state
     lives: the reward is the recipe's reward.py in its default mode (pure_exact_match, which longqa's mode of
     that name reproduces), and ZeRO-3 versus FSDP2 is the same update."""
-    line = recipe_launch_line(data="data/loongrl", model="Qwen/Qwen3-32B", reward="/recipe/reward.py",
-                              output="runs/x")
+    line = recipe_launch_line(data="data/loongrl", model="Qwen/Qwen3-32B", reward="/recipe/reward.py", output="runs/x")
     recipe = load_config(None, line, base=VERL_DEFAULTS)
     ours = load_config("configs/loongrl-qwen3-32b.yaml")
     where = {"reward.path", "reward.name", "reward.mode", "actor.strategy", "actor.cpu_offload_ratio"}
@@ -353,8 +468,13 @@ def test_the_recipe_s_launch_line_plans_on_its_32_gpus(capsys):
     assert "note: actor_rollout_ref.actor.ppo_max_token_len_per_gpu=81920: verl's budget counts" in captured.err
     with pytest.raises(ConfigError, match="given different values"):  # one budget: verl's key or longqa's
         load_config(None, [*line, "actor.max_tokens_per_micro_batch=20480"])
-    assert load_config(None, [text for text in line if "ppo_max_token_len" not in text]
-                       + ["actor.max_tokens_per_micro_batch=20480"]).actor.max_tokens_per_micro_batch == 20480
+    assert (
+        load_config(
+            None,
+            [text for text in line if "ppo_max_token_len" not in text] + ["actor.max_tokens_per_micro_batch=20480"],
+        ).actor.max_tokens_per_micro_batch
+        == 20480
+    )
 
 
 @pytest.mark.parametrize("engine, said", [("vllm", False), ("hf", True), ("arctic", True), (None, True)])

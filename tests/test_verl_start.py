@@ -14,8 +14,11 @@ def args(*overrides: str) -> argparse.Namespace:
 
 def test_a_verl_line_without_data_files_names_the_start_from_verls_defaults():
     given = args("actor_rollout_ref.rollout.n=2")
-    with pytest.raises(ConfigError, match="no data files given: verl keys and no config file: starting from "
-                                          "longqa's defaults .* not the embedded demo"):
+    with pytest.raises(
+        ConfigError,
+        match="no data files given: verl keys and no config file: starting from "
+        "longqa's defaults .* not the embedded demo",
+    ):
         _check_verl_data(given, run_config(given))
 
 

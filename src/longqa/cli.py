@@ -58,6 +58,7 @@ def _within(low: int | float, high: int | float = math.inf, kind: type = int):
     """An argparse type: a finite ``kind`` number from ``low`` to ``high``, so that a count of 0, a negative size
     or a port past 65535 is refused with the flag's name before any work (it failed deep inside, with a
     traceback, or not at all)."""
+
     def parse(text: str):
         value = kind(text)  # a ValueError here: argparse's "invalid int value: 'x'"
         if not math.isfinite(value):
@@ -95,8 +96,10 @@ def _writable(path: str, setting: str, folder: bool = False) -> Path:
     target = Path(path).expanduser()
     if target.exists():
         if target.is_dir() != folder:
-            raise ConfigError(f"{setting} {path} is {'a file' if folder else 'a folder'}: give "
-                              f"{'a folder' if folder else 'a file'} to write")
+            raise ConfigError(
+                f"{setting} {path} is {'a file' if folder else 'a folder'}: give "
+                f"{'a folder' if folder else 'a file'} to write"
+            )
         if not os.access(target, os.W_OK):
             raise ConfigError(f"{setting} {path} cannot be written to")
         return target
@@ -112,8 +115,12 @@ def _writable(path: str, setting: str, folder: bool = False) -> Path:
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", nargs="?", help="YAML config file (default: the embedded demo's, configs/demo.yaml)")
-    p.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="dotted overrides, e.g. data.max_prompt_length=16384 rollout.n=8 (default: none)")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="dotted overrides, e.g. data.max_prompt_length=16384 rollout.n=8 (default: none)",
+    )
 
 
 def _add_layout_args(p: argparse.ArgumentParser, seed_help: str) -> None:
@@ -210,11 +217,21 @@ def cmd_data_synth(args: argparse.Namespace) -> None:
     from longqa.data.synth import generate
 
     _data_output(args.output_dir, {"--tokenizer": [args.tokenizer]})
-    counts = generate(args.output_dir, rows_per_task=args.rows_per_task, context_tokens=args.context_tokens,
-                      tasks=tuple(args.tasks), min_hops=args.min_hops, max_hops=args.max_hops,
-                      keychain=args.keychain, test_ratio=args.test_ratio, seed=args.seed,
-                      tokenizer=args.tokenizer, workers=args.workers, context_lengths=args.context_lengths or (),
-                      near_misses=args.near_misses)
+    counts = generate(
+        args.output_dir,
+        rows_per_task=args.rows_per_task,
+        context_tokens=args.context_tokens,
+        tasks=tuple(args.tasks),
+        min_hops=args.min_hops,
+        max_hops=args.max_hops,
+        keychain=args.keychain,
+        test_ratio=args.test_ratio,
+        seed=args.seed,
+        tokenizer=args.tokenizer,
+        workers=args.workers,
+        context_lengths=args.context_lengths or (),
+        near_misses=args.near_misses,
+    )
     _print_counts(args.output_dir, counts)
 
 
@@ -252,8 +269,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     if result["report"]:  # rank 0 (or the only process)
         print(f"done: {_steps_done(result)}; report: {result['report']}")
     elif result.get("trained") and os.environ.get("RANK", "0") == "0":  # (the report is drawn from the jsonl)
-        print(f"done: {_steps_done(result)}; no report: trainer.logger=[{','.join(cfg.trainer.logger)}] writes no "
-              f"jsonl to draw it from")
+        print(
+            f"done: {_steps_done(result)}; no report: trainer.logger=[{','.join(cfg.trainer.logger)}] writes no "
+            f"jsonl to draw it from"
+        )
     return 0
 
 
@@ -278,9 +297,23 @@ def _steps_done(result: dict) -> str:
 # Options that an input of `longqa eval` has no use for, and why: given with it, they would do nothing.
 EVAL_UNUSED_OPTIONS = {
     "longbench": (("mode", "skip_bad_rows"), "LongBench's prediction files are scored with its own F1"),
-    "longbench_scores": (("model", "max_new_tokens", "max_prompt_length", "batch_size", "engine", "mode", "device",
-                          "dtype", "output", "samples", "limit", "skip_bad_rows"),
-                         "it scores the prediction files as they are and writes PRED_DIR/result.json"),
+    "longbench_scores": (
+        (
+            "model",
+            "max_new_tokens",
+            "max_prompt_length",
+            "batch_size",
+            "engine",
+            "mode",
+            "device",
+            "dtype",
+            "output",
+            "samples",
+            "limit",
+            "skip_bad_rows",
+        ),
+        "it scores the prediction files as they are and writes PRED_DIR/result.json",
+    ),
 }
 
 
@@ -321,20 +354,40 @@ def cmd_eval(args: argparse.Namespace) -> None:
     check_model_folder(args.model)
     tokenizer = load_model_tokenizer(args.model)  # the data before the weights: a bad file fails fast
     options = PromptOptions(args.max_prompt_length, skip_bad_rows=args.skip_bad_rows)
-    prompts = prepare_prompts(args.data, tokenizer, options, length_setting="--max-prompt-length",
-                              skip_setting="--skip-bad-rows")
+    prompts = prepare_prompts(
+        args.data, tokenizer, options, length_setting="--max-prompt-length", skip_setting="--skip-bad-rows"
+    )
     print("\n".join(describe_prompt_losses(prompts, options)))
     if args.limit is not None:
         prompts = prompts.first_of_each_file(args.limit)
     dtype = answer_dtype(args.dtype, device)
     model, tokenizer = load_model(args.model, device=device, tokenizer=tokenizer, dtype=dtype)
-    if (warning := position_limit_warning(model.config, int(prompts.lengths.max(initial=0)), args.max_new_tokens,
-                                          "--max-prompt-length", "--max-new-tokens")):
+    if warning := position_limit_warning(
+        model.config,
+        int(prompts.lengths.max(initial=0)),
+        args.max_new_tokens,
+        "--max-prompt-length",
+        "--max-new-tokens",
+    ):
         print(warning, file=sys.stderr)
-    result = evaluate(model, tokenizer, prompts, args.max_new_tokens, args.batch_size, samples, mode_reward(mode),
-                      engine=answer_engine(model, tokenizer, args.engine, args.batch_size), files=args.data)
-    result.update(dtype=dtype, reward_mode=mode, reward_mode_from=mode_from, max_new_tokens=args.max_new_tokens,
-                  **prompt_counts(prompts))
+    result = evaluate(
+        model,
+        tokenizer,
+        prompts,
+        args.max_new_tokens,
+        args.batch_size,
+        samples,
+        mode_reward(mode),
+        engine=answer_engine(model, tokenizer, args.engine, args.batch_size),
+        files=args.data,
+    )
+    result.update(
+        dtype=dtype,
+        reward_mode=mode,
+        reward_mode_from=mode_from,
+        max_new_tokens=args.max_new_tokens,
+        **prompt_counts(prompts),
+    )
     print(format_table(result) + format_groups(result))
     print(describe_cut_responses(result["responses_cut"], result["all"]["n"], args.max_new_tokens))
     if output is not None:
@@ -375,12 +428,22 @@ def _eval_longbench(args: argparse.Namespace) -> None:
         device = pick_device(args.device, "--device")
         examples = longbench.read_longbench(args.longbench, args.limit)  # before the weights: bad files fail fast
         model, tokenizer = load_model(args.model, device=device, dtype=answer_dtype(args.dtype, device))
-        done = longbench.predict(model, tokenizer, examples, args.output, args.max_new_tokens,
-                                 args.max_prompt_length, args.batch_size, args.samples,
-                                 answer_engine(model, tokenizer, args.engine, args.batch_size))
-        print(f"{done['rows']} rows answered in {done['seconds']:.1f}s; {done['prompts_truncated']} prompts over "
-              f"--max-prompt-length={args.max_prompt_length} lost their middle\n"
-              + describe_cut_responses(done["responses_cut"], done["rows"], args.max_new_tokens))
+        done = longbench.predict(
+            model,
+            tokenizer,
+            examples,
+            args.output,
+            args.max_new_tokens,
+            args.max_prompt_length,
+            args.batch_size,
+            args.samples,
+            answer_engine(model, tokenizer, args.engine, args.batch_size),
+        )
+        print(
+            f"{done['rows']} rows answered in {done['seconds']:.1f}s; {done['prompts_truncated']} prompts over "
+            f"--max-prompt-length={args.max_prompt_length} lost their middle\n"
+            + describe_cut_responses(done["responses_cut"], done["rows"], args.max_new_tokens)
+        )
         folder, datasets = args.output, list(examples)  # only what was just answered, not older files there
     result = longbench.score_folder(folder, datasets)
     path = longbench.save_result(folder, result)
@@ -402,22 +465,31 @@ def cmd_export(args: argparse.Namespace) -> None:
     )
 
     _writable(args.output, "the output folder", folder=True)  # transformers only logs that it cannot write a file
-    check_output_folder(args.output, "the output folder", {"the checkpoint": [args.checkpoint]}, makes=MODEL,
-                        files=EXPORT_FILES, writer="export")
+    check_output_folder(
+        args.output,
+        "the output folder",
+        {"the checkpoint": [args.checkpoint]},
+        makes=MODEL,
+        files=EXPORT_FILES,
+        writer="export",
+    )
     checkpoint = Path(args.checkpoint)
     if not (checkpoint / "trainer_state.json").is_file():  # a run folder (or its checkpoints/): its latest
         latest = latest_of_folder(checkpoint)
         if latest is None:
-            raise CheckpointError(f"{checkpoint} is neither a checkpoint (no trainer_state.json) nor a run folder "
-                                  f"with a complete one: give runs/NAME/checkpoints/step_XXXXXXXX or runs/NAME")
+            raise CheckpointError(
+                f"{checkpoint} is neither a checkpoint (no trainer_state.json) nor a run folder "
+                f"with a complete one: give runs/NAME/checkpoints/step_XXXXXXXX or runs/NAME"
+            )
         print(f"exporting {latest}, the run's latest complete checkpoint")
         checkpoint = latest
     elif not is_complete(checkpoint):
         raise CheckpointError(f"{checkpoint} is incomplete (its writing was interrupted): export an earlier step")
     check_export_folder(args.output, checkpoint)
     cfg = load_config_dict(read_trainer_state(checkpoint)["config"])
-    model, tokenizer = load_model(cfg.model.path, gguf_file=cfg.model.gguf_file, dtype=cfg.model.dtype,
-                                  tokenizer=config_tokenizer(cfg.model))
+    model, tokenizer = load_model(
+        cfg.model.path, gguf_file=cfg.model.gguf_file, dtype=cfg.model.dtype, tokenizer=config_tokenizer(cfg.model)
+    )
     print(f"wrote {export_hf(checkpoint, tokenizer, args.output, model=model, say=print)}")
 
 
@@ -456,9 +528,14 @@ def _check_bench(args: argparse.Namespace, backend: str = "auto") -> None:
 
     device = pick_device(args.device, "--device").type
     kernel = getattr(args, "decode_kernel", None) or "auto"  # the benches that sample choose one
-    problems = [f"{flag} {value}: {problem}" for flag, value, problem in (
-        ("--backend", backend, attention_backend_problem(backend, device)),
-        ("--decode-kernel", kernel, decode_kernel_problem(kernel, device))) if problem]
+    problems = [
+        f"{flag} {value}: {problem}"
+        for flag, value, problem in (
+            ("--backend", backend, attention_backend_problem(backend, device)),
+            ("--decode-kernel", kernel, decode_kernel_problem(kernel, device)),
+        )
+        if problem
+    ]
     if problems:
         raise ConfigError("; ".join(problems))
     if args.json:
@@ -471,27 +548,57 @@ def cmd_bench_train(args: argparse.Namespace) -> None:
     from longqa.bench.speed import bench_train
 
     _check_bench(args, args.backend)
-    _save_results(args, bench_train(args.shape, args.prompt, args.response, args.n, tuple(args.layouts), args.repeat,
-                                    args.device, 0.0 if args.no_gradient_checkpointing else args.checkpoint_fraction,
-                                    args.budget, args.backend, args.compile,
-                                    activation_offload=args.activation_offload))
+    _save_results(
+        args,
+        bench_train(
+            args.shape,
+            args.prompt,
+            args.response,
+            args.n,
+            tuple(args.layouts),
+            args.repeat,
+            args.device,
+            0.0 if args.no_gradient_checkpointing else args.checkpoint_fraction,
+            args.budget,
+            args.backend,
+            args.compile,
+            activation_offload=args.activation_offload,
+        ),
+    )
 
 
 def cmd_bench_rollout(args: argparse.Namespace) -> None:
     from longqa.bench.speed import bench_rollout
 
     _check_bench(args)
-    _save_results(args, bench_rollout(args.shape, args.prompt, args.new_tokens, args.n, tuple(args.groups),
-                                      args.hf_new_tokens, args.device, not args.no_cuda_graphs, _engine_options(args),
-                                      args.lengths))
+    _save_results(
+        args,
+        bench_rollout(
+            args.shape,
+            args.prompt,
+            args.new_tokens,
+            args.n,
+            tuple(args.groups),
+            args.hf_new_tokens,
+            args.device,
+            not args.no_cuda_graphs,
+            _engine_options(args),
+            args.lengths,
+        ),
+    )
 
 
 def _engine_options(args: argparse.Namespace) -> dict:
     """The fast engine's decode-step choices a bench was asked for (the defaults are left out)."""
-    return {**({"decode_kernel": args.decode_kernel} if args.decode_kernel else {}),
-            **({"fused_decode": False} if args.no_fused_decode else {}),
-            **({"speculative": args.speculative, "num_speculative_tokens": args.num_speculative_tokens}
-               if args.speculative else {})}
+    return {
+        **({"decode_kernel": args.decode_kernel} if args.decode_kernel else {}),
+        **({"fused_decode": False} if args.no_fused_decode else {}),
+        **(
+            {"speculative": args.speculative, "num_speculative_tokens": args.num_speculative_tokens}
+            if args.speculative
+            else {}
+        ),
+    }
 
 
 def cmd_bench_step(args: argparse.Namespace) -> None:
@@ -499,12 +606,30 @@ def cmd_bench_step(args: argparse.Namespace) -> None:
 
     _check_bench(args, args.backend)
     if args.overlap and args.profile:
-        raise ConfigError("--profile times a step's phases one after the other; --overlap runs them at once: "
-                          "choose one")
-    _save_results(args, bench_grpo_step(args.shape, args.prompt, args.response, args.n, args.prompts, args.steps,
-                                        args.device, _engine_options(args), args.gradient_checkpointing, args.lengths,
-                                        args.strategy, args.cpu_offload, args.budget, args.backend, args.profile,
-                                        args.overlap))
+        raise ConfigError(
+            "--profile times a step's phases one after the other; --overlap runs them at once: choose one"
+        )
+    _save_results(
+        args,
+        bench_grpo_step(
+            args.shape,
+            args.prompt,
+            args.response,
+            args.n,
+            args.prompts,
+            args.steps,
+            args.device,
+            _engine_options(args),
+            args.gradient_checkpointing,
+            args.lengths,
+            args.strategy,
+            args.cpu_offload,
+            args.budget,
+            args.backend,
+            args.profile,
+            args.overlap,
+        ),
+    )
 
 
 def cmd_cluster(args: argparse.Namespace) -> None:
@@ -549,17 +674,23 @@ def cmd_plan(args: argparse.Namespace) -> None:
     host_gib = args.host_memory_gib or HOST_GIB_PER_GPU * used
     machine = Machine(args.gpus, gpu_bytes, per_node, int(host_gib * GIB))
     nodes_of = f" (nodes of {per_node}: the host memory is the share of the GPUs used)" if per_node > used else ""
-    where = (f"{args.gpus} GPU(s) of {args.gpu_memory_gib:g} GiB, {used} per node{nodes_of} with {host_gib:g} GiB "
-             f"of host memory")
+    where = (
+        f"{args.gpus} GPU(s) of {args.gpu_memory_gib:g} GiB, {used} per node{nodes_of} with {host_gib:g} GiB "
+        f"of host memory"
+    )
     if samplers:
         where += f" (the training ranks; {samplers} more GPU(s) only sample, rollout.sampler_ranks={samplers})"
     if args.largest:
         print(f"the largest Qwen3 shape on {where}, {describe_training(cfg)}:")
         for attempt in largest_shape(cfg, machine):
             ratio = f" actor.cpu_offload_ratio={attempt.offload_ratio:g}" if attempt.offload_ratio < 1 else ""
-            print(f"  {attempt.shape}, actor.cpu_offload={str(attempt.cpu_offload).lower()}{ratio}: "
-                  + (attempt.error or f"fits (GPU {attempt.gpu.total / GIB:.1f} GiB, host "
-                                      f"{attempt.host.peak / GIB:.1f} GiB per node)"))
+            print(
+                f"  {attempt.shape}, actor.cpu_offload={str(attempt.cpu_offload).lower()}{ratio}: "
+                + (
+                    attempt.error
+                    or f"fits (GPU {attempt.gpu.total / GIB:.1f} GiB, host {attempt.host.peak / GIB:.1f} GiB per node)"
+                )
+            )
         return
     if note:
         print(note)
@@ -573,12 +704,16 @@ def cmd_plan(args: argparse.Namespace) -> None:
         responses = f"responses of {lengths} tokens"
     else:
         flat = [length for group in lengths for length in group]
-        responses = (f"responses of drawn lengths, mean {sum(flat) / len(flat):.0f} and longest {max(flat)} of "
-                     f"{cfg.data.max_response_length} tokens (rollout.response_lengths={cfg.rollout.response_lengths})")
-    print(f"{_count(sizes.params)} parameters on {where}, {describe_training(cfg, sizes.params, args.gpus)}:\n"
-          f"GPU memory per GPU:\n{gpu.table()}\nhost memory per node:\n{host.table()}\n"
-          f"step time per GRPO step ({cfg.data.train_batch_size} prompts x {cfg.rollout.n}, {responses}; H200s, the "
-          f"fast engine):\n{step.table()}")
+        responses = (
+            f"responses of drawn lengths, mean {sum(flat) / len(flat):.0f} and longest {max(flat)} of "
+            f"{cfg.data.max_response_length} tokens (rollout.response_lengths={cfg.rollout.response_lengths})"
+        )
+    print(
+        f"{_count(sizes.params)} parameters on {where}, {describe_training(cfg, sizes.params, args.gpus)}:\n"
+        f"GPU memory per GPU:\n{gpu.table()}\nhost memory per node:\n{host.table()}\n"
+        f"step time per GRPO step ({cfg.data.train_batch_size} prompts x {cfg.rollout.n}, {responses}; H200s, the "
+        f"fast engine):\n{step.table()}"
+    )
     check_run_plan(cfg, gpu, host, sizes)
     print("fits")
 
@@ -590,20 +725,26 @@ def _check_plan_flags(args: argparse.Namespace, cfg: Config) -> None:
     time (--largest or --split)."""
     workers = cfg.trainer.ray_workers if cfg.trainer.launcher == "ray" else None
     if args.gpus and workers and args.gpus != workers:
-        raise ConfigError(f"--gpus {args.gpus}, but the config runs trainer.ray_workers={workers} Ray workers, one per "
-                          f"GPU: plan for --gpus {workers}, or set trainer.ray_workers={args.gpus}")
+        raise ConfigError(
+            f"--gpus {args.gpus}, but the config runs trainer.ray_workers={workers} Ray workers, one per "
+            f"GPU: plan for --gpus {workers}, or set trainer.ray_workers={args.gpus}"
+        )
     args.gpus = args.gpus or workers or 1
     gpus, per_node = args.gpus, args.gpus_per_node or min(args.gpus, 8)
     if gpus > per_node and gpus % per_node:  # (fewer than a node: the share of one)
         fewer, more = gpus // per_node * per_node, (gpus // per_node + 1) * per_node
-        raise ConfigError(f"--gpus {gpus} spans nodes of --gpus-per-node {per_node}"
-                          f"{'' if args.gpus_per_node else ' (the default)'} but is not a whole number of them: "
-                          f"plan --gpus {fewer} or {more}, or give the nodes' own --gpus-per-node")
+        raise ConfigError(
+            f"--gpus {gpus} spans nodes of --gpus-per-node {per_node}"
+            f"{'' if args.gpus_per_node else ' (the default)'} but is not a whole number of them: "
+            f"plan --gpus {fewer} or {more}, or give the nodes' own --gpus-per-node"
+        )
     limit = cfg.data.max_response_length
     if args.response_length and args.response_length > limit:
-        raise ConfigError(f"--response-length {args.response_length} is longer than data.max_response_length={limit}, "
-                          f"the longest response a step samples: give at most {limit}, or raise "
-                          f"data.max_response_length")
+        raise ConfigError(
+            f"--response-length {args.response_length} is longer than data.max_response_length={limit}, "
+            f"the longest response a step samples: give at most {limit}, or raise "
+            f"data.max_response_length"
+        )
     if args.largest and args.split:
         raise ConfigError("--largest tries every known shape, --split splits the GPUs of one: give either")
 
@@ -615,21 +756,32 @@ def _plan_split(cfg, sizes, machine, response_length: int | None, what: str) -> 
     from longqa.planning.step_time import seconds
 
     colocated, splits = plan_splits(cfg, sizes, machine, response_length)
-    print(f"{what}, {describe_training(cfg)}; rollout.mode=one_step_off with sampler ranks of their own "
-          f"(rollout.sampler_ranks), each step's time per split (H200s, the fast engine):\n"
-          f"{splits_table(colocated, splits)}")
+    print(
+        f"{what}, {describe_training(cfg)}; rollout.mode=one_step_off with sampler ranks of their own "
+        f"(rollout.sampler_ranks), each step's time per split (H200s, the fast engine):\n"
+        f"{splits_table(colocated, splits)}"
+    )
     best, together = best_split(splits), colocated.step.total
     if best is None and colocated.error is not None:
         raise PlanError("no layout of these GPUs fits, split or not: see each one's reason above")
     if best is None or (colocated.error is None and best.step_s >= together):
-        why = ("no split fits" if best is None else f"the fastest split, rollout.sampler_ranks={best.samplers}, "
-               f"would take {seconds(best.step_s)} s a step against {seconds(together)} s")
+        why = (
+            "no split fits"
+            if best is None
+            else f"the fastest split, rollout.sampler_ranks={best.samplers}, "
+            f"would take {seconds(best.step_s)} s a step against {seconds(together)} s"
+        )
         print(f"proposed: every GPU samples and trains (rollout.sampler_ranks=0): {why}")
         return
-    speed = (f"{together / best.step_s:.2f}x the synchronous step's speed" if colocated.error is None
-             else "every GPU sampling then training does not fit")
-    print(f"proposed: rollout.sampler_ranks={best.samplers} rollout.mode=one_step_off, {best.trainers} training "
-          f"rank(s): {seconds(best.step_s)} s a step, {speed}")
+    speed = (
+        f"{together / best.step_s:.2f}x the synchronous step's speed"
+        if colocated.error is None
+        else "every GPU sampling then training does not fit"
+    )
+    print(
+        f"proposed: rollout.sampler_ranks={best.samplers} rollout.mode=one_step_off, {best.trainers} training "
+        f"rank(s): {seconds(best.step_s)} s a step, {speed}"
+    )
 
 
 def _count(n: int) -> str:
@@ -652,12 +804,18 @@ def _add_dataclass_args(p: argparse.ArgumentParser, cls: type) -> None:
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             p.add_argument(flag, dest=f.name, required=True, nargs="+" if "list" in str(f.type) else None)
         elif f.default_factory is not dataclasses.MISSING:
-            p.add_argument(flag, dest=f.name, nargs="+", default=f.default_factory(),
-                           help=f"default {' '.join(map(str, f.default_factory())) or 'none'}")
+            p.add_argument(
+                flag,
+                dest=f.name,
+                nargs="+",
+                default=f.default_factory(),
+                help=f"default {' '.join(map(str, f.default_factory())) or 'none'}",
+            )
         else:
             kind = next(t for t in (*typing.get_args(hints[f.name]), hints[f.name]) if t is not type(None))
-            p.add_argument(flag, dest=f.name, type=kind, default=f.default,
-                           help=f.metadata.get("help", f"default {f.default}"))
+            p.add_argument(
+                flag, dest=f.name, type=kind, default=f.default, help=f.metadata.get("help", f"default {f.default}")
+            )
 
 
 def _print_counts(output_dir: str, counts: dict[str, dict[str, int]]) -> None:
@@ -673,51 +831,82 @@ def _print_counts(output_dir: str, counts: dict[str, dict[str, int]]) -> None:
 
 def _add_data_commands(groups: argparse._SubParsersAction) -> None:
     """``longqa data loongrl|synth|prepare``: the files training reads."""
-    data = groups.add_parser("data", help="make training data", description="Make training data in verl's "
-                             "parquet schema and the recipe's folder layout (<task>/{train,test}.parquet, merged/).")
+    data = groups.add_parser(
+        "data",
+        help="make training data",
+        description="Make training data in verl's "
+        "parquet schema and the recipe's folder layout (<task>/{train,test}.parquet, merged/).",
+    )
     data_cmds = data.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)
 
-    p = data_cmds.add_parser("loongrl", help="the seed recipe's LoongRL-Train-Data, prepared as the recipe does",
-                             description="Download (or read locally) the six LoongRL-Train-Data subsets, concatenate "
-                             "each task's pair, keep verl's columns, prepend the <think>/\\boxed{} system prompt and "
-                             "split train/test per task with the recipe's seeded split.")
+    p = data_cmds.add_parser(
+        "loongrl",
+        help="the seed recipe's LoongRL-Train-Data, prepared as the recipe does",
+        description="Download (or read locally) the six LoongRL-Train-Data subsets, concatenate "
+        "each task's pair, keep verl's columns, prepend the <think>/\\boxed{} system prompt and "
+        "split train/test per task with the recipe's seeded split.",
+    )
     _add_layout_args(p, seed_help="split seed")
-    p.add_argument("--source", default="OldKingMeister/LoongRL-Train-Data",
-                   help="Hub dataset id, or a local folder holding the subsets as parquet/jsonl")
+    p.add_argument(
+        "--source",
+        default="OldKingMeister/LoongRL-Train-Data",
+        help="Hub dataset id, or a local folder holding the subsets as parquet/jsonl",
+    )
     p.set_defaults(func=cmd_data_loongrl)
 
-    p = data_cmds.add_parser("synth", help="offline long-context multi-hop QA (no network needed)",
-                             description="Generate fictional multi-hop questions in the styles of HotpotQA, "
-                             "2WikiMultiHopQA and MuSiQue over long contexts of supporting and distractor documents, "
-                             "optionally with LoongRL's KeyChain. The same seed gives byte-identical files.")
+    p = data_cmds.add_parser(
+        "synth",
+        help="offline long-context multi-hop QA (no network needed)",
+        description="Generate fictional multi-hop questions in the styles of HotpotQA, "
+        "2WikiMultiHopQA and MuSiQue over long contexts of supporting and distractor documents, "
+        "optionally with LoongRL's KeyChain. The same seed gives byte-identical files.",
+    )
     _add_layout_args(p, seed_help="generation and split seed")
     p.add_argument("--rows-per-task", type=COUNT, default=400, help="rows per task before the split (default 400)")
     length = p.add_mutually_exclusive_group()
-    length.add_argument("--context-tokens", type=int, default=1024,
-                        help="target context length in tokens (default 1024): contexts end within 10%% of it, "
-                        "and how many did not (a short target cannot hold the passages some questions need) is "
-                        "said")
-    length.add_argument("--context-lengths", type=int, nargs="+", metavar="TOKENS",
-                        help="the same questions at each of these context lengths, longer contexts adding only "
-                        "distractor passages: ctx<TOKENS>/ holds each length's files, merged/ every length's "
-                        "(longqa eval and validation then score accuracy per length; default: one length, "
-                        "--context-tokens)")
+    length.add_argument(
+        "--context-tokens",
+        type=int,
+        default=1024,
+        help="target context length in tokens (default 1024): contexts end within 10%% of it, "
+        "and how many did not (a short target cannot hold the passages some questions need) is "
+        "said",
+    )
+    length.add_argument(
+        "--context-lengths",
+        type=int,
+        nargs="+",
+        metavar="TOKENS",
+        help="the same questions at each of these context lengths, longer contexts adding only "
+        "distractor passages: ctx<TOKENS>/ holds each length's files, merged/ every length's "
+        "(longqa eval and validation then score accuracy per length; default: one length, "
+        "--context-tokens)",
+    )
     p.add_argument("--tasks", nargs="+", default=["hotpotqa", "musique", "2wikimqa"], help="tasks to generate")
     p.add_argument("--min-hops", type=int, default=2, help="fewest hops of MuSiQue-style chains (default 2)")
     p.add_argument("--max-hops", type=int, default=4, help="most hops of MuSiQue-style chains (default 4)")
     p.add_argument("--keychain", action="store_true", help="insert LoongRL-style UUID KeyChains")
-    p.add_argument("--near-misses", action="store_true",
-                   help="distractors that are near misses of the answer chain: at each of its links, an entity "
-                   "of the same kind with a look-alike name whose same relations lead, fact by fact, to a wrong "
-                   "answer of the answer's type (chain questions; their passages are the first distractors added)")
-    p.add_argument("--tokenizer", help="tokenizer folder, tokenizer.json or a model's .gguf file that measures "
-                   "context length (default: a built-in approximate count)")
+    p.add_argument(
+        "--near-misses",
+        action="store_true",
+        help="distractors that are near misses of the answer chain: at each of its links, an entity "
+        "of the same kind with a look-alike name whose same relations lead, fact by fact, to a wrong "
+        "answer of the answer's type (chain questions; their passages are the first distractors added)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        help="tokenizer folder, tokenizer.json or a model's .gguf file that measures "
+        "context length (default: a built-in approximate count)",
+    )
     p.add_argument("--workers", type=COUNT, default=1, help="processes generating rows (default 1)")
     p.set_defaults(func=cmd_data_synth)
 
-    p = data_cmds.add_parser("prepare", help="tokenize data.train_files / data.val_files into the prompt cache",
-                             description="Validate rows, apply the tokenizer's chat template, filter or truncate "
-                             "overlong prompts and cache the token ids; prints what was kept and dropped.")
+    p = data_cmds.add_parser(
+        "prepare",
+        help="tokenize data.train_files / data.val_files into the prompt cache",
+        description="Validate rows, apply the tokenizer's chat template, filter or truncate "
+        "overlong prompts and cache the token ids; prints what was kept and dropped.",
+    )
     _add_config_args(p)
     p.set_defaults(func=cmd_data_prepare)
 
@@ -726,64 +915,107 @@ def _add_model_commands(groups: argparse._SubParsersAction) -> None:
     """``longqa train``, ``eval`` and ``export``: a policy trained, scored, and written out."""
     from longqa.reward import REWARD_MODES
 
-    p = groups.add_parser("train", help="GRPO training (no arguments: the embedded default demo on the CPU)",
-                          description="GRPO training from a YAML config plus key=value overrides. With no config it "
-                          "runs the embedded default: the committed small model on synthetic data generated on "
-                          "first use (configs/demo.yaml), and prints where the report is. On SIGTERM or SIGINT it "
-                          "saves the last finished step and exits with status 75: rerun the same command to "
-                          "resume.")
+    p = groups.add_parser(
+        "train",
+        help="GRPO training (no arguments: the embedded default demo on the CPU)",
+        description="GRPO training from a YAML config plus key=value overrides. With no config it "
+        "runs the embedded default: the committed small model on synthetic data generated on "
+        "first use (configs/demo.yaml), and prints where the report is. On SIGTERM or SIGINT it "
+        "saves the last finished step and exits with status 75: rerun the same command to "
+        "resume.",
+    )
     _add_config_args(p)
     p.set_defaults(func=cmd_train)
 
-    p = groups.add_parser("eval", help="greedy evaluation: accuracy, EM and F1 per data source",
-                          description="Greedy answers of a model on verl-schema files, scored per data_source with "
-                          "the hardened reward, exact match and token F1; a table, optional JSON and samples. "
-                          "With --longbench: greedy answers to LongBench v1's HotpotQA, 2WikiMultiHopQA and "
-                          "MuSiQue files (longqa's prompt, the \\boxed{} answer), written as LongBench prediction "
-                          "files and scored with LongBench's F1, overall and per length (0-4k, 4-8k, 8k+ words). "
-                          "With --longbench-scores: the same scores of prediction files any system wrote.")
+    p = groups.add_parser(
+        "eval",
+        help="greedy evaluation: accuracy, EM and F1 per data source",
+        description="Greedy answers of a model on verl-schema files, scored per data_source with "
+        "the hardened reward, exact match and token F1; a table, optional JSON and samples. "
+        "With --longbench: greedy answers to LongBench v1's HotpotQA, 2WikiMultiHopQA and "
+        "MuSiQue files (longqa's prompt, the \\boxed{} answer), written as LongBench prediction "
+        "files and scored with LongBench's F1, overall and per length (0-4k, 4-8k, 8k+ words). "
+        "With --longbench-scores: the same scores of prediction files any system wrote.",
+    )
     p.add_argument("--model", default=None, help="model folder, hub id or GGUF file (default: the embedded model)")
     inputs = p.add_mutually_exclusive_group(required=True)
     inputs.add_argument("--data", nargs="+", help="parquet/jsonl files in verl's schema")
-    inputs.add_argument("--longbench", metavar="DATA_DIR",
-                        help="a folder with LongBench's hotpotqa.jsonl, 2wikimqa.jsonl and/or musique.jsonl")
-    inputs.add_argument("--longbench-scores", metavar="PRED_DIR",
-                        help="score the LongBench prediction files <dataset>.jsonl in PRED_DIR (no model); "
-                        "writes PRED_DIR/result.json")
-    p.add_argument("--max-new-tokens", type=COUNT, default=256,
-                   help="most tokens of each response: the responses it cuts are counted and said")
-    p.add_argument("--max-prompt-length", type=COUNT, default=16384,
-                   help="most prompt tokens: a longer prompt is left out with --data, and loses its middle "
-                   "with --longbench (as in LongBench)")
+    inputs.add_argument(
+        "--longbench",
+        metavar="DATA_DIR",
+        help="a folder with LongBench's hotpotqa.jsonl, 2wikimqa.jsonl and/or musique.jsonl",
+    )
+    inputs.add_argument(
+        "--longbench-scores",
+        metavar="PRED_DIR",
+        help="score the LongBench prediction files <dataset>.jsonl in PRED_DIR (no model); writes PRED_DIR/result.json",
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=COUNT,
+        default=256,
+        help="most tokens of each response: the responses it cuts are counted and said",
+    )
+    p.add_argument(
+        "--max-prompt-length",
+        type=COUNT,
+        default=16384,
+        help="most prompt tokens: a longer prompt is left out with --data, and loses its middle "
+        "with --longbench (as in LongBench)",
+    )
     p.add_argument("--batch-size", type=COUNT, default=64, help="most prompts answered at once")
-    p.add_argument("--engine", choices=("auto", "fast", "hf"), default="auto",
-                   help="what answers: the fast rollout engine (its KV cache sized from free GPU memory, prefill "
-                   "in chunks: long prompts in bounded memory), transformers' generate on padded batches (hf), "
-                   "or auto: fast on a GPU where it can hold the model, else hf")
-    p.add_argument("--mode", choices=REWARD_MODES,
-                   help="reward mode that decides accuracy (default: the environment's REWARD_CALC_TYPE when set, "
-                   "else hardened)")
-    p.add_argument("--skip-bad-rows", action="store_true",
-                   help="skip and count rows that break verl's schema instead of stopping at the first")
+    p.add_argument(
+        "--engine",
+        choices=("auto", "fast", "hf"),
+        default="auto",
+        help="what answers: the fast rollout engine (its KV cache sized from free GPU memory, prefill "
+        "in chunks: long prompts in bounded memory), transformers' generate on padded batches (hf), "
+        "or auto: fast on a GPU where it can hold the model, else hf",
+    )
+    p.add_argument(
+        "--mode",
+        choices=REWARD_MODES,
+        help="reward mode that decides accuracy (default: the environment's REWARD_CALC_TYPE when set, else hardened)",
+    )
+    p.add_argument(
+        "--skip-bad-rows",
+        action="store_true",
+        help="skip and count rows that break verl's schema instead of stopping at the first",
+    )
     p.add_argument("--device", default="auto", help=DEVICE_HELP)
-    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
-                   help="the weights' and activations' type while answering; auto: bfloat16 on a GPU (as training "
-                   "there computes), float32 on the CPU")
-    p.add_argument("--output", help="write the scores as JSON here (with --longbench: the folder for the "
-                   "prediction files and result.json; default: not written)")
+    p.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        default="auto",
+        help="the weights' and activations' type while answering; auto: bfloat16 on a GPU (as training "
+        "there computes), float32 on the CPU",
+    )
+    p.add_argument(
+        "--output",
+        help="write the scores as JSON here (with --longbench: the folder for the "
+        "prediction files and result.json; default: not written)",
+    )
     p.add_argument("--samples", help="write every answer as JSONL here, with why it ended (default: not written)")
-    p.add_argument("--limit", type=COUNT, help="answer the first N rows of each --data file or LongBench set "
-                   "(quick runs; default: every row)")
-    p.set_defaults(func=cmd_eval, eval_defaults={dest: p.get_default(dest) for options, _ in
-                                                 EVAL_UNUSED_OPTIONS.values() for dest in options})
+    p.add_argument(
+        "--limit",
+        type=COUNT,
+        help="answer the first N rows of each --data file or LongBench set (quick runs; default: every row)",
+    )
+    p.set_defaults(
+        func=cmd_eval,
+        eval_defaults={dest: p.get_default(dest) for options, _ in EVAL_UNUSED_OPTIONS.values() for dest in options},
+    )
 
-    p = groups.add_parser("export", help="a checkpoint as a Hugging Face folder (safetensors + tokenizer)",
-                          description="Write checkpoint CHECKPOINT (or a run's latest complete one) as a folder "
-                          "that transformers (and vLLM) load. The output folder must be new, empty, or a previous "
-                          "export (only the files an export writes: config, safetensors weights, tokenizer), which "
-                          "is replaced; a folder inside the run's checkpoints folder is refused, since training "
-                          "deletes old checkpoints there, and so is a folder another command made (a longqa sft "
-                          "model, a run or data folder).")
+    p = groups.add_parser(
+        "export",
+        help="a checkpoint as a Hugging Face folder (safetensors + tokenizer)",
+        description="Write checkpoint CHECKPOINT (or a run's latest complete one) as a folder "
+        "that transformers (and vLLM) load. The output folder must be new, empty, or a previous "
+        "export (only the files an export writes: config, safetensors weights, tokenizer), which "
+        "is replaced; a folder inside the run's checkpoints folder is refused, since training "
+        "deletes old checkpoints there, and so is a folder another command made (a longqa sft "
+        "model, a run or data folder).",
+    )
     p.add_argument("checkpoint", help="runs/NAME/checkpoints/step_XXXXXXXX, or a run folder runs/NAME")
     p.add_argument("output", help="output folder: new, empty, or a previous export to replace")
     p.set_defaults(func=cmd_export)
@@ -793,13 +1025,16 @@ def _add_sft_command(groups: argparse._SubParsersAction) -> None:
     """``longqa sft``: its flags are the fields of ``SFTOptions``, so the two cannot drift apart."""
     from longqa.config.sft_options import SFTOptions
 
-    p = groups.add_parser("sft", help="supervised warm-up on reference responses (builds the embedded default)",
-                          description="Train a model on the reference responses of verl-schema rows "
-                          "(extra_info.reference_response, written by `longqa data synth`): a new small Qwen3 with a "
-                          "tokenizer trained on the data, or --init MODEL to continue from one. Evaluates greedy "
-                          "held-out accuracy as it goes and writes the model folder with a model card. The output "
-                          "folder must be new, empty, or a previous longqa sft folder, which is replaced: an export "
-                          "or any other model folder, a run or data folder is refused.")
+    p = groups.add_parser(
+        "sft",
+        help="supervised warm-up on reference responses (builds the embedded default)",
+        description="Train a model on the reference responses of verl-schema rows "
+        "(extra_info.reference_response, written by `longqa data synth`): a new small Qwen3 with a "
+        "tokenizer trained on the data, or --init MODEL to continue from one. Evaluates greedy "
+        "held-out accuracy as it goes and writes the model folder with a model card. The output "
+        "folder must be new, empty, or a previous longqa sft folder, which is replaced: an export "
+        "or any other model folder, a run or data folder is refused.",
+    )
     _add_dataclass_args(p, SFTOptions)
     p.set_defaults(func=cmd_sft, sft_defaults={name: p.get_default(name) for name in SFT_NEW_MODEL_OPTIONS})
 
@@ -826,86 +1061,147 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     # rollout.speculative's methods, read from the schema: the engine's module would load torch for --help
     methods = [m for m in get_args(get_type_hints(RolloutConfig)["speculative"]) if m != "off"]
 
-    p.add_argument("--decode-kernel", choices=["bmm", "triton"],
-                   help="fast engine decode attention (default: the engine's choice, triton on a GPU with Triton)")
+    p.add_argument(
+        "--decode-kernel",
+        choices=["bmm", "triton"],
+        help="fast engine decode attention (default: the engine's choice, triton on a GPU with Triton)",
+    )
     p.add_argument("--no-fused-decode", action="store_true", help="decode through the model's own modules")
-    p.add_argument("--speculative", choices=methods,
-                   help="fast engine speculative decoding (drafts from each sample's own text, verified in the "
-                   "step; random prompts and weights give no right drafts, so a step then measures the cost of "
-                   "verifying k+1 tokens per sample; default: off)")
-    p.add_argument("--num-speculative-tokens", type=COUNT, default=4, metavar="K",
-                   help="with --speculative: most drafted tokens per sample and step (default 4)")
-    p.add_argument("--lengths", choices=LENGTH_KINDS, default="lognormal",
-                   help="each response's length (a random-weight model never samples EOS): drawn from a log-normal "
-                   "clipped to the maximum, mean about 40%% of it (default), or the maximum for all")
+    p.add_argument(
+        "--speculative",
+        choices=methods,
+        help="fast engine speculative decoding (drafts from each sample's own text, verified in the "
+        "step; random prompts and weights give no right drafts, so a step then measures the cost of "
+        "verifying k+1 tokens per sample; default: off)",
+    )
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=COUNT,
+        default=4,
+        metavar="K",
+        help="with --speculative: most drafted tokens per sample and step (default 4)",
+    )
+    p.add_argument(
+        "--lengths",
+        choices=LENGTH_KINDS,
+        default="lognormal",
+        help="each response's length (a random-weight model never samples EOS): drawn from a log-normal "
+        "clipped to the maximum, mean about 40%% of it (default), or the maximum for all",
+    )
 
 
 def _add_bench_commands(groups: argparse._SubParsersAction) -> None:
     """``longqa bench train|rollout|step``: speed on random-weight models of real shapes."""
-    bench = groups.add_parser("bench", help="speed of the training layouts on random-weight models",
-                              description="Benchmarks on random-weight models of real shapes (no download).")
+    bench = groups.add_parser(
+        "bench",
+        help="speed of the training layouts on random-weight models",
+        description="Benchmarks on random-weight models of real shapes (no download).",
+    )
     bench_cmds = bench.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)
 
-    p = bench_cmds.add_parser("train", help="forward+backward of one group: naive padded vs shared-prompt packed",
-                              description="Seconds per group of N samples of one prompt through the actor's code "
-                              "path, tokens/s, speed-up, MFU (model FLOPs, recompute excluded, over the H200 bf16 "
-                              "peak) and peak memory. bf16 on CUDA, float32 on the CPU.")
+    p = bench_cmds.add_parser(
+        "train",
+        help="forward+backward of one group: naive padded vs shared-prompt packed",
+        description="Seconds per group of N samples of one prompt through the actor's code "
+        "path, tokens/s, speed-up, MFU (model FLOPs, recompute excluded, over the H200 bf16 "
+        "peak) and peak memory. bf16 on CUDA, float32 on the CPU.",
+    )
     _add_bench_args(p, cmd_bench_train)
     p.add_argument("--response", type=COUNT, default=1024, help="tokens of each response (default 1024)")
-    p.add_argument("--layouts", nargs="+", choices=["naive", "packed"], default=["naive", "packed"],
-                   help="the layouts to time")
+    p.add_argument(
+        "--layouts", nargs="+", choices=["naive", "packed"], default=["naive", "packed"], help="the layouts to time"
+    )
     p.add_argument("--repeat", type=COUNT, default=3, help="timed repetitions after one warm-up (default 3)")
-    p.add_argument("--backend", choices=["auto", "dense", "flex", "split"], default="auto",
-                   help="packed attention backend")
+    p.add_argument(
+        "--backend", choices=["auto", "dense", "flex", "split"], default="auto", help="packed attention backend"
+    )
     p.add_argument("--budget", type=COUNT, help="micro-batch token budget (default: one packed group)")
     p.add_argument("--no-gradient-checkpointing", action="store_true")
-    p.add_argument("--checkpoint-fraction", type=_fraction, default=1.0,
-                   help="fraction of decoder layers recomputed in the backward pass (default 1: all)")
-    p.add_argument("--activation-offload", type=_fraction, default=0.0,
-                   help="fraction of decoder layers (the first, before the recomputed ones) whose activations wait "
-                        "in host memory (default 0)")
+    p.add_argument(
+        "--checkpoint-fraction",
+        type=_fraction,
+        default=1.0,
+        help="fraction of decoder layers recomputed in the backward pass (default 1: all)",
+    )
+    p.add_argument(
+        "--activation-offload",
+        type=_fraction,
+        default=0.0,
+        help="fraction of decoder layers (the first, before the recomputed ones) whose activations wait "
+        "in host memory (default 0)",
+    )
     p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
 
-    p = bench_cmds.add_parser("rollout", help="sampling speed: transformers generate vs the fast engine",
-                              description="New tokens/s for n samples of random prompts (temperature 1, each "
-                              "response ending at its --lengths length): transformers' generate for one group, the "
-                              "fast engine for each --groups count, the fast engine's decode time against its "
-                              "HBM-bandwidth floor for those lengths (an H200's: null on a CPU) and how full it kept "
-                              "its slots.")
+    p = bench_cmds.add_parser(
+        "rollout",
+        help="sampling speed: transformers generate vs the fast engine",
+        description="New tokens/s for n samples of random prompts (temperature 1, each "
+        "response ending at its --lengths length): transformers' generate for one group, the "
+        "fast engine for each --groups count, the fast engine's decode time against its "
+        "HBM-bandwidth floor for those lengths (an H200's: null on a CPU) and how full it kept "
+        "its slots.",
+    )
     _add_bench_args(p, cmd_bench_rollout)
     p.add_argument("--new-tokens", type=COUNT, default=1024, help="most new tokens per sample (default 1024)")
     p.add_argument("--groups", type=COUNT, nargs="+", default=[1, 16], help="prompts per run (default 1 16)")
-    p.add_argument("--hf-new-tokens", type=_within(0),
-                   help="most new tokens for transformers (default --new-tokens; 0 skips)")
+    p.add_argument(
+        "--hf-new-tokens", type=_within(0), help="most new tokens for transformers (default --new-tokens; 0 skips)"
+    )
     p.add_argument("--no-cuda-graphs", action="store_true")
     _add_engine_args(p)
 
-    p = bench_cmds.add_parser("step", help="a whole GRPO step: fast-engine rollout + packed update, per phase",
-                              description="Seconds per phase of GRPO steps on a random-weight model: rollout with "
-                              "the fast engine, rewards (random: such a model cannot answer) and advantages, one "
-                              "packed shared-prompt update, and each phase against an H200's floor (null on a "
-                              "CPU). The first step includes warm-up.")
+    p = bench_cmds.add_parser(
+        "step",
+        help="a whole GRPO step: fast-engine rollout + packed update, per phase",
+        description="Seconds per phase of GRPO steps on a random-weight model: rollout with "
+        "the fast engine, rewards (random: such a model cannot answer) and advantages, one "
+        "packed shared-prompt update, and each phase against an H200's floor (null on a "
+        "CPU). The first step includes warm-up.",
+    )
     _add_bench_args(p, cmd_bench_step)
     p.add_argument("--response", type=COUNT, default=1024, help="most new tokens per sample (default 1024)")
     p.add_argument("--prompts", type=COUNT, default=16, help="prompts per step (default 16)")
-    p.add_argument("--gradient-checkpointing", action="store_true",
-                   help="recompute activations in the backward pass (off, as in longqa train)")
+    p.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="recompute activations in the backward pass (off, as in longqa train)",
+    )
     p.add_argument("--steps", type=COUNT, default=2, help="GRPO steps to time")
-    p.add_argument("--budget", type=COUNT, help="micro-batch token budget of the update (default: one group of "
-                   "--prompt + n x --response tokens)")
-    p.add_argument("--backend", choices=["auto", "dense", "flex", "split"], default="auto",
-                   help="the update's packed attention, as actor.attention_backend (default auto)")
-    p.add_argument("--profile", action="store_true",
-                   help="profile the last step: per phase, the device's busy time and its costliest kernels")
-    p.add_argument("--overlap", action="store_true",
-                   help="sample each next step while this step's update runs, from weights one update old, as "
-                   "rollout.mode=one_step_off rollout.overlap=true (not with --profile)")
-    p.add_argument("--strategy", choices=["fsdp2", "deepspeed"], default="fsdp2",
-                   help="as actor.strategy; deepspeed: ZeRO-3 in a process group of one (default fsdp2: unsharded "
-                   "unless --cpu-offload)")
-    p.add_argument("--cpu-offload", action="store_true",
-                   help="as actor.cpu_offload: the optimizer on the host (FSDP2 with torch's AdamW, or ZeRO-3 with "
-                   "DeepSpeed's CPU Adam)")
+    p.add_argument(
+        "--budget",
+        type=COUNT,
+        help="micro-batch token budget of the update (default: one group of --prompt + n x --response tokens)",
+    )
+    p.add_argument(
+        "--backend",
+        choices=["auto", "dense", "flex", "split"],
+        default="auto",
+        help="the update's packed attention, as actor.attention_backend (default auto)",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile the last step: per phase, the device's busy time and its costliest kernels",
+    )
+    p.add_argument(
+        "--overlap",
+        action="store_true",
+        help="sample each next step while this step's update runs, from weights one update old, as "
+        "rollout.mode=one_step_off rollout.overlap=true (not with --profile)",
+    )
+    p.add_argument(
+        "--strategy",
+        choices=["fsdp2", "deepspeed"],
+        default="fsdp2",
+        help="as actor.strategy; deepspeed: ZeRO-3 in a process group of one (default fsdp2: unsharded "
+        "unless --cpu-offload)",
+    )
+    p.add_argument(
+        "--cpu-offload",
+        action="store_true",
+        help="as actor.cpu_offload: the optimizer on the host (FSDP2 with torch's AdamW, or ZeRO-3 with "
+        "DeepSpeed's CPU Adam)",
+    )
     _add_engine_args(p)
 
 
@@ -913,13 +1209,19 @@ def _add_scale_out_commands(groups: argparse._SubParsersAction) -> None:
     """``longqa cluster up|down|status`` and ``longqa plan``: the machines, and whether a run fits them."""
     from longqa.model.shapes import SHAPES
 
-    cluster_p = groups.add_parser("cluster", help="a Ray cluster over ssh from a hostfile",
-                                  description="Start, stop or inspect a Ray cluster on the hosts of an MPI-style "
-                                  "hostfile ('IP slots=N' per line; # comments and blank lines allowed). The first host "
-                                  "runs the head; every command is printed before it runs.")
+    cluster_p = groups.add_parser(
+        "cluster",
+        help="a Ray cluster over ssh from a hostfile",
+        description="Start, stop or inspect a Ray cluster on the hosts of an MPI-style "
+        "hostfile ('IP slots=N' per line; # comments and blank lines allowed). The first host "
+        "runs the head; every command is printed before it runs.",
+    )
     cluster_cmds = cluster_p.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)
-    for name, text in (("up", "stop any Ray on the hosts, start the head on the first and workers on the rest"),
-                       ("down", "stop Ray on every host"), ("status", "print the cluster's resources")):
+    for name, text in (
+        ("up", "stop any Ray on the hosts, start the head on the first and workers on the rest"),
+        ("down", "stop Ray on every host"),
+        ("status", "print the cluster's resources"),
+    ):
         p = cluster_cmds.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
         p.add_argument("--hostfile", required=True, help="one 'IP slots=N' per line")
         if name != "down":  # stopping Ray needs no port
@@ -928,48 +1230,80 @@ def _add_scale_out_commands(groups: argparse._SubParsersAction) -> None:
         p.add_argument("--dry-run", action="store_true", help="print the commands without running them")
         p.set_defaults(func=cmd_cluster)
 
-    p = groups.add_parser("plan", help="GPU and host memory and step time of a run; refused with what to change "
-                          "when it cannot fit",
-                          description="Estimate per-GPU memory of CONFIG on --gpus GPUs (model sharded over them): "
-                          "training state, unsharded layers, activations of one micro-batch, the rollout engine's "
-                          "weights and KV cache; the host memory of a node (the model read on every rank, the "
-                          "offloaded state and activations); and the time of one GRPO step by phase. Exits 2 with "
-                          "the settings to change when either memory cannot hold it.")
+    p = groups.add_parser(
+        "plan",
+        help="GPU and host memory and step time of a run; refused with what to change when it cannot fit",
+        description="Estimate per-GPU memory of CONFIG on --gpus GPUs (model sharded over them): "
+        "training state, unsharded layers, activations of one micro-batch, the rollout engine's "
+        "weights and KV cache; the host memory of a node (the model read on every rank, the "
+        "offloaded state and activations); and the time of one GRPO step by phase. Exits 2 with "
+        "the settings to change when either memory cannot hold it.",
+    )
     _add_config_args(p)
-    p.add_argument("--gpus", type=COUNT, help="GPUs the model is sharded over (default: the config's "
-                   "trainer.ray_workers under trainer.launcher=ray, else 1)")
-    p.add_argument("--gpu-memory-gib", type=_within(1, kind=float), default=141.0,
-                   help="memory of one GPU (default 141, an H200)")
-    p.add_argument("--gpus-per-node", type=COUNT, help="GPUs of one node (default: --gpus, at most 8); --gpus past "
-                   "one node fills whole nodes")
-    p.add_argument("--host-memory-gib", type=_within(1, kind=float),
-                   help="host memory of one node (default: 125 per GPU the run uses on the node, what the kernel "
-                   "counts on the measurement machines; an 8-GPU H200 server often has more)")
-    p.add_argument("--response-length", type=COUNT,
-                   help="mean response length for the step time (default, and at most, data.max_response_length)")
-    p.add_argument("--shape", choices=sorted(SHAPES),
-                   help="a known model shape to plan for (default: model.path's config)")
-    p.add_argument("--largest", action="store_true",
-                   help="instead: the largest known shape that fits, as CONFIG asks or with actor.cpu_offload=true")
-    p.add_argument("--split", action="store_true",
-                   help="instead: each split of the --gpus between sampler ranks and training ranks "
-                   "(rollout.sampler_ranks with rollout.mode=one_step_off), its step time next to the synchronous "
-                   "step on all of them, and the fastest split that fits")
+    p.add_argument(
+        "--gpus",
+        type=COUNT,
+        help="GPUs the model is sharded over (default: the config's "
+        "trainer.ray_workers under trainer.launcher=ray, else 1)",
+    )
+    p.add_argument(
+        "--gpu-memory-gib", type=_within(1, kind=float), default=141.0, help="memory of one GPU (default 141, an H200)"
+    )
+    p.add_argument(
+        "--gpus-per-node",
+        type=COUNT,
+        help="GPUs of one node (default: --gpus, at most 8); --gpus past one node fills whole nodes",
+    )
+    p.add_argument(
+        "--host-memory-gib",
+        type=_within(1, kind=float),
+        help="host memory of one node (default: 125 per GPU the run uses on the node, what the kernel "
+        "counts on the measurement machines; an 8-GPU H200 server often has more)",
+    )
+    p.add_argument(
+        "--response-length",
+        type=COUNT,
+        help="mean response length for the step time (default, and at most, data.max_response_length)",
+    )
+    p.add_argument(
+        "--shape", choices=sorted(SHAPES), help="a known model shape to plan for (default: model.path's config)"
+    )
+    p.add_argument(
+        "--largest",
+        action="store_true",
+        help="instead: the largest known shape that fits, as CONFIG asks or with actor.cpu_offload=true",
+    )
+    p.add_argument(
+        "--split",
+        action="store_true",
+        help="instead: each split of the --gpus between sampler ranks and training ranks "
+        "(rollout.sampler_ranks with rollout.mode=one_step_off), its step time next to the synchronous "
+        "step on all of them, and the fastest split that fits",
+    )
     p.set_defaults(func=cmd_plan)
 
 
 def _add_config_commands(groups: argparse._SubParsersAction) -> None:
     """``longqa config show|keys``: the config tree a run would use, and every key it accepts."""
-    config = groups.add_parser("config", help="show the config", description="The typed config tree: YAML plus "
-                               "dotted key=value overrides, checked before any work starts.")
+    config = groups.add_parser(
+        "config",
+        help="show the config",
+        description="The typed config tree: YAML plus dotted key=value overrides, checked before any work starts.",
+    )
     config_cmds = config.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)
-    p = config_cmds.add_parser("show", help="print the resolved config",
-                               description="Print the config after applying CONFIG and the overrides.")
+    p = config_cmds.add_parser(
+        "show",
+        help="print the resolved config",
+        description="Print the config after applying CONFIG and the overrides.",
+    )
     _add_config_args(p)
     p.set_defaults(func=cmd_config_show)
     p = config_cmds.add_parser("keys", help="list every key with its help and default")
-    p.add_argument("--verl", action="store_true",
-                   help="list instead the verl launch keys longqa takes and the longqa setting each becomes")
+    p.add_argument(
+        "--verl",
+        action="store_true",
+        help="list instead the verl launch keys longqa takes and the longqa setting each becomes",
+    )
     p.set_defaults(func=cmd_config_keys)
 
 
@@ -1001,8 +1335,18 @@ def _reported_errors() -> tuple[type[Exception], ...]:
     from longqa.train.actor import TrainingError
     from longqa.train.checkpoint import CheckpointError
 
-    return (ConfigError, DataFileError, SourceError, TokenizerError, ModelError, CheckpointError, TrainingError,
-            KVBudgetError, HostfileError, PlanError)
+    return (
+        ConfigError,
+        DataFileError,
+        SourceError,
+        TokenizerError,
+        ModelError,
+        CheckpointError,
+        TrainingError,
+        KVBudgetError,
+        HostfileError,
+        PlanError,
+    )
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -101,7 +101,7 @@ HEDGE_WORDS = frozenset(
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 
-_RECIPE_SPECIAL = ',.:"\'[]-=+\\|!@#$%^&*();<>?/！￥…（）—{}：“”《》？'
+_RECIPE_SPECIAL = ",.:\"'[]-=+\\|!@#$%^&*();<>?/！￥…（）—{}：“”《》？"
 _RECIPE_TABLE = str.maketrans({ch: " " for ch in _RECIPE_SPECIAL})
 # The recipe's normalisation then deletes an `import X as Y` line (a leftover of its code-task origins), after its
 # punctuation became spaces, so a dotted module no longer matches; kept so that its modes score as it does.
@@ -114,8 +114,13 @@ _STAND_IN = {".": "\ue000", ":": "\ue001", "/": "\ue002", "-": "\ue003", "%": "\
 _STAND_IN_RESTORE = str.maketrans({stand_in: mark for mark, stand_in in _STAND_IN.items()})
 _STAND_IN_REMOVAL = str.maketrans({stand_in: None for stand_in in _STAND_IN.values()})
 _DASHES = "-\u2010\u2011\u2012\u2013\u2014\u2015\u2212"  # hyphens, figure/en/em dashes, minus sign
-_DIGIT_MARKS = {".": _STAND_IN["."], ":": _STAND_IN[":"], "/": _STAND_IN["/"], "\u2044": _STAND_IN["/"],
-                **{dash: _STAND_IN["-"] for dash in _DASHES}}
+_DIGIT_MARKS = {
+    ".": _STAND_IN["."],
+    ":": _STAND_IN[":"],
+    "/": _STAND_IN["/"],
+    "\u2044": _STAND_IN["/"],
+    **{dash: _STAND_IN["-"] for dash in _DASHES},
+}
 _DIGIT = re.compile(r"\d")
 _THOUSANDS_COMMA = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 _BETWEEN_DIGITS = re.compile(r"(?<=\d)[^\w\s](?=\d)")
@@ -125,11 +130,25 @@ _PERCENT = re.compile(r"(?<=\d)\s*(?:%|percent\b|per\s+cent\b)")
 # Possessive digit runs that start a run: linear in a long string of digits (backtracking was quadratic).
 _DATE = re.compile(f"(?<!\\d)\\d++([{_STAND_IN['.']}{_STAND_IN['/']}{_STAND_IN['-']}])\\d++(?:\\1\\d++)+")
 _NUMBER_MARKS = "".join(_STAND_IN.values())
-_DECIMAL = re.compile(f"(?<![\\w{_NUMBER_MARKS}])({_STAND_IN['-']}?)(\\d*+){_STAND_IN['.']}(\\d++)"
-                      f"(?![\\w{_NUMBER_MARKS.replace(_STAND_IN['%'], '')}])")  # a percent may follow
+_DECIMAL = re.compile(
+    f"(?<![\\w{_NUMBER_MARKS}])({_STAND_IN['-']}?)(\\d*+){_STAND_IN['.']}(\\d++)"
+    f"(?![\\w{_NUMBER_MARKS.replace(_STAND_IN['%'], '')}])"
+)  # a percent may follow
 _NEGATIVE_ZERO = re.compile(f"(?<![\\w{_NUMBER_MARKS}]){_STAND_IN['-']}(?=0++(?![\\w{_NUMBER_MARKS}]))")
-_MONTHS = ("january", "february", "march", "april", "may", "june", "july", "august", "september", "october",
-           "november", "december")
+_MONTHS = (
+    "january",
+    "february",
+    "march",
+    "april",
+    "may",
+    "june",
+    "july",
+    "august",
+    "september",
+    "october",
+    "november",
+    "december",
+)
 _MONTH_NAMES = {**{name: name for name in _MONTHS}, **{name[:3]: name for name in _MONTHS}, "sept": "september"}
 _MONTH = "|".join(sorted(_MONTH_NAMES, key=len, reverse=True))
 _DAY = r"(\d{1,2})(?:st|nd|rd|th)?"
@@ -258,7 +277,7 @@ def _recipe_prediction(solution: str) -> tuple[str | None, str | None]:
         return None, "unclosed_boxed"
     if not solution.startswith("\\boxed{", start):
         return None, "error:bad_boxed"
-    return solution[start + len("\\boxed{"):end], None
+    return solution[start + len("\\boxed{") : end], None
 
 
 def _recipe_normalize(text: str) -> str:
@@ -358,7 +377,7 @@ def _boxes(text: str) -> list[str] | None:
         end = _balanced_end(text, match.end() - 1)
         if end is None:
             return None
-        contents.append(text[match.end():end])
+        contents.append(text[match.end() : end])
         position = end + 1
     return contents
 
@@ -373,7 +392,7 @@ def _latex_argument(text: str, start: int) -> tuple[str, int] | None:
     if text[start] != "{":
         return text[start], start + 1
     end = _balanced_end(text, start)
-    return (text[start + 1:end], end + 1) if end is not None else None
+    return (text[start + 1 : end], end + 1) if end is not None else None
 
 
 def _fractions(text: str) -> str:
@@ -381,7 +400,7 @@ def _fractions(text: str) -> str:
     a box of many fractions costs linear time."""
     pieces, position = [], 0
     while match := _LATEX_FRACTION.search(text, position):
-        pieces.append(text[position:match.start()])
+        pieces.append(text[position : match.start()])
         numerator = _latex_argument(text, match.end())
         denominator = numerator and _latex_argument(text, numerator[1])
         if not denominator:  # a fraction without its arguments: drop the command
@@ -453,8 +472,10 @@ def _canonical_decimal(match: re.Match) -> str:
 def _day_first_dates(text: str) -> str:
     """Dates with a month's name, day first ("July 4, 1776" and "4th of July 1776" are "4 july 1776"), so the
     order a style guide picks does not decide the score. ``text`` is case-folded."""
+
     def day_first(day: str, month: str, year: str | None) -> str:
         return f"{int(day)} {_MONTH_NAMES[month]}{' ' + year.strip() if year else ''}"
+
     text = _MONTH_FIRST.sub(lambda match: day_first(match.group(2), match.group(1), match.group(3)), text)
     return _DAY_FIRST.sub(lambda match: day_first(match.group(1), match.group(2), match.group(3)), text)
 
@@ -465,8 +486,11 @@ class _FoldTable(dict):
     NFKD but for the order of combining marks, and those are dropped."""
 
     def __missing__(self, code: int) -> str:
-        kept = "".join(ch for ch in unicodedata.normalize("NFKD", chr(code))
-                       if not unicodedata.combining(ch) and unicodedata.category(ch)[0] not in "PS")
+        kept = "".join(
+            ch
+            for ch in unicodedata.normalize("NFKD", chr(code))
+            if not unicodedata.combining(ch) and unicodedata.category(ch)[0] not in "PS"
+        )
         self[code] = kept
         return kept
 
@@ -508,7 +532,9 @@ def _failure(prediction: tuple[str, ...], truth: tuple[str, ...]) -> str:
     """Why a prediction that is not the answer failed: the answer with a hedge word beside it, the answer
     with other words, or something else."""
     if len(prediction) > len(truth) and _contains_run(prediction, truth):
-        return "multiple_answers" if HEDGE_WORDS.intersection(Counter(prediction) - Counter(truth)) else "answer_overflow"
+        return (
+            "multiple_answers" if HEDGE_WORDS.intersection(Counter(prediction) - Counter(truth)) else "answer_overflow"
+        )
     return "wrong"
 
 
@@ -587,8 +613,14 @@ def _score(solution_str: Any, ground_truth: Any, mode: Any) -> RewardResult:
     return _SCORERS[name](solution, truths)
 
 
-def score_detailed(data_source: Any, solution_str: Any, ground_truth: Any, extra_info: Any = None,
-                   mode: str | None = None, **kwargs: Any) -> RewardResult:
+def score_detailed(
+    data_source: Any,
+    solution_str: Any,
+    ground_truth: Any,
+    extra_info: Any = None,
+    mode: str | None = None,
+    **kwargs: Any,
+) -> RewardResult:
     """Score one response with the reason for any shortfall; never raises, so one odd sample can't stop training."""
     try:
         return _score(solution_str, ground_truth, mode)
@@ -596,8 +628,9 @@ def score_detailed(data_source: Any, solution_str: Any, ground_truth: Any, extra
         return _fail(f"error:{type(exc).__name__}")
 
 
-def compute_score(data_source: Any, solution_str: Any, ground_truth: Any, extra_info: Any = None,
-                  **kwargs: Any) -> float:
+def compute_score(
+    data_source: Any, solution_str: Any, ground_truth: Any, extra_info: Any = None, **kwargs: Any
+) -> float:
     """verl's ``custom_reward_function`` entry point: the score of :func:`score_detailed`."""
     return score_detailed(data_source, solution_str, ground_truth, extra_info, **kwargs).score
 
@@ -616,8 +649,10 @@ def extract_answer(solution_str: Any) -> str | None:
 def _eval_truths(ground_truth: Any) -> list[str]:
     truths = _truth_list(ground_truth)
     if truths is None:
-        raise ValueError(f"ground_truth must be a non-blank string or a finite number, or a non-empty list of them, "
-                         f"got {ground_truth!r}")
+        raise ValueError(
+            f"ground_truth must be a non-blank string or a finite number, or a non-empty list of them, "
+            f"got {ground_truth!r}"
+        )
     return truths
 
 
@@ -686,12 +721,25 @@ def load_reward_function(path: str | os.PathLike[str], name: str = "compute_scor
     """
     function = _import_function(Path(path), name)
 
-    def score(data_source: Any, solution_str: Any, ground_truth: Any, extra_info: Any = None,
-              mode: str | None = None, **kwargs: Any) -> RewardResult:
+    def score(
+        data_source: Any,
+        solution_str: Any,
+        ground_truth: Any,
+        extra_info: Any = None,
+        mode: str | None = None,
+        **kwargs: Any,
+    ) -> RewardResult:
         """``mode`` is accepted and ignored, so callers can swap this for score_detailed."""
         try:
-            return _as_result(function(data_source=data_source, solution_str=solution_str,
-                                       ground_truth=ground_truth, extra_info=extra_info, **kwargs))
+            return _as_result(
+                function(
+                    data_source=data_source,
+                    solution_str=solution_str,
+                    ground_truth=ground_truth,
+                    extra_info=extra_info,
+                    **kwargs,
+                )
+            )
         except Exception as exc:  # noqa: BLE001 - a user's bug must cost one sample, not the run
             score.last_error = f"{type(exc).__name__}: {exc}"
             return _fail(f"error:{type(exc).__name__}")

@@ -85,8 +85,15 @@ class Case:
         return {**out, "predicted": self.predicted.total, "parts": asdict(self.predicted), "ratio": self.ratio}
 
 
-def _model(shape: str, device: torch.device, dtype: torch.dtype, recomputed: float, layers: int | None,
-           vocab: int | None, compiled: bool = False):
+def _model(
+    shape: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    recomputed: float,
+    layers: int | None,
+    vocab: int | None,
+    compiled: bool = False,
+):
     """A random-weight model of ``shape`` (``longqa bench``'s) and its sizes as the planner reads them."""
     from longqa.bench.speed import random_model
     from longqa.planning.planner import ModelSizes
@@ -95,9 +102,22 @@ def _model(shape: str, device: torch.device, dtype: torch.dtype, recomputed: flo
     return model, ModelSizes.from_config(model.config)
 
 
-def grpo_case(shape: str, *, prompt: int, response: int, n: int, groups: int = 1, budget: int | None = None,
-              layers: int | None = None, vocab: int | None = None, recomputed: float = 0.0, device: str = "cpu",
-              dtype: str | None = None, backend: str = "auto", compiled: bool = False) -> Case:
+def grpo_case(
+    shape: str,
+    *,
+    prompt: int,
+    response: int,
+    n: int,
+    groups: int = 1,
+    budget: int | None = None,
+    layers: int | None = None,
+    vocab: int | None = None,
+    recomputed: float = 0.0,
+    device: str = "cpu",
+    dtype: str | None = None,
+    backend: str = "auto",
+    compiled: bool = False,
+) -> Case:
     """The micro-batches of the GRPO update over ``groups`` groups, each a ``prompt``-token prompt and ``n``
     responses of ``response`` tokens, at a token budget of ``budget`` (default: all of them in one; a smaller one
     cuts them, the largest micro-batch counts), through ``Actor``; ``compiled``: the decoder layers compiled, as
@@ -109,10 +129,18 @@ def grpo_case(shape: str, *, prompt: int, response: int, n: int, groups: int = 1
     dtype = dtype or ("bfloat16" if dev.type == "cuda" else "float32")
     model, sizes = _model(shape, dev, getattr(torch, dtype), recomputed, layers, vocab, compiled)
     budget = budget or groups * (prompt + n * response)
-    cfg = load_config(None, [f"rollout.n={n}", f"data.max_prompt_length={prompt}",
-                             f"data.max_response_length={response}", f"actor.max_tokens_per_micro_batch={budget}",
-                             f"data.train_batch_size={groups}", f"actor.ppo_mini_batch_size={groups}",
-                             f"actor.attention_backend={backend}"])
+    cfg = load_config(
+        None,
+        [
+            f"rollout.n={n}",
+            f"data.max_prompt_length={prompt}",
+            f"data.max_response_length={response}",
+            f"actor.max_tokens_per_micro_batch={budget}",
+            f"data.train_batch_size={groups}",
+            f"actor.ppo_mini_batch_size={groups}",
+            f"actor.attention_backend={backend}",
+        ],
+    )
     actor = Actor(model, cfg, 1, dev)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, sizes.vocab, (prompt,), generator=g).tolist() for _ in range(groups)]
@@ -128,14 +156,44 @@ def grpo_case(shape: str, *, prompt: int, response: int, n: int, groups: int = 1
     size = torch.finfo(getattr(torch, dtype)).bits // 8
     compute = Compute(dtype_bytes=size, param_bytes=size, compiled=compiled, cuda=dev.type == "cuda")
     head_tokens = max(len(micro.inputs.targets) for micro in actor.micro_batches(samples, every))
-    predicted = update_activations(sizes, compute, budget=budget, prompt_length=prompt, response_length=response, n=n,
-                                   backend=actor.backend, recomputed=recomputed, head_tokens=head_tokens)
-    return Case("grpo", shape, sizes.layers, sizes.vocab, budget, prompt + n * response, recomputed, dtype, False,
-                actor.backend, compiled, predicted, measured)
+    predicted = update_activations(
+        sizes,
+        compute,
+        budget=budget,
+        prompt_length=prompt,
+        response_length=response,
+        n=n,
+        backend=actor.backend,
+        recomputed=recomputed,
+        head_tokens=head_tokens,
+    )
+    return Case(
+        "grpo",
+        shape,
+        sizes.layers,
+        sizes.vocab,
+        budget,
+        prompt + n * response,
+        recomputed,
+        dtype,
+        False,
+        actor.backend,
+        compiled,
+        predicted,
+        measured,
+    )
 
 
-def sft_case(shape: str, *, batch_tokens: int, longest: int, layers: int | None = None, vocab: int | None = None,
-             device: str = "cpu", autocast: bool | None = None) -> Case:
+def sft_case(
+    shape: str,
+    *,
+    batch_tokens: int,
+    longest: int,
+    layers: int | None = None,
+    vocab: int | None = None,
+    device: str = "cpu",
+    autocast: bool | None = None,
+) -> Case:
     """One ``longqa sft`` step on float32 weights: ``batch_tokens // longest`` rows padded to ``longest`` tokens,
     the first that long and the others shorter (padded), each a prompt and a response of a quarter of it; under
     bfloat16 autocast where ``longqa sft`` uses it (CUDA), or as asked."""
@@ -160,7 +218,21 @@ def sft_case(shape: str, *, batch_tokens: int, longest: int, layers: int | None 
     step()
     measured = peak_bytes(step, dev)
     compute = Compute(dtype_bytes=2 if autocast else 4, param_bytes=4, autocast=autocast)
-    predicted = sft_activations(sizes, compute, batch_tokens=batch_tokens, longest=longest,
-                                head_tokens=int((labels[:, 1:] != -100).sum()))
-    return Case("sft", shape, sizes.layers, sizes.vocab, batch_tokens, longest, 0.0, "float32", autocast,
-                "sdpa, no mask (right-padded rows)", False, predicted, measured)
+    predicted = sft_activations(
+        sizes, compute, batch_tokens=batch_tokens, longest=longest, head_tokens=int((labels[:, 1:] != -100).sum())
+    )
+    return Case(
+        "sft",
+        shape,
+        sizes.layers,
+        sizes.vocab,
+        batch_tokens,
+        longest,
+        0.0,
+        "float32",
+        autocast,
+        "sdpa, no mask (right-padded rows)",
+        False,
+        predicted,
+        measured,
+    )

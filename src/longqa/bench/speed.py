@@ -34,9 +34,17 @@ from longqa.planning.flops import (
 from longqa.rollout.lengths import draw_response_lengths
 
 
-def random_model(shape: str, device, dtype=torch.bfloat16, gradient_checkpointing: float = 1.0,
-                 compile_layers: bool = False, min_vocab: int = 0, activation_offload: float = 0.0,
-                 layers: int | None = None, vocab: int | None = None):
+def random_model(
+    shape: str,
+    device,
+    dtype=torch.bfloat16,
+    gradient_checkpointing: float = 1.0,
+    compile_layers: bool = False,
+    min_vocab: int = 0,
+    activation_offload: float = 0.0,
+    layers: int | None = None,
+    vocab: int | None = None,
+):
     """A random-weight Qwen3 of ``shape`` (``layers`` decoder layers and a vocabulary of ``vocab`` entries if
     given, at least ``min_vocab``); ``gradient_checkpointing`` is the fraction of decoder layers recomputed in
     the backward pass (True: all, False or 0: none), ``activation_offload`` the fraction (the first layers)
@@ -45,8 +53,11 @@ def random_model(shape: str, device, dtype=torch.bfloat16, gradient_checkpointin
 
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; expected one of {sorted(SHAPES)}")
-    sizes = {**SHAPES[shape], "vocab_size": max(vocab or SHAPES[shape]["vocab_size"], min_vocab),
-             **({"num_hidden_layers": layers} if layers else {})}
+    sizes = {
+        **SHAPES[shape],
+        "vocab_size": max(vocab or SHAPES[shape]["vocab_size"], min_vocab),
+        **({"num_hidden_layers": layers} if layers else {}),
+    }
     config = Qwen3Config(**sizes, max_position_embeddings=65536, rope_theta=1000000.0)
     torch.manual_seed(0)
     with torch.device(device):
@@ -72,11 +83,21 @@ def _time(fn, device, repeat: int) -> float:
     return (time.perf_counter() - start) / repeat
 
 
-def bench_train(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int = 1024, n: int = 8,
-                layouts: tuple[str, ...] = ("naive", "packed"), repeat: int = 3, device: str = "auto",
-                gradient_checkpointing: float = 1.0, budget: int | None = None, backend: str = "auto",
-                compile_layers: bool = False, peak_flops: float = H200_BF16_PEAK,
-                activation_offload: float = 0.0) -> list[dict]:
+def bench_train(
+    shape: str = "qwen3-1.7b",
+    prompt: int = 8192,
+    response: int = 1024,
+    n: int = 8,
+    layouts: tuple[str, ...] = ("naive", "packed"),
+    repeat: int = 3,
+    device: str = "auto",
+    gradient_checkpointing: float = 1.0,
+    budget: int | None = None,
+    backend: str = "auto",
+    compile_layers: bool = False,
+    peak_flops: float = H200_BF16_PEAK,
+    activation_offload: float = 0.0,
+) -> list[dict]:
     """Seconds per group (forward + backward of n samples of one prompt) for each layout;
     ``gradient_checkpointing`` is the fraction of decoder layers recomputed, ``activation_offload`` the
     fraction whose activations wait in host memory."""
@@ -86,8 +107,9 @@ def bench_train(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int = 1
 
     dev = pick_device(device, "--device")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    model = random_model(shape, dev, dtype, gradient_checkpointing, compile_layers,
-                         activation_offload=activation_offload)
+    model = random_model(
+        shape, dev, dtype, gradient_checkpointing, compile_layers, activation_offload=activation_offload
+    )
     offload = model.activation_offload
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
@@ -97,9 +119,17 @@ def bench_train(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int = 1
     results = []
     for layout in layouts:
         shared = layout == "packed"
-        cfg = load_config(None, [f"actor.shared_prompt={str(shared).lower()}", f"actor.attention_backend={backend}",
-                                 f"actor.max_tokens_per_micro_batch={budget or prompt + n * response}",
-                                 f"rollout.n={n}", "data.train_batch_size=1", "actor.ppo_mini_batch_size=1"])
+        cfg = load_config(
+            None,
+            [
+                f"actor.shared_prompt={str(shared).lower()}",
+                f"actor.attention_backend={backend}",
+                f"actor.max_tokens_per_micro_batch={budget or prompt + n * response}",
+                f"rollout.n={n}",
+                "data.train_batch_size=1",
+                "actor.ppo_mini_batch_size=1",
+            ],
+        )
         actor = Actor(model, cfg, 1, dev)
 
         def step():
@@ -114,13 +144,23 @@ def bench_train(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int = 1
         late_before = offload.late_loads if offload else 0
         seconds = _time(step, dev, repeat)
         count = group_flops(model.config, prompt, [response] * n, shared)
-        row = {"layout": layout, "shape": shape, "prompt": prompt, "response": response, "n": n,
-               "backend": actor.backend or "sdpa (padded rows)", "gradient_checkpointing": gradient_checkpointing,
-               "activation_offload": activation_offload, "compiled_layers": compile_layers,
-               "seconds_per_group": round(seconds, 4), "tokens_computed": count.tokens,
-               "tokens_per_s": round(count.tokens / seconds), "model_tflops": round(count.flops / 1e12, 1),
-               "mfu": round(count.flops / seconds / peak_flops, 4) if dev.type == "cuda" else None,
-               "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev.type == "cuda" else None}
+        row = {
+            "layout": layout,
+            "shape": shape,
+            "prompt": prompt,
+            "response": response,
+            "n": n,
+            "backend": actor.backend or "sdpa (padded rows)",
+            "gradient_checkpointing": gradient_checkpointing,
+            "activation_offload": activation_offload,
+            "compiled_layers": compile_layers,
+            "seconds_per_group": round(seconds, 4),
+            "tokens_computed": count.tokens,
+            "tokens_per_s": round(count.tokens / seconds),
+            "model_tflops": round(count.flops / 1e12, 1),
+            "mfu": round(count.flops / seconds / peak_flops, 4) if dev.type == "cuda" else None,
+            "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev.type == "cuda" else None,
+        }
         if offload:  # copies back the backward pass had to wait for from the start (all timed groups)
             row["offload_late_loads"] = offload.late_loads - late_before
         results.append(row)
@@ -169,19 +209,38 @@ def _generate_row(model, prompt_ids: list[int], n: int, lengths: list[int], dev)
 
     def hf():
         with torch.no_grad():
-            out[:] = [model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                                     temperature=1.0, top_k=0, num_return_sequences=n,
-                                     max_new_tokens=max(lengths), eos_token_id=stop_id, pad_token_id=stop_id,
-                                     logits_processor=_forced_stop(lengths, len(prompt_ids), stop_id, dev))]
+            out[:] = [
+                model.generate(
+                    input_ids=ids,
+                    attention_mask=torch.ones_like(ids),
+                    do_sample=True,
+                    temperature=1.0,
+                    top_k=0,
+                    num_return_sequences=n,
+                    max_new_tokens=max(lengths),
+                    eos_token_id=stop_id,
+                    pad_token_id=stop_id,
+                    logits_processor=_forced_stop(lengths, len(prompt_ids), stop_id, dev),
+                )
+            ]
+
     seconds = _time(hf, dev, 1)
-    made = _real_tokens(out[0][:, len(prompt_ids):], stop_id)
+    made = _real_tokens(out[0][:, len(prompt_ids) :], stop_id)
     return {"seconds": round(seconds, 3), "new_tokens_per_s": round(sum(made) / seconds), **_length_stats([made])}
 
 
-def bench_rollout(shape: str = "qwen3-1.7b", prompt: int = 8192, new_tokens: int = 1024, n: int = 8,
-                  groups: tuple[int, ...] = (1, 16), hf_new_tokens: int | None = None, device: str = "auto",
-                  cuda_graphs: bool = True, engine_options: dict | None = None,
-                  lengths: str = "lognormal") -> list[dict]:
+def bench_rollout(
+    shape: str = "qwen3-1.7b",
+    prompt: int = 8192,
+    new_tokens: int = 1024,
+    n: int = 8,
+    groups: tuple[int, ...] = (1, 16),
+    hf_new_tokens: int | None = None,
+    device: str = "auto",
+    cuda_graphs: bool = True,
+    engine_options: dict | None = None,
+    lengths: str = "lognormal",
+) -> list[dict]:
     """New tokens/s of transformers' ``generate`` (n samples of one prompt) and of the fast engine (1 and
     more groups of n), temperature 1, each response ending at its drawn length (at most ``new_tokens``);
     the fast engine against its memory-bandwidth floor for those lengths, and how full it kept its slots."""
@@ -198,8 +257,17 @@ def bench_rollout(shape: str = "qwen3-1.7b", prompt: int = 8192, new_tokens: int
     if hf_new_tokens != 0:
         tokens = hf_new_tokens or new_tokens
         drawn = draw_response_lengths(lengths, n, tokens, (0, 0))  # prompt 0's, when tokens == new_tokens
-        results.append({"engine": "transformers generate", "groups": 1, "n": n, "prompt": prompt,
-                        "new_tokens": tokens, "lengths": lengths, **_generate_row(model, prompts[0], n, drawn, dev)})
+        results.append(
+            {
+                "engine": "transformers generate",
+                "groups": 1,
+                "n": n,
+                "prompt": prompt,
+                "new_tokens": tokens,
+                "lengths": lengths,
+                **_generate_row(model, prompts[0], n, drawn, dev),
+            }
+        )
         print(json.dumps(results[-1]), flush=True)
     engine = FastRolloutEngine(model, cuda_graphs=cuda_graphs, **(engine_options or {}))
     for count in groups:
@@ -217,9 +285,17 @@ def bench_rollout(shape: str = "qwen3-1.7b", prompt: int = 8192, new_tokens: int
         out = engine.generate(batch, params, seeds=list(range(count)), stop_at=stop_at)
         sync()
         seconds = time.perf_counter() - start
-        row = {"engine": "longqa fast", **(engine_options or {}), "groups": count, "n": n, "prompt": prompt,
-               "new_tokens": new_tokens, "lengths": lengths, "groups_in_flight": engine.kv.groups,
-               **_fast_timings(model.config, prompt, out, engine, seconds, prefill, dev)}
+        row = {
+            "engine": "longqa fast",
+            **(engine_options or {}),
+            "groups": count,
+            "n": n,
+            "prompt": prompt,
+            "new_tokens": new_tokens,
+            "lengths": lengths,
+            "groups_in_flight": engine.kv.groups,
+            **_fast_timings(model.config, prompt, out, engine, seconds, prefill, dev),
+        }
         results.append(row)
         print(json.dumps(row), flush=True)
     if results and results[0]["engine"] == "transformers generate":
@@ -244,16 +320,26 @@ def _fast_timings(config, prompt: int, out, engine, seconds: float, prefill: flo
     unshared = decode_floor_s(config, prompt, made, in_flight=in_flight, shared=False)
     run = engine.last_run
     slot_steps = run["decode_steps"] * run["slots"]
-    return {"seconds": round(seconds, 3), "prefill_seconds": round(prefill, 3),
-            "new_tokens_per_s": round(total / seconds), "decode_tokens_per_s": round(total / decode),
-            **_length_stats(made), "decode_ms_per_step": round(1e3 * decode / steps, 3),
-            **gpu_floors(device, {"floor_ms_per_step": round(1e3 * floor / steps, 3),
-                                  "fraction_of_floor": round(floor / decode, 3),
-                                  "floor_ms_per_step_unshared": round(1e3 * unshared / steps, 3)}),
-            "decode_steps": run["decode_steps"],
-            "slot_occupancy": round(run["busy_slot_steps"] / slot_steps, 3) if slot_steps else None,
-            "row_occupancy": round(run["live_row_steps"] / (slot_steps * run["n"]), 3) if slot_steps else None,
-            **speculation_stats(run)}
+    return {
+        "seconds": round(seconds, 3),
+        "prefill_seconds": round(prefill, 3),
+        "new_tokens_per_s": round(total / seconds),
+        "decode_tokens_per_s": round(total / decode),
+        **_length_stats(made),
+        "decode_ms_per_step": round(1e3 * decode / steps, 3),
+        **gpu_floors(
+            device,
+            {
+                "floor_ms_per_step": round(1e3 * floor / steps, 3),
+                "fraction_of_floor": round(floor / decode, 3),
+                "floor_ms_per_step_unshared": round(1e3 * unshared / steps, 3),
+            },
+        ),
+        "decode_steps": run["decode_steps"],
+        "slot_occupancy": round(run["busy_slot_steps"] / slot_steps, 3) if slot_steps else None,
+        "row_occupancy": round(run["live_row_steps"] / (slot_steps * run["n"]), 3) if slot_steps else None,
+        **speculation_stats(run),
+    }
 
 
 def speculation_stats(run: dict) -> dict:
@@ -261,9 +347,11 @@ def speculation_stats(run: dict) -> dict:
     tokens kept per such step, and tokens a live row-step made on average (1 without speculation)."""
     if "draft_fraction" not in run:
         return {}
-    return {"draft_fraction": round(run["draft_fraction"], 3),
-            "accepted_per_draft_step": round(run["accepted_per_draft_step"], 3),
-            "tokens_per_row_step": round(1 + run["accepted_draft_tokens"] / max(run["live_row_steps"], 1), 3)}
+    return {
+        "draft_fraction": round(run["draft_fraction"], 3),
+        "accepted_per_draft_step": round(run["accepted_per_draft_step"], 3),
+        "tokens_per_row_step": round(1 + run["accepted_draft_tokens"] / max(run["live_row_steps"], 1), 3),
+    }
 
 
 class PhaseProfiler:
@@ -288,18 +376,34 @@ class PhaseProfiler:
             if event.device_type == kind and (cuda or not event.cpu_parent):
                 kernels.setdefault(event.name, []).append(event.device_time if cuda else event.cpu_time)
         busy = sum(sum(t) for t in kernels.values()) / 1e6
-        top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:self.top]
-        self.phases[name] = {"wall_s": round(wall, 3), "busy_s": round(busy, 3), "busy_fraction": round(busy / wall, 3),
-                             "kernels": sum(len(t) for t in kernels.values()),
-                             "top": [{"kernel": k[:100], "calls": len(t), "s": round(sum(t) / 1e6, 4)} for k, t in top]}
+        top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[: self.top]
+        self.phases[name] = {
+            "wall_s": round(wall, 3),
+            "busy_s": round(busy, 3),
+            "busy_fraction": round(busy / wall, 3),
+            "kernels": sum(len(t) for t in kernels.values()),
+            "top": [{"kernel": k[:100], "calls": len(t), "s": round(sum(t) / 1e6, 4)} for k, t in top],
+        }
 
 
-def bench_grpo_step(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int = 1024, n: int = 8,
-                    prompts_per_step: int = 16, steps: int = 2, device: str = "auto",
-                    engine_options: dict | None = None, gradient_checkpointing: bool = False,
-                    lengths: str = "lognormal", strategy: str = "fsdp2", cpu_offload: bool = False,
-                    budget: int | None = None, backend: str = "auto", profile: bool = False,
-                    overlap: bool = False) -> list[dict]:
+def bench_grpo_step(
+    shape: str = "qwen3-1.7b",
+    prompt: int = 8192,
+    response: int = 1024,
+    n: int = 8,
+    prompts_per_step: int = 16,
+    steps: int = 2,
+    device: str = "auto",
+    engine_options: dict | None = None,
+    gradient_checkpointing: bool = False,
+    lengths: str = "lognormal",
+    strategy: str = "fsdp2",
+    cpu_offload: bool = False,
+    budget: int | None = None,
+    backend: str = "auto",
+    profile: bool = False,
+    overlap: bool = False,
+) -> list[dict]:
     """Seconds per phase of whole GRPO steps: fast-engine rollout of ``prompts_per_step`` x ``n``, each
     response ending at its drawn length (at most ``response``), group advantages, one packed
     shared-prompt update (on-policy: no old log-prob pass). A random-weight model cannot answer, so
@@ -343,13 +447,23 @@ def bench_grpo_step(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int
     own_group = DistEnv().init(dev, alone=sharded)
     bf16 = dev.type == "cuda"
     model = random_model(shape, dev, torch.float32 if sharded or not bf16 else torch.bfloat16, gradient_checkpointing)
-    engine = FastRolloutEngine(model, own_copy=sharded or overlap, dtype=torch.bfloat16 if sharded and bf16 else None,
-                               **(engine_options or {}))  # a copy is made before the actor shards the model
-    cfg = load_config(None, [f"rollout.n={n}", f"data.train_batch_size={prompts_per_step}",
-                             f"actor.ppo_mini_batch_size={prompts_per_step}", f"data.max_response_length={response}",
-                             f"actor.max_tokens_per_micro_batch={budget or prompt + n * response}", "actor.lr=1e-6",
-                             f"actor.strategy={strategy}", f"actor.cpu_offload={str(cpu_offload).lower()}",
-                             f"actor.attention_backend={backend}"])
+    engine = FastRolloutEngine(
+        model, own_copy=sharded or overlap, dtype=torch.bfloat16 if sharded and bf16 else None, **(engine_options or {})
+    )  # a copy is made before the actor shards the model
+    cfg = load_config(
+        None,
+        [
+            f"rollout.n={n}",
+            f"data.train_batch_size={prompts_per_step}",
+            f"actor.ppo_mini_batch_size={prompts_per_step}",
+            f"data.max_response_length={response}",
+            f"actor.max_tokens_per_micro_batch={budget or prompt + n * response}",
+            "actor.lr=1e-6",
+            f"actor.strategy={strategy}",
+            f"actor.cpu_offload={str(cpu_offload).lower()}",
+            f"actor.attention_backend={backend}",
+        ],
+    )
     done("model and engine ready")
     actor = Actor(model, cfg, steps, dev)
     done(f"actor ready ({strategy}{', offloaded' if cpu_offload else ''})")
@@ -364,13 +478,19 @@ def bench_grpo_step(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int
     def sample(step: int, at_version: int | None = None):
         """Step ``step``'s prompts and their groups, and the seconds sampling them took."""
         g = torch.Generator().manual_seed(step)
-        prompts = [torch.randint(0, model.config.vocab_size, (prompt,), generator=g).tolist()
-                   for _ in range(prompts_per_step)]
+        prompts = [
+            torch.randint(0, model.config.vocab_size, (prompt,), generator=g).tolist() for _ in range(prompts_per_step)
+        ]
         stop_at = [draw_response_lengths(lengths, n, response, (step, i)) for i in range(prompts_per_step)]
         start = time.perf_counter()
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            groups = engine.generate(prompts, params, seeds=[step * 1000 + i for i in range(prompts_per_step)],
-                                     stop_at=stop_at, at_version=at_version)
+            groups = engine.generate(
+                prompts,
+                params,
+                seeds=[step * 1000 + i for i in range(prompts_per_step)],
+                stop_at=stop_at,
+                at_version=at_version,
+            )
         if side is not None:  # (beside an update: its own stream, not the device)
             side.synchronize()
         else:
@@ -394,8 +514,9 @@ def bench_grpo_step(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int
             done("first rollout sampled")
         rewards = torch.randint(0, 2, (prompts_per_step * n,), generator=torch.Generator().manual_seed(step)).float()
         advantages, _ = algo.group_advantages(rewards, n)
-        samples = Samples([p for p in prompts for _ in range(n)], [s.token_ids for grp in groups for s in grp],
-                          advantages, n)
+        samples = Samples(
+            [p for p in prompts for _ in range(n)], [s.token_ids for grp in groups for s in grp], advantages, n
+        )
         t2 = time.perf_counter()
         pending = None
         if beside is not None and step + 1 < steps:
@@ -416,24 +537,43 @@ def bench_grpo_step(shape: str = "qwen3-1.7b", prompt: int = 8192, response: int
         new_tokens = sum(len(s) for s in samples.response_ids)
         made = [[len(s.token_ids) for s in grp] for grp in groups]
         floor = step_floor_s(model.config, prompt, made, engine.kv.groups)
-        row = {"step": step, "shape": shape, "strategy": strategy, "cpu_offload": cpu_offload,
-               "budget": cfg.actor.max_tokens_per_micro_batch,
-               "prompts": prompts_per_step, "n": n, "prompt": prompt,
-               "response": response, "lengths": lengths, "gradient_checkpointing": gradient_checkpointing,
-               "overlap": overlap, "rollout_s": round(rollout_s, 3),
-               "reward_and_advantages_s": round(t2 - t1, 3),
-               "update_s": round((t_updated if overlap else t3) - t2, 3), "step_s": round(t3 - t0, 3),
-               "new_tokens": new_tokens, **_length_stats(made),
-               "recompiles": compiled_graphs() - compiled, "graph_captures": engine.graph_captures - captured,
-               "compile_events": watch.news(),  # what the step compiled again (and why) or captured
-               **gpu_floors(dev, {"rollout_floor_s": round(floor["rollout"], 3),
-                                  "update_floor_s": round(floor["update"], 3),
-                                  "fraction_of_floor": round((floor["rollout"] + floor["update"]) / (t3 - t0), 3),
-                                  "update_mfu": round(floor["update"] / ((t_updated if overlap else t3) - t2), 3)}),
-               "rollout_new_tokens_per_s": round(new_tokens / rollout_s),
-               "update_tokens_per_s": round((prompts_per_step * prompt + new_tokens) / (t3 - t2)),
-               "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if dev.type == "cuda" else None,
-               "backend": actor.backend, **({"profile": phases.phases} if phases else {})}
+        row = {
+            "step": step,
+            "shape": shape,
+            "strategy": strategy,
+            "cpu_offload": cpu_offload,
+            "budget": cfg.actor.max_tokens_per_micro_batch,
+            "prompts": prompts_per_step,
+            "n": n,
+            "prompt": prompt,
+            "response": response,
+            "lengths": lengths,
+            "gradient_checkpointing": gradient_checkpointing,
+            "overlap": overlap,
+            "rollout_s": round(rollout_s, 3),
+            "reward_and_advantages_s": round(t2 - t1, 3),
+            "update_s": round((t_updated if overlap else t3) - t2, 3),
+            "step_s": round(t3 - t0, 3),
+            "new_tokens": new_tokens,
+            **_length_stats(made),
+            "recompiles": compiled_graphs() - compiled,
+            "graph_captures": engine.graph_captures - captured,
+            "compile_events": watch.news(),  # what the step compiled again (and why) or captured
+            **gpu_floors(
+                dev,
+                {
+                    "rollout_floor_s": round(floor["rollout"], 3),
+                    "update_floor_s": round(floor["update"], 3),
+                    "fraction_of_floor": round((floor["rollout"] + floor["update"]) / (t3 - t0), 3),
+                    "update_mfu": round(floor["update"] / ((t_updated if overlap else t3) - t2), 3),
+                },
+            ),
+            "rollout_new_tokens_per_s": round(new_tokens / rollout_s),
+            "update_tokens_per_s": round((prompts_per_step * prompt + new_tokens) / (t3 - t2)),
+            "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if dev.type == "cuda" else None,
+            "backend": actor.backend,
+            **({"profile": phases.phases} if phases else {}),
+        }
         results.append(row)
         print(json.dumps(row), flush=True)
     if beside is not None:

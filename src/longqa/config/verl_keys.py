@@ -39,8 +39,19 @@ from longqa.config.schema import ConfigError, all_keys, checked, is_key, parse_v
 
 ACTOR, ROLLOUT, MODEL = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.", "actor_rollout_ref.model."
 # Top-level sections only verl has: a key under one of them is verl's, whatever its name.
-VERL_SECTIONS = ("actor_rollout_ref", "algorithm", "critic", "reward_model", "custom_reward_function",
-                 "ray_kwargs", "ray_init", "global_profiler", "transfer_queue", "sandbox_fusion", "remote_backend")
+VERL_SECTIONS = (
+    "actor_rollout_ref",
+    "algorithm",
+    "critic",
+    "reward_model",
+    "custom_reward_function",
+    "ray_kwargs",
+    "ray_init",
+    "global_profiler",
+    "transfer_queue",
+    "sandbox_fusion",
+    "remote_backend",
+)
 REMOTE = "remote_backend."  # the Arctic remote backend of the reference recipe (Snowflake's verl)
 SHARED_SECTIONS = ("data", "trainer", "reward")  # verl's and longqa's alike
 
@@ -51,11 +62,13 @@ class Unsupported(Exception):
 
 def _spelled(values: dict, instead: str) -> Callable[[Any], Any]:
     """A converter for a key whose values longqa spells differently (or lacks: ``instead`` says what it has)."""
+
     def convert(value: Any) -> Any:
         try:
             return values[value]
         except (KeyError, TypeError):
             raise Unsupported(instead) from None
+
     return convert
 
 
@@ -91,10 +104,20 @@ RENAMED: dict[str, Renamed] = {
     MODEL + "enable_gradient_checkpointing": Renamed("model.gradient_checkpointing"),
     # FlashAttention 3 is a kernel of the same attention: longqa's own kernels compute the update and the
     # rollout (actor.attention_backend), and transformers' SDPA the rest (said, VALUE_NOTES).
-    MODEL + "override_config.attn_implementation": Renamed("model.attn_implementation", _spelled(
-        {"sdpa": "sdpa", "eager": "eager", "flex_attention": "flex_attention", "flash_attention_2": "flash_attention_2",
-         "flash_attention_3": "sdpa"}, "longqa's attention implementations are sdpa, eager, flex_attention, "
-                                       "flash_attention_2 (and flash_attention_3, run as sdpa)")),
+    MODEL + "override_config.attn_implementation": Renamed(
+        "model.attn_implementation",
+        _spelled(
+            {
+                "sdpa": "sdpa",
+                "eager": "eager",
+                "flex_attention": "flex_attention",
+                "flash_attention_2": "flash_attention_2",
+                "flash_attention_3": "sdpa",
+            },
+            "longqa's attention implementations are sdpa, eager, flex_attention, "
+            "flash_attention_2 (and flash_attention_3, run as sdpa)",
+        ),
+    ),
     # verl compiles its actor's log-prob computation; longqa compiles the decoder layers of the update
     ACTOR + "use_torch_compile": Renamed("actor.compile_layers"),
     ACTOR + "data_loader_seed": Renamed("trainer.seed"),  # the shuffle's seed, which data.seed also sets
@@ -107,14 +130,22 @@ RENAMED: dict[str, Renamed] = {
     ACTOR + "optim.clip_grad": Renamed("actor.grad_clip"),
     ACTOR + "grad_clip": Renamed("actor.grad_clip"),
     # verl's FSDP engine is FSDP1 or FSDP2; longqa's is FSDP2, beside DeepSpeed ZeRO-3 (the reference recipe's).
-    ACTOR + "strategy": Renamed("actor.strategy", _spelled(
-        {"fsdp": "fsdp2", "fsdp2": "fsdp2", "deepspeed": "deepspeed"},
-        "longqa shards the actor with FSDP2 (fsdp, fsdp2) or DeepSpeed ZeRO-3 (deepspeed)")),
+    ACTOR + "strategy": Renamed(
+        "actor.strategy",
+        _spelled(
+            {"fsdp": "fsdp2", "fsdp2": "fsdp2", "deepspeed": "deepspeed"},
+            "longqa shards the actor with FSDP2 (fsdp, fsdp2) or DeepSpeed ZeRO-3 (deepspeed)",
+        ),
+    ),
     # verl loads the actor in fp32 by default and computes in bf16; longqa loads model.dtype and keeps the shards
     # the optimizer steps in float32 unless told otherwise.
-    ACTOR + "fsdp_config.model_dtype": Renamed("actor.master_weights", _spelled(
-        {"fp32": "float32", "float32": "float32", "bf16": "model", "bfloat16": "model"},
-        "longqa's FSDP2 shards are float32 (fp32) or model.dtype (bf16)")),
+    ACTOR + "fsdp_config.model_dtype": Renamed(
+        "actor.master_weights",
+        _spelled(
+            {"fp32": "float32", "float32": "float32", "bf16": "model", "bfloat16": "model"},
+            "longqa's FSDP2 shards are float32 (fp32) or model.dtype (bf16)",
+        ),
+    ),
     ACTOR + "ppo_mini_batch_size": Renamed("actor.ppo_mini_batch_size"),
     ACTOR + "ppo_epochs": Renamed("actor.ppo_epochs"),
     # Both are token budgets of one forward/backward, for speed and memory alone, counted differently: verl's
@@ -127,13 +158,29 @@ RENAMED: dict[str, Renamed] = {
     ACTOR + "clip_ratio_c": Renamed("algo.dual_clip_c"),
     ACTOR + "loss_agg_mode": Renamed("algo.loss_agg_mode"),
     ACTOR + "entropy_coeff": Renamed("algo.entropy_coeff"),
-    ACTOR + "kl_loss_type": Renamed("algo.kl_type", _spelled(
-        {"low_var_kl": "low_var_kl", "k3": "low_var_kl", "kl": "kl", "k1": "kl", "abs": "abs", "mse": "mse",
-         "k2": "mse"}, "longqa's KL estimators are low_var_kl (k3), kl (k1), abs and mse (k2)")),
+    ACTOR + "kl_loss_type": Renamed(
+        "algo.kl_type",
+        _spelled(
+            {
+                "low_var_kl": "low_var_kl",
+                "k3": "low_var_kl",
+                "kl": "kl",
+                "k1": "kl",
+                "abs": "abs",
+                "mse": "mse",
+                "k2": "mse",
+            },
+            "longqa's KL estimators are low_var_kl (k3), kl (k1), abs and mse (k2)",
+        ),
+    ),
     # Arctic's inference engine shares each prompt's KV among its samples and speculates: longqa's fast engine
-    ROLLOUT + "name": Renamed("rollout.engine", _spelled(
-        {"vllm": "vllm", "hf": "hf", "arctic": "fast"},
-        "longqa samples with rollout.engine=fast (its own engine; verl's arctic), hf or vllm")),
+    ROLLOUT + "name": Renamed(
+        "rollout.engine",
+        _spelled(
+            {"vllm": "vllm", "hf": "hf", "arctic": "fast"},
+            "longqa samples with rollout.engine=fast (its own engine; verl's arctic), hf or vllm",
+        ),
+    ),
     ROLLOUT + "n": Renamed("rollout.n"),
     ROLLOUT + "temperature": Renamed("rollout.temperature"),
     ROLLOUT + "top_p": Renamed("rollout.top_p"),
@@ -144,9 +191,13 @@ RENAMED: dict[str, Renamed] = {
     ROLLOUT + "enforce_eager": Renamed("rollout.enforce_eager"),
     ROLLOUT + "prompt_length": Renamed("data.max_prompt_length"),
     ROLLOUT + "response_length": Renamed("data.max_response_length"),
-    "algorithm.adv_estimator": Renamed("algo.adv_estimator", _spelled(
-        {"grpo": "grpo", "grpo_vectorized": "grpo", "rloo": "rloo", "rloo_vectorized": "rloo"},
-        "longqa's estimators are grpo (algorithm.norm_adv_by_std_in_grpo=False: Dr. GRPO's advantages) and rloo")),
+    "algorithm.adv_estimator": Renamed(
+        "algo.adv_estimator",
+        _spelled(
+            {"grpo": "grpo", "grpo_vectorized": "grpo", "rloo": "rloo", "rloo_vectorized": "rloo"},
+            "longqa's estimators are grpo (algorithm.norm_adv_by_std_in_grpo=False: Dr. GRPO's advantages) and rloo",
+        ),
+    ),
     "algorithm.norm_adv_by_std_in_grpo": Renamed("algo.norm_adv_by_std"),
     "data.seed": Renamed("trainer.seed"),
     "custom_reward_function.path": Renamed("reward.path"),
@@ -163,13 +214,22 @@ _NO_REWARD_MODEL = "longqa scores with a rule-based reward function (reward.mode
 _ONE_RESPONSE_AT_A_TIME = "longqa scores each response on its own, as verl's naive reward manager does"
 FIXED: dict[str, Fixed] = {
     ACTOR + "fsdp_config.strategy": Fixed(("fsdp", "fsdp2"), "longqa's FSDP is FSDP2 (actor.strategy=fsdp2)"),
-    ACTOR + "use_dynamic_bsz": Fixed((True,), "longqa fills each micro-batch up to a token budget (actor_rollout_ref."
-                                     "actor.ppo_max_token_len_per_gpu, actor.max_tokens_per_micro_batch)"),
-    ACTOR + "optim.lr_warmup_steps": Fixed((-1, None), "longqa warms up over a fraction of the steps "
-                                           "(actor_rollout_ref.actor.optim.lr_warmup_steps_ratio, actor.warmup_ratio)"),
+    ACTOR + "use_dynamic_bsz": Fixed(
+        (True,),
+        "longqa fills each micro-batch up to a token budget (actor_rollout_ref."
+        "actor.ppo_max_token_len_per_gpu, actor.max_tokens_per_micro_batch)",
+    ),
+    ACTOR + "optim.lr_warmup_steps": Fixed(
+        (-1, None),
+        "longqa warms up over a fraction of the steps "
+        "(actor_rollout_ref.actor.optim.lr_warmup_steps_ratio, actor.warmup_ratio)",
+    ),
     MODEL + "use_remove_padding": Fixed((True,), "longqa packs sequences without padding"),
-    ROLLOUT + "do_sample": Fixed((True,), "longqa always samples: greedy decoding makes a prompt's samples one "
-                                 "response, which GRPO has nothing to compare in (rollout.temperature=0 is refused)"),
+    ROLLOUT + "do_sample": Fixed(
+        (True,),
+        "longqa always samples: greedy decoding makes a prompt's samples one "
+        "response, which GRPO has nothing to compare in (rollout.temperature=0 is refused)",
+    ),
     ROLLOUT + "val_kwargs.temperature": Fixed((0,), _GREEDY_VALIDATION),
     ROLLOUT + "val_kwargs.do_sample": Fixed((False,), _GREEDY_VALIDATION),
     ROLLOUT + "val_kwargs.n": Fixed((1,), _GREEDY_VALIDATION),
@@ -183,18 +243,22 @@ FIXED: dict[str, Fixed] = {
     "reward_model.reward_manager": Fixed(("naive",), _ONE_RESPONSE_AT_A_TIME),
     "reward.reward_manager.name": Fixed(("naive",), _ONE_RESPONSE_AT_A_TIME),
     "trainer.critic_warmup": Fixed((0,), "longqa trains no critic"),
-    ACTOR + "ulysses_sequence_parallel_size": Fixed((1,), "longqa runs no sequence parallelism: each rank holds "
-                                                          "whole sequences (packed)"),
-    ROLLOUT + "calculate_log_probs": Fixed((False,), "longqa recomputes the samples' log-probs with the training "
-                                                     "model before the update"),
+    ACTOR + "ulysses_sequence_parallel_size": Fixed(
+        (1,), "longqa runs no sequence parallelism: each rank holds whole sequences (packed)"
+    ),
+    ROLLOUT + "calculate_log_probs": Fixed(
+        (False,), "longqa recomputes the samples' log-probs with the training model before the update"
+    ),
 }
 
-_TOKEN_BUDGET = ("with use_dynamic_bsz=True verl reads the token budget (ppo_max_token_len_per_gpu) instead, as "
-                 "longqa always does (actor.max_tokens_per_micro_batch)")
+_TOKEN_BUDGET = (
+    "with use_dynamic_bsz=True verl reads the token budget (ppo_max_token_len_per_gpu) instead, as "
+    "longqa always does (actor.max_tokens_per_micro_batch)"
+)
 _WEIGHT_REFRESH = "how weights reach the sampler; longqa refreshes its engine's copy in place after each update"
 NOTED: dict[str, str] = {
     "data.filter_overlong_prompts_workers": "longqa tokenizes each file once and caches the prompts "
-                                            "(data.cache_dir): workers change no prompt",
+    "(data.cache_dir): workers change no prompt",
     ACTOR + "ppo_micro_batch_size_per_gpu": _TOKEN_BUDGET,
     ACTOR + "ppo_micro_batch_size": _TOKEN_BUDGET,
     ROLLOUT + "log_prob_micro_batch_size_per_gpu": _TOKEN_BUDGET,
@@ -202,22 +266,22 @@ NOTED: dict[str, str] = {
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": _TOKEN_BUDGET,
     "actor_rollout_ref.ref.log_prob_micro_batch_size": _TOKEN_BUDGET,
     "actor_rollout_ref.ref.fsdp_config.param_offload": "placement of the reference model, which exists only with "
-                                                       "a KL penalty (algo.kl_coef > 0); results are the same",
+    "a KL penalty (algo.kl_coef > 0); results are the same",
     MODEL + "use_liger": "Liger's fused kernels: longqa's LM head computes log-probs and entropy in chunks "
-                         "without keeping the logits, the same values",
+    "without keeping the logits, the same values",
     ACTOR + "fsdp_config.forward_prefetch": "FSDP's prefetch order: speed only",
     ROLLOUT + "checkpoint_engine.update_weights_bucket_megabytes": _WEIGHT_REFRESH,
     ROLLOUT + "agent.num_workers": "verl's agent loop workers; longqa samples single-turn answers",
     ROLLOUT + "max_num_seqs": "vLLM's scheduler limit: speed and memory only (the fast engine fits its batch to "
-                              "rollout.kv_cache_bytes)",
+    "rollout.kv_cache_bytes)",
     ROLLOUT + "max_num_batched_tokens": "vLLM's scheduler limit: speed and memory only (the fast engine fits its "
-                                        "batch to rollout.kv_cache_bytes)",
+    "batch to rollout.kv_cache_bytes)",
     "actor_rollout_ref.nccl_timeout": "a collective's timeout; longqa's are torch.distributed's defaults",
     "trainer.use_legacy_worker_impl": "which of verl's worker classes runs; longqa has one",
     "trainer.balance_batch": "verl reorders a step's samples over the ranks by length for speed; longqa's ranks "
-                             "each own whole prompt groups, and the gradient is the same",
+    "each own whole prompt groups, and the gradient is the same",
     REMOTE + "sampling_tp_size": "the fast engine holds the whole model on each GPU (no tensor parallelism): "
-                                 "speed and memory only, the samples are the same",
+    "speed and memory only, the samples are the same",
     REMOTE + "weight_sync.cuda_ipc": _WEIGHT_REFRESH,
     REMOTE + "weight_sync.low_memory": _WEIGHT_REFRESH,
     REMOTE + "train.logits.optimization": "longqa's LM head never keeps a whole batch's logits (chunked)",
@@ -225,10 +289,16 @@ NOTED: dict[str, str] = {
 }
 # verl's own actor and rollout settings, which the Arctic remote backend replaces with its own (its keys say
 # what runs): with a remote_backend key in the line they are taken and said, not applied.
-SUPERSEDED_BY_REMOTE = (ACTOR + "strategy", ACTOR + "fsdp_config.param_offload", ACTOR + "fsdp_config.optimizer_offload",
-                        ROLLOUT + "tensor_model_parallel_size")
-_SUPERSEDED = ("verl's own actor or rollout setting, replaced by the Arctic remote backend's (remote_backend.*), "
-               "which says what runs")
+SUPERSEDED_BY_REMOTE = (
+    ACTOR + "strategy",
+    ACTOR + "fsdp_config.param_offload",
+    ACTOR + "fsdp_config.optimizer_offload",
+    ROLLOUT + "tensor_model_parallel_size",
+)
+_SUPERSEDED = (
+    "verl's own actor or rollout setting, replaced by the Arctic remote backend's (remote_backend.*), "
+    "which says what runs"
+)
 
 
 # Renamed keys only rollout.engine=vllm reads: said when the line samples with another engine.
@@ -240,6 +310,7 @@ _VLLM_ONLY = "vLLM's setting (rollout.engine=vllm); this line samples with anoth
 class _Given:
     """One setting as the user gave it: a ``key=value`` override (its text kept, so that each key reads it as its
     type says) or a key of a YAML config file (its value already read by YAML)."""
+
     key: str  # hydra's "+"/"++" markers removed
     raw: str | None  # the override's value text; None for a config file's value
     parsed: Any
@@ -269,8 +340,9 @@ def _samples_with_vllm(given: Sequence[_Given]) -> bool:
 
 
 def _remote(given: Sequence[_Given]) -> bool:
-    return any(g.key == "remote_backend" or g.key.startswith(REMOTE) or g.key == "trainer.remote_backend"
-               for g in given)
+    return any(
+        g.key == "remote_backend" or g.key.startswith(REMOTE) or g.key == "trainer.remote_backend" for g in given
+    )
 
 
 def uses_remote_backend(overrides: Sequence[str]) -> bool:
@@ -281,12 +353,16 @@ def uses_remote_backend(overrides: Sequence[str]) -> bool:
 # ``ANY_VALUE``: said whatever the value.
 ANY_VALUE = ...
 VALUE_NOTES: dict[tuple[str, Any], str] = {
-    (MODEL + "override_config.attn_implementation", "flash_attention_3"):
-        "runs as sdpa: the update and the rollout use longqa's own attention kernels (actor.attention_backend)",
-    (ACTOR + "ppo_max_token_len_per_gpu", ANY_VALUE):
-        "verl's budget counts each response's prompt; longqa packs a prompt once with its responses and takes the "
-        "largest budget its memory plan fits (actor.max_tokens_per_micro_batch=auto; to choose one, give that key "
-        "a number instead of this one): micro-batching changes no result",
+    (
+        MODEL + "override_config.attn_implementation",
+        "flash_attention_3",
+    ): "runs as sdpa: the update and the rollout use longqa's own attention kernels (actor.attention_backend)",
+    (
+        ACTOR + "ppo_max_token_len_per_gpu",
+        ANY_VALUE,
+    ): "verl's budget counts each response's prompt; longqa packs a prompt once with its responses and takes the "
+    "largest budget its memory plan fits (actor.max_tokens_per_micro_batch=auto; to choose one, give that key "
+    "a number instead of this one): micro-batching changes no result",
 }
 
 # verl's defaults (trainer/config/ppo_trainer.yaml) where longqa's differ and results would: the base of a verl
@@ -326,8 +402,10 @@ def _kl_in_reward(given: dict[str, Any]) -> list[tuple[str, Any]]:
     """The controller and estimator keys shape only the in-reward penalty, which verl (and longqa) skip
     unless it is on: with it off they are read by no one, in verl as here."""
     if _flag(given, "algorithm.use_kl_in_reward", False):
-        raise Unsupported("longqa has no KL penalty in the reward; its KL term is in the loss "
-                          "(actor_rollout_ref.actor.use_kl_loss, algo.kl_coef)")
+        raise Unsupported(
+            "longqa has no KL penalty in the reward; its KL term is in the loss "
+            "(actor_rollout_ref.actor.use_kl_loss, algo.kl_coef)"
+        )
     return []
 
 
@@ -335,8 +413,10 @@ def _offload(given: dict[str, Any]) -> list[tuple[str, Any]]:
     params = _flag(given, ACTOR + "fsdp_config.param_offload", False)
     optimizer = _flag(given, ACTOR + "fsdp_config.optimizer_offload", False)
     if params != optimizer:
-        raise Unsupported("longqa offloads the weight shards, their gradients and the optimizer step together "
-                          "(actor.cpu_offload): set both to the same value")
+        raise Unsupported(
+            "longqa offloads the weight shards, their gradients and the optimizer step together "
+            "(actor.cpu_offload): set both to the same value"
+        )
     return [("actor.cpu_offload", params)]
 
 
@@ -355,13 +435,16 @@ def _workers(given: dict[str, Any]) -> list[tuple[str, Any]]:
         if not _flag(given, REMOTE + "colocate", True):
             raise Unsupported("longqa trains and samples on the same GPUs (remote_backend.colocate=True)")
         if _count(given, REMOTE + "log_prob_gpus", 0):
-            raise Unsupported("longqa recomputes the old log-probs with the training engine "
-                              "(remote_backend.log_prob_gpus=0)")
+            raise Unsupported(
+                "longqa recomputes the old log-probs with the training engine (remote_backend.log_prob_gpus=0)"
+            )
         training = _count(given, REMOTE + "training_gpus", 0)
         sampling = _count(given, REMOTE + "sampling_gpus", training)
         if not training or sampling != training:
-            raise Unsupported("longqa trains and samples on the same GPUs: remote_backend.training_gpus and "
-                              "sampling_gpus must be the same count > 0")
+            raise Unsupported(
+                "longqa trains and samples on the same GPUs: remote_backend.training_gpus and "
+                "sampling_gpus must be the same count > 0"
+            )
         return [("trainer.launcher", "ray"), ("trainer.ray_workers", training)]
     per_node, nodes = given.get("trainer.n_gpus_per_node", 8), given.get("trainer.nnodes", 1)
     if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (per_node, nodes)):
@@ -386,10 +469,14 @@ def _arctic(given: dict[str, Any]) -> list[tuple[str, Any]]:
     if optimizer not in devices or params not in devices:
         raise Unsupported("offload devices are cpu or none")
     if devices[params]:
-        raise Unsupported("parameter offload: give actor.deepspeed_config a file with zero_optimization."
-                          "offload_param.device: cpu")
-    settings = [("actor.strategy", "deepspeed"), ("actor.cpu_offload", devices[optimizer]),
-                ("actor.shared_prompt", _flag(given, REMOTE + "train.zorro_train.enable", True))]
+        raise Unsupported(
+            "parameter offload: give actor.deepspeed_config a file with zero_optimization.offload_param.device: cpu"
+        )
+    settings = [
+        ("actor.strategy", "deepspeed"),
+        ("actor.cpu_offload", devices[optimizer]),
+        ("actor.shared_prompt", _flag(given, REMOTE + "train.zorro_train.enable", True)),
+    ]
     if _flag(given, REMOTE + "rollout.zorro_inference.enable", False):
         settings.append(("rollout.engine", "fast"))
     if given.get(REMOTE + "rollout.speculative_decoding.model"):
@@ -410,25 +497,62 @@ def _resume(given: dict[str, Any]) -> list[tuple[str, Any]]:
 
 
 GROUPS: tuple[Group, ...] = (
-    Group((ACTOR + "use_kl_loss", ACTOR + "kl_loss_coef"), _kl_loss,
-          "algo.kl_coef: kl_loss_coef (verl's default 0.001) with use_kl_loss=True, else 0"),
-    Group(("algorithm.use_kl_in_reward", "algorithm.kl_penalty", "algorithm.kl_ctrl.type", "algorithm.kl_ctrl.kl_coef",
-           "algorithm.kl_ctrl.horizon", "algorithm.kl_ctrl.target_kl"), _kl_in_reward,
-          "use_kl_in_reward=False only; the kl_ctrl and kl_penalty keys are then read by neither"),
-    Group((ACTOR + "fsdp_config.param_offload", ACTOR + "fsdp_config.optimizer_offload"), _offload,
-          "actor.cpu_offload: both true or both false"),
-    Group(("trainer.n_gpus_per_node", "trainer.nnodes", REMOTE + "training_gpus", REMOTE + "sampling_gpus",
-           REMOTE + "colocate", REMOTE + "log_prob_gpus"), _workers,
-          "trainer.launcher=ray with n_gpus_per_node x nnodes trainer.ray_workers; under the Arctic remote backend "
-          "remote_backend.training_gpus of them (colocated with sampling, log_prob_gpus 0)"),
-    Group(("trainer.remote_backend", "remote_backend", _ZERO + "stage", _ZERO + "offload_optimizer.device",
-           _ZERO + "offload_param.device", REMOTE + "train.zorro_train.enable",
-           REMOTE + "rollout.zorro_inference.enable", REMOTE + "rollout.speculative_decoding.model"), _arctic,
-          "actor.strategy=deepspeed (stage 3), actor.cpu_offload (offload_optimizer cpu), actor.shared_prompt "
-          "(zorro_train), rollout.engine=fast (zorro_inference), rollout.speculative=prompt_lookup (a "
-          "speculative model)"),
-    Group(("trainer.resume_mode", "trainer.resume_from_path"), _resume,
-          "trainer.resume: auto, none (disable) or the resume_from_path of resume_path"),
+    Group(
+        (ACTOR + "use_kl_loss", ACTOR + "kl_loss_coef"),
+        _kl_loss,
+        "algo.kl_coef: kl_loss_coef (verl's default 0.001) with use_kl_loss=True, else 0",
+    ),
+    Group(
+        (
+            "algorithm.use_kl_in_reward",
+            "algorithm.kl_penalty",
+            "algorithm.kl_ctrl.type",
+            "algorithm.kl_ctrl.kl_coef",
+            "algorithm.kl_ctrl.horizon",
+            "algorithm.kl_ctrl.target_kl",
+        ),
+        _kl_in_reward,
+        "use_kl_in_reward=False only; the kl_ctrl and kl_penalty keys are then read by neither",
+    ),
+    Group(
+        (ACTOR + "fsdp_config.param_offload", ACTOR + "fsdp_config.optimizer_offload"),
+        _offload,
+        "actor.cpu_offload: both true or both false",
+    ),
+    Group(
+        (
+            "trainer.n_gpus_per_node",
+            "trainer.nnodes",
+            REMOTE + "training_gpus",
+            REMOTE + "sampling_gpus",
+            REMOTE + "colocate",
+            REMOTE + "log_prob_gpus",
+        ),
+        _workers,
+        "trainer.launcher=ray with n_gpus_per_node x nnodes trainer.ray_workers; under the Arctic remote backend "
+        "remote_backend.training_gpus of them (colocated with sampling, log_prob_gpus 0)",
+    ),
+    Group(
+        (
+            "trainer.remote_backend",
+            "remote_backend",
+            _ZERO + "stage",
+            _ZERO + "offload_optimizer.device",
+            _ZERO + "offload_param.device",
+            REMOTE + "train.zorro_train.enable",
+            REMOTE + "rollout.zorro_inference.enable",
+            REMOTE + "rollout.speculative_decoding.model",
+        ),
+        _arctic,
+        "actor.strategy=deepspeed (stage 3), actor.cpu_offload (offload_optimizer cpu), actor.shared_prompt "
+        "(zorro_train), rollout.engine=fast (zorro_inference), rollout.speculative=prompt_lookup (a "
+        "speculative model)",
+    ),
+    Group(
+        ("trainer.resume_mode", "trainer.resume_from_path"),
+        _resume,
+        "trainer.resume: auto, none (disable) or the resume_from_path of resume_path",
+    ),
 )
 _GROUP_OF = {key: group for group in GROUPS for key in group.keys}
 VALUE_NOTES_KEYS = {key for key, _ in VALUE_NOTES}
@@ -439,6 +563,8 @@ def _value_note(given: _Given) -> str | None:
     if given.key not in VALUE_NOTES_KEYS:
         return None
     return VALUE_NOTES.get((given.key, ANY_VALUE)) or VALUE_NOTES.get((given.key, given.value()))
+
+
 _TAKEN = {*RENAMED, *FIXED, *_GROUP_OF, *NOTED}
 
 
@@ -498,15 +624,19 @@ def file_notes(flat: dict[str, Any]) -> list[str]:
 def verl_start_note() -> str:
     """What a verl line without a config file starts from, in one line: not the embedded demo, so no data files
     unless the line names them (verl's own default has none either)."""
-    return ("verl keys and no config file: starting from longqa's defaults with verl's where results differ, not "
-            "the embedded demo, so data.train_files is empty unless given (give a config file, or data.train_files)")
+    return (
+        "verl keys and no config file: starting from longqa's defaults with verl's where results differ, not "
+        "the embedded demo, so data.train_files is empty unless given (give a config file, or data.train_files)"
+    )
 
 
 def is_verl_line(overrides: Sequence[str]) -> bool:
     """Whether any override is in verl's vocabulary (not in longqa's): such a line describes a whole run."""
+
     def verl(text: str) -> bool:
         key = split_override(text)[0].lstrip("+")
         return not is_key(key) and (key in _TAKEN or key.split(".")[0] in VERL_SECTIONS)
+
     return any(verl(text) for text in overrides)
 
 
@@ -579,8 +709,10 @@ def _translate(given_settings: Sequence[_Given]) -> tuple[list[_Setting], list[s
     for group, given in grouped.items():
         given_as = " ".join(text for text, _ in given.values())
         try:
-            settings += [_Setting(key, value, given_as, True)
-                         for key, value in group.resolve({k: v for k, (_, v) in given.items()})]
+            settings += [
+                _Setting(key, value, given_as, True)
+                for key, value in group.resolve({k: v for k, (_, v) in given.items()})
+            ]
         except Unsupported as e:
             problems.append(f"{given_as}: {e}")
     return settings, problems
@@ -613,6 +745,8 @@ def _resolve(given: Sequence[_Given], what: str) -> list[tuple[str, Any]]:
     if len(problems) == 1:
         raise ConfigError(problems[0])
     if problems:
-        raise ConfigError(f"{len(problems)} {what} cannot be used (verl keys are taken where longqa has the "
-                          f"setting: `longqa config keys --verl`):\n  - " + "\n  - ".join(problems))
+        raise ConfigError(
+            f"{len(problems)} {what} cannot be used (verl keys are taken where longqa has the "
+            f"setting: `longqa config keys --verl`):\n  - " + "\n  - ".join(problems)
+        )
     return [(setting.key, setting.value) for setting in settings]

@@ -37,8 +37,11 @@ def check_data_file(path: Path) -> None:
     the data files it holds), and a path that names nothing as missing."""
     if path.is_dir():
         inside = sorted(p.name for p in path.iterdir() if p.suffix.lower() in ROW_FILE_SUFFIXES and p.is_file())
-        what = (f"one of its files ({', '.join(inside[:4])}{', ...' if len(inside) > 4 else ''})" if inside
-                else f"a {', '.join(ROW_FILE_SUFFIXES[:-1])} or {ROW_FILE_SUFFIXES[-1]} file")
+        what = (
+            f"one of its files ({', '.join(inside[:4])}{', ...' if len(inside) > 4 else ''})"
+            if inside
+            else f"a {', '.join(ROW_FILE_SUFFIXES[:-1])} or {ROW_FILE_SUFFIXES[-1]} file"
+        )
         raise DataFileError(f"{path} is a folder, not a data file: give {what}")
     if not path.is_file():
         raise DataFileError(f"{path}: no such file")
@@ -107,14 +110,14 @@ def split_train_test(n_rows: int, test_ratio: float, seed: int) -> tuple[np.ndar
     check_test_ratio(test_ratio)
     n_test = math.ceil(test_ratio * n_rows)
     if n_test >= n_rows:
-        raise TooFewRowsError(f"{n_rows} rows are too few for a test ratio of {test_ratio}: no training row would "
-                              f"be left")
+        raise TooFewRowsError(
+            f"{n_rows} rows are too few for a test ratio of {test_ratio}: no training row would be left"
+        )
     permutation = np.random.default_rng(seed).permutation(n_rows)
     return permutation[n_test:], permutation[:n_test]
 
 
-def task_splits(rows_by_task: dict[str, list[dict]], test_ratio: float,
-                seed: int) -> dict[str, dict[str, list[dict]]]:
+def task_splits(rows_by_task: dict[str, list[dict]], test_ratio: float, seed: int) -> dict[str, dict[str, list[dict]]]:
     """The recipe's splits: each task split on its own with the same seed, then ``merged``, the per-task
     splits concatenated in task order. The same seed and row count hold out the same row indices, so
     files made of the same questions (at several context lengths) hold out the same questions."""
@@ -138,8 +141,9 @@ def write_splits(splits: dict[str, dict[str, list[dict]]], output_dir: str | os.
     return {name: {split: len(split_rows) for split, split_rows in parts.items()} for name, parts in splits.items()}
 
 
-def write_task_splits(rows_by_task: dict[str, list[dict]], output_dir: str | os.PathLike,
-                      test_ratio: float, seed: int) -> dict[str, dict[str, int]]:
+def write_task_splits(
+    rows_by_task: dict[str, list[dict]], output_dir: str | os.PathLike, test_ratio: float, seed: int
+) -> dict[str, dict[str, int]]:
     """Write the recipe's layout: ``<task>/{train,test}.parquet`` and ``merged/{train,test}.parquet``
     (see ``task_splits``). Returns the row count of every file written."""
     return write_splits(task_splits(rows_by_task, test_ratio, seed), output_dir)

@@ -50,6 +50,7 @@ def subset_files(root: Path, subset: str) -> list[Path]:
     Inside a subset folder, files named ``train*`` are preferred when present, because a Hub layout may
     also hold other splits and the recipe reads ``split="train"``.
     """
+
     def rows_in(folder: Path) -> list[Path]:
         files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in ROW_FILE_SUFFIXES)
         train = [p for p in files if p.name.startswith("train")]
@@ -60,8 +61,10 @@ def subset_files(root: Path, subset: str) -> list[Path]:
             return files
     files = sorted(p for p in root.rglob(f"{subset}.*") if p.is_file() and p.suffix.lower() in ROW_FILE_SUFFIXES)
     if not files:
-        raise SourceError(f"subset {subset!r} not found under {root}: expected a folder {subset}/ with parquet or "
-                          f"jsonl files, or a file {subset}.parquet / {subset}.jsonl")
+        raise SourceError(
+            f"subset {subset!r} not found under {root}: expected a folder {subset}/ with parquet or "
+            f"jsonl files, or a file {subset}.parquet / {subset}.jsonl"
+        )
     return files[:1]
 
 
@@ -96,7 +99,8 @@ def resolve_source(source: str) -> Path:
     return _hub_snapshot(source)
 
 
-def prepare_loongrl(output_dir: str | os.PathLike, source: str = HUB_ID, test_ratio: float = 0.05,
-                    seed: int = 42) -> dict[str, dict[str, int]]:
+def prepare_loongrl(
+    output_dir: str | os.PathLike, source: str = HUB_ID, test_ratio: float = 0.05, seed: int = 42
+) -> dict[str, dict[str, int]]:
     """Write ``output_dir/<task>/{train,test}.parquet`` and ``output_dir/merged/...``; return row counts."""
     return write_task_splits(load_task_rows(resolve_source(source)), output_dir, test_ratio, seed)

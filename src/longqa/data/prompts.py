@@ -72,8 +72,10 @@ class PrepStats:
 
     def summary(self) -> str:
         mean = self.prompt_tokens / max(self.kept, 1)
-        parts = [f"{self.kept} prompts from {self.rows_read} rows in {self.files} file(s)",
-                 f"{self.prompt_tokens:,} tokens (mean {mean:,.0f}, max {self.max_prompt_tokens:,})"]
+        parts = [
+            f"{self.kept} prompts from {self.rows_read} rows in {self.files} file(s)",
+            f"{self.prompt_tokens:,} tokens (mean {mean:,.0f}, max {self.max_prompt_tokens:,})",
+        ]
         if self.overlong_filtered:
             parts.append(f"{self.overlong_filtered} overlong filtered")
         if self.truncated:
@@ -99,9 +101,14 @@ def _lost_row(file_index: int, row_index: int, row, reason: str, tokens: int | N
     """What a row not kept whole belonged to; read defensively, since a bad row may lack any of it."""
     row = row if isinstance(row, dict) else {}
     source = row.get("data_source")
-    return {"file": file_index, "row": row_index,
-            "data_source": source if isinstance(source, str) and source else NO_SOURCE,
-            "target_tokens": target_tokens(row.get("extra_info")), "tokens": tokens, "reason": reason}
+    return {
+        "file": file_index,
+        "row": row_index,
+        "data_source": source if isinstance(source, str) and source else NO_SOURCE,
+        "target_tokens": target_tokens(row.get("extra_info")),
+        "tokens": tokens,
+        "reason": reason,
+    }
 
 
 @dataclass
@@ -117,7 +124,7 @@ class PromptSet:
         return len(self.meta)
 
     def ids(self, i: int) -> np.ndarray:
-        return self.token_ids[self.offsets[i]:self.offsets[i + 1]]
+        return self.token_ids[self.offsets[i] : self.offsets[i + 1]]
 
     @property
     def lengths(self) -> np.ndarray:
@@ -151,8 +158,11 @@ class Tally:
 
     def describe(self, key) -> str:
         """``key`` and what it lost, e.g. ``musique: 3 of 3 dropped, none left``."""
-        parts = [f"{self.dropped} of {self.rows} dropped" + (", none left" if self.dropped == self.rows else "")
-                 ] if self.dropped else []
+        parts = (
+            [f"{self.dropped} of {self.rows} dropped" + (", none left" if self.dropped == self.rows else "")]
+            if self.dropped
+            else []
+        )
         if self.truncated:
             parts.append(f"{self.truncated} of {self.rows} truncated")
         return f"{key}: {' and '.join(parts)}"
@@ -183,9 +193,13 @@ def tally(prompts: PromptSet, group: str) -> dict:
     return dict(sorted(tallies.items()))
 
 
-def describe_losses(prompts: PromptSet, name: str, options: PromptOptions,
-                    length_setting: str = "data.max_prompt_length",
-                    skip_setting: str = "data.skip_bad_rows=true") -> list[str]:
+def describe_losses(
+    prompts: PromptSet,
+    name: str,
+    options: PromptOptions,
+    length_setting: str = "data.max_prompt_length",
+    skip_setting: str = "data.skip_bad_rows=true",
+) -> list[str]:
     """Lines saying what preparing ``prompts`` dropped or cut, by reason, then per data_source and per context
     length (``target_tokens``) that lost rows: a run says this before it starts, since a source or a length
     that is gone would otherwise only be missed in the metrics. ``length_setting`` and ``skip_setting`` name
@@ -195,11 +209,14 @@ def describe_losses(prompts: PromptSet, name: str, options: PromptOptions,
         return [f"{name}: all {stats.kept} kept whole"]
     reasons = Counter(entry["reason"] for entry in stats.lost)
     limit = f"{length_setting}={options.max_prompt_length}"
-    said = {OVERLONG: f"{reasons[OVERLONG]} dropped over {limit}",
-            BAD_ROW: f"{reasons[BAD_ROW]} bad rows dropped ({skip_setting})",
-            TRUNCATED: f"{reasons[TRUNCATED]} truncated to {limit} (data.truncation={options.truncation})"}
-    lines = [f"{name}: {stats.kept} of {stats.rows_read} kept; "
-             + "; ".join(said[r] for r in LOST_REASONS if reasons[r])]
+    said = {
+        OVERLONG: f"{reasons[OVERLONG]} dropped over {limit}",
+        BAD_ROW: f"{reasons[BAD_ROW]} bad rows dropped ({skip_setting})",
+        TRUNCATED: f"{reasons[TRUNCATED]} truncated to {limit} (data.truncation={options.truncation})",
+    }
+    lines = [
+        f"{name}: {stats.kept} of {stats.rows_read} kept; " + "; ".join(said[r] for r in LOST_REASONS if reasons[r])
+    ]
     for group in GROUPS:
         lost = [t.describe(key) for key, t in tally(prompts, group).items() if t.lost]
         if lost:
@@ -236,13 +253,14 @@ def _fit(ids: list[int], options: PromptOptions, where: str) -> list[int] | None
     if options.filter_overlong_prompts:
         return None
     if options.truncation == "error":
-        raise DataFileError(f"{where}: prompt has {len(ids)} tokens, over data.max_prompt_length={limit} "
-                            f"(set data.filter_overlong_prompts=true or data.truncation=left|right)")
+        raise DataFileError(
+            f"{where}: prompt has {len(ids)} tokens, over data.max_prompt_length={limit} "
+            f"(set data.filter_overlong_prompts=true or data.truncation=left|right)"
+        )
     return ids[-limit:] if options.truncation == "left" else ids[:limit]
 
 
-def _templated(files: Sequence[Path], tokenizer, options: PromptOptions, stats: PrepStats,
-               skip_setting: str | None):
+def _templated(files: Sequence[Path], tokenizer, options: PromptOptions, stats: PrepStats, skip_setting: str | None):
     """Valid rows with their chat-templated prompt texts, a batch at a time."""
     for file_index, path in enumerate(files):
         for batch in _batched(enumerate(iter_rows(path)), BATCH_ROWS):
@@ -251,15 +269,21 @@ def _templated(files: Sequence[Path], tokenizer, options: PromptOptions, stats: 
                 stats.rows_read += 1
                 if problem := row_problem(row):
                     if not options.skip_bad_rows:
-                        raise DataFileError(f"{path}, row {row_index}: {problem}"
-                                            + (f" ({skip_setting} skips and counts such rows)" if skip_setting else ""))
+                        raise DataFileError(
+                            f"{path}, row {row_index}: {problem}"
+                            + (f" ({skip_setting} skips and counts such rows)" if skip_setting else "")
+                        )
                     stats.bad_rows += 1
                     stats.lost.append(_lost_row(file_index, row_index, row, BAD_ROW))
                     continue
                 good.append((file_index, path, row_index, row))
             if good:
-                yield good, tokenizer.apply_chat_template([g[3]["prompt"] for g in good], tokenize=False,
-                                                          add_generation_prompt=True)
+                yield (
+                    good,
+                    tokenizer.apply_chat_template(
+                        [g[3]["prompt"] for g in good], tokenize=False, add_generation_prompt=True
+                    ),
+                )
 
 
 def _encoded(batches, backend):
@@ -276,8 +300,9 @@ def _encoded(batches, backend):
             yield pending[0], pending[1].result()
 
 
-def _tokenize(files: Sequence[Path], tokenizer, options: PromptOptions, out_dir: Path,
-              skip_setting: str | None) -> PrepStats:
+def _tokenize(
+    files: Sequence[Path], tokenizer, options: PromptOptions, out_dir: Path, skip_setting: str | None
+) -> PrepStats:
     """Stream every file through validation, the chat template and the tokenizer into ``out_dir``."""
     stats = PrepStats(files=len(files))
     offsets, meta = [0], []
@@ -297,9 +322,16 @@ def _tokenize(files: Sequence[Path], tokenizer, options: PromptOptions, out_dir:
                 out.write(np.asarray(ids, dtype=np.int32).tobytes())
                 offsets.append(offsets[-1] + len(ids))
                 stats.max_prompt_tokens = max(stats.max_prompt_tokens, len(ids))
-                meta.append({"data_source": row["data_source"], "ground_truth": row["reward_model"]["ground_truth"],
-                             "ability": row.get("ability"), "extra_info": row.get("extra_info") or {},
-                             "file": file_index, "row": row_index})
+                meta.append(
+                    {
+                        "data_source": row["data_source"],
+                        "ground_truth": row["reward_model"]["ground_truth"],
+                        "ability": row.get("ability"),
+                        "extra_info": row.get("extra_info") or {},
+                        "file": file_index,
+                        "row": row_index,
+                    }
+                )
     stats.kept, stats.prompt_tokens = len(meta), offsets[-1]
     np.save(out_dir / "offsets.npy", np.asarray(offsets, dtype=np.int64))
     (out_dir / "meta.json").write_text(json.dumps(meta, default=str))
@@ -340,10 +372,14 @@ def readable_files(files: Sequence[str | os.PathLike]) -> list[Path]:
     return paths
 
 
-def prepare_prompts(files: Sequence[str | os.PathLike], tokenizer, options: PromptOptions,
-                    cache_dir: str | os.PathLike | None = None,
-                    length_setting: str = "data.max_prompt_length",
-                    skip_setting: str | None = "data.skip_bad_rows=true") -> PromptSet:
+def prepare_prompts(
+    files: Sequence[str | os.PathLike],
+    tokenizer,
+    options: PromptOptions,
+    cache_dir: str | os.PathLike | None = None,
+    length_setting: str = "data.max_prompt_length",
+    skip_setting: str | None = "data.skip_bad_rows=true",
+) -> PromptSet:
     """Tokenized prompts of ``files``; with ``cache_dir``, reused when files, tokenizer and options match.
     ``length_setting`` names where ``options.max_prompt_length`` came from, for the error when none is left;
     ``skip_setting`` where ``options.skip_bad_rows`` comes from (None: nowhere), for the error on a bad row.
@@ -364,14 +400,17 @@ def prepare_prompts(files: Sequence[str | os.PathLike], tokenizer, options: Prom
         work = root / f".{entry.name}.tmp-{os.getpid()}"
     else:
         import tempfile
+
         work = Path(tempfile.mkdtemp(prefix="longqa-prompts-"))
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     try:
         stats = _tokenize(paths, tokenizer, options, work, skip_setting)
         if stats.kept == 0:
-            raise DataFileError(f"no prompt left: {stats.rows_read} rows read, {stats.overlong_filtered} over "
-                                f"{length_setting}={options.max_prompt_length}, {stats.bad_rows} bad")
+            raise DataFileError(
+                f"no prompt left: {stats.rows_read} rows read, {stats.overlong_filtered} over "
+                f"{length_setting}={options.max_prompt_length}, {stats.bad_rows} bad"
+            )
         stats.cache_path = str(entry or work)
         (work / "stats.json").write_text(json.dumps(dataclasses.asdict(stats)))
         if entry is not None:

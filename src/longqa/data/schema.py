@@ -45,8 +45,13 @@ def qa_user_message(passages: str, question: str) -> str:
     return QA_PREFIX + passages + question_suffix(question)
 
 
-def make_row(data_source: str, messages: list[dict], ground_truth: str | list[str],
-             ability: str = "longcontext_qa", extra_info: dict | None = None) -> dict:
+def make_row(
+    data_source: str,
+    messages: list[dict],
+    ground_truth: str | list[str],
+    ability: str = "longcontext_qa",
+    extra_info: dict | None = None,
+) -> dict:
     """One row in verl's schema, with the column order verl recipes write."""
     return {
         "data_source": data_source,

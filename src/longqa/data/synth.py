@@ -79,8 +79,20 @@ from longqa.model.tokenizer import TokenizerError
 from .io import task_splits, write_splits, write_task_splits
 from .schema import QA_PREFIX, SYSTEM_PROMPT, make_row, question_suffix, with_system_prompt
 
-__all__ = ["STYLES", "TASKS", "SynthConfig", "approx_tokens", "generate", "generate_rows", "keychain_count",
-           "length_folder", "length_misses", "make_synth_row", "make_synth_rows", "token_counter"]
+__all__ = [
+    "STYLES",
+    "TASKS",
+    "SynthConfig",
+    "approx_tokens",
+    "generate",
+    "generate_rows",
+    "keychain_count",
+    "length_folder",
+    "length_misses",
+    "make_synth_row",
+    "make_synth_rows",
+    "token_counter",
+]
 
 STYLES = {  # the question styles of each of TASKS (the tasks the options may name)
     "hotpotqa": ("bridge", "comparison"),
@@ -108,21 +120,113 @@ KEYCHAIN_INSTRUCTION = (
 # Vocabulary: invented words that never contain one another
 
 
-_ONSETS = ("b", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "tr",
-           "st", "th", "kl", "gr")
+_ONSETS = (
+    "b",
+    "d",
+    "f",
+    "g",
+    "h",
+    "k",
+    "l",
+    "m",
+    "n",
+    "p",
+    "r",
+    "s",
+    "t",
+    "v",
+    "z",
+    "br",
+    "dr",
+    "tr",
+    "st",
+    "th",
+    "kl",
+    "gr",
+)
 _VOWELS = ("a", "e", "i", "o", "u", "a", "e", "o", "ai", "ei", "ou")
 _CODAS = ("", "", "", "n", "r", "l", "s", "th", "nd", "rk", "x", "m")
 
-TITLE_ADJECTIVES = ("Silent", "Hidden", "Crimson", "Golden", "Broken", "Distant", "Hollow", "Frozen",
-                    "Burning", "Quiet", "Scarlet", "Wandering", "Forgotten", "Bitter", "Gentle",
-                    "Restless", "Pale", "Wild", "Secret", "Endless", "Northern", "Velvet", "Amber",
-                    "Lonely", "Shattered", "Sunken", "Painted", "Midnight", "Emerald", "Vanishing")
-TITLE_NOUNS = ("Harbor", "Orchard", "Lantern", "Meridian", "Archive", "Compass", "Garden", "Tide",
-               "Citadel", "Voyage", "Mirror", "River", "Kingdom", "Covenant", "Ledger", "Beacon",
-               "Horizon", "Labyrinth", "Monarch", "Season", "Frontier", "Chorus", "Tapestry",
-               "Threshold", "Winter", "Signal", "Echo", "Harvest", "Embers", "Crossing")
-COMPANY_SUFFIXES = ("Holdings", "Industries", "Systems", "Laboratories", "Group", "Works", "Motors",
-                    "Foods", "Media", "Energy", "Partners", "Logistics", "Textiles", "Shipping")
+TITLE_ADJECTIVES = (
+    "Silent",
+    "Hidden",
+    "Crimson",
+    "Golden",
+    "Broken",
+    "Distant",
+    "Hollow",
+    "Frozen",
+    "Burning",
+    "Quiet",
+    "Scarlet",
+    "Wandering",
+    "Forgotten",
+    "Bitter",
+    "Gentle",
+    "Restless",
+    "Pale",
+    "Wild",
+    "Secret",
+    "Endless",
+    "Northern",
+    "Velvet",
+    "Amber",
+    "Lonely",
+    "Shattered",
+    "Sunken",
+    "Painted",
+    "Midnight",
+    "Emerald",
+    "Vanishing",
+)
+TITLE_NOUNS = (
+    "Harbor",
+    "Orchard",
+    "Lantern",
+    "Meridian",
+    "Archive",
+    "Compass",
+    "Garden",
+    "Tide",
+    "Citadel",
+    "Voyage",
+    "Mirror",
+    "River",
+    "Kingdom",
+    "Covenant",
+    "Ledger",
+    "Beacon",
+    "Horizon",
+    "Labyrinth",
+    "Monarch",
+    "Season",
+    "Frontier",
+    "Chorus",
+    "Tapestry",
+    "Threshold",
+    "Winter",
+    "Signal",
+    "Echo",
+    "Harvest",
+    "Embers",
+    "Crossing",
+)
+COMPANY_SUFFIXES = (
+    "Holdings",
+    "Industries",
+    "Systems",
+    "Laboratories",
+    "Group",
+    "Works",
+    "Motors",
+    "Foods",
+    "Media",
+    "Energy",
+    "Partners",
+    "Logistics",
+    "Textiles",
+    "Shipping",
+)
 
 _POOL_SIZES = {"female": 300, "male": 300, "last": 700, "city": 800, "country": 200, "company": 400}
 _POOL_ENDINGS = {
@@ -267,46 +371,112 @@ class Relation:
 
 
 RELATIONS = {
-    "birth_year": Relation("person", "year", ("{s} was born in {o}.", "{s} was born in the year {o}."),
-                           ("In which year was {x} born?", "When was {x} born?")),
-    "born_in": Relation("person", "city", ("{s} was born in the city of {o}.", "{s} is a native of {o}."),
-                        ("In which city was {x} born?", "Where was {x} born?"),
-                        ("the birthplace of {x}", "the city where {x} was born")),
-    "works_for": Relation("person", "company", ("{s} works for {o}.", "{s} is employed by {o}."),
-                          ("Which company employs {x}?", "Who is the employer of {x}?"),
-                          ("the company that employs {x}", "the employer of {x}")),
-    "father": Relation("person", "person", ("The father of {s} is {o}.", "{s}'s father is {o}."),
-                       ("Who is the father of {x}?",), ("the father of {x}",)),
-    "mother": Relation("person", "person", ("The mother of {s} is {o}.", "{s}'s mother is {o}."),
-                       ("Who is the mother of {x}?",), ("the mother of {x}",)),
-    "spouse": Relation("person", "person", ("{s} is married to {o}.", "The spouse of {s} is {o}."),
-                       ("Who is the spouse of {x}?", "Who is {x} married to?"), ("the spouse of {x}",)),
-    "founded_year": Relation("company", "year", ("{s} was founded in {o}.", "{s} was established in {o}."),
-                             ("In which year was {x} founded?", "When was {x} founded?")),
-    "founder": Relation("company", "person", ("{s} was founded by {o}.", "The founder of {s} is {o}."),
-                        ("Who founded {x}?", "Who is the founder of {x}?"), ("the founder of {x}",)),
-    "headquartered_in": Relation("company", "city",
-                                 ("{s} is headquartered in {o}.", "The headquarters of {s} are in {o}."),
-                                 ("In which city is {x} headquartered?", "Where is {x} headquartered?"),
-                                 ("the city where {x} is headquartered", "the headquarters city of {x}")),
-    "located_in": Relation("city", "country", ("{s} is a city in {o}.", "{s} is located in {o}."),
-                           ("In which country is {x} located?", "In which country does {x} lie?")),
-    "release_year": Relation("film", "year", ("{s} was released in {o}.", "{s} premiered in {o}."),
-                             ("In which year was {x} released?", "When was {x} released?")),
-    "director": Relation("film", "person", ("{s} is a film directed by {o}.", "{s} was directed by {o}."),
-                         ("Who directed {x}?", "Who is the director of {x}?"), ("the director of {x}",)),
-    "publication_year": Relation("book", "year", ("{s} was first published in {o}.",
-                                                  "{s} was published in {o}."),
-                                 ("In which year was {x} published?", "When was {x} first published?")),
-    "author": Relation("book", "person", ("{s} is a novel written by {o}.", "{s} was written by {o}."),
-                       ("Who wrote {x}?", "Who is the author of {x}?"), ("the author of {x}",)),
+    "birth_year": Relation(
+        "person",
+        "year",
+        ("{s} was born in {o}.", "{s} was born in the year {o}."),
+        ("In which year was {x} born?", "When was {x} born?"),
+    ),
+    "born_in": Relation(
+        "person",
+        "city",
+        ("{s} was born in the city of {o}.", "{s} is a native of {o}."),
+        ("In which city was {x} born?", "Where was {x} born?"),
+        ("the birthplace of {x}", "the city where {x} was born"),
+    ),
+    "works_for": Relation(
+        "person",
+        "company",
+        ("{s} works for {o}.", "{s} is employed by {o}."),
+        ("Which company employs {x}?", "Who is the employer of {x}?"),
+        ("the company that employs {x}", "the employer of {x}"),
+    ),
+    "father": Relation(
+        "person",
+        "person",
+        ("The father of {s} is {o}.", "{s}'s father is {o}."),
+        ("Who is the father of {x}?",),
+        ("the father of {x}",),
+    ),
+    "mother": Relation(
+        "person",
+        "person",
+        ("The mother of {s} is {o}.", "{s}'s mother is {o}."),
+        ("Who is the mother of {x}?",),
+        ("the mother of {x}",),
+    ),
+    "spouse": Relation(
+        "person",
+        "person",
+        ("{s} is married to {o}.", "The spouse of {s} is {o}."),
+        ("Who is the spouse of {x}?", "Who is {x} married to?"),
+        ("the spouse of {x}",),
+    ),
+    "founded_year": Relation(
+        "company",
+        "year",
+        ("{s} was founded in {o}.", "{s} was established in {o}."),
+        ("In which year was {x} founded?", "When was {x} founded?"),
+    ),
+    "founder": Relation(
+        "company",
+        "person",
+        ("{s} was founded by {o}.", "The founder of {s} is {o}."),
+        ("Who founded {x}?", "Who is the founder of {x}?"),
+        ("the founder of {x}",),
+    ),
+    "headquartered_in": Relation(
+        "company",
+        "city",
+        ("{s} is headquartered in {o}.", "The headquarters of {s} are in {o}."),
+        ("In which city is {x} headquartered?", "Where is {x} headquartered?"),
+        ("the city where {x} is headquartered", "the headquarters city of {x}"),
+    ),
+    "located_in": Relation(
+        "city",
+        "country",
+        ("{s} is a city in {o}.", "{s} is located in {o}."),
+        ("In which country is {x} located?", "In which country does {x} lie?"),
+    ),
+    "release_year": Relation(
+        "film",
+        "year",
+        ("{s} was released in {o}.", "{s} premiered in {o}."),
+        ("In which year was {x} released?", "When was {x} released?"),
+    ),
+    "director": Relation(
+        "film",
+        "person",
+        ("{s} is a film directed by {o}.", "{s} was directed by {o}."),
+        ("Who directed {x}?", "Who is the director of {x}?"),
+        ("the director of {x}",),
+    ),
+    "publication_year": Relation(
+        "book",
+        "year",
+        ("{s} was first published in {o}.", "{s} was published in {o}."),
+        ("In which year was {x} published?", "When was {x} first published?"),
+    ),
+    "author": Relation(
+        "book",
+        "person",
+        ("{s} is a novel written by {o}.", "{s} was written by {o}."),
+        ("Who wrote {x}?", "Who is the author of {x}?"),
+        ("the author of {x}",),
+    ),
 }
-RELATIONS_OF = {kind: tuple(name for name, r in RELATIONS.items() if r.subject == kind)
-                for kind in ("person", "company", "city", "country", "film", "book", "year")}
+RELATIONS_OF = {
+    kind: tuple(name for name, r in RELATIONS.items() if r.subject == kind)
+    for kind in ("person", "company", "city", "country", "film", "book", "year")
+}
 # Relations every passage of a kind states, then those a person's passage states only sometimes.
-ALWAYS_STATED = {"person": ("birth_year", "born_in", "works_for"), "company": ("founded_year", "founder",
-                 "headquartered_in"), "city": ("located_in",), "film": ("release_year", "director"),
-                 "book": ("publication_year", "author")}
+ALWAYS_STATED = {
+    "person": ("birth_year", "born_in", "works_for"),
+    "company": ("founded_year", "founder", "headquartered_in"),
+    "city": ("located_in",),
+    "film": ("release_year", "director"),
+    "book": ("publication_year", "author"),
+}
 SOMETIMES_STATED = {"father": 0.4, "mother": 0.3, "spouse": 0.35}
 DOCUMENTED_KINDS = tuple(ALWAYS_STATED)
 
@@ -457,24 +627,91 @@ class World:
 # Passages
 
 
-OCCUPATIONS = ("an architect", "a painter", "a surgeon", "an engineer", "a historian", "a composer",
-               "a botanist", "a journalist", "a diplomat", "a chemist", "a sculptor", "a pilot", "a lawyer",
-               "a cartographer", "a teacher", "an economist", "a photographer", "a geologist")
-ACHIEVEMENTS = ("a series of public lectures", "pioneering work on coastal erosion", "a widely read memoir",
-                "reforms to the local school system", "an award-winning documentary", "restoring old bridges",
-                "a study of migratory birds", "designing public libraries", "a long career in radio")
-HOBBIES = ("sailing", "chess", "beekeeping", "mountain climbing", "calligraphy", "amateur astronomy",
-           "gardening", "fencing", "collecting maps")
+OCCUPATIONS = (
+    "an architect",
+    "a painter",
+    "a surgeon",
+    "an engineer",
+    "a historian",
+    "a composer",
+    "a botanist",
+    "a journalist",
+    "a diplomat",
+    "a chemist",
+    "a sculptor",
+    "a pilot",
+    "a lawyer",
+    "a cartographer",
+    "a teacher",
+    "an economist",
+    "a photographer",
+    "a geologist",
+)
+ACHIEVEMENTS = (
+    "a series of public lectures",
+    "pioneering work on coastal erosion",
+    "a widely read memoir",
+    "reforms to the local school system",
+    "an award-winning documentary",
+    "restoring old bridges",
+    "a study of migratory birds",
+    "designing public libraries",
+    "a long career in radio",
+)
+HOBBIES = (
+    "sailing",
+    "chess",
+    "beekeeping",
+    "mountain climbing",
+    "calligraphy",
+    "amateur astronomy",
+    "gardening",
+    "fencing",
+    "collecting maps",
+)
 TRAITS = ("patient", "meticulous", "generous", "outspoken", "reserved", "curious", "ambitious")
-INDUSTRIES = ("shipbuilding", "textile", "software", "agricultural", "pharmaceutical", "mining",
-              "publishing", "telecommunications", "food processing", "aviation", "renewable energy")
-PRODUCTS = ("durable machinery", "affordable medicines", "cargo vessels", "weatherproof fabrics",
-            "navigation software", "canned goods", "solar panels", "printing presses")
-LANDMARKS = ("old stone bridge", "covered market", "clock tower", "botanical garden", "harbour walls",
-             "annual lantern festival", "cathedral", "university library")
+INDUSTRIES = (
+    "shipbuilding",
+    "textile",
+    "software",
+    "agricultural",
+    "pharmaceutical",
+    "mining",
+    "publishing",
+    "telecommunications",
+    "food processing",
+    "aviation",
+    "renewable energy",
+)
+PRODUCTS = (
+    "durable machinery",
+    "affordable medicines",
+    "cargo vessels",
+    "weatherproof fabrics",
+    "navigation software",
+    "canned goods",
+    "solar panels",
+    "printing presses",
+)
+LANDMARKS = (
+    "old stone bridge",
+    "covered market",
+    "clock tower",
+    "botanical garden",
+    "harbour walls",
+    "annual lantern festival",
+    "cathedral",
+    "university library",
+)
 GENRES = ("drama", "comedy", "thriller", "mystery", "romance", "historical", "science fiction", "adventure")
-ASPECTS = ("vivid characters", "careful pacing", "striking imagery", "sharp dialogue", "bleak humour",
-           "ambitious structure")
+ASPECTS = (
+    "vivid characters",
+    "careful pacing",
+    "striking imagery",
+    "sharp dialogue",
+    "bleak humour",
+    "ambitious structure",
+)
 
 # Filler sentences: (name, pronouns, rng) -> a sentence naming no other entity and no year.
 FILLERS = {
@@ -573,26 +810,47 @@ KIN = frozenset({"father", "mother", "spouse"})
 BRIDGE_RELATIONS = ALL_RELATIONS - KIN
 COMPOSITIONAL_RELATIONS = frozenset({"director", "author", "born_in", "birth_year", "works_for"}) | KIN
 INFERENCES = {
-    ("father", "father"): "paternal grandfather", ("mother", "father"): "maternal grandfather",
-    ("father", "mother"): "paternal grandmother", ("mother", "mother"): "maternal grandmother",
-    ("spouse", "father"): "father-in-law", ("spouse", "mother"): "mother-in-law",
+    ("father", "father"): "paternal grandfather",
+    ("mother", "father"): "maternal grandfather",
+    ("father", "mother"): "paternal grandmother",
+    ("mother", "mother"): "maternal grandmother",
+    ("spouse", "father"): "father-in-law",
+    ("spouse", "mother"): "mother-in-law",
 }
 COMPARISONS = {  # kind: (year relation, question asking for the earlier one, ... for the later one)
     "person": ("birth_year", "Who was born first, {a} or {b}?", "Who was born later, {a} or {b}?"),
-    "company": ("founded_year", "Which company was founded first, {a} or {b}?",
-                "Which company was founded more recently, {a} or {b}?"),
-    "film": ("release_year", "Which film came out first, {a} or {b}?",
-             "Which film came out more recently, {a} or {b}?"),
-    "book": ("publication_year", "Which book was published first, {a} or {b}?",
-             "Which book was published more recently, {a} or {b}?"),
+    "company": (
+        "founded_year",
+        "Which company was founded first, {a} or {b}?",
+        "Which company was founded more recently, {a} or {b}?",
+    ),
+    "film": (
+        "release_year",
+        "Which film came out first, {a} or {b}?",
+        "Which film came out more recently, {a} or {b}?",
+    ),
+    "book": (
+        "publication_year",
+        "Which book was published first, {a} or {b}?",
+        "Which book was published more recently, {a} or {b}?",
+    ),
 }
 BRIDGE_COMPARISONS = {  # kind: (relation to a person, question for the earlier-born, ... later-born)
-    "film": ("director", "Which film has the director born first, {a} or {b}?",
-             "Which film has the director born later, {a} or {b}?"),
-    "book": ("author", "Which book has the author born first, {a} or {b}?",
-             "Which book has the author born later, {a} or {b}?"),
-    "company": ("founder", "Which company has the founder born first, {a} or {b}?",
-                "Which company has the founder born later, {a} or {b}?"),
+    "film": (
+        "director",
+        "Which film has the director born first, {a} or {b}?",
+        "Which film has the director born later, {a} or {b}?",
+    ),
+    "book": (
+        "author",
+        "Which book has the author born first, {a} or {b}?",
+        "Which book has the author born later, {a} or {b}?",
+    ),
+    "company": (
+        "founder",
+        "Which company has the founder born first, {a} or {b}?",
+        "Which company has the founder born later, {a} or {b}?",
+    ),
 }
 
 
@@ -606,8 +864,7 @@ def _continues(relation: str, hops: int, relations: frozenset[str]) -> bool:
     """Whether ``relation`` can be the first of ``hops`` more: allowed, named by a noun phrase when
     something follows it, and leading to an entity from which the rest of the chain can go on."""
     rule = RELATIONS[relation]
-    return (relation in relations and (hops == 1 or bool(rule.phrases))
-            and _reaches(rule.object, hops - 1, relations))
+    return relation in relations and (hops == 1 or bool(rule.phrases)) and _reaches(rule.object, hops - 1, relations)
 
 
 def _walk(world: World, hops: int, relations: frozenset[str], start_kinds: tuple[str, ...]) -> list[tuple]:
@@ -642,8 +899,9 @@ def _composed(world: World, style: str, path: list[tuple]) -> Question:
     answer = path[-1][2]
     answer_text = answer.name if isinstance(answer, Entity) else str(answer)
     answer_type = answer.kind if isinstance(answer, Entity) else "year"
-    return Question(style, text, answer_text, answer_type, [(s, r) for s, r, _ in path],
-                    f"So the answer is {answer_text}.")
+    return Question(
+        style, text, answer_text, answer_type, [(s, r) for s, r, _ in path], f"So the answer is {answer_text}."
+    )
 
 
 def _inference(world: World) -> Question:
@@ -653,8 +911,14 @@ def _inference(world: World) -> Question:
     person = world.person()
     middle = world.get(person, first)
     answer = world.get(middle, second)
-    return Question("inference", f"Who is the {name} of {person.name}?", answer.name, "person",
-                    [(person, first), (middle, second)], f"So the {name} of {person.name} is {answer.name}.")
+    return Question(
+        "inference",
+        f"Who is the {name} of {person.name}?",
+        answer.name,
+        "person",
+        [(person, first), (middle, second)],
+        f"So the {name} of {person.name} is {answer.name}.",
+    )
 
 
 def _comparison(world: World, style: str) -> Question:
@@ -680,8 +944,10 @@ def _comparison(world: World, style: str) -> Question:
     winner = years.index(min(years) if first else max(years))
     loser = 1 - winner
     text = (ask_first if first else ask_later).format(a=pair[0].name, b=pair[1].name)
-    conclusion = (f"{years[winner]} is {'earlier' if first else 'later'} than {years[loser]}, "
-                  f"so the answer is {pair[winner].name}.")
+    conclusion = (
+        f"{years[winner]} is {'earlier' if first else 'later'} than {years[loser]}, "
+        f"so the answer is {pair[winner].name}."
+    )
     return Question(style, text, pair[winner].name, kind, hops, conclusion)
 
 
@@ -786,8 +1052,9 @@ class Context:
         passage.entity.documented = True
         self.passages.append(passage)
         self.total += cost
-        self.world.mentioned += [m for m in passage.mentions if isinstance(m, Entity)
-                                 and not m.documented and m.kind in DOCUMENTED_KINDS]
+        self.world.mentioned += [
+            m for m in passage.mentions if isinstance(m, Entity) and not m.documented and m.kind in DOCUMENTED_KINDS
+        ]
 
     def passage(self, entity: Entity) -> tuple[Passage, int]:
         """A passage and what it adds to the prompt as the next one, "Passage N:" header included (the
@@ -865,8 +1132,9 @@ def _num_candidates(question: Question, passages: list[Passage]) -> int:
         return 2
     if question.answer_type == "year":
         return len({m for p in passages for m in p.mentions if isinstance(m, int)})
-    return len({id(m) for p in passages for m in p.mentions
-                if isinstance(m, Entity) and m.kind == question.answer_type})
+    return len(
+        {id(m) for p in passages for m in p.mentions if isinstance(m, Entity) and m.kind == question.answer_type}
+    )
 
 
 @functools.lru_cache(maxsize=4096)
@@ -920,8 +1188,7 @@ def _fixed_tokens(draft: Draft, pairs: list[str]) -> int:
     """The prompt's tokens besides its passages: system prompt, frame and keychain pairs."""
     count = draft.count
     prefix, suffix = _frame(draft.question, draft.keychain)
-    return (_cached_count(count, SYSTEM_PROMPT) + _cached_count(count, prefix) + count(suffix)
-            + sum(map(count, pairs)))
+    return _cached_count(count, SYSTEM_PROMPT) + _cached_count(count, prefix) + count(suffix) + sum(map(count, pairs))
 
 
 @dataclass
@@ -952,8 +1219,11 @@ def near_miss(world: World, question: Question, link: int, taken: list) -> NearM
             entity = value
     answer = value
     while answer in taken:  # the holder is new: its fact is not stated anywhere yet
-        answer = (answer + world.rng.choice((-1, 1)) * world.rng.randint(1, 12) if isinstance(answer, int)
-                  else world.new(answer.kind))
+        answer = (
+            answer + world.rng.choice((-1, 1)) * world.rng.randint(1, 12)
+            if isinstance(answer, int)
+            else world.new(answer.kind)
+        )
         entity.facts[relation] = answer
     return NearMiss(links, answer)
 
@@ -1011,8 +1281,10 @@ def _near_miss_info(context: Context, by_entity: dict[int, Passage]) -> dict:
     """The near misses this context holds whole (every passage on them), each as the facts that state its links
     and the wrong answer it leads to; empty lists when it holds none (or none were made)."""
     whole = [m for m in context.near_misses if all(id(e) in by_entity for e, _ in m.links)]
-    return {"near_miss_facts": [[by_entity[id(e)].facts[r] for e, r in m.links] for m in whole],
-            "near_miss_answers": [m.answer.name if isinstance(m.answer, Entity) else str(m.answer) for m in whole]}
+    return {
+        "near_miss_facts": [[by_entity[id(e)].facts[r] for e, r in m.links] for m in whole],
+        "near_miss_answers": [m.answer.name if isinstance(m.answer, Entity) else str(m.answer) for m in whole],
+    }
 
 
 def _row(task: str, index: int, draft: Draft, context: Context, pairs: list[str]) -> dict:
@@ -1077,8 +1349,7 @@ def _check(tasks: tuple[str, ...], config: SynthConfig, lengths: tuple[int, ...]
     token_counter(config.tokenizer)  # a tokenizer that cannot be read fails here, not in the first row (or worker)
 
 
-def _make_rows(jobs: list[tuple[str, int]], config: SynthConfig, workers: int,
-               lengths: tuple[int, ...] = ()) -> list:
+def _make_rows(jobs: list[tuple[str, int]], config: SynthConfig, workers: int, lengths: tuple[int, ...] = ()) -> list:
     """For each (task, index) job, in job order, its row, or with ``lengths`` its list of rows (one per
     length), made by ``workers`` processes."""
     make = functools.partial(_make_job, config=config, lengths=lengths)
@@ -1086,8 +1357,9 @@ def _make_rows(jobs: list[tuple[str, int]], config: SynthConfig, workers: int,
         return [make(job) for job in jobs]
     # Workers are started fresh ("spawn"), not forked: a fork copies whatever locks the parent's other threads (a
     # tokenizer's, an I/O library's, a test runner's) hold at that moment, and a child that needs one waits forever.
-    with multiprocessing.get_context("spawn").Pool(min(workers, os.cpu_count() or 1, len(jobs)),
-                                                   _know_gguf_tokenizers, (dict(_GGUF_TOKENIZERS),)) as pool:
+    with multiprocessing.get_context("spawn").Pool(
+        min(workers, os.cpu_count() or 1, len(jobs)), _know_gguf_tokenizers, (dict(_GGUF_TOKENIZERS),)
+    ) as pool:
         return pool.map(make, jobs, chunksize=max(1, len(jobs) // (workers * 16)))
 
 
@@ -1102,8 +1374,9 @@ def length_folder(length: int) -> str:
     return f"ctx{length}"
 
 
-def _length_splits(rows: dict[int, dict[str, list[dict]]], test_ratio: float,
-                   seed: int) -> dict[str, dict[str, list[dict]]]:
+def _length_splits(
+    rows: dict[int, dict[str, list[dict]]], test_ratio: float, seed: int
+) -> dict[str, dict[str, list[dict]]]:
     """Each length's recipe layout under its ``length_folder``, then ``merged``: every length's merged
     rows, shortest length first. Every length splits with the same seed and row counts, so a question
     is held out at all lengths or at none."""
@@ -1129,32 +1402,56 @@ def length_misses(rows: list[dict], target: int, where: str = "") -> str | None:
         return None
     misses = []
     if over:
-        misses.append(f"{len(over)} of {len(rows)} are more than {LENGTH_TOLERANCE:.0%} over {target} (up to "
-                      f"{over[-1]}): the passages their questions need, with the prompt around them, take more")
+        misses.append(
+            f"{len(over)} of {len(rows)} are more than {LENGTH_TOLERANCE:.0%} over {target} (up to "
+            f"{over[-1]}): the passages their questions need, with the prompt around them, take more"
+        )
     if under:
-        misses.append(f"{len(under)} of {len(rows)} are more than {LENGTH_TOLERANCE:.0%} under {target} (down to "
-                      f"{under[0]}): the next passages did not fit")
-    return (f"note: the {target}-token contexts{where} (median {counts[len(counts) // 2]} tokens): "
-            + "; ".join(misses))
+        misses.append(
+            f"{len(under)} of {len(rows)} are more than {LENGTH_TOLERANCE:.0%} under {target} (down to "
+            f"{under[0]}): the next passages did not fit"
+        )
+    return f"note: the {target}-token contexts{where} (median {counts[len(counts) // 2]} tokens): " + "; ".join(misses)
 
 
-def generate_rows(task: str, n: int, *, context_tokens: int = DEFAULT_CONTEXT_TOKENS, min_hops: int = 2,
-                  max_hops: int = 4, keychain: bool = False, seed: int = 42,
-                  tokenizer: str | os.PathLike | None = None, workers: int = 1,
-                  near_misses: bool = False) -> list[dict]:
+def generate_rows(
+    task: str,
+    n: int,
+    *,
+    context_tokens: int = DEFAULT_CONTEXT_TOKENS,
+    min_hops: int = 2,
+    max_hops: int = 4,
+    keychain: bool = False,
+    seed: int = 42,
+    tokenizer: str | os.PathLike | None = None,
+    workers: int = 1,
+    near_misses: bool = False,
+) -> list[dict]:
     """``n`` rows of one task (``extra_info.index`` 0..n-1), without writing anything."""
-    config = SynthConfig(context_tokens, min_hops, max_hops, keychain, seed,
-                         None if tokenizer is None else str(tokenizer), near_misses)
+    config = SynthConfig(
+        context_tokens, min_hops, max_hops, keychain, seed, None if tokenizer is None else str(tokenizer), near_misses
+    )
     _check((task,), config)
     return _make_rows([(task, i) for i in range(n)], config, workers)
 
 
-def generate(output_dir: str | os.PathLike, *, rows_per_task: int = DEFAULT_ROWS_PER_TASK,
-             context_tokens: int = DEFAULT_CONTEXT_TOKENS, tasks: tuple[str, ...] = TASKS, min_hops: int = 2,
-             max_hops: int = 4, keychain: bool = False, test_ratio: float = 0.05, seed: int = 42,
-             tokenizer: str | os.PathLike | None = None, workers: int = 1,
-             context_lengths: Sequence[int] = (), near_misses: bool = False,
-             say: Callable[[str], None] = print) -> dict[str, dict[str, int]]:
+def generate(
+    output_dir: str | os.PathLike,
+    *,
+    rows_per_task: int = DEFAULT_ROWS_PER_TASK,
+    context_tokens: int = DEFAULT_CONTEXT_TOKENS,
+    tasks: tuple[str, ...] = TASKS,
+    min_hops: int = 2,
+    max_hops: int = 4,
+    keychain: bool = False,
+    test_ratio: float = 0.05,
+    seed: int = 42,
+    tokenizer: str | os.PathLike | None = None,
+    workers: int = 1,
+    context_lengths: Sequence[int] = (),
+    near_misses: bool = False,
+    say: Callable[[str], None] = print,
+) -> dict[str, dict[str, int]]:
     """Write ``<task>/{train,test}.parquet`` and ``merged/{train,test}.parquet`` under ``output_dir``,
     as the recipe lays its data out, and return the row count of every file. How many contexts of each
     target missed it by more than ``LENGTH_TOLERANCE`` is said (``say``).
@@ -1164,20 +1461,29 @@ def generate(output_dir: str | os.PathLike, *, rows_per_task: int = DEFAULT_ROWS
     """
     tasks = tuple(tasks)
     lengths = tuple(sorted(set(context_lengths)))
-    config = SynthConfig(lengths[-1] if lengths else context_tokens, min_hops, max_hops, keychain, seed,
-                         None if tokenizer is None else str(tokenizer), near_misses)
+    config = SynthConfig(
+        lengths[-1] if lengths else context_tokens,
+        min_hops,
+        max_hops,
+        keychain,
+        seed,
+        None if tokenizer is None else str(tokenizer),
+        near_misses,
+    )
     _check(tasks, config, lengths)
     jobs = [(t, i) for t in tasks for i in range(rows_per_task)]
     made = _make_rows(jobs, config, workers, lengths)
-    by_task = {t: made[k * rows_per_task:(k + 1) * rows_per_task] for k, t in enumerate(tasks)}
+    by_task = {t: made[k * rows_per_task : (k + 1) * rows_per_task] for k, t in enumerate(tasks)}
     if not lengths:
         if line := length_misses(made, context_tokens):
             say(line)
         return write_task_splits(by_task, output_dir, test_ratio, seed)
-    rows = {length: {t: [group[k] for group in groups] for t, groups in by_task.items()}
-            for k, length in enumerate(lengths)}
+    rows = {
+        length: {t: [group[k] for group in groups] for t, groups in by_task.items()} for k, length in enumerate(lengths)
+    }
     for length, rows_by_task in rows.items():
-        if line := length_misses([r for part in rows_by_task.values() for r in part], length,
-                                 f" of {length_folder(length)}/"):
+        if line := length_misses(
+            [r for part in rows_by_task.values() for r in part], length, f" of {length_folder(length)}/"
+        ):
             say(line)
     return write_splits(_length_splits(rows, test_ratio, seed), output_dir)

@@ -93,8 +93,10 @@ def _is_local(address: str) -> bool:
     if address in ("localhost", "127.0.0.1", "::1"):
         return True
     try:
-        return address in (socket.gethostname(), socket.getfqdn()) or address in socket.gethostbyname_ex(
-            socket.gethostname())[2]
+        return (
+            address in (socket.gethostname(), socket.getfqdn())
+            or address in socket.gethostbyname_ex(socket.gethostname())[2]
+        )
     except OSError:
         return False
 
@@ -112,17 +114,47 @@ def _stop(host: Host, ray: str, local: bool) -> Step:
     return Step(_on(host, [ray, "stop", "--force"], local), may_fail=True)
 
 
-def up_commands(hosts: list[Host], port: int = RAY_PORT, ray: str = "ray", local_head: bool | None = None) -> list[Step]:
+def up_commands(
+    hosts: list[Host], port: int = RAY_PORT, ray: str = "ray", local_head: bool | None = None
+) -> list[Step]:
     """Stop Ray everywhere, start the head on the first host, then a worker on every other host."""
     head = hosts[0]
     local = _is_local(head.address) if local_head is None else local_head
     steps = [_stop(h, ray, local and h is head) for h in hosts]
-    steps.append(Step(_on(head, [ray, "start", "--head", f"--node-ip-address={head.address}", f"--port={port}",
-                                 f"--num-gpus={head.slots}", "--dashboard-host=0.0.0.0",
-                                 f"--dashboard-port={DASHBOARD_PORT}"], local)))
+    steps.append(
+        Step(
+            _on(
+                head,
+                [
+                    ray,
+                    "start",
+                    "--head",
+                    f"--node-ip-address={head.address}",
+                    f"--port={port}",
+                    f"--num-gpus={head.slots}",
+                    "--dashboard-host=0.0.0.0",
+                    f"--dashboard-port={DASHBOARD_PORT}",
+                ],
+                local,
+            )
+        )
+    )
     for host in hosts[1:]:
-        steps.append(Step(_on(host, [ray, "start", f"--address={endpoint(head.address, port)}",
-                                     f"--node-ip-address={host.address}", f"--num-gpus={host.slots}"], False)))
+        steps.append(
+            Step(
+                _on(
+                    host,
+                    [
+                        ray,
+                        "start",
+                        f"--address={endpoint(head.address, port)}",
+                        f"--node-ip-address={host.address}",
+                        f"--num-gpus={host.slots}",
+                    ],
+                    False,
+                )
+            )
+        )
     return steps
 
 
@@ -157,10 +189,16 @@ def reach_message(hosts: list[Host], hostfile: str | Path, port: int = RAY_PORT,
     """How to reach the cluster ``up`` started; after ``--dry-run``, the cluster those commands would start."""
     head = endpoint(hosts[0].address, port)
     gpus = sum(h.slots for h in hosts)
-    cluster = (f"Ray cluster of {len(hosts)} host(s), {gpus} GPU slot(s): head {head}, dashboard "
-               f"http://{endpoint(hosts[0].address, DASHBOARD_PORT)}")
+    cluster = (
+        f"Ray cluster of {len(hosts)} host(s), {gpus} GPU slot(s): head {head}, dashboard "
+        f"http://{endpoint(hosts[0].address, DASHBOARD_PORT)}"
+    )
     if dry_run:
-        return (f"nothing was started; without --dry-run they start a {cluster}\n  then connect with "
-                f"RAY_ADDRESS={head}; stop it with: longqa cluster down --hostfile {shlex.quote(str(hostfile))}")
-    return (f"{cluster}\n  connect with RAY_ADDRESS={head}; "
-            f"stop it with: longqa cluster down --hostfile {shlex.quote(str(hostfile))}")
+        return (
+            f"nothing was started; without --dry-run they start a {cluster}\n  then connect with "
+            f"RAY_ADDRESS={head}; stop it with: longqa cluster down --hostfile {shlex.quote(str(hostfile))}"
+        )
+    return (
+        f"{cluster}\n  connect with RAY_ADDRESS={head}; "
+        f"stop it with: longqa cluster down --hostfile {shlex.quote(str(hostfile))}"
+    )

@@ -55,8 +55,9 @@ def import_deepspeed():
     try:
         import deepspeed
     except ImportError as e:
-        raise DeepSpeedError(f"actor.strategy=deepspeed needs DeepSpeed, which cannot be imported ({e}): {INSTALL}") \
-            from None
+        raise DeepSpeedError(
+            f"actor.strategy=deepspeed needs DeepSpeed, which cannot be imported ({e}): {INSTALL}"
+        ) from None
     return deepspeed
 
 
@@ -72,17 +73,26 @@ def generated_config(cfg: Config, device: torch.device, dtype: torch.dtype) -> d
     every weight's id and recompiled for each (on an H200 the update's warm-up did not end in 280 s; without
     it, 40 s), and the engine's decode ran through it too. Each layer is gathered whole around its backward
     anyway (``wrap``), which is what that function would gather a weight for."""
-    zero = {"stage": 3, "overlap_comm": device.type == "cuda", "contiguous_gradients": True,
-            "memory_efficient_linear": False}
+    zero = {
+        "stage": 3,
+        "overlap_comm": device.type == "cuda",
+        "contiguous_gradients": True,
+        "memory_efficient_linear": False,
+    }
     if cfg.actor.cpu_offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
         if cfg.actor.cpu_offload_ratio != 1:
             zero["offload_optimizer"]["ratio"] = cfg.actor.cpu_offload_ratio
-    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-            "gradient_clipping": cfg.actor.grad_clip,
-            "bf16": {"enabled": dtype == torch.bfloat16 or device.type == "cuda"},
-            "communication_data_type": "fp32", "data_types": {"grad_accum_dtype": "fp32"},
-            "zero_optimization": zero, "steps_per_print": 2**62}
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": cfg.actor.grad_clip,
+        "bf16": {"enabled": dtype == torch.bfloat16 or device.type == "cuda"},
+        "communication_data_type": "fp32",
+        "data_types": {"grad_accum_dtype": "fp32"},
+        "zero_optimization": zero,
+        "steps_per_print": 2**62,
+    }
 
 
 def read_user_config(path: str) -> dict:
@@ -119,16 +129,20 @@ def engine_config(cfg: Config, device: torch.device, dtype: torch.dtype) -> dict
     user = _without_auto(read_user_config(path))
     clashes = [f"'{key}' (longqa sets it from {OWNED[key]})" for key in OWNED if key in user]
     if clashes:
-        raise DeepSpeedError(f"actor.deepspeed_config={path} sets {', '.join(clashes)}: remove it or set it to \"auto\"")
+        raise DeepSpeedError(f'actor.deepspeed_config={path} sets {", ".join(clashes)}: remove it or set it to "auto"')
     config = _merge(config, user)
     zero = config["zero_optimization"]
     if zero.get("stage") != 3:
-        raise DeepSpeedError(f"actor.deepspeed_config={path} sets zero_optimization.stage={zero.get('stage')}: "
-                          f"actor.strategy=deepspeed runs ZeRO stage 3")
+        raise DeepSpeedError(
+            f"actor.deepspeed_config={path} sets zero_optimization.stage={zero.get('stage')}: "
+            f"actor.strategy=deepspeed runs ZeRO stage 3"
+        )
     if zero.get("memory_efficient_linear"):
-        raise DeepSpeedError(f"actor.deepspeed_config={path} sets zero_optimization.memory_efficient_linear: it "
-                          f"replaces torch.nn.functional.linear in the whole process, which makes the compiled "
-                          f"decoder layers recompile for every weight; remove it (longqa gathers each layer whole)")
+        raise DeepSpeedError(
+            f"actor.deepspeed_config={path} sets zero_optimization.memory_efficient_linear: it "
+            f"replaces torch.nn.functional.linear in the whole process, which makes the compiled "
+            f"decoder layers recompile for every weight; remove it (longqa gathers each layer whole)"
+        )
     return config
 
 
@@ -147,17 +161,21 @@ def load_cpu_adam() -> None:
 
     compiler = os.environ.get("CXX", "c++")
     if not installed_ops.get("cpu_adam") and shutil.which(compiler) is None:
-        raise DeepSpeedError(f"DeepSpeed's CPU Adam (the offloaded optimizer under actor.strategy=deepspeed) is compiled "
-                          f"on first use, but there is no C++ compiler ({compiler} is not on PATH): install one "
-                          f"(apt-get install g++), or install DeepSpeed with it prebuilt (DS_BUILD_CPU_ADAM=1 "
-                          f"pip install deepspeed), or set actor.cpu_offload=false")
+        raise DeepSpeedError(
+            f"DeepSpeed's CPU Adam (the offloaded optimizer under actor.strategy=deepspeed) is compiled "
+            f"on first use, but there is no C++ compiler ({compiler} is not on PATH): install one "
+            f"(apt-get install g++), or install DeepSpeed with it prebuilt (DS_BUILD_CPU_ADAM=1 "
+            f"pip install deepspeed), or set actor.cpu_offload=false"
+        )
     from deepspeed.ops.op_builder import CPUAdamBuilder
 
     try:
         CPUAdamBuilder().load()
     except (RuntimeError, OSError, ImportError) as e:
-        raise DeepSpeedError(f"DeepSpeed's CPU Adam (the offloaded optimizer under actor.strategy=deepspeed) could not "
-                          f"be built: {e}; or set actor.cpu_offload=false") from e
+        raise DeepSpeedError(
+            f"DeepSpeed's CPU Adam (the offloaded optimizer under actor.strategy=deepspeed) could not "
+            f"be built: {e}; or set actor.cpu_offload=false"
+        ) from e
 
 
 def make_optimizer(params, cfg: Config, offloaded: bool) -> torch.optim.Optimizer:
@@ -302,8 +320,9 @@ def save(engine, folder: Path) -> None:
     engine.save_checkpoint(str(folder), tag=TAG, save_latest=False)
     backup, flats = accelerator_part(engine)
     if backup is not None:
-        state = {i: {key: value.cpu() for key, value in backup.state.get(flat, {}).items()}
-                 for i, flat in flats.items()}
+        state = {
+            i: {key: value.cpu() for key, value in backup.state.get(flat, {}).items()} for i, flat in flats.items()
+        }
         torch.save(state, folder / TAG / accelerator_state_file(engine))
 
 
@@ -319,16 +338,23 @@ def load(engine, folder: Path) -> None:
     path = folder / TAG / accelerator_state_file(engine)
     state = torch.load(path, weights_only=True) if path.is_file() else {}
     if sorted(state) != sorted(flats):
-        saved, now = (f"the optimizer's sub-groups {sorted(groups)} on the accelerator, the rest offloaded" if groups
-                      else "no partly offloaded optimizer" for groups in (state, flats))
-        raise DeepSpeedError(f"checkpoint {folder} was written with {saved}, this run has {now}: resume it with the "
-                          f"actor.cpu_offload_ratio (and zero_optimization.sub_group_size) it was written with")
+        saved, now = (
+            f"the optimizer's sub-groups {sorted(groups)} on the accelerator, the rest offloaded"
+            if groups
+            else "no partly offloaded optimizer"
+            for groups in (state, flats)
+        )
+        raise DeepSpeedError(
+            f"checkpoint {folder} was written with {saved}, this run has {now}: resume it with the "
+            f"actor.cpu_offload_ratio (and zero_optimization.sub_group_size) it was written with"
+        )
     engine.load_checkpoint(str(folder), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False)
     backup, flats = accelerator_part(engine)  # (the partitions the engine holds now)
     for i, moments in state.items():
         if moments:  # (none before the first step)
-            backup.state[flats[i]] = {key: value if key == "step" else value.to(flats[i].device)
-                                      for key, value in moments.items()}
+            backup.state[flats[i]] = {
+                key: value if key == "step" else value.to(flats[i].device) for key, value in moments.items()
+            }
 
 
 def accelerator_state_file(engine) -> str:

@@ -32,8 +32,9 @@ class DistEnv:
     @classmethod
     def from_environment(cls) -> "DistEnv":
         """torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; a plain process is rank 0 of 1."""
-        return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
-                   int(os.environ.get("LOCAL_RANK", 0)))
+        return cls(
+            int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+        )
 
     def device(self, requested: str = "auto") -> torch.device:
         """This rank's device: on CUDA its local rank's GPU, whichever index ``requested`` names (a device this

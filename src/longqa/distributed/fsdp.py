@@ -13,8 +13,14 @@ from __future__ import annotations
 import torch
 
 
-def shard_model(root, layers, device: torch.device, cpu_offload: bool = False, mixed_precision: bool | None = None,
-                master_weights: str = "float32"):
+def shard_model(
+    root,
+    layers,
+    device: torch.device,
+    cpu_offload: bool = False,
+    mixed_precision: bool | None = None,
+    master_weights: str = "float32",
+):
     """Shard each of ``layers`` and then ``root`` (which holds them and the remaining parameters: the
     embedding, final norm and LM head) in place over the default process group; returns ``root``.
 
@@ -32,18 +38,21 @@ def shard_model(root, layers, device: torch.device, cpu_offload: bool = False, m
     # has (FSDP's default mesh would move a CPU run's shards to cuda:0 on a machine with a GPU).
     # Over the training ranks alone when the job has ranks that only sample (``env.init_split``).
     group = training_group()
-    options = {"mesh": init_device_mesh(device.type, (dist.get_world_size(),)) if group is None
-               else DeviceMesh.from_group(group, device.type)}
+    options = {
+        "mesh": init_device_mesh(device.type, (dist.get_world_size(),))
+        if group is None
+        else DeviceMesh.from_group(group, device.type)
+    }
     if mixed_precision is None:
         mixed_precision = device.type == "cuda"
     if mixed_precision:
         # No input casting: the inputs are token ids and longqa's own batch objects (FSDP's cast rebuilds
         # dataclasses field by field, which a dataclass with derived fields refuses), and the hidden
         # states between layers come out of bf16 weights already.
-        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                                    cast_forward_inputs=False)
-    options["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda") if cpu_offload \
-        else OffloadPolicy()
+        options["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False
+        )
+    options["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda") if cpu_offload else OffloadPolicy()
     masters = torch.float32 if mixed_precision and master_weights == "float32" else None
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
     cast([p for p in root.parameters() if id(p) not in in_layers], masters)

@@ -73,8 +73,14 @@ GENERATE_MASK_BYTES = 2 << 30
 
 
 @torch.inference_mode()
-def greedy_responses(model, tokenizer, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                     batch_size: int = 64, mask_bytes: int = GENERATE_MASK_BYTES) -> list[Response]:
+def greedy_responses(
+    model,
+    tokenizer,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    batch_size: int = 64,
+    mask_bytes: int = GENERATE_MASK_BYTES,
+) -> list[Response]:
     """Greedy responses in prompt order, batched by similar lengths (less padding), at most ``batch_size``
     prompts a batch and fewer where their attention mask would pass ``mask_bytes``. A response without a stop
     token ran to ``max_new_tokens`` (generate stops a batch early only when every row has stopped)."""
@@ -88,8 +94,10 @@ def greedy_responses(model, tokenizer, prompts: Sequence[Sequence[int]], max_new
     start = 0
     while start < len(order):
         end = start + 1  # the batch grows while its prefill's mask (rows x width x width floats) fits
-        while (end < min(start + batch_size, len(order))
-               and 4 * (end + 1 - start) * len(prompts[order[end]]) ** 2 <= mask_bytes):
+        while (
+            end < min(start + batch_size, len(order))
+            and 4 * (end + 1 - start) * len(prompts[order[end]]) ** 2 <= mask_bytes
+        ):
             end += 1
         chunk, start = order[start:end], end
         width = max(len(prompts[i]) for i in chunk)
@@ -97,32 +105,47 @@ def greedy_responses(model, tokenizer, prompts: Sequence[Sequence[int]], max_new
         mask = torch.zeros((len(chunk), width), dtype=torch.long)
         for row, i in enumerate(chunk):
             p = torch.as_tensor(list(prompts[i]), dtype=torch.long)
-            ids[row, width - len(p):], mask[row, width - len(p):] = p, 1
-        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
-                             max_new_tokens=max_new_tokens, eos_token_id=stops,
-                             pad_token_id=pad, temperature=None, top_p=None, top_k=None)
+            ids[row, width - len(p) :], mask[row, width - len(p) :] = p, 1
+        out = model.generate(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=stops,
+            pad_token_id=pad,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+        )
         stopped = torch.isin(out[:, width:], torch.as_tensor(stops, device=out.device)).any(dim=1).tolist()
         for row, i in enumerate(chunk):
-            responses[i] = Response(tokenizer.decode(out[row, width:], skip_special_tokens=True),
-                                    "stop" if stopped[row] else "length")
+            responses[i] = Response(
+                tokenizer.decode(out[row, width:], skip_special_tokens=True), "stop" if stopped[row] else "length"
+            )
     model.train(was_training)
     return responses
 
 
-def engine_greedy_responses(engine, tokenizer, prompts: Sequence[Sequence[int]],
-                            max_new_tokens: int) -> list[Response]:
+def engine_greedy_responses(engine, tokenizer, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[Response]:
     """Greedy responses from a rollout engine (the trainer's validation: the engine holds the whole current
     model even when training shards it); equal to ``greedy_responses`` up to float ties."""
     from longqa.rollout.base import SamplingParams
 
-    params = SamplingParams(n=1, temperature=0, max_new_tokens=max_new_tokens,
-                            stop_token_ids=tuple(stop_token_ids(tokenizer)), return_logprobs=False)
+    params = SamplingParams(
+        n=1,
+        temperature=0,
+        max_new_tokens=max_new_tokens,
+        stop_token_ids=tuple(stop_token_ids(tokenizer)),
+        return_logprobs=False,
+    )
     # Greedy needs no randomness, but a seeded engine draws seeds that are not given: fixed ones leave the global
     # generator (the training run's) untouched.
     seeds = [0] * len(prompts) if engine.seeded else None
     groups = engine.generate([list(p) for p in prompts], params, seeds=seeds)
-    return [Response(tokenizer.decode(group[0].token_ids, skip_special_tokens=True), group[0].finish_reason)
-            for group in groups]
+    return [
+        Response(tokenizer.decode(group[0].token_ids, skip_special_tokens=True), group[0].finish_reason)
+        for group in groups
+    ]
 
 
 def answer_engine(model, tokenizer, choice: str = "auto", batch_size: int = 64, dtype: torch.dtype | None = None):
@@ -168,8 +191,13 @@ def score_answers(meta: Sequence[dict], responses: Sequence[str], reward_fn: Rew
     for m, text in zip(meta, responses):
         truth = m["ground_truth"]
         answer = reward.extract_answer(text)
-        scored.append(Scored(reward_fn(m["data_source"], text, truth, m.get("extra_info")),
-                             reward.exact_match(answer, truth), reward.token_f1(answer, truth)))
+        scored.append(
+            Scored(
+                reward_fn(m["data_source"], text, truth, m.get("extra_info")),
+                reward.exact_match(answer, truth),
+                reward.token_f1(answer, truth),
+            )
+        )
     return scored
 
 
@@ -185,8 +213,12 @@ def summarize(meta: Sequence[dict], scored: Sequence[Scored]) -> dict:
     result = {}
     for source, rows in sorted(groups.items()):
         n = len(rows)
-        result[source] = {"n": n, "accuracy": sum(r.reward.score for r in rows) / n, "em": sum(r.em for r in rows) / n,
-                          "f1": sum(r.f1 for r in rows) / n}
+        result[source] = {
+            "n": n,
+            "accuracy": sum(r.reward.score for r in rows) / n,
+            "em": sum(r.em for r in rows) / n,
+            "f1": sum(r.f1 for r in rows) / n,
+        }
     if guesses:
         result["all"]["guess_baseline"] = sum(guesses) / len(guesses)
     return result
@@ -209,8 +241,10 @@ def summarize_by(meta: Sequence[dict], scored: Sequence[Scored], key: str) -> li
         value = (m.get("extra_info") or {}).get(key)
         if isinstance(value, int) and not isinstance(value, bool):
             groups[value].append(i)
-    return [{key: value, **summarize([meta[i] for i in rows], [scored[i] for i in rows])["all"]}
-            for value, rows in sorted(groups.items())]
+    return [
+        {key: value, **summarize([meta[i] for i in rows], [scored[i] for i in rows])["all"]}
+        for value, rows in sorted(groups.items())
+    ]
 
 
 def summarize_groups(meta: Sequence[dict], scored: Sequence[Scored]) -> dict[str, list[dict]]:
@@ -230,15 +264,34 @@ def sample_record(meta: dict, response: Response, scored: Scored, files: Sequenc
     response and why it ended (``finish_reason``: ``length`` when the token limit cut it)."""
     extra = meta.get("extra_info") or {}
     file = meta.get("file")
-    return {"data_source": meta["data_source"], "file": str(files[file]) if file is not None and files else file,
-            "row": meta.get("row"), **{key: extra[key] for key in SAMPLE_KEYS if key in extra},
-            "ground_truth": meta["ground_truth"], "answer": reward.extract_answer(response.text),
-            "score": scored.reward.score, "reason": scored.reward.reason, "em": scored.em, "f1": scored.f1,
-            "response": response.text, "finish_reason": response.finish_reason}
+    return {
+        "data_source": meta["data_source"],
+        "file": str(files[file]) if file is not None and files else file,
+        "row": meta.get("row"),
+        **{key: extra[key] for key in SAMPLE_KEYS if key in extra},
+        "ground_truth": meta["ground_truth"],
+        "answer": reward.extract_answer(response.text),
+        "score": scored.reward.score,
+        "reason": scored.reward.reason,
+        "em": scored.em,
+        "f1": scored.f1,
+        "response": response.text,
+        "finish_reason": response.finish_reason,
+    }
 
 
-def evaluate(model, tokenizer, prompts, max_new_tokens: int, batch_size: int = 64, samples_path: Path | None = None,
-             reward_fn: RewardFn | None = None, engine=None, shard=None, files: Sequence[str] = ()) -> dict:
+def evaluate(
+    model,
+    tokenizer,
+    prompts,
+    max_new_tokens: int,
+    batch_size: int = 64,
+    samples_path: Path | None = None,
+    reward_fn: RewardFn | None = None,
+    engine=None,
+    shard=None,
+    files: Sequence[str] = (),
+) -> dict:
     """Greedy answers for a PromptSet, scored by ``reward_fn`` (the hardened reward by default) with EM and F1;
     optionally every answer written as JSONL for inspection (``files``: the prompts' files, to name them). With
     ``engine`` (a rollout engine holding its own weights) the answers come from it instead of ``model``.
@@ -282,8 +335,9 @@ def check_model_folder(path: str | None, flag: str = "--model") -> None:
     if kind == CHECKPOINT:
         raise ModelFolderError(f"{flag} {path} is {CHECKPOINT}, not a model folder: {export}")
     if kind == RUN:
-        raise ModelFolderError(f"{flag} {path} is {RUN}, not a model folder: {export} (it exports the run's latest "
-                               f"complete checkpoint)")
+        raise ModelFolderError(
+            f"{flag} {path} is {RUN}, not a model folder: {export} (it exports the run's latest complete checkpoint)"
+        )
     if not (folder / "config.json").is_file() and not any(folder.glob("*.gguf")):
         why = "it is empty" if not any(folder.iterdir()) else "no config.json"
         raise ModelFolderError(f"{flag} {path} holds no model ({why}): give a model folder, hub id or GGUF file")
@@ -295,8 +349,7 @@ def describe_prompt_losses(prompts, options, name: str = "prompts") -> list[str]
     table."""
     from longqa.data.prompts import describe_losses
 
-    return describe_losses(prompts, name, options, length_setting="--max-prompt-length",
-                           skip_setting="--skip-bad-rows")
+    return describe_losses(prompts, name, options, length_setting="--max-prompt-length", skip_setting="--skip-bad-rows")
 
 
 def prompt_counts(prompts) -> dict:
@@ -307,11 +360,18 @@ def prompt_counts(prompts) -> dict:
     from longqa.data.prompts import tally
 
     stats = prompts.stats
-    return {"rows_read": stats.rows_read, "kept": stats.kept, "dropped_overlong": stats.overlong_filtered,
-            "bad_rows_skipped": stats.bad_rows, "prompts_truncated": stats.truncated,
-            "lost_by_source": [{"data_source": source, "rows": t.rows, "dropped": t.dropped,
-                                "truncated": t.truncated}
-                               for source, t in tally(prompts, "data_source").items() if t.lost]}
+    return {
+        "rows_read": stats.rows_read,
+        "kept": stats.kept,
+        "dropped_overlong": stats.overlong_filtered,
+        "bad_rows_skipped": stats.bad_rows,
+        "prompts_truncated": stats.truncated,
+        "lost_by_source": [
+            {"data_source": source, "rows": t.rows, "dropped": t.dropped, "truncated": t.truncated}
+            for source, t in tally(prompts, "data_source").items()
+            if t.lost
+        ],
+    }
 
 
 def describe_cut_responses(cut: int, n: int, max_new_tokens: int, setting: str = "--max-new-tokens") -> str:
@@ -319,22 +379,30 @@ def describe_cut_responses(cut: int, n: int, max_new_tokens: int, setting: str =
     without the answer it had not reached, and nothing in the accuracy alone tells that apart from a wrong one."""
     if not cut:
         return f"responses: none cut at {setting}={max_new_tokens}"
-    return (f"responses: {cut} of {n} cut at {setting}={max_new_tokens} before they ended, scored as they stand "
-            f"(most often without an answer): raise {setting} to let them finish")
+    return (
+        f"responses: {cut} of {n} cut at {setting}={max_new_tokens} before they ended, scored as they stand "
+        f"(most often without an answer): raise {setting} to let them finish"
+    )
 
 
 def format_table(result: dict) -> str:
     """The per-source scores; with ``result["reward_mode"]``, a first line that says which mode made ``acc``."""
-    lines = [f"acc: reward mode {result['reward_mode']}" + (f" ({result['reward_mode_from']})"
-                                                           if result.get("reward_mode_from") else "")
-             ] if result.get("reward_mode") else []
+    lines = (
+        [
+            f"acc: reward mode {result['reward_mode']}"
+            + (f" ({result['reward_mode_from']})" if result.get("reward_mode_from") else "")
+        ]
+        if result.get("reward_mode")
+        else []
+    )
     lines.append(f"{'data_source':32s} {'n':>6s} {'acc':>7s} {'em':>7s} {'f1':>7s}")
     for source, r in result.items():
         if isinstance(r, dict):
             lines.append(f"{source:32s} {r['n']:6d} {r['accuracy']:7.3f} {r['em']:7.3f} {r['f1']:7.3f}")
     if "guess_baseline" in result.get("all", {}):
-        lines.append(f"guessing baseline (1 / entities of the asked type in the context): "
-                     f"{result['all']['guess_baseline']:.3f}")
+        lines.append(
+            f"guessing baseline (1 / entities of the asked type in the context): {result['all']['guess_baseline']:.3f}"
+        )
     return "\n".join(lines)
 
 
@@ -344,8 +412,10 @@ def format_groups(result: dict) -> str:
     tables = []
     for name, key in GROUPINGS.items():
         lines = [f"{key:32s} {'n':>6s} {'acc':>7s} {'em':>7s} {'f1':>7s}"]
-        lines += [f"{g[key]:<32d} {g['n']:6d} {g['accuracy']:7.3f} {g['em']:7.3f} {g['f1']:7.3f}"
-                  for g in result.get(name, ())]
+        lines += [
+            f"{g[key]:<32d} {g['n']:6d} {g['accuracy']:7.3f} {g['em']:7.3f} {g['f1']:7.3f}"
+            for g in result.get(name, ())
+        ]
         if len(lines) > 1:
             tables.append("\n".join(lines))
     return "".join(f"\n\n{table}" for table in tables)

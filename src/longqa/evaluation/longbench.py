@@ -103,10 +103,13 @@ def read_longbench(data_dir: str | os.PathLike, limit: int | None = None) -> dic
 def to_row(dataset: str, example: dict) -> dict:
     """A LongBench row as a longqa row. LongBench's contexts already list "Passage N:" blocks, the way the
     recipe's rows do, so they go in unchanged."""
-    messages = with_system_prompt([{"role": "user", "content": qa_user_message(example["context"],
-                                                                               example["input"])}])
-    return make_row(f"longbench_{dataset}", messages, example["answers"],
-                    extra_info={"_id": example.get("_id"), "length": example["length"]})
+    messages = with_system_prompt([{"role": "user", "content": qa_user_message(example["context"], example["input"])}])
+    return make_row(
+        f"longbench_{dataset}",
+        messages,
+        example["answers"],
+        extra_info={"_id": example.get("_id"), "length": example["length"]},
+    )
 
 
 def middle_truncated(ids: list[int], max_length: int) -> list[int]:
@@ -116,14 +119,13 @@ def middle_truncated(ids: list[int], max_length: int) -> list[int]:
     if len(ids) <= max_length:
         return ids
     half = max_length // 2
-    return ids[:half] + ids[len(ids) - half:]
+    return ids[:half] + ids[len(ids) - half :]
 
 
 def prompt_ids(rows: list[dict], tokenizer, max_length: int) -> tuple[list[list[int]], int]:
     """Token ids of each row's chat-templated prompt, as ``prepare_prompts`` makes them (the template as
     text, then ids without added special tokens: the template has them), and how many were truncated."""
-    texts = tokenizer.apply_chat_template([row["prompt"] for row in rows], tokenize=False,
-                                          add_generation_prompt=True)
+    texts = tokenizer.apply_chat_template([row["prompt"] for row in rows], tokenize=False, add_generation_prompt=True)
     encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
     ids = [middle_truncated(list(e), max_length) for e in encoded]
     return ids, sum(len(i) < len(e) for i, e in zip(ids, encoded))
@@ -136,22 +138,33 @@ def prediction(response: str) -> str:
     return boxed if boxed is not None else response.strip()
 
 
-def write_predictions(out_dir: str | os.PathLike, dataset: str, examples: list[dict],
-                      predictions: list[str]) -> Path:
+def write_predictions(out_dir: str | os.PathLike, dataset: str, examples: list[dict], predictions: list[str]) -> Path:
     """``<dataset>.jsonl`` with the keys LongBench's pred.py writes and its eval.py reads."""
     path = Path(os.path.expanduser(str(out_dir))) / f"{dataset}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         for example, pred in zip(examples, predictions, strict=True):
-            line = {"pred": pred, "answers": example["answers"], "all_classes": example.get("all_classes"),
-                    "length": example["length"]}
+            line = {
+                "pred": pred,
+                "answers": example["answers"],
+                "all_classes": example.get("all_classes"),
+                "length": example["length"],
+            }
             f.write(json.dumps(line, ensure_ascii=False) + "\n")
     return path
 
 
-def predict(model, tokenizer, examples: dict[str, list[dict]], out_dir: str | os.PathLike, max_new_tokens: int,
-            max_prompt_length: int, batch_size: int = 64, samples_path: str | os.PathLike | None = None,
-            engine=None) -> dict:
+def predict(
+    model,
+    tokenizer,
+    examples: dict[str, list[dict]],
+    out_dir: str | os.PathLike,
+    max_new_tokens: int,
+    max_prompt_length: int,
+    batch_size: int = 64,
+    samples_path: str | os.PathLike | None = None,
+    engine=None,
+) -> dict:
     """Greedy answers to every example, written as LongBench prediction files (one per dataset), and
     optionally every full response as JSONL (with its ``finish_reason``); returns rows, prompts truncated,
     responses cut by ``max_new_tokens`` and seconds. ``engine``: a rollout engine that answers instead of
@@ -162,23 +175,40 @@ def predict(model, tokenizer, examples: dict[str, list[dict]], out_dir: str | os
     order = [(dataset, example) for dataset, rows in examples.items() for example in rows]
     ids, truncated = prompt_ids([to_row(d, e) for d, e in order], tokenizer, max_prompt_length)
     # All sets in one call: batches group similar lengths across sets, which pads less.
-    responses = (engine_greedy_responses(engine, tokenizer, ids, max_new_tokens) if engine is not None else
-                 greedy_responses(model, tokenizer, ids, max_new_tokens, batch_size))
+    responses = (
+        engine_greedy_responses(engine, tokenizer, ids, max_new_tokens)
+        if engine is not None
+        else greedy_responses(model, tokenizer, ids, max_new_tokens, batch_size)
+    )
     start_of = 0
     for dataset, rows in examples.items():
-        answers = [prediction(r.text) for r in responses[start_of:start_of + len(rows)]]
+        answers = [prediction(r.text) for r in responses[start_of : start_of + len(rows)]]
         write_predictions(out_dir, dataset, rows, answers)
         start_of += len(rows)
     if samples_path is not None:
         Path(samples_path).parent.mkdir(parents=True, exist_ok=True)
         with open(samples_path, "w", encoding="utf-8") as f:
             for (dataset, example), response in zip(order, responses):
-                f.write(json.dumps({"dataset": dataset, "_id": example.get("_id"), "pred": prediction(response.text),
-                                    "answers": example["answers"], "response": response.text,
-                                    "finish_reason": response.finish_reason}, ensure_ascii=False) + "\n")
-    return {"rows": len(order), "prompts_truncated": truncated,
-            "responses_cut": sum(1 for r in responses if r.finish_reason == "length"),
-            "seconds": time.perf_counter() - start}
+                f.write(
+                    json.dumps(
+                        {
+                            "dataset": dataset,
+                            "_id": example.get("_id"),
+                            "pred": prediction(response.text),
+                            "answers": example["answers"],
+                            "response": response.text,
+                            "finish_reason": response.finish_reason,
+                        },
+                        ensure_ascii=False,
+                    )
+                    + "\n"
+                )
+    return {
+        "rows": len(order),
+        "prompts_truncated": truncated,
+        "responses_cut": sum(1 for r in responses if r.finish_reason == "length"),
+        "seconds": time.perf_counter() - start,
+    }
 
 
 # --- LongBench's scoring ------------------------------------------------------------------------------
@@ -265,8 +295,9 @@ def score_folder(pred_dir: str | os.PathLike, datasets: tuple[str, ...] | list[s
     names = [n for n in DATASETS if (folder / f"{n}.jsonl").is_file()] if datasets is None else list(datasets)
     if not names:
         raise DataFileError(f"{folder} holds no prediction file to score: expected {expected}")
-    return {name: score_lines(read_predictions(folder / f"{name}.jsonl"), str(folder / f"{name}.jsonl"))
-            for name in names}
+    return {
+        name: score_lines(read_predictions(folder / f"{name}.jsonl"), str(folder / f"{name}.jsonl")) for name in names
+    }
 
 
 def save_result(pred_dir: str | os.PathLike, result: dict) -> Path:

@@ -64,13 +64,17 @@ def allow_length_buckets() -> None:
 def pack_mask(prompt_length: int, response_lengths: list[int], device=None, window: int | None = None) -> torch.Tensor:
     """``[L, L]`` bool for one pack: True where query row may attend to key column (and, with a sliding
     window, where the key's position is within ``window`` of the query's)."""
-    segment = torch.cat([torch.zeros(prompt_length, dtype=torch.long, device=device)] +
-                        [torch.full((n,), r + 1, dtype=torch.long, device=device) for r, n in enumerate(response_lengths)])
+    segment = torch.cat(
+        [torch.zeros(prompt_length, dtype=torch.long, device=device)]
+        + [torch.full((n,), r + 1, dtype=torch.long, device=device) for r, n in enumerate(response_lengths)]
+    )
     row = torch.arange(len(segment), device=device)
     mask = (row[:, None] >= row[None, :]) & ((segment[None, :] == 0) | (segment[None, :] == segment[:, None]))
     if window is not None:
-        position = torch.cat([torch.arange(prompt_length, device=device)] +
-                             [torch.arange(prompt_length, prompt_length + n, device=device) for n in response_lengths])
+        position = torch.cat(
+            [torch.arange(prompt_length, device=device)]
+            + [torch.arange(prompt_length, prompt_length + n, device=device) for n in response_lengths]
+        )
         mask &= position[:, None] - position[None, :] < window
     return mask
 
@@ -95,8 +99,11 @@ def _dense(query, key, value, pack: PackedBatch, scaling, spec: AttentionSpec):
     for start, prompt_length, response_lengths in pack.segments:
         end = start + prompt_length + sum(response_lengths)
         mask = pack_mask(prompt_length, response_lengths, query.device, spec.window)
-        parts.append(masked_attention(query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], mask,
-                                      scaling, spec.softcap))
+        parts.append(
+            masked_attention(
+                query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], mask, scaling, spec.softcap
+            )
+        )
     if end < query.shape[2]:  # the padding pack is never read
         parts.append(query.new_zeros(query.shape[0], query.shape[1], query.shape[2] - end, query.shape[3]))
     return torch.cat(parts, dim=2)
@@ -157,9 +164,15 @@ def block_mask(pack: PackedBatch, window: int | None = None):
 
     kv_num, kv_idx = as_kv(partial)
     full_num, full_idx = as_kv(full)
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=BLOCK,
-                                    mask_mod=mask_mod if window is None else window_mod,
-                                    seq_lengths=(pack.length, pack.length))
+    return BlockMask.from_kv_blocks(
+        kv_num,
+        kv_idx,
+        full_num,
+        full_idx,
+        BLOCK_SIZE=BLOCK,
+        mask_mod=mask_mod if window is None else window_mod,
+        seq_lengths=(pack.length, pack.length),
+    )
 
 
 @functools.cache
@@ -188,30 +201,43 @@ def prepare(pack: PackedBatch, spec: ModelSpec) -> None:
 def _softcap_mod(softcap: float):
     """flex_attention's score transform for logit soft-capping (one function per cap, so compiled kernels
     are reused)."""
+
     def score_mod(score, b, h, q, k):
         return torch.tanh(score / softcap) * softcap
+
     return score_mod
 
 
 def _flex(query, key, value, pack: PackedBatch, scaling, spec: AttentionSpec):
     if spec.window not in pack.block_masks:
-        raise UnsupportedModelError(f"no block mask was prepared for sliding window {spec.window}: the pack was "
-                                    f"prepared for windows {sorted(pack.block_masks, key=str)}")
+        raise UnsupportedModelError(
+            f"no block mask was prepared for sliding window {spec.window}: the pack was "
+            f"prepared for windows {sorted(pack.block_masks, key=str)}"
+        )
     if torch.compiler.is_compiling():  # inside a compiled decoder layer: traced into the layer's graph
         from torch.nn.attention.flex_attention import flex_attention as kernel
     else:
         kernel = _flex_kernel(query.is_cuda)
-    return kernel(query, key, value, block_mask=pack.block_masks[spec.window], scale=scaling,
-                  score_mod=_softcap_mod(spec.softcap) if spec.softcap else None,
-                  enable_gqa=key.shape[1] != query.shape[1])
+    return kernel(
+        query,
+        key,
+        value,
+        block_mask=pack.block_masks[spec.window],
+        scale=scaling,
+        score_mod=_softcap_mod(spec.softcap) if spec.softcap else None,
+        enable_gqa=key.shape[1] != query.shape[1],
+    )
 
 
 def _split(query, key, value, pack: PackedBatch, scaling, spec: AttentionSpec):
     if spec.window is not None or spec.softcap:
-        raise UnsupportedModelError("the split attention backend computes plain causal attention: this layer has "
-                                    "a sliding window or soft-capping (use actor.attention_backend=flex)")
-    return shared_prompt_attention(query, key, value, pack.split_layout,
-                                   scaling if scaling is not None else query.shape[-1] ** -0.5)
+        raise UnsupportedModelError(
+            "the split attention backend computes plain causal attention: this layer has "
+            "a sliding window or soft-capping (use actor.attention_backend=flex)"
+        )
+    return shared_prompt_attention(
+        query, key, value, pack.split_layout, scaling if scaling is not None else query.shape[-1] ** -0.5
+    )
 
 
 def resolve_backend(backend: str, device: torch.device, spec: ModelSpec, dtype: torch.dtype) -> str:
@@ -222,8 +248,9 @@ def resolve_backend(backend: str, device: torch.device, spec: ModelSpec, dtype: 
     if backend == "auto":
         return "flex" if device.type == "cuda" else "dense"
     if backend == "split":
-        problem = split_unsupported(device, dtype, spec.head_dim, spec.windows,
-                                    any(layer.softcap for layer in spec.layers.values()))
+        problem = split_unsupported(
+            device, dtype, spec.head_dim, spec.windows, any(layer.softcap for layer in spec.layers.values())
+        )
         if problem:
             raise UnsupportedModelError(f"actor.attention_backend=split cannot run this model: {problem}")
     return backend
@@ -239,18 +266,32 @@ def own_attention(module):
         return ALL_ATTENTION_FUNCTIONS[inner]
     eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
     if eager is None:
-        raise UnsupportedModelError(f"{type(module).__name__} has no eager_attention_forward beside it to hand "
-                                    f"plain forwards back to; load the model with attn_implementation='sdpa'")
+        raise UnsupportedModelError(
+            f"{type(module).__name__} has no eager_attention_forward beside it to hand "
+            f"plain forwards back to; load the model with attn_implementation='sdpa'"
+        )
     return eager
 
 
-def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, longqa_pack=None,
-               longqa_kv=None, longqa_probe=None, **kwargs):
+def _attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    scaling=None,
+    dropout=0.0,
+    longqa_pack=None,
+    longqa_kv=None,
+    longqa_probe=None,
+    **kwargs,
+):
     if longqa_kv is None and longqa_pack is None:
         if longqa_probe is not None:
             longqa_probe.calls.append((module, read_call(module, kwargs), query, key, value))
-        return own_attention(module)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                     **kwargs)
+        return own_attention(module)(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
     spec = read_call(module, kwargs)
     if longqa_kv is not None:
         # Contiguous, as transformers' own kernels return it (some modules view the output).
@@ -305,20 +346,28 @@ def _check_packed(model, spec: ModelSpec) -> None:
     model.eval()
     try:
         with torch.compiler.set_stance("force_eager"):
-            packed = model.base_model(input_ids=pack.input_ids, position_ids=pack.position_ids,
-                                      attention_mask=NO_MASK.to(device), use_cache=False,
-                                      longqa_pack=pack).last_hidden_state[0]
+            packed = model.base_model(
+                input_ids=pack.input_ids,
+                position_ids=pack.position_ids,
+                attention_mask=NO_MASK.to(device),
+                use_cache=False,
+                longqa_pack=pack,
+            ).last_hidden_state[0]
             for start, response in ((4, responses[0]), (6, responses[1])):
                 ids = torch.tensor([prompt + response], device=device)
                 plain = model.base_model(input_ids=ids, use_cache=False).last_hidden_state[0]
-                if not close(torch.cat([packed[:4], packed[start:start + len(response)]]), plain):
-                    raise UnsupportedModelError(f"longqa cannot train or sample {spec.model_type!r} models exactly: "
-                                                f"a packed forward differs from plain forwards of the same samples")
+                if not close(torch.cat([packed[:4], packed[start : start + len(response)]]), plain):
+                    raise UnsupportedModelError(
+                        f"longqa cannot train or sample {spec.model_type!r} models exactly: "
+                        f"a packed forward differs from plain forwards of the same samples"
+                    )
     except UnsupportedModelError:
         raise
     except Exception as err:
-        raise UnsupportedModelError(f"longqa cannot train or sample {spec.model_type!r} models exactly: a packed "
-                                    f"forward fails ({type(err).__name__}: {err})") from None
+        raise UnsupportedModelError(
+            f"longqa cannot train or sample {spec.model_type!r} models exactly: a packed "
+            f"forward fails ({type(err).__name__}: {err})"
+        ) from None
     finally:
         model.train(was_training)
 

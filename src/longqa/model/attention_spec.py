@@ -32,9 +32,24 @@ import torch
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 # Arguments a transformers attention module may pass that do not change the result of causal attention
 # over the keys it is given (bookkeeping for other kernels, or values longqa reads elsewhere).
-NEUTRAL_ARGUMENTS = frozenset({"dropout", "scaling", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k",
-                               "max_length_q", "max_length_k", "output_attentions", "deterministic", "layer_idx",
-                               "use_cache", "cache_position", "position_embeddings", "past_key_values"})
+NEUTRAL_ARGUMENTS = frozenset(
+    {
+        "dropout",
+        "scaling",
+        "position_ids",
+        "cu_seq_lens_q",
+        "cu_seq_lens_k",
+        "max_length_q",
+        "max_length_k",
+        "output_attentions",
+        "deterministic",
+        "layer_idx",
+        "use_cache",
+        "cache_position",
+        "position_embeddings",
+        "past_key_values",
+    }
+)
 PROBE_TOKENS = 8
 
 
@@ -119,8 +134,10 @@ def _check_config(config) -> None:
     model_type = config.model_type
     kinds = sorted(set(getattr(config, "layer_types", None) or ()) - set(ATTENTION_LAYER_TYPES))
     if kinds:
-        raise _refuse(model_type, f"it has {', '.join(kinds)} layers (longqa attends with "
-                                  f"{' and '.join(ATTENTION_LAYER_TYPES)} layers only)")
+        raise _refuse(
+            model_type,
+            f"it has {', '.join(kinds)} layers (longqa attends with {' and '.join(ATTENTION_LAYER_TYPES)} layers only)",
+        )
     if getattr(config, "attention_chunk_size", None):
         raise _refuse(model_type, "chunked attention (attention_chunk_size) is not implemented")
     if getattr(config, "use_bidirectional_attention", False):
@@ -168,14 +185,16 @@ def _probe(model, ids, positions) -> ModelSpec:
     model_type = model.config.model_type
     recorder = Recorder()
     try:
-        hidden = model.base_model(input_ids=ids, position_ids=positions, use_cache=False,
-                                  longqa_probe=recorder).last_hidden_state
+        hidden = model.base_model(
+            input_ids=ids, position_ids=positions, use_cache=False, longqa_probe=recorder
+        ).last_hidden_state
         expected = model(input_ids=ids, position_ids=positions, use_cache=False).logits
     except UnsupportedModelError:
         raise
     except Exception as err:  # a model that cannot take the probe's arguments cannot take longqa's either
-        raise _refuse(model_type, f"a forward with position_ids and longqa's arguments fails "
-                                  f"({type(err).__name__}: {err})") from None
+        raise _refuse(
+            model_type, f"a forward with position_ids and longqa's arguments fails ({type(err).__name__}: {err})"
+        ) from None
     spec = _spec_from_calls(model, recorder.calls)
     _check_positions(model, ids, positions, hidden)
     _check_logits(model, spec.logits, hidden, expected)
@@ -185,8 +204,10 @@ def _probe(model, ids, positions) -> ModelSpec:
 def _spec_from_calls(model, calls) -> ModelSpec:
     model_type = model.config.model_type
     if not calls:
-        raise _refuse(model_type, "its attention does not go through transformers' attention interface with "
-                                  "the forward's keyword arguments")
+        raise _refuse(
+            model_type,
+            "its attention does not go through transformers' attention interface with the forward's keyword arguments",
+        )
     modules = [call[0] for call in calls]
     if len({id(m) for m in modules}) != len(modules):
         raise _refuse(model_type, "a layer calls its attention more than once per forward")
@@ -194,11 +215,14 @@ def _spec_from_calls(model, calls) -> ModelSpec:
     attended = {id(m) for m in modules}
     silent = [i for i, layer in enumerate(layers) if not any(id(m) in attended for m in layer.modules())]
     if silent or (layers and len(modules) != len(layers)):
-        raise _refuse(model_type, f"decoder layers {silent or '?'} do not attend through the attention interface "
-                                  f"(state-space, convolution or linear-attention layers mix tokens across "
-                                  f"the packed responses)")
+        raise _refuse(
+            model_type,
+            f"decoder layers {silent or '?'} do not attend through the attention interface "
+            f"(state-space, convolution or linear-attention layers mix tokens across "
+            f"the packed responses)",
+        )
     specs, shapes = {}, set()
-    for index, (module, spec, q, k, v) in enumerate(calls):
+    for index, (module, spec, _, k, v) in enumerate(calls):
         specs[getattr(module, "layer_idx", index)] = spec
         shapes.add((k.shape[1], k.shape[-1], v.shape[-1]))
     if len(specs) != len(calls):
@@ -218,8 +242,10 @@ def _check_positions(model, ids, positions, hidden) -> None:
     moved[0, -1] += 3
     other = model.base_model(input_ids=ids, position_ids=moved, use_cache=False).last_hidden_state
     if torch.equal(other[0, -1], hidden[0, -1]):
-        raise _refuse(model.config.model_type, "it does not read token positions from position_ids (the packed "
-                                               "layout restarts them at every response)")
+        raise _refuse(
+            model.config.model_type,
+            "it does not read token positions from position_ids (the packed layout restarts them at every response)",
+        )
 
 
 def close(ours: torch.Tensor, expected: torch.Tensor) -> bool:
@@ -235,5 +261,7 @@ def close(ours: torch.Tensor, expected: torch.Tensor) -> bool:
 def _check_logits(model, logits: LogitsSpec, hidden, expected) -> None:
     head = model.get_output_embeddings()
     if not close(logits.apply(torch.nn.functional.linear(hidden, head.weight, head.bias).float()), expected):
-        raise _refuse(model.config.model_type, "its logits are not its LM head applied to the last hidden states "
-                                               "(up to logit scaling and soft-capping)")
+        raise _refuse(
+            model.config.model_type,
+            "its logits are not its LM head applied to the last hidden states (up to logit scaling and soft-capping)",
+        )

@@ -37,8 +37,10 @@ def _summary(reasons: list[str]) -> str:
         guard = " ".join(reason.split("\n", 1)[0].split())  # the guard, without Dynamo's user stack
         guard = re.sub(r"^\d+/\d+: ", "", guard)  # which cached graph it was
         kinds.setdefault(re.sub(r"expected \S+, actual", "actual", guard), []).append(guard)
-    return "; ".join(guards[0] if len(guards) == 1 else f"{kind} ({len(guards)} cached graphs)"
-                     for kind, guards in sorted(kinds.items(), key=lambda item: len(item[1])))
+    return "; ".join(
+        guards[0] if len(guards) == 1 else f"{kind} ({len(guards)} cached graphs)"
+        for kind, guards in sorted(kinds.items(), key=lambda item: len(item[1]))
+    )
 
 
 class CompileWatch:
@@ -63,10 +65,13 @@ class CompileWatch:
     def news(self, engine_events: bool = True) -> list[str]:
         """The lines since the last call; ``engine_events=False`` leaves the engine's out (they are still
         consumed): those that followed a request of another shape, which re-sizes the KV stores by design."""
-        lines = [f"recompiled {_where(code)}: {_summary(reasons[self._seen.get(code, 0):])}"
-                 for code, reasons in list(_guard_failures().items()) if len(reasons) > self._seen.get(code, 0)]
+        lines = [
+            f"recompiled {_where(code)}: {_summary(reasons[self._seen.get(code, 0) :])}"
+            for code, reasons in list(_guard_failures().items())
+            if len(reasons) > self._seen.get(code, 0)
+        ]
         events = self._engine_events()
         if engine_events:
-            lines += events[self._events:]
+            lines += events[self._events :]
         self._seen, self._events = self._counts(), len(events)
         return lines

@@ -26,8 +26,9 @@ def resolve_model_path(path: str | None) -> str:
     """``None`` is the embedded default; a path that looks local must exist."""
     if path is None:
         if not (EMBEDDED_MODEL / "config.json").is_file():
-            raise ModelError(f"the embedded default model is missing from {EMBEDDED_MODEL}; reinstall longqa or "
-                             f"set model.path")
+            raise ModelError(
+                f"the embedded default model is missing from {EMBEDDED_MODEL}; reinstall longqa or set model.path"
+            )
         return str(EMBEDDED_MODEL)
     local = Path(os.path.expanduser(path))
     if local.exists():
@@ -70,8 +71,10 @@ def load_model_config(path: str | None = None, gguf_file: str | None = None):
         return AutoConfig.from_pretrained(source, **({"gguf_file": file} if file else {}))
     except (OSError, ValueError) as e:  # (offline, a missing folder, no config.json in it, an unreadable file)
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ModelError(f"cannot read the model config of model.path={path or source}"
-                         f"{' / ' + gguf_file if gguf_file else ''} ({reason})") from None
+        raise ModelError(
+            f"cannot read the model config of model.path={path or source}"
+            f"{' / ' + gguf_file if gguf_file else ''} ({reason})"
+        ) from None
 
 
 def load_model_tokenizer(path: str | None = None, gguf_file: str | None = None):
@@ -87,10 +90,18 @@ def config_tokenizer(model_cfg):
     return load_model_tokenizer(model_cfg.path, model_cfg.gguf_file)
 
 
-def load_model(path: str | None = None, *, gguf_file: str | None = None, dtype: str = "float32",
-               attn_implementation: str = "sdpa", gradient_checkpointing: bool = False,
-               checkpoint_fraction: float = 1.0, activation_offload: float = 0.0,
-               device: str | torch.device = "cpu", tokenizer=None):
+def load_model(
+    path: str | None = None,
+    *,
+    gguf_file: str | None = None,
+    dtype: str = "float32",
+    attn_implementation: str = "sdpa",
+    gradient_checkpointing: bool = False,
+    checkpoint_fraction: float = 1.0,
+    activation_offload: float = 0.0,
+    device: str | torch.device = "cpu",
+    tokenizer=None,
+):
     """(model, tokenizer) ready for training: any transformers causal LM (Qwen3, Qwen2, Llama, ...), from a folder,
     a hub id or a GGUF file. A GGUF's weights are dequantized as they load, into an ordinary dense model: it
     trains, checkpoints and saves as safetensors like any other."""
@@ -98,15 +109,19 @@ def load_model(path: str | None = None, *, gguf_file: str | None = None, dtype: 
 
     source, gguf_file = _source(path, gguf_file)
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype],
-                                                     attn_implementation=attn_implementation,
-                                                     **(_dense_gguf(gguf_file) if gguf_file else {}))
+        model = AutoModelForCausalLM.from_pretrained(
+            source,
+            dtype=DTYPES[dtype],
+            attn_implementation=attn_implementation,
+            **(_dense_gguf(gguf_file) if gguf_file else {}),
+        )
         tokenizer = tokenizer or load_model_tokenizer(source, gguf_file)
     except (ModelError, TokenizerError):
         raise
     except Exception as e:  # transformers raises many kinds; the user needs the path and the cause
-        raise ModelError(f"cannot load a causal LM from {source}{' / ' + gguf_file if gguf_file else ''}: "
-                         f"{type(e).__name__}: {e}") from None
+        raise ModelError(
+            f"cannot load a causal LM from {source}{' / ' + gguf_file if gguf_file else ''}: {type(e).__name__}: {e}"
+        ) from None
     arrange_layer_memory(model, checkpoint_fraction if gradient_checkpointing else 0.0, activation_offload)
     return model.to(device), tokenizer
 
@@ -150,8 +165,10 @@ def arrange_layer_memory(model, checkpoint_fraction: float = 0.0, offload_fracti
     layers = len(model.base_model.layers)
     offloaded = round(offload_fraction * layers)
     if offloaded + round(checkpoint_fraction * layers) > layers:
-        raise ModelError(f"{offloaded} offloaded and {round(checkpoint_fraction * layers)} recomputed layers are "
-                         f"more than the model's {layers}")
+        raise ModelError(
+            f"{offloaded} offloaded and {round(checkpoint_fraction * layers)} recomputed layers are "
+            f"more than the model's {layers}"
+        )
     checkpoint_layers(model, checkpoint_fraction, first=offloaded)
     return offload_layers(model, offload_fraction)
 
@@ -170,8 +187,9 @@ def _plain_rope(config) -> str | None:
     return f"RoPE type {kind!r}" if kind else "no plain rotary embedding"
 
 
-def position_limit_warning(config, prompt_tokens: int, response_tokens: int, prompt_setting: str,
-                           response_setting: str) -> str | None:
+def position_limit_warning(
+    config, prompt_tokens: int, response_tokens: int, prompt_setting: str, response_setting: str
+) -> str | None:
     """What to say when prompts of up to ``prompt_tokens`` plus responses of up to ``response_tokens`` pass the
     model's position limit (None when they fit). A plain-RoPE model computes any position's rotation, so it runs
     past its limit, on positions it was never trained on: said, not refused. Any other model cannot: refused,
@@ -181,12 +199,16 @@ def position_limit_warning(config, prompt_tokens: int, response_tokens: int, pro
     if limit is None or need <= limit:
         return None
     if (other := _plain_rope(config)) is not None:
-        raise ModelError(f"prompts of up to {prompt_tokens} tokens ({prompt_setting}) and responses of up to "
-                         f"{response_tokens} ({response_setting}) need {need} positions, more than the model's "
-                         f"{limit}, and a model with {other} has none past them: lower one of the two")
-    return (f"warning: prompts of up to {prompt_tokens} tokens and responses of up to {response_tokens} reach "
-            f"position {need}, past the {limit} the model was built for; its rotary embedding extends to them, but "
-            f"it was not trained there (`longqa sft --max-positions` trains a model for them)")
+        raise ModelError(
+            f"prompts of up to {prompt_tokens} tokens ({prompt_setting}) and responses of up to "
+            f"{response_tokens} ({response_setting}) need {need} positions, more than the model's "
+            f"{limit}, and a model with {other} has none past them: lower one of the two"
+        )
+    return (
+        f"warning: prompts of up to {prompt_tokens} tokens and responses of up to {response_tokens} reach "
+        f"position {need}, past the {limit} the model was built for; its rotary embedding extends to them, but "
+        f"it was not trained there (`longqa sft --max-positions` trains a model for them)"
+    )
 
 
 def raise_position_limit(config, positions: int) -> None:
@@ -198,8 +220,10 @@ def raise_position_limit(config, positions: int) -> None:
     their frequencies from the old limit, and learned position embeddings are a table of that size, so
     both are refused rather than silently changed."""
     if (other := _plain_rope(config)) is not None:
-        raise ModelError(f"cannot change the position limit of a {config.model_type} model with {other}: only "
-                         f"plain RoPE models take positions past the limit they were built with")
+        raise ModelError(
+            f"cannot change the position limit of a {config.model_type} model with {other}: only "
+            f"plain RoPE models take positions past the limit they were built with"
+        )
     if positions < 1:
         raise ModelError(f"the position limit must be at least 1, got {positions}")
     config.max_position_embeddings = positions
@@ -223,17 +247,34 @@ def pick_device(name: str = "auto", setting: str = "trainer.device") -> torch.de
     return device
 
 
-def qwen3_config(vocab_size: int, hidden_size: int = 256, num_layers: int = 4, num_heads: int = 4,
-                 num_kv_heads: int = 2, intermediate_size: int | None = None, max_positions: int = 4096,
-                 eos_token_id: int | None = None, pad_token_id: int | None = None):
+def qwen3_config(
+    vocab_size: int,
+    hidden_size: int = 256,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int | None = None,
+    max_positions: int = 4096,
+    eos_token_id: int | None = None,
+    pad_token_id: int | None = None,
+):
     """A Qwen3 config of any size: the embedded default and the tests build their models from it."""
     from transformers import Qwen3Config
 
-    return Qwen3Config(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
-                       num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                       head_dim=hidden_size // num_heads, intermediate_size=intermediate_size or 3 * hidden_size,
-                       max_position_embeddings=max_positions, tie_word_embeddings=True, rope_theta=10000.0,
-                       eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    return Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads,
+        intermediate_size=intermediate_size or 3 * hidden_size,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+    )
 
 
 def compile_decoder_layers(model, backend: str = "inductor", with_hooks: bool = True) -> int:

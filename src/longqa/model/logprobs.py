@@ -28,8 +28,9 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
 
 
-def _head_chunk(hidden: torch.Tensor, weight: torch.Tensor, bias, targets: torch.Tensor, temperature: float,
-                logits_spec: LogitsSpec):
+def _head_chunk(
+    hidden: torch.Tensor, weight: torch.Tensor, bias, targets: torch.Tensor, temperature: float, logits_spec: LogitsSpec
+):
     logits = logits_spec.apply(torch.nn.functional.linear(hidden, weight, bias).float())
     if temperature != 1.0:
         logits = logits / temperature
@@ -46,8 +47,9 @@ def _compiled_head_chunk():
     return torch.compile(_head_chunk, dynamic=True, options={"shape_padding": False})
 
 
-def chunked_head(model, states: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                 chunk_size: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
+def chunked_head(
+    model, states: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, chunk_size: int = 2048
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of each target given its hidden state, and the entropy there: ``[K]`` each. The model's
     logit transforms (``attention_spec.logits_spec``) apply, as in its own forward."""
     head = model.get_output_embeddings()
@@ -68,8 +70,14 @@ def chunked_head(model, states: torch.Tensor, targets: torch.Tensor, temperature
     return torch.cat(logp_parts), torch.cat(ent_parts)
 
 
-def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, target_mask: torch.Tensor,
-                   temperature: float = 1.0, chunk_size: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logprobs(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    target_mask: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_size: int = 2048,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logp, entropy)``, both ``[B, L]``: at every position ``j`` with ``target_mask[:, j]``, the
     log-prob of ``input_ids[:, j]`` given the tokens before it (and the entropy of that distribution);
     zeros elsewhere. Differentiable when grad is enabled. ``temperature`` divides the logits, as the
@@ -87,15 +95,20 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     return logp, entropy
 
 
-def packed_logprobs(model, pack: PackedBatch, temperature: float = 1.0,
-                    chunk_size: int = 2048) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def packed_logprobs(
+    model, pack: PackedBatch, temperature: float = 1.0, chunk_size: int = 2048
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(logp, entropy, mask)``, each ``[len(pack.samples), longest response]``, one row per sample in
     ``pack.samples`` order: the shared-prompt layout's response-token log-probs (``model/packing.py``).
     The model is routed through longqa's attention (``use_longqa_attention``) if it is not yet."""
     prepare(pack, use_longqa_attention(model))
-    hidden = model.base_model(input_ids=pack.input_ids, position_ids=pack.position_ids,
-                              attention_mask=NO_MASK.to(pack.input_ids.device), use_cache=False,
-                              longqa_pack=pack).last_hidden_state
+    hidden = model.base_model(
+        input_ids=pack.input_ids,
+        position_ids=pack.position_ids,
+        attention_mask=NO_MASK.to(pack.input_ids.device),
+        use_cache=False,
+        longqa_pack=pack,
+    ).last_hidden_state
     logp_flat, ent_flat = chunked_head(model, hidden[0, pack.predict_at], pack.targets, temperature, chunk_size)
     mask = pack.response_mask().to(pack.input_ids.device)
     logp = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_scatter(mask, logp_flat)

@@ -143,8 +143,9 @@ def _restride(t: torch.Tensor, saved: _Saved) -> torch.Tensor:
     return torch.empty_strided(saved.size, saved.stride, dtype=t.dtype, device=t.device).copy_(t)
 
 
-def offload_layers(model, fraction: float, lookahead: int | None = None,
-                   min_bytes: int = MIN_BYTES) -> ActivationOffload | None:
+def offload_layers(
+    model, fraction: float, lookahead: int | None = None, min_bytes: int = MIN_BYTES
+) -> ActivationOffload | None:
     """Keep the activations of the first ``fraction`` of the decoder layers in host memory during
     training; returns the offload (None when no layer is offloaded). Layers recomputed by
     ``checkpoint_layers`` must come after the offloaded ones."""
@@ -155,10 +156,12 @@ def offload_layers(model, fraction: float, lookahead: int | None = None,
     if not count:
         return None
     offload = ActivationOffload(count, lookahead, min_bytes)
-    for i, layer in enumerate(layers[:count + offload.lookahead]):
+    for i, layer in enumerate(layers[: count + offload.lookahead]):
         if not isinstance(layer, GradientCheckpointingLayer):
-            raise TypeError(f"{type(layer).__name__} is not a transformers GradientCheckpointingLayer: its "
-                            f"activations cannot be offloaded")
+            raise TypeError(
+                f"{type(layer).__name__} is not a transformers GradientCheckpointingLayer: its "
+                f"activations cannot be offloaded"
+            )
         inner = layer._gradient_checkpointing_func if layer.gradient_checkpointing else None
         if i < count and inner is not None:
             raise ValueError(f"decoder layer {i} is both recomputed and offloaded; offloaded layers come first")

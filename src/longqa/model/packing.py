@@ -35,8 +35,9 @@ class Pack:
         return len(self.prompt) + sum(self.response_lengths)
 
 
-def plan_packs(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], groups: list[list[int]],
-               budget: int) -> list[list[Pack]]:
+def plan_packs(
+    prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], groups: list[list[int]], budget: int
+) -> list[list[Pack]]:
     """Micro-batches of packs whose packed length fits ``budget`` tokens.
 
     ``groups`` lists the sample indices sharing each prompt. A group is never split across
@@ -103,8 +104,13 @@ class PackedBatch:
         pinned = torch.device(device).type == "cuda"
         for name in ("input_ids", "position_ids", "pack_id", "segment_id", "predict_at", "targets"):
             tensor = getattr(self, name)
-            setattr(self, name, (tensor.pin_memory() if pinned and tensor.device.type == "cpu" else tensor)
-                    .to(device, non_blocking=True))
+            setattr(
+                self,
+                name,
+                (tensor.pin_memory() if pinned and tensor.device.type == "cpu" else tensor).to(
+                    device, non_blocking=True
+                ),
+            )
         return self
 
     def response_mask(self) -> torch.Tensor:
@@ -152,6 +158,15 @@ def build_packed_batch(packs: list[Pack], response_ids: Sequence[Sequence[int]],
     prompt_last = torch.as_tensor([segment[0] + segment[1] - 1 for segment in segments], **long)
     opens = offset[response_rows] == 0
     predict_at[opens] = prompt_last[pack_id[response_rows[opens]].long()]
-    return PackedBatch(input_ids=ids[None], position_ids=positions[None], samples=samples, response_lengths=lengths,
-                       segments=segments, pack_id=pack_id, segment_id=segment_id, predict_at=predict_at,
-                       targets=ids[response_rows], pad_to=pad_to)
+    return PackedBatch(
+        input_ids=ids[None],
+        position_ids=positions[None],
+        samples=samples,
+        response_lengths=lengths,
+        segments=segments,
+        pack_id=pack_id,
+        segment_id=segment_id,
+        predict_at=predict_at,
+        targets=ids[response_rows],
+        pad_to=pad_to,
+    )

@@ -73,8 +73,9 @@ def _round_up(n: int, step: int) -> int:
     return -(-n // step) * step
 
 
-def split_layout(segments: list[tuple[int, int, list[int]]], step: int, device,
-                 prompt_step: int | None = None) -> SplitLayout:
+def split_layout(
+    segments: list[tuple[int, int, list[int]]], step: int, device, prompt_step: int | None = None
+) -> SplitLayout:
     """The layout of a packed row whose packs are ``segments`` (``PackedBatch.segments``); prefix query
     lengths are rounded up to ``step`` (the row's padding step), prompt keys down to ``prompt_step``
     (default ``PROMPT_STEP``). The row's end padding is no pack: it is never read, so it is not attended."""
@@ -92,19 +93,36 @@ def split_layout(segments: list[tuple[int, int, list[int]]], step: int, device,
         width = _round_up(max(map(len, sequences), default=0), RESPONSE_STEP)
         in_rows = [row for seq in sequences for row in seq]
         in_slots = [j * width + i for j, seq in enumerate(sequences) for i in range(len(seq))]
-        out_slots = list(range(len(tail))) + [j * width + len(tail) + i
-                                              for j, rows in enumerate(responses, start=1 if tail else 0)
-                                              for i in range(len(rows))]
+        out_slots = list(range(len(tail))) + [
+            j * width + len(tail) + i
+            for j, rows in enumerate(responses, start=1 if tail else 0)
+            for i in range(len(rows))
+        ]
         length = prompt + sum(lengths)
 
         def as_tensor(values):
             return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
-        packs.append(PackRows(start, prompt, main, length, _round_up(length, max(step, 1)), len(sequences), width,
-                              as_tensor(in_rows), as_tensor(in_slots), as_tensor(out_slots)))
+
+        packs.append(
+            PackRows(
+                start,
+                prompt,
+                main,
+                length,
+                _round_up(length, max(step, 1)),
+                len(sequences),
+                width,
+                as_tensor(in_rows),
+                as_tensor(in_slots),
+                as_tensor(out_slots),
+            )
+        )
     return SplitLayout(packs)
 
 
-def unsupported_reason(device: torch.device, dtype: torch.dtype, head_dim: int, windows, softcapped: bool) -> str | None:
+def unsupported_reason(
+    device: torch.device, dtype: torch.dtype, head_dim: int, windows, softcapped: bool
+) -> str | None:
     """Why the split backend cannot run a model (it computes plain causal softmax attention only), or None."""
     if windows - {None}:
         return "its layers use sliding windows"
@@ -124,6 +142,7 @@ def unsupported_reason(device: torch.device, dtype: torch.dtype, head_dim: int, 
 # [b, kv_heads, Lk, d] keys, returning the output and its log-sum-exp [b, heads, Lq, 1] (float32), and its
 # backward from a given output and log-sum-exp.
 
+
 def attend(q, k, v, scale: float):
     if q.is_cuda:
         r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)
@@ -135,7 +154,8 @@ def attend_backward(grad, q, k, v, out, lse, state, scale: float):
     if q.is_cuda:
         cum_q, cum_k, max_q, max_k, seed, offset = state
         return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            grad, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, True, scale=scale)
+            grad, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, True, scale=scale
+        )
     return _reference_backward(grad, q, k, v, out, lse, scale)
 
 
@@ -171,10 +191,12 @@ def _reference_backward(grad, q, k, v, out, lse, scale):
     def per_kv_head(t):
         b, _, length, d = t.shape
         return t.view(b, k.shape[1], repeat, length, d).sum(2)
+
     return dq.to(q.dtype), per_kv_head(dk).to(k.dtype), per_kv_head(dv).to(v.dtype)
 
 
 # Layout helpers: the row is kept as [T, heads, d]; the kernels take [b, heads, L, d] views of it.
+
 
 def _heads_first(t):
     """``[L, heads, d]`` -> ``[1, heads, L, d]`` (a view)."""
@@ -190,10 +212,10 @@ def _slice(t, start: int, length: int, keep: int | None = None):
     """Rows ``start:start + length`` of ``t`` ``[T, ...]``, zero-filled past the end of ``t`` (or past
     ``keep`` rows, when only those may be non-zero)."""
     if keep is None and start + length <= t.shape[0]:
-        return t[start:start + length]
+        return t[start : start + length]
     keep = min(keep if keep is not None else length, t.shape[0] - start)
     out = t.new_zeros((length, *t.shape[1:]))
-    out[:keep] = t[start:start + keep]
+    out[:keep] = t[start : start + keep]
     return out
 
 
@@ -206,8 +228,11 @@ def _gather(t, pack: PackRows, rows, slots):
 
 
 def _prefix(q, k, v, pack: PackRows):
-    return (_heads_first(_slice(q, pack.start, pack.padded)), _heads_first(k[pack.start:pack.start + pack.main]),
-            _heads_first(v[pack.start:pack.start + pack.main]))
+    return (
+        _heads_first(_slice(q, pack.start, pack.padded)),
+        _heads_first(k[pack.start : pack.start + pack.main]),
+        _heads_first(v[pack.start : pack.start + pack.main]),
+    )
 
 
 def _own(q, k, v, pack: PackRows):
@@ -239,12 +264,13 @@ class _SharedPromptAttention(torch.autograd.Function):
                 if main:
                     first = m[main:L]
                     total = torch.logaddexp(first, rest_m)
-                    mixed = (o[main:L].to(total.dtype) * torch.exp(first - total) +
-                             rest_o.to(total.dtype) * torch.exp(rest_m - total))
+                    mixed = o[main:L].to(total.dtype) * torch.exp(first - total) + rest_o.to(total.dtype) * torch.exp(
+                        rest_m - total
+                    )
                     rest_o, rest_m = mixed.to(o.dtype), total
-                out[s + main:s + L], lse[s + main:s + L] = rest_o, rest_m
+                out[s + main : s + L], lse[s + main : s + L] = rest_o, rest_m
             if main:
-                out[s:s + main], lse[s:s + main] = o[:main], m[:main]
+                out[s : s + main], lse[s : s + main] = o[:main], m[:main]
             saved.append((prefix_state, own_state, own_lse, beyond))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.layout, ctx.saved, ctx.scale = layout, saved, scale
@@ -255,21 +281,21 @@ class _SharedPromptAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         scale = ctx.scale
         dq = torch.zeros(q.shape, dtype=torch.float32 if q.dtype in HALF_DTYPES else q.dtype, device=q.device)
-        dk, dv = torch.zeros_like(dq[:, :k.shape[1]]), torch.zeros_like(dq[:, :k.shape[1]])
+        dk, dv = torch.zeros_like(dq[:, : k.shape[1]]), torch.zeros_like(dq[:, : k.shape[1]])
         for pack, (prefix_state, own_state, own_lse, beyond) in zip(ctx.layout.packs, ctx.saved):
             s, main, L = pack.start, pack.main, pack.length
             if main:
                 g = _heads_first(_slice(grad, s, pack.padded, keep=L))
                 o = _heads_first(_slice(out, s, pack.padded, keep=L))
-                m = torch.cat([lse[s:s + L], beyond]).transpose(0, 1)[None].contiguous()
+                m = torch.cat([lse[s : s + L], beyond]).transpose(0, 1)[None].contiguous()
                 dq_p, dk_p, dv_p = attend_backward(g, *_prefix(q, k, v, pack), o, m, prefix_state, scale)
-                dq[s:s + L] += _rows_first(dq_p)[:L]
-                dk[s:s + main] += _rows_first(dk_p)
-                dv[s:s + main] += _rows_first(dv_p)
+                dq[s : s + L] += _rows_first(dq_p)[:L]
+                dk[s : s + main] += _rows_first(dk_p)
+                dv[s : s + main] += _rows_first(dv_p)
             if pack.sequences:
                 rows = torch.arange(s + main, s + L, device=q.device)
                 g, o = (_gather(t, pack, rows, pack.out_slots).transpose(1, 2) for t in (grad, out))
-                m = own_lse.index_copy(0, pack.out_slots, lse[s + main:s + L])  # merged where the output is kept
+                m = own_lse.index_copy(0, pack.out_slots, lse[s + main : s + L])  # merged where the output is kept
                 m = m.view(pack.sequences, pack.width, -1, 1).transpose(1, 2).contiguous()
                 grads = attend_backward(g, *_own(q, k, v, pack), o, m, own_state, scale)
                 for total, part in zip((dq, dk, dv), grads):

@@ -27,8 +27,9 @@ def load_tokenizer(path: str | os.PathLike, gguf_file: str | None = None):
         raise TokenizerError(f"tokenizer path {path} does not exist")
     where = f"{path}/{gguf_file}" if gguf_file else str(path)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(local) if local.exists() else str(path),
-                                                  **({"gguf_file": gguf_file} if gguf_file else {}))
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(local) if local.exists() else str(path), **({"gguf_file": gguf_file} if gguf_file else {})
+        )
     except Exception as e:
         raise TokenizerError(f"cannot load a tokenizer from {where}: {type(e).__name__}: {e}") from None
     if getattr(tokenizer, "backend_tokenizer", None) is None:
@@ -37,8 +38,10 @@ def load_tokenizer(path: str | os.PathLike, gguf_file: str | None = None):
         raise TokenizerError(f"the tokenizer at {where} has no chat template; prompts cannot be rendered")
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token_id is None:
-            raise TokenizerError(f"the tokenizer at {where} has neither a pad nor an EOS token: add a pad token "
-                                 f"to its tokenizer_config.json")
+            raise TokenizerError(
+                f"the tokenizer at {where} has neither a pad nor an EOS token: add a pad token "
+                f"to its tokenizer_config.json"
+            )
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
@@ -74,8 +77,18 @@ def train_tokenizer(texts, vocab_size: int = 2048):
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(CHATML_SPECIALS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(CHATML_SPECIALS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     core.train_from_iterator(texts, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=core, chat_template=CHATML_TEMPLATE, eos_token="<|im_end|>",
-                                   pad_token="<|endoftext|>", bos_token=None, unk_token=None)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        chat_template=CHATML_TEMPLATE,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        unk_token=None,
+    )

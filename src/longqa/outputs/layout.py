@@ -18,10 +18,22 @@ MARKER, TRAINER_STATE = "COMPLETE", "trainer_state.json"
 # The files of a Hugging Face folder that an export writes (``save_pretrained`` of a model and of its tokenizer). An
 # output folder that holds only such files is a previous export, which a new export replaces; any other file in it
 # (an sft model card, a run's checkpoints) would end up beside weights it does not describe.
-EXPORT_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
-                "model-*-of-*.safetensors", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "added_tokens.json",
-                "tokenizer.model")
+EXPORT_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "model-*-of-*.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "tokenizer.model",
+)
 
 # The files ``longqa sft`` writes beside a model's: its model card and the summary by which its folders are known.
 MODEL_CARD, SFT_SUMMARY = "README.md", "sft_summary.json"

@@ -82,8 +82,14 @@ def _alive(pid: int, started: str | None) -> bool:
 
 def _this_run(token: str) -> dict:
     pid = os.getpid()
-    return {"host": socket.gethostname(), "pid": pid, "started": time.time(), "token": token,
-            "machine": _machine(), "process_start": _process_start(pid)}
+    return {
+        "host": socket.gethostname(),
+        "pid": pid,
+        "started": time.time(),
+        "token": token,
+        "machine": _machine(),
+        "process_start": _process_start(pid),
+    }
 
 
 def _describe(holder: dict) -> str:
@@ -101,8 +107,10 @@ def _stale(holder: dict, age: float) -> str | None:
             return "its process is gone"
         return None
     if age > STALE_S:
-        return (f"not refreshed for {age / 60:.0f} minutes, longer than the {STALE_S / 60:.0f} a live run on another "
-                f"host allows")
+        return (
+            f"not refreshed for {age / 60:.0f} minutes, longer than the {STALE_S / 60:.0f} a live run on another "
+            f"host allows"
+        )
     return None
 
 
@@ -165,13 +173,18 @@ def _take(lock: Path, record: dict, say: Callable[[str], Any], folder: str) -> N
         seen, holder, age = found
         why = _stale(holder, age)
         if why is None:
-            raise RunFolderBusy(f"trainer.output_dir={folder} is in use by another run ({_describe(holder)}): wait for "
-                                f"it to end or stop it, or give this run another trainer.output_dir")
+            raise RunFolderBusy(
+                f"trainer.output_dir={folder} is in use by another run ({_describe(holder)}): wait for "
+                f"it to end or stop it, or give this run another trainer.output_dir"
+            )
         _discard(lock, seen)
-        say(f"note: trainer.output_dir={folder} was held by a run that is gone ({_describe(holder)}; {why}): this run "
-            f"takes it over")
-    raise RunFolderBusy(f"trainer.output_dir={folder}: its lock ({lock}) keeps changing hands; is another run starting "
-                        f"there?")
+        say(
+            f"note: trainer.output_dir={folder} was held by a run that is gone ({_describe(holder)}; {why}): this run "
+            f"takes it over"
+        )
+    raise RunFolderBusy(
+        f"trainer.output_dir={folder}: its lock ({lock}) keeps changing hands; is another run starting there?"
+    )
 
 
 def _refresh(lock: Path, stop: threading.Event) -> None:
@@ -182,8 +195,9 @@ def _refresh(lock: Path, stop: threading.Event) -> None:
 
 
 @contextlib.contextmanager
-def hold_run_folder(run_dir: str | os.PathLike, *, holder: bool = True, job: str | None = None,
-                    say: Callable[[str], Any] = print) -> Iterator[str | None]:
+def hold_run_folder(
+    run_dir: str | os.PathLike, *, holder: bool = True, job: str | None = None, say: Callable[[str], Any] = print
+) -> Iterator[str | None]:
     """Hold ``run_dir`` (``trainer.output_dir``, made if missing) for the run inside the ``with``; yields the token
     that the job's other processes are given to recognise the lock by. ``holder``: whether this process takes it
     (rank 0 of a job; the other ranks do nothing). ``job``: the token of the lock the job's driver holds (a Ray
@@ -196,8 +210,10 @@ def hold_run_folder(run_dir: str | os.PathLike, *, holder: bool = True, job: str
     if job is not None:
         found = _read(lock)
         if found is not None and found[1].get("token") != job:
-            raise RunFolderBusy(f"trainer.output_dir={run_dir} is in use by another run ({_describe(found[1])}), not "
-                                f"this job's driver: give this run another trainer.output_dir")
+            raise RunFolderBusy(
+                f"trainer.output_dir={run_dir} is in use by another run ({_describe(found[1])}), not "
+                f"this job's driver: give this run another trainer.output_dir"
+            )
         yield job
         return
     run_dir.mkdir(parents=True, exist_ok=True)

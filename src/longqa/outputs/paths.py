@@ -31,12 +31,21 @@ from longqa.outputs.layout import (
 )
 
 # The kinds of folder the commands make, as ``folder_kind`` names them (in the order it looks for them).
-CHECKPOINT, RUN, SFT_MODEL, MODEL, DATA = ("a training checkpoint", "a training run folder",
-                                           "a model folder made by longqa sft", "a model folder", "a data folder")
+CHECKPOINT, RUN, SFT_MODEL, MODEL, DATA = (
+    "a training checkpoint",
+    "a training run folder",
+    "a model folder made by longqa sft",
+    "a model folder",
+    "a data folder",
+)
 
 # What a command may be given instead of a new or empty folder: a folder of the kind it makes, and what it does there.
-GOES_ON_IN = {RUN: "a run folder, which the run resumes", SFT_MODEL: "a previous longqa sft folder, which is replaced",
-              MODEL: "a previous export, which is replaced", DATA: "a data folder, whose files are rewritten"}
+GOES_ON_IN = {
+    RUN: "a run folder, which the run resumes",
+    SFT_MODEL: "a previous longqa sft folder, which is replaced",
+    MODEL: "a previous export, which is replaced",
+    DATA: "a data folder, whose files are rewritten",
+}
 
 
 class OutputPathError(ConfigError):
@@ -58,8 +67,7 @@ def folder_kind(path: str | os.PathLike) -> str | None:
         return None
     if (folder / TRAINER_STATE).is_file() or (folder / MARKER).is_file():
         return CHECKPOINT
-    if (folder.name == checkpoints_dir("").name or checkpoints_dir(folder).is_dir()
-            or (folder / METRICS_FILE).is_file()):
+    if folder.name == checkpoints_dir("").name or checkpoints_dir(folder).is_dir() or (folder / METRICS_FILE).is_file():
         return RUN
     if (folder / MODEL_CONFIG).is_file() or any(folder.glob("*.gguf")):
         return SFT_MODEL if (folder / SFT_SUMMARY).is_file() else MODEL
@@ -82,8 +90,12 @@ def _kind_files(kind: str | None) -> tuple[str, ...]:
     wrote there (a folder no command made: all its files). Others, such as an eval's JSON kept in a run or model
     folder, belong to whoever wrote them."""
     model = (*EXPORT_FILES, MODEL_CARD, SFT_SUMMARY, "*.gguf")
-    return {RUN: (METRICS_FILE, WANDB_ID_FILE, f"{REPORT_DIR}/*", f"{checkpoints_dir('').name}/*"),
-            SFT_MODEL: model, MODEL: model, DATA: ("*.parquet",)}.get(kind, ("*",))
+    return {
+        RUN: (METRICS_FILE, WANDB_ID_FILE, f"{REPORT_DIR}/*", f"{checkpoints_dir('').name}/*"),
+        SFT_MODEL: model,
+        MODEL: model,
+        DATA: ("*.parquet",),
+    }.get(kind, ("*",))
 
 
 def _belongs(path: Path, folder: Path, kind: str | None) -> bool:
@@ -100,19 +112,27 @@ def check_output_file(path: str | os.PathLike, setting: str, reads: Reads | None
     target = _path(path)
     for read_setting, given, read in _reads(reads):
         if target == read:
-            raise OutputPathError(f"{setting} {path} is {read_setting}'s file, which this command reads: give another "
-                                  f"path")
+            raise OutputPathError(
+                f"{setting} {path} is {read_setting}'s file, which this command reads: give another path"
+            )
         if target.is_file() and read in target.parents and _belongs(target, read, folder_kind(read)):
-            raise OutputPathError(f"{setting} {path} is a file of {read_setting} {given}, which this command reads: "
-                                  f"give another path")
+            raise OutputPathError(
+                f"{setting} {path} is a file of {read_setting} {given}, which this command reads: give another path"
+            )
     if target.is_file():
         for folder in list(target.parents)[:2]:
             if (kind := folder_kind(folder)) and _belongs(target, folder, kind):
                 raise OutputPathError(f"{setting} {path} is a file of {kind}, {folder}: give another path")
 
 
-def check_output_folder(path: str | os.PathLike, setting: str, reads: Reads | None = None, makes: str | None = None,
-                        files: Iterable[str] | None = None, writer: str = "") -> None:
+def check_output_folder(
+    path: str | os.PathLike,
+    setting: str,
+    reads: Reads | None = None,
+    makes: str | None = None,
+    files: Iterable[str] | None = None,
+    writer: str = "",
+) -> None:
     """Refuse a folder to write in that is a folder the command reads or the folder of a file it reads
     (``reads``), or a folder another command made: any kind of ``folder_kind`` other than ``makes``, the kind
     this command makes. With ``files`` (the names and patterns ``writer`` writes: a folder it replaces whole),
@@ -120,11 +140,13 @@ def check_output_folder(path: str | os.PathLike, setting: str, reads: Reads | No
     target = _path(path)
     for read_setting, given, read in _reads(reads):
         if target == read:
-            raise OutputPathError(f"{setting} {path} is {read_setting}'s folder, which this command reads: give "
-                                  f"another folder")
+            raise OutputPathError(
+                f"{setting} {path} is {read_setting}'s folder, which this command reads: give another folder"
+            )
         if target == read.parent and read.is_file():
-            raise OutputPathError(f"{setting} {path} holds {read_setting} {given}, which this command reads: give "
-                                  f"another folder")
+            raise OutputPathError(
+                f"{setting} {path} holds {read_setting} {given}, which this command reads: give another folder"
+            )
     instead = f", or {GOES_ON_IN[makes]}" if makes else ""
     if (kind := folder_kind(target)) not in (None, makes):
         raise OutputPathError(f"{setting} {path} is {kind}: give a new or empty folder{instead}")
@@ -134,15 +156,21 @@ def check_output_folder(path: str | os.PathLike, setting: str, reads: Reads | No
     others = sorted(p.name for p in target.iterdir() if not any(fnmatch.fnmatch(p.name, f) for f in patterns))
     if others:
         shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
-        raise OutputPathError(f"{setting} {path} holds files no {writer} writes ({shown}): give a new or empty "
-                              f"folder{instead}")
+        raise OutputPathError(
+            f"{setting} {path} holds files no {writer} writes ({shown}): give a new or empty folder{instead}"
+        )
 
 
 def config_reads(cfg: Config) -> dict[str, list]:
     """The paths a training run of ``cfg`` reads, by setting (a hub id among them names no local path)."""
-    return {"model.path": [cfg.model.path], "model.tokenizer_path": [cfg.model.tokenizer_path],
-            "data.train_files": list(cfg.data.train_files), "data.val_files": list(cfg.data.val_files),
-            "reward.path": [cfg.reward.path], "actor.deepspeed_config": [cfg.actor.deepspeed_config]}
+    return {
+        "model.path": [cfg.model.path],
+        "model.tokenizer_path": [cfg.model.tokenizer_path],
+        "data.train_files": list(cfg.data.train_files),
+        "data.val_files": list(cfg.data.val_files),
+        "reward.path": [cfg.reward.path],
+        "actor.deepspeed_config": [cfg.actor.deepspeed_config],
+    }
 
 
 def check_config_outputs(cfg: Config, run: bool = True) -> None:

@@ -191,8 +191,17 @@ class Activations:
         return self.layers + self.masks + self.head + self.other + self.transient
 
 
-def activation_bytes(sizes, compute: Compute, tokens: int, *, recomputed: float = 0.0, offloaded: float = 0.0,
-                     mask_span: int = 0, packed: bool = False, head_tokens: int | None = None) -> Activations:
+def activation_bytes(
+    sizes,
+    compute: Compute,
+    tokens: int,
+    *,
+    recomputed: float = 0.0,
+    offloaded: float = 0.0,
+    mask_span: int = 0,
+    packed: bool = False,
+    head_tokens: int | None = None,
+) -> Activations:
     """Peak bytes of one forward and backward pass over a row of ``tokens`` tokens (the module docstring says
     what is counted). ``recomputed`` and ``offloaded``: the fractions of decoder layers recomputed in the backward
     pass and kept in host memory; ``mask_span``: the longest block a boolean attention mask covers (0: no mask);
@@ -212,18 +221,36 @@ def activation_bytes(sizes, compute: Compute, tokens: int, *, recomputed: float 
     saved = kept_layers + kept_masks + recomputed_layers * tokens * sizes.hidden * compute.stream_bytes
     saved += head_kept + other
     gradients = held + layer_gradient_bytes(sizes, tokens) + scores_transient
-    moments = [saved + head_transient,  # the LM head's backward pass comes first
-               saved + gradients,  # a kept layer's (the kept layers are the last ones: theirs come next)
-               other + embedding_transient + 4 * tokens * sizes.hidden]  # the embedding's, at the end
+    moments = [
+        saved + head_transient,  # the LM head's backward pass comes first
+        saved + gradients,  # a kept layer's (the kept layers are the last ones: theirs come next)
+        other + embedding_transient + 4 * tokens * sizes.hidden,
+    ]  # the embedding's, at the end
     if recomputed_layers:  # a recomputed layer's, the kept layers' tensors freed: it holds its own again
         moments.append(saved - kept_layers - kept_masks + gradients + per_layer + per_mask)
-    return Activations(layers=saved - kept_masks - head_kept - other, masks=kept_masks, head=head_kept, other=other,
-                       transient=max(moments) - saved)
+    return Activations(
+        layers=saved - kept_masks - head_kept - other,
+        masks=kept_masks,
+        head=head_kept,
+        other=other,
+        transient=max(moments) - saved,
+    )
 
 
-def update_activations(sizes, compute: Compute, *, budget: int, prompt_length: int, response_length: int, n: int,
-                       backend: str, recomputed: float = 0.0, offloaded: float = 0.0, shared_prompt: bool = True,
-                       head_tokens: int | None = None) -> Activations:
+def update_activations(
+    sizes,
+    compute: Compute,
+    *,
+    budget: int,
+    prompt_length: int,
+    response_length: int,
+    n: int,
+    backend: str,
+    recomputed: float = 0.0,
+    offloaded: float = 0.0,
+    shared_prompt: bool = True,
+    head_tokens: int | None = None,
+) -> Activations:
     """One micro-batch of the GRPO update (``train/actor.py``) at ``actor.max_tokens_per_micro_batch`` =
     ``budget``: a sample longer than the budget goes alone, the flex and split backends pad the packed row to
     their length step, and the dense backend masks each pack (a prompt and up to ``n`` responses, cut to the
@@ -234,18 +261,34 @@ def update_activations(sizes, compute: Compute, *, budget: int, prompt_length: i
     sample = prompt_length + response_length
     tokens = max(budget, sample)
     if not shared_prompt:
-        return activation_bytes(sizes, compute, tokens, recomputed=recomputed, offloaded=offloaded, mask_span=sample,
-                                head_tokens=head_tokens)
+        return activation_bytes(
+            sizes,
+            compute,
+            tokens,
+            recomputed=recomputed,
+            offloaded=offloaded,
+            mask_span=sample,
+            head_tokens=head_tokens,
+        )
     if backend in PADDED_BACKENDS:
         step = length_step(budget)
         tokens = -(-tokens // step) * step
     span = min(prompt_length + n * response_length, tokens) if backend == "dense" else 0
-    return activation_bytes(sizes, compute, tokens, recomputed=recomputed, offloaded=offloaded, mask_span=span,
-                            packed=True, head_tokens=head_tokens)
+    return activation_bytes(
+        sizes,
+        compute,
+        tokens,
+        recomputed=recomputed,
+        offloaded=offloaded,
+        mask_span=span,
+        packed=True,
+        head_tokens=head_tokens,
+    )
 
 
-def sft_activations(sizes, compute: Compute, *, batch_tokens: int, longest: int,
-                    head_tokens: int | None = None) -> Activations:
+def sft_activations(
+    sizes, compute: Compute, *, batch_tokens: int, longest: int, head_tokens: int | None = None
+) -> Activations:
     """One batch of ``longqa sft``: right-padded rows of at most ``batch_tokens`` tokens in all (an example longer
     than that alone), every layer kept, no attention mask (``sft_loss``), the chunked LM head over the
     ``head_tokens`` response tokens, where known (at most the batch)."""

@@ -39,8 +39,10 @@ def plan_run(cfg, sizes: ModelSizes, machine: Machine) -> tuple[MemoryPlan, Host
     """The GPU plan and the node's host plan of a config (its ``actor.max_tokens_per_micro_batch=auto`` filled for
     this model and machine first, as the trainer fills it; ``cfg`` is left as it is)."""
     cfg, _ = resolve_auto(cfg, machine.gpus, machine.gpu_bytes, sizes)
-    return (plan_config(cfg, sizes, machine.gpus, machine.gpu_bytes),
-            plan_host_config(cfg, sizes, machine.gpus, machine.ranks_per_node, machine.host_bytes))
+    return (
+        plan_config(cfg, sizes, machine.gpus, machine.gpu_bytes),
+        plan_host_config(cfg, sizes, machine.gpus, machine.ranks_per_node, machine.host_bytes),
+    )
 
 
 def check_run_plan(cfg, gpu: MemoryPlan, host: HostPlan, sizes: ModelSizes | None = None) -> None:
@@ -82,7 +84,9 @@ def largest_shape(cfg, machine: Machine) -> list[Attempt]:
             offload, ratio = trials.pop(0)
             trial = copy.deepcopy(cfg)
             trial.actor.cpu_offload, trial.actor.cpu_offload_ratio = offload, ratio if offload else 1.0
-            trial, _ = resolve_auto(trial, machine.gpus, machine.gpu_bytes, sizes[shape])  # (the check's advice names it)
+            trial, _ = resolve_auto(
+                trial, machine.gpus, machine.gpu_bytes, sizes[shape]
+            )  # (the check's advice names it)
             gpu, host = plan_run(trial, sizes[shape], machine)
             try:
                 check_run_plan(trial, gpu, host)

@@ -50,8 +50,9 @@ def group_flops(config, prompt: int, responses: list[int], shared: bool) -> Grou
 HBM_BYTES_PER_S = 4.3e12  # H200 bandwidth a large copy reaches, measured; the datasheet says 4.8e12
 
 
-def per_sample_lengths(new_tokens: int | Sequence[Sequence[int]], n: int | None = None,
-                       groups: int | None = None) -> list[list[int]]:
+def per_sample_lengths(
+    new_tokens: int | Sequence[Sequence[int]], n: int | None = None, groups: int | None = None
+) -> list[list[int]]:
     """Each group's samples' lengths: ``new_tokens`` for all ``groups`` x ``n``, or as given."""
     if isinstance(new_tokens, int):
         return [[new_tokens] * n for _ in range(groups)]
@@ -67,9 +68,17 @@ def ideal_decode_steps(lengths: Sequence[Sequence[int]], in_flight: int) -> floa
     return sum(max(group) for group in lengths) / min(in_flight, len(lengths))
 
 
-def decode_floor_s(config, prompt: int, new_tokens: int | Sequence[Sequence[int]], n: int | None = None,
-                   groups: int | None = None, shared: bool = True, dtype_bytes: int = 2,
-                   bandwidth: float = HBM_BYTES_PER_S, in_flight: int | None = None) -> float:
+def decode_floor_s(
+    config,
+    prompt: int,
+    new_tokens: int | Sequence[Sequence[int]],
+    n: int | None = None,
+    groups: int | None = None,
+    shared: bool = True,
+    dtype_bytes: int = 2,
+    bandwidth: float = HBM_BYTES_PER_S,
+    in_flight: int | None = None,
+) -> float:
     """Seconds of decoding if every step only had to read from HBM, once, the weights (decoder + LM
     head), the prompt KV of each group it holds (of each live sample when not ``shared``) and each live
     sample's own KV so far.
@@ -92,11 +101,13 @@ def decode_floor_s(config, prompt: int, new_tokens: int | Sequence[Sequence[int]
     return dtype_bytes * (steps * weights + kv_token * (prompt_reads + own_tokens)) / bandwidth
 
 
-def step_floor_s(config, prompt: int, lengths: Sequence[Sequence[int]], in_flight: int,
-                 peak_flops: float = H200_BF16_PEAK) -> dict:
+def step_floor_s(
+    config, prompt: int, lengths: Sequence[Sequence[int]], in_flight: int, peak_flops: float = H200_BF16_PEAK
+) -> dict:
     """The least a GRPO step of these groups could take on this GPU, per phase: the rollout's prefills at
-    the bf16 peak (no LM head: one token each) plus its decoding at the HBM floor (``decode_floor_s``, ``in_flight`` slots always
-    full), and the packed update's model FLOPs (``group_flops``, unique tokens) at the bf16 peak."""
+    the bf16 peak (no LM head: one token each) plus its decoding at the HBM floor (``decode_floor_s``,
+    ``in_flight`` slots always full), and the packed update's model FLOPs (``group_flops``, unique tokens) at the
+    bf16 peak."""
     prefill = group_flops(config, prompt, [], True).flops / 3  # a forward pass: a third of forward + backward
     rollout = len(lengths) * prefill / peak_flops
     rollout += decode_floor_s(config, prompt, lengths, in_flight=in_flight)

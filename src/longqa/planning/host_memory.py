@@ -99,22 +99,36 @@ class HostPlan:
         return self.ranks * (max(self.loading, self.training) + self.margin) + self.prompt_cache
 
     def table(self) -> str:
-        rows = [("per rank, loading: the whole model", self.loading),
-                ("per rank, training: offloaded state", self.offloaded_state),
-                ("per rank, training: offloaded activations", self.offloaded_activations),
-                ("per rank: margin (Python, libraries)", self.margin),
-                ("rollout engine (weights, KV on the GPU)", 0),
-                ("prompt cache (shared, memory-mapped)", self.prompt_cache),
-                (f"node peak ({self.ranks} rank{'s' if self.ranks > 1 else ''})", self.peak),
-                ("host memory of a node", self.host_bytes)]
+        rows = [
+            ("per rank, loading: the whole model", self.loading),
+            ("per rank, training: offloaded state", self.offloaded_state),
+            ("per rank, training: offloaded activations", self.offloaded_activations),
+            ("per rank: margin (Python, libraries)", self.margin),
+            ("rollout engine (weights, KV on the GPU)", 0),
+            ("prompt cache (shared, memory-mapped)", self.prompt_cache),
+            (f"node peak ({self.ranks} rank{'s' if self.ranks > 1 else ''})", self.peak),
+            ("host memory of a node", self.host_bytes),
+        ]
         return "\n".join(f"  {name:<42} {value / GIB:8.1f} GiB" for name, value in rows)
 
 
-def plan_host_memory(sizes: ModelSizes, *, world_size: int, ranks_per_node: int, host_bytes: int,
-                     param_bytes: int, micro_batch_tokens: int, cpu_offload: bool = False,
-                     strategy: str = "fsdp2", offload_params: bool = False, activation_offload: float = 0.0,
-                     prompt_tokens: int = RECIPE_PROMPT_TOKENS, state_bytes: int | None = None,
-                     offload_fraction: float = 1.0, sub_group_size: int = DEEPSPEED_SUB_GROUP_SIZE) -> HostPlan:
+def plan_host_memory(
+    sizes: ModelSizes,
+    *,
+    world_size: int,
+    ranks_per_node: int,
+    host_bytes: int,
+    param_bytes: int,
+    micro_batch_tokens: int,
+    cpu_offload: bool = False,
+    strategy: str = "fsdp2",
+    offload_params: bool = False,
+    activation_offload: float = 0.0,
+    prompt_tokens: int = RECIPE_PROMPT_TOKENS,
+    state_bytes: int | None = None,
+    offload_fraction: float = 1.0,
+    sub_group_size: int = DEEPSPEED_SUB_GROUP_SIZE,
+) -> HostPlan:
     """Host bytes of a node running ``ranks_per_node`` of the ``world_size`` ranks (the module docstring
     says what is counted); ``param_bytes``: one parameter as loaded, ``state_bytes``: as the optimizer steps
     it (default ``param_bytes``); ``offload_fraction``: the share of ZeRO-3's offloaded optimizer on the host,
@@ -123,20 +137,28 @@ def plan_host_memory(sizes: ModelSizes, *, world_size: int, ranks_per_node: int,
     if cpu_offload and strategy != "deepspeed":
         state = fsdp2_offloaded_state(sizes, world_size, state_bytes)
     else:
-        state = training_state(sizes.params, world_size, strategy, cpu_offload, offload_params, state_bytes,
-                               offload_fraction)[1]
-    return HostPlan(ranks=ranks_per_node, host_bytes=host_bytes, loading=param_bytes * sizes.params,
-                    offloaded_state=state,
-                    offloaded_activations=offloaded_activations(sizes, micro_batch_tokens, activation_offload),
-                    prompt_cache=4 * prompt_tokens,
-                    **zero3_optimizer(sizes.params, world_size, sub_group_size)
-                    if cpu_offload and strategy == "deepspeed" and not offload_params else {})
+        state = training_state(
+            sizes.params, world_size, strategy, cpu_offload, offload_params, state_bytes, offload_fraction
+        )[1]
+    return HostPlan(
+        ranks=ranks_per_node,
+        host_bytes=host_bytes,
+        loading=param_bytes * sizes.params,
+        offloaded_state=state,
+        offloaded_activations=offloaded_activations(sizes, micro_batch_tokens, activation_offload),
+        prompt_cache=4 * prompt_tokens,
+        **zero3_optimizer(sizes.params, world_size, sub_group_size)
+        if cpu_offload and strategy == "deepspeed" and not offload_params
+        else {},
+    )
 
 
 def zero3_optimizer(params: int, world_size: int, sub_group_size: int) -> dict:
     """A rank's sub-groups of ZeRO-3's optimizer and their bytes (float32 weights, gradients and moments)."""
-    return {"sub_groups": zero3_sub_groups(params, world_size, sub_group_size),
-            "optimizer_bytes": 16 * params // world_size}
+    return {
+        "sub_groups": zero3_sub_groups(params, world_size, sub_group_size),
+        "optimizer_bytes": 16 * params // world_size,
+    }
 
 
 def check_host_plan(plan: HostPlan, world_size: int, param_bytes: int) -> None:
@@ -145,28 +167,40 @@ def check_host_plan(plan: HostPlan, world_size: int, param_bytes: int) -> None:
         return
     advice = []
     if plan.loading >= plan.training:
-        advice.append(f"fewer ranks per node (--gpus-per-node; each reads the whole model, "
-                      f"{plan.loading / GIB:.1f} GiB, before it is sharded)")
+        advice.append(
+            f"fewer ranks per node (--gpus-per-node; each reads the whole model, "
+            f"{plan.loading / GIB:.1f} GiB, before it is sharded)"
+        )
         if param_bytes > 2:
             advice.append("load it in bf16 (model.dtype=bfloat16)")
     else:
         if plan.offloaded_state:
-            advice.append(f"use more GPUs (the offloaded state, {plan.offloaded_state / GIB:.1f} GiB per rank, is "
-                          f"divided by their number, now {world_size})")
+            advice.append(
+                f"use more GPUs (the offloaded state, {plan.offloaded_state / GIB:.1f} GiB per rank, is "
+                f"divided by their number, now {world_size})"
+            )
             advice.append("keep the training state on the GPUs (actor.cpu_offload=false) if the GPU plan allows it")
             if (ratio := fitting_offload_ratio(plan)) is not None:
-                advice.append(f"offload only part of the optimizer (actor.cpu_offload_ratio={ratio:g} or lower) if "
-                              f"the GPU plan has room for the rest")
+                advice.append(
+                    f"offload only part of the optimizer (actor.cpu_offload_ratio={ratio:g} or lower) if "
+                    f"the GPU plan has room for the rest"
+                )
             elif not plan.sub_groups:
-                advice.append("offload only part of the optimizer (actor.strategy=deepspeed with "
-                              "actor.cpu_offload_ratio below 1) if the GPU plan has room for the rest")
+                advice.append(
+                    "offload only part of the optimizer (actor.strategy=deepspeed with "
+                    "actor.cpu_offload_ratio below 1) if the GPU plan has room for the rest"
+                )
         if plan.offloaded_activations:
-            advice.append(f"lower model.activation_offload (recompute those layers instead: "
-                          f"model.checkpoint_fraction; {plan.offloaded_activations / GIB:.1f} GiB per rank)")
+            advice.append(
+                f"lower model.activation_offload (recompute those layers instead: "
+                f"model.checkpoint_fraction; {plan.offloaded_activations / GIB:.1f} GiB per rank)"
+            )
     advice.append("use nodes with more host memory (--host-memory-gib)")
-    raise PlanError(f"this plan needs about {plan.peak / GIB:.1f} GiB of host memory per node but a node has "
-                    f"{plan.host_bytes / GIB:.1f} GiB ({(plan.peak - plan.host_bytes) / GIB:.1f} GiB over); to fit: "
-                    + "; or ".join(advice))
+    raise PlanError(
+        f"this plan needs about {plan.peak / GIB:.1f} GiB of host memory per node but a node has "
+        f"{plan.host_bytes / GIB:.1f} GiB ({(plan.peak - plan.host_bytes) / GIB:.1f} GiB over); to fit: "
+        + "; or ".join(advice)
+    )
 
 
 def fitting_offload_ratio(plan: HostPlan) -> float | None:
@@ -186,11 +220,18 @@ def plan_host_config(cfg, sizes: ModelSizes, world_size: int, ranks_per_node: in
     """The host plan of a longqa config."""
     cpu_offload, offload_params = offloads(cfg)
     ratio, sub_group_size = offload_ratio(cfg)
-    return plan_host_memory(sizes, world_size=world_size, ranks_per_node=ranks_per_node, host_bytes=host_bytes,
-                            param_bytes=DTYPE_BYTES[cfg.model.dtype], state_bytes=master_bytes(cfg, world_size),
-                            micro_batch_tokens=cfg.actor.max_tokens_per_micro_batch, cpu_offload=cpu_offload,
-                            strategy=cfg.actor.strategy, offload_params=offload_params,
-                            activation_offload=cfg.model.activation_offload,
-                            sub_group_size=sub_group_size,
-                            offload_fraction=host_share(ratio, zero3_sub_groups(sizes.params, world_size,
-                                                                                sub_group_size)))
+    return plan_host_memory(
+        sizes,
+        world_size=world_size,
+        ranks_per_node=ranks_per_node,
+        host_bytes=host_bytes,
+        param_bytes=DTYPE_BYTES[cfg.model.dtype],
+        state_bytes=master_bytes(cfg, world_size),
+        micro_batch_tokens=cfg.actor.max_tokens_per_micro_batch,
+        cpu_offload=cpu_offload,
+        strategy=cfg.actor.strategy,
+        offload_params=offload_params,
+        activation_offload=cfg.model.activation_offload,
+        sub_group_size=sub_group_size,
+        offload_fraction=host_share(ratio, zero3_sub_groups(sizes.params, world_size, sub_group_size)),
+    )

@@ -8,7 +8,8 @@ sharded over ``world_size`` ranks (FSDP2, ZeRO-3 style):
   the reduced gradients in the shards' dtype and torch's AdamW makes its moments like the parameters, so
   all four are in the shards' dtype: float32 master weights (``actor.master_weights``, 16 bytes per
   parameter; a 16-bit model in one process is sharded in a group of its own for them), ``model.dtype`` with
-  ``actor.master_weights=model`` (8 bytes in bf16) or when the model is float32 anyway. DeepSpeed ZeRO-3 (``actor.strategy=deepspeed``) keeps fp32 master weights, gradients and moments
+  ``actor.master_weights=model`` (8 bytes in bf16) or when the model is float32 anyway. DeepSpeed ZeRO-3
+  (``actor.strategy=deepspeed``) keeps fp32 master weights, gradients and moments
   (16 bytes) and a bf16 partition of the weights beside them, 18 bytes in all, of which the 2 stay on the
   GPU when the optimizer is offloaded (and leave it too when the parameters are). Offloaded
   (``actor.cpu_offload``), the rest is in host memory (``host_memory.py``); what differs is who steps it:
@@ -96,14 +97,23 @@ class ModelSizes:
         layer = sum(p.numel() for p in first.parameters())
         heads = config.num_attention_heads
         attention = getattr(first, "self_attn", None)
-        return cls(params=params, layer_params=layer, embedding_params=params - layer * config.num_hidden_layers,
-                   hidden=config.hidden_size, intermediate=config.intermediate_size, layers=config.num_hidden_layers,
-                   kv_heads=config.num_key_value_heads,
-                   head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-                   vocab=config.vocab_size, shapes=tuple(tuple(p.shape) for p in model.parameters()), config=config,
-                   heads=heads, qk_norm=hasattr(attention, "q_norm") or hasattr(attention, "k_norm"),
-                   compilable=unsupported_reason(model) is None,
-                   tied=model.get_output_embeddings().weight is model.get_input_embeddings().weight)
+        return cls(
+            params=params,
+            layer_params=layer,
+            embedding_params=params - layer * config.num_hidden_layers,
+            hidden=config.hidden_size,
+            intermediate=config.intermediate_size,
+            layers=config.num_hidden_layers,
+            kv_heads=config.num_key_value_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            vocab=config.vocab_size,
+            shapes=tuple(tuple(p.shape) for p in model.parameters()),
+            config=config,
+            heads=heads,
+            qk_norm=hasattr(attention, "q_norm") or hasattr(attention, "k_norm"),
+            compilable=unsupported_reason(model) is None,
+            tied=model.get_output_embeddings().weight is model.get_input_embeddings().weight,
+        )
 
 
 def kv_bytes_per_group(sizes: ModelSizes, prompt_length: int, response_length: int, n: int, dtype_bytes: int) -> int:
@@ -132,26 +142,48 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
-        return (self.training_state + self.unsharded_layers + self.activations + self.rollout_weights
-                + self.rollout_kv + self.reference_weights + self.margin)
+        return (
+            self.training_state
+            + self.unsharded_layers
+            + self.activations
+            + self.rollout_weights
+            + self.rollout_kv
+            + self.reference_weights
+            + self.margin
+        )
 
     def table(self) -> str:
         parts = self.activation_parts
         masks = f" (masks {parts.masks / GIB:.1f})" if parts and parts.masks else ""
-        rows = [("training state (weights, grads, AdamW)", self.training_state),
-                ("unsharded layers in flight", self.unsharded_layers), (f"activations{masks}", self.activations),
-                ("rollout weights (engine's copy)", self.rollout_weights),
-                *([("reference model (algo.kl_coef)", self.reference_weights)] if self.reference_weights else []),
-                (f"rollout KV cache ({self.kv_groups} group{'s' if self.kv_groups > 1 else ''})" if self.rollout_kv
-                 else "rollout KV cache (none here)", self.rollout_kv),
-                ("margin (context, NCCL, fragmentation)", self.margin), ("total", self.total),
-                ("GPU memory", self.gpu_bytes), ("while loading (whole model + copy)", self.loading)]
+        rows = [
+            ("training state (weights, grads, AdamW)", self.training_state),
+            ("unsharded layers in flight", self.unsharded_layers),
+            (f"activations{masks}", self.activations),
+            ("rollout weights (engine's copy)", self.rollout_weights),
+            *([("reference model (algo.kl_coef)", self.reference_weights)] if self.reference_weights else []),
+            (
+                f"rollout KV cache ({self.kv_groups} group{'s' if self.kv_groups > 1 else ''})"
+                if self.rollout_kv
+                else "rollout KV cache (none here)",
+                self.rollout_kv,
+            ),
+            ("margin (context, NCCL, fragmentation)", self.margin),
+            ("total", self.total),
+            ("GPU memory", self.gpu_bytes),
+            ("while loading (whole model + copy)", self.loading),
+        ]
         return "\n".join(f"  {name:<40} {value / GIB:8.1f} GiB" for name, value in rows)
 
 
-def training_state(params: int, world_size: int, strategy: str = "fsdp2", cpu_offload: bool = False,
-                   offload_params: bool = False, param_bytes: int = 4,
-                   offload_fraction: float = 1.0) -> tuple[int, int]:
+def training_state(
+    params: int,
+    world_size: int,
+    strategy: str = "fsdp2",
+    cpu_offload: bool = False,
+    offload_params: bool = False,
+    param_bytes: int = 4,
+    offload_fraction: float = 1.0,
+) -> tuple[int, int]:
     """``(GPU, host)`` bytes per rank of the weights, gradients and AdamW moments (see the module docstring);
     ``offload_fraction``: the share of an offloaded optimizer in host memory (ZeRO-3's partial offload)."""
     if strategy == "deepspeed":
@@ -166,14 +198,32 @@ def training_state(params: int, world_size: int, strategy: str = "fsdp2", cpu_of
     return weights + offloaded - host, host
 
 
-def plan_memory(sizes: ModelSizes, *, world_size: int, gpu_bytes: int, micro_batch_tokens: int,
-                prompt_length: int, response_length: int, n: int, gradient_checkpointing: float = 1.0,
-                cpu_offload: bool = False, kv_cache_bytes: int | None = None,
-                activation_offload: float = 0.0, strategy: str = "fsdp2", offload_params: bool = False,
-                param_bytes: int = 4, sharded: bool = True, groups_per_rank: int = 1,
-                state_bytes: int | None = None, offload_fraction: float = 1.0, compute: Compute | None = None,
-                backend: str = "flex", shared_prompt: bool = True, reference_model: bool = False,
-                engine_copy: bool | None = None) -> MemoryPlan:
+def plan_memory(
+    sizes: ModelSizes,
+    *,
+    world_size: int,
+    gpu_bytes: int,
+    micro_batch_tokens: int,
+    prompt_length: int,
+    response_length: int,
+    n: int,
+    gradient_checkpointing: float = 1.0,
+    cpu_offload: bool = False,
+    kv_cache_bytes: int | None = None,
+    activation_offload: float = 0.0,
+    strategy: str = "fsdp2",
+    offload_params: bool = False,
+    param_bytes: int = 4,
+    sharded: bool = True,
+    groups_per_rank: int = 1,
+    state_bytes: int | None = None,
+    offload_fraction: float = 1.0,
+    compute: Compute | None = None,
+    backend: str = "flex",
+    shared_prompt: bool = True,
+    reference_model: bool = False,
+    engine_copy: bool | None = None,
+) -> MemoryPlan:
     """Per-GPU bytes of a plan (see the module docstring for what is counted); ``gradient_checkpointing`` is
     the fraction of decoder layers recomputed (True: all), ``activation_offload`` the fraction whose
     activations wait in host memory (none of theirs stays on the GPU); ``offload_params``: ZeRO-3's
@@ -186,13 +236,28 @@ def plan_memory(sizes: ModelSizes, *, world_size: int, gpu_bytes: int, micro_bat
     for a KL penalty (``algo.kl_coef``), in ``model.dtype``, sharded like the policy under FSDP2; ``engine_copy``:
     whether the engine keeps a copy of the weights (default: when sharded)."""
     bf16 = 2
-    state, host = training_state(sizes.params, world_size, strategy, cpu_offload, offload_params,
-                                 param_bytes if state_bytes is None else state_bytes, offload_fraction)
+    state, host = training_state(
+        sizes.params,
+        world_size,
+        strategy,
+        cpu_offload,
+        offload_params,
+        param_bytes if state_bytes is None else state_bytes,
+        offload_fraction,
+    )
     unsharded = bf16 * (2 * sizes.layer_params + sizes.embedding_params) if sharded else 0
-    activations = update_activations(sizes, compute or Compute(compiled=True), budget=micro_batch_tokens,
-                                     prompt_length=prompt_length, response_length=response_length, n=n,
-                                     backend=backend, recomputed=float(gradient_checkpointing),
-                                     offloaded=activation_offload, shared_prompt=shared_prompt)
+    activations = update_activations(
+        sizes,
+        compute or Compute(compiled=True),
+        budget=micro_batch_tokens,
+        prompt_length=prompt_length,
+        response_length=response_length,
+        n=n,
+        backend=backend,
+        recomputed=float(gradient_checkpointing),
+        offloaded=activation_offload,
+        shared_prompt=shared_prompt,
+    )
     copy = param_bytes * sizes.params if (sharded if engine_copy is None else engine_copy) else 0
     reference = 0  # (copied whole from the loaded model, then sharded)
     if reference_model:
@@ -204,39 +269,65 @@ def plan_memory(sizes: ModelSizes, *, world_size: int, gpu_bytes: int, micro_bat
     budget = kv_cache_bytes or int(ENGINE_KV_SHARE * max(0, gpu_bytes - resident - copy - reference))
     one_group = kv_bytes_per_group(sizes, prompt_length, response_length, n, param_bytes)
     groups = max(1, min(groups_per_rank, budget // one_group))
-    return MemoryPlan(world_size=world_size, gpu_bytes=gpu_bytes, training_state=state, unsharded_layers=unsharded,
-                      activations=activations.total, rollout_weights=copy, rollout_kv=groups * one_group,
-                      host_state=host, kv_groups=groups,
-                      loading=param_bytes * sizes.params * (1 + reference_model) + copy + MARGIN_BYTES,
-                      param_bytes=param_bytes, activation_parts=activations, reference_weights=reference)
+    return MemoryPlan(
+        world_size=world_size,
+        gpu_bytes=gpu_bytes,
+        training_state=state,
+        unsharded_layers=unsharded,
+        activations=activations.total,
+        rollout_weights=copy,
+        rollout_kv=groups * one_group,
+        host_state=host,
+        kv_groups=groups,
+        loading=param_bytes * sizes.params * (1 + reference_model) + copy + MARGIN_BYTES,
+        param_bytes=param_bytes,
+        activation_parts=activations,
+        reference_weights=reference,
+    )
 
 
 PARAMETER_OFFLOAD = "zero_optimization.offload_param.device: cpu in actor.deepspeed_config"
 DEEPSPEED_SUB_GROUP_SIZE = 10**9  # DeepSpeed's default zero_optimization.sub_group_size
 
 
-def check_plan(plan: MemoryPlan, cpu_offload: bool, gradient_checkpointing: float, micro_batch_tokens: int,
-               kv_cache_bytes: int | None, offload_setting: str = "actor.cpu_offload=true",
-               partly_offloaded: bool = False, fitting_tokens: int | None = None, backend: str = "flex") -> None:
+def check_plan(
+    plan: MemoryPlan,
+    cpu_offload: bool,
+    gradient_checkpointing: float,
+    micro_batch_tokens: int,
+    kv_cache_bytes: int | None,
+    offload_setting: str = "actor.cpu_offload=true",
+    partly_offloaded: bool = False,
+    fitting_tokens: int | None = None,
+    backend: str = "flex",
+) -> None:
     """Refuse a plan over the GPU's memory, naming the settings that would make it fit: first the largest
     micro-batch token budget that does (``fitting_tokens``, when one is known)."""
     if plan.loading > plan.gpu_bytes:
-        fix = ("load it in bf16 (model.dtype=bfloat16)" if plan.param_bytes > 2 else
-               "use GPUs with more memory (--gpu-memory-gib)")
-        raise PlanError(f"loading needs about {plan.loading / GIB:.1f} GiB per GPU but a GPU has "
-                        f"{plan.gpu_bytes / GIB:.1f} GiB: every rank moves the whole model to its GPU, and the rollout "
-                        f"engine copies it there, before the model is sharded; to fit: {fix}")
+        fix = (
+            "load it in bf16 (model.dtype=bfloat16)"
+            if plan.param_bytes > 2
+            else "use GPUs with more memory (--gpu-memory-gib)"
+        )
+        raise PlanError(
+            f"loading needs about {plan.loading / GIB:.1f} GiB per GPU but a GPU has "
+            f"{plan.gpu_bytes / GIB:.1f} GiB: every rank moves the whole model to its GPU, and the rollout "
+            f"engine copies it there, before the model is sharded; to fit: {fix}"
+        )
     if plan.total <= plan.gpu_bytes:
         return
     over = (plan.total - plan.gpu_bytes) / GIB
     advice = []
     if fitting_tokens:
-        advice.append(f"set actor.max_tokens_per_micro_batch={fitting_tokens}, the largest that fits (now "
-                      f"{micro_batch_tokens})")
+        advice.append(
+            f"set actor.max_tokens_per_micro_batch={fitting_tokens}, the largest that fits (now {micro_batch_tokens})"
+        )
     state_matters = plan.training_state >= 0.1 * (plan.total - plan.gpu_bytes)  # else moving it is no fix
     if not cpu_offload and plan.training_state > plan.total - plan.gpu_bytes:
-        advice.append(f"offload the training state to the CPU ({offload_setting} frees "
-                      f"{plan.training_state / GIB:.1f} GiB per GPU)")
+        advice.append(
+            f"offload the training state to the CPU ({offload_setting} frees "
+            f"{plan.training_state / GIB:.1f} GiB per GPU)"
+        )
     elif not state_matters:
         pass
     elif not cpu_offload and plan.training_state:
@@ -251,42 +342,62 @@ def check_plan(plan: MemoryPlan, cpu_offload: bool, gradient_checkpointing: floa
         advice.append("raise model.checkpoint_fraction")
     masks = plan.activation_parts.masks if plan.activation_parts else 0
     if backend == "dense" and masks > 0.1 * plan.gpu_bytes:
-        advice.append(f"use actor.attention_backend=flex (the dense backend keeps an attention mask per pack in every "
-                      f"layer, and in float32 with grouped key/value heads its attention scores: {masks / GIB:.1f} GiB)")
+        advice.append(
+            f"use actor.attention_backend=flex (the dense backend keeps an attention mask per pack in every "
+            f"layer, and in float32 with grouped key/value heads its attention scores: {masks / GIB:.1f} GiB)"
+        )
     if plan.activations > 0.2 * plan.gpu_bytes:
         advice.append("keep the first layers' activations in host memory (model.activation_offload)")
         if not fitting_tokens:
             advice.append(f"lower actor.max_tokens_per_micro_batch (now {micro_batch_tokens})")
     if plan.kv_groups > 1 and plan.rollout_kv > 0.2 * plan.gpu_bytes:
-        advice.append("lower rollout.kv_cache_bytes" if kv_cache_bytes else
-                      f"set rollout.kv_cache_bytes (by default the engine's KV cache takes {ENGINE_KV_SHARE:.0%} of "
-                      f"the free memory: {plan.kv_groups} groups, {plan.rollout_kv / GIB:.1f} GiB)")
+        advice.append(
+            "lower rollout.kv_cache_bytes"
+            if kv_cache_bytes
+            else f"set rollout.kv_cache_bytes (by default the engine's KV cache takes {ENGINE_KV_SHARE:.0%} of "
+            f"the free memory: {plan.kv_groups} groups, {plan.rollout_kv / GIB:.1f} GiB)"
+        )
     if plan.training_state and state_matters and plan.world_size < 64:
         advice.append("use more GPUs (the training state is divided by their number)")
-    raise PlanError(f"this plan needs about {plan.total / GIB:.1f} GiB per GPU but a GPU has "
-                    f"{plan.gpu_bytes / GIB:.1f} GiB ({over:.1f} GiB over); to fit: " + "; or ".join(advice))
+    raise PlanError(
+        f"this plan needs about {plan.total / GIB:.1f} GiB per GPU but a GPU has "
+        f"{plan.gpu_bytes / GIB:.1f} GiB ({over:.1f} GiB over); to fit: " + "; or ".join(advice)
+    )
 
 
-def plan_config(cfg, sizes: ModelSizes, world_size: int, gpu_bytes: int,
-                micro_batch_tokens: int | None = None) -> MemoryPlan:
+def plan_config(
+    cfg, sizes: ModelSizes, world_size: int, gpu_bytes: int, micro_batch_tokens: int | None = None
+) -> MemoryPlan:
     """The plan of a longqa config on ``world_size`` GPUs of ``gpu_bytes`` (at another micro-batch token budget
     than the config's, if given). With ``rollout.sampler_ranks`` the plan is a training rank's: ``world_size``
     training ranks and no engine (its weights and KV cache are on the sampler ranks)."""
     cpu_offload, offload_params = offloads(cfg)
     apart = cfg.rollout.sampler_ranks > 0
-    plan = plan_memory(sizes, world_size=world_size, gpu_bytes=gpu_bytes, prompt_length=cfg.data.max_prompt_length,
-                       response_length=cfg.data.max_response_length, n=cfg.rollout.n,
-                       micro_batch_tokens=micro_batch_tokens or cfg.actor.max_tokens_per_micro_batch,
-                       gradient_checkpointing=recomputed_fraction(cfg), cpu_offload=cpu_offload,
-                       kv_cache_bytes=cfg.rollout.kv_cache_bytes, activation_offload=cfg.model.activation_offload,
-                       strategy=cfg.actor.strategy, offload_params=offload_params,
-                       param_bytes=DTYPE_BYTES[cfg.model.dtype], sharded=is_sharded(cfg, world_size),
-                       groups_per_rank=max(1, cfg.data.train_batch_size // world_size),
-                       state_bytes=master_bytes(cfg, world_size),
-                       offload_fraction=offload_fraction(cfg, world_size, sizes.params),
-                       compute=update_compute(cfg, sizes, world_size), backend=update_backend(cfg),
-                       shared_prompt=cfg.actor.shared_prompt, reference_model=cfg.algo.kl_coef > 0,
-                       engine_copy=(is_sharded(cfg, world_size) or cfg.rollout.overlap) and not apart)
+    plan = plan_memory(
+        sizes,
+        world_size=world_size,
+        gpu_bytes=gpu_bytes,
+        prompt_length=cfg.data.max_prompt_length,
+        response_length=cfg.data.max_response_length,
+        n=cfg.rollout.n,
+        micro_batch_tokens=micro_batch_tokens or cfg.actor.max_tokens_per_micro_batch,
+        gradient_checkpointing=recomputed_fraction(cfg),
+        cpu_offload=cpu_offload,
+        kv_cache_bytes=cfg.rollout.kv_cache_bytes,
+        activation_offload=cfg.model.activation_offload,
+        strategy=cfg.actor.strategy,
+        offload_params=offload_params,
+        param_bytes=DTYPE_BYTES[cfg.model.dtype],
+        sharded=is_sharded(cfg, world_size),
+        groups_per_rank=max(1, cfg.data.train_batch_size // world_size),
+        state_bytes=master_bytes(cfg, world_size),
+        offload_fraction=offload_fraction(cfg, world_size, sizes.params),
+        compute=update_compute(cfg, sizes, world_size),
+        backend=update_backend(cfg),
+        shared_prompt=cfg.actor.shared_prompt,
+        reference_model=cfg.algo.kl_coef > 0,
+        engine_copy=(is_sharded(cfg, world_size) or cfg.rollout.overlap) and not apart,
+    )
     return dataclasses.replace(plan, rollout_kv=0) if apart else plan
 
 
@@ -364,8 +475,10 @@ def offload_ratio(cfg) -> tuple[float, int]:
     from longqa.distributed.deepspeed import engine_config
 
     zero = engine_config(cfg, torch.device("cuda"), torch.bfloat16)["zero_optimization"]
-    return ((zero.get("offload_optimizer") or {}).get("ratio", 1.0),
-            int(zero.get("sub_group_size", DEEPSPEED_SUB_GROUP_SIZE)))
+    return (
+        (zero.get("offload_optimizer") or {}).get("ratio", 1.0),
+        int(zero.get("sub_group_size", DEEPSPEED_SUB_GROUP_SIZE)),
+    )
 
 
 def recomputed_fraction(cfg) -> float:
@@ -386,11 +499,15 @@ def describe_training(cfg, model_params: int | None = None, world_size: int = 1)
                 groups = zero3_sub_groups(model_params, world_size, sub_group_size)
                 share = host_share(ratio, groups)
                 if share == 1:
-                    return (f"DeepSpeed ZeRO-3, the whole optimizer offloaded: actor.cpu_offload_ratio={ratio:g} keeps "
-                            f"int({1 - ratio:.2g} x {groups}) = 0 of its {groups} sub-groups of {sub_group_size:,} "
-                            f"parameters on the GPU (DeepSpeed's CPU Adam steps it on the host)")
-            return (f"DeepSpeed ZeRO-3, {share:.0%} of the optimizer offloaded (DeepSpeed's CPU Adam steps it on the "
-                    f"host, torch's AdamW the rest on the GPU)")
+                    return (
+                        f"DeepSpeed ZeRO-3, the whole optimizer offloaded: actor.cpu_offload_ratio={ratio:g} keeps "
+                        f"int({1 - ratio:.2g} x {groups}) = 0 of its {groups} sub-groups of {sub_group_size:,} "
+                        f"parameters on the GPU (DeepSpeed's CPU Adam steps it on the host)"
+                    )
+            return (
+                f"DeepSpeed ZeRO-3, {share:.0%} of the optimizer offloaded (DeepSpeed's CPU Adam steps it on the "
+                f"host, torch's AdamW the rest on the GPU)"
+            )
         return "DeepSpeed ZeRO-3" + (f", {where} (DeepSpeed's CPU Adam steps it on the host)" if where else "")
     return "FSDP2" + (", CPU offload (torch's AdamW steps it on the host)" if optimizer else "")
 
@@ -401,16 +518,25 @@ def check_config(cfg, plan: MemoryPlan, sizes: ModelSizes | None = None) -> None
     fitting = None
     if sizes is not None and plan.total > plan.gpu_bytes:
         fitting = largest_micro_batch_tokens(cfg, sizes, plan.world_size, plan.gpu_bytes)
-    check_plan(plan, offloads(cfg)[0], recomputed_fraction(cfg), cfg.actor.max_tokens_per_micro_batch,
-               cfg.rollout.kv_cache_bytes, partly_offloaded=offload_ratio(cfg)[0] < 1, fitting_tokens=fitting,
-               backend=update_backend(cfg))
+    check_plan(
+        plan,
+        offloads(cfg)[0],
+        recomputed_fraction(cfg),
+        cfg.actor.max_tokens_per_micro_batch,
+        cfg.rollout.kv_cache_bytes,
+        partly_offloaded=offload_ratio(cfg)[0] < 1,
+        fitting_tokens=fitting,
+        backend=update_backend(cfg),
+    )
 
 
-def largest_micro_batch_tokens(cfg, sizes: ModelSizes, world_size: int, gpu_bytes: int,
-                               ceiling: int | None = None) -> int | None:
+def largest_micro_batch_tokens(
+    cfg, sizes: ModelSizes, world_size: int, gpu_bytes: int, ceiling: int | None = None
+) -> int | None:
     """The largest ``actor.max_tokens_per_micro_batch`` at which the config's plan fits, up to ``ceiling`` if
     given (None: not even one sample's, prompt and response, under which a smaller budget saves nothing: a
     sample never splits). The plan grows with the budget, so a bisection finds it."""
+
     def fits(tokens: int) -> bool:
         plan = plan_config(cfg, sizes, world_size, gpu_bytes, micro_batch_tokens=tokens)
         return plan.loading <= gpu_bytes and plan.total <= gpu_bytes
@@ -471,8 +597,11 @@ def auto_micro_batch_tokens(cfg, world_size: int, gpu_bytes: int | None, sizes: 
     if largest is None:  # (the memory check then refuses one sample's budget, saying what to change)
         return one_sample, f"not even one sample ({one_sample:,} tokens) fits"
     chosen = largest if largest == ceiling else max(one_sample, largest // BUDGET_STEP * BUDGET_STEP)
-    why = ("a whole mini-batch share" if chosen == ceiling
-           else f"the largest the memory plan fits in {gpu_bytes / GIB:.0f} GiB")
+    why = (
+        "a whole mini-batch share"
+        if chosen == ceiling
+        else f"the largest the memory plan fits in {gpu_bytes / GIB:.0f} GiB"
+    )
     return chosen, f"{chosen:,} tokens a micro-batch ({why})"
 
 
@@ -489,8 +618,9 @@ def model_sizes(cfg) -> ModelSizes:
     try:
         config = load_model_config(cfg.model.path, cfg.model.gguf_file)
     except ModelError as e:
-        raise ModelSizeError(f"{e}: give a local model folder, or size a Qwen3 shape instead with longqa plan "
-                          f"--shape") from None
+        raise ModelSizeError(
+            f"{e}: give a local model folder, or size a Qwen3 shape instead with longqa plan --shape"
+        ) from None
     return ModelSizes.from_config(config)
 
 
@@ -505,8 +635,15 @@ class CheckedRun:
     sizes: ModelSizes | None
 
 
-def check_run(cfg, ranks: int, *, machine: bool = True, device_type: str | None = None,
-              gpu_bytes: int | None = None, read_sizes=model_sizes) -> CheckedRun:
+def check_run(
+    cfg,
+    ranks: int,
+    *,
+    machine: bool = True,
+    device_type: str | None = None,
+    gpu_bytes: int | None = None,
+    read_sizes=model_sizes,
+) -> CheckedRun:
     """The one sequence that `longqa train` (the trainer, and the Ray driver before its workers start),
     `longqa config show` and `longqa plan` run before any work, so that none passes a config another refuses:
     every rule between settings for a job of ``ranks`` ranks (``config/checks.py``); then, with ``machine``, what
@@ -548,11 +685,15 @@ def check_sft(sizes: ModelSizes, *, gpu_bytes: int, batch_tokens: int, longest: 
     need = sft_bytes(sizes, batch_tokens, longest)
     if need <= gpu_bytes:
         return need
-    where = (f"longqa sft needs about {need / GIB:.1f} GiB at --batch-tokens {batch_tokens} but the GPU has "
-             f"{gpu_bytes / GIB:.1f} GiB")
+    where = (
+        f"longqa sft needs about {need / GIB:.1f} GiB at --batch-tokens {batch_tokens} but the GPU has "
+        f"{gpu_bytes / GIB:.1f} GiB"
+    )
     if sft_bytes(sizes, longest, longest) > gpu_bytes:
-        raise PlanError(f"{where}, and even a batch of the longest example alone ({longest} tokens) does not fit: "
-                        f"lower --max-prompt-length, or train a smaller model")
+        raise PlanError(
+            f"{where}, and even a batch of the longest example alone ({longest} tokens) does not fit: "
+            f"lower --max-prompt-length, or train a smaller model"
+        )
     low, high = longest, batch_tokens  # fits at low, not at high
     while high - low > 1:
         middle = (low + high) // 2

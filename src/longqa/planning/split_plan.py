@@ -62,13 +62,15 @@ def sampler_kv_groups(cfg, sizes: ModelSizes, gpu_bytes: int, groups: int) -> in
     what the model leaves free on its GPU) over one group's, at most the ``groups`` it samples."""
     param_bytes = DTYPE_BYTES[cfg.model.dtype]
     budget = cfg.rollout.kv_cache_bytes or int(SAMPLER_KV_SHARE * max(0, gpu_bytes - param_bytes * sizes.params))
-    one = kv_bytes_per_group(sizes, cfg.data.max_prompt_length, cfg.data.max_response_length, cfg.rollout.n,
-                             param_bytes)
+    one = kv_bytes_per_group(
+        sizes, cfg.data.max_prompt_length, cfg.data.max_response_length, cfg.rollout.n, param_bytes
+    )
     return max(1, min(groups, budget // one))
 
 
-def plan_split(cfg, sizes: ModelSizes, machine: Machine, samplers: int,
-               response_length: int | None = None) -> SplitPlan:
+def plan_split(
+    cfg, sizes: ModelSizes, machine: Machine, samplers: int, response_length: int | None = None
+) -> SplitPlan:
     """The step of ``samplers`` sampler ranks and ``machine.gpus - samplers`` training ranks (see the module)."""
     trainers = machine.gpus - samplers
     per_node = machine.gpus_per_node
@@ -78,24 +80,35 @@ def plan_split(cfg, sizes: ModelSizes, machine: Machine, samplers: int,
     error = training_error(apart, sizes, trainers, train_plan)
     training = step_time_config(apart, sizes, train_plan, per_node, response_length)
     groups = -(-cfg.data.train_batch_size // samplers)
-    sample_plan = dataclasses.replace(plan_config(cfg, sizes, samplers, machine.gpu_bytes),
-                                      kv_groups=sampler_kv_groups(cfg, sizes, machine.gpu_bytes, groups))
+    sample_plan = dataclasses.replace(
+        plan_config(cfg, sizes, samplers, machine.gpu_bytes),
+        kv_groups=sampler_kv_groups(cfg, sizes, machine.gpu_bytes, groups),
+    )
     rollout = step_time_config(cfg, sizes, sample_plan, per_node, response_length)
     link = NVLINK_BYTES_PER_S if machine.gpus <= per_node else NETWORK_BYTES_PER_S
     weights = DTYPE_BYTES[cfg.model.dtype] * sizes.params / link * (2 if trainers > 1 else 1)
-    return SplitPlan(samplers, trainers, rollout.prefill + rollout.decode,
-                     training.old_logprobs + training.update + training.optimizer, weights, error)
+    return SplitPlan(
+        samplers,
+        trainers,
+        rollout.prefill + rollout.decode,
+        training.old_logprobs + training.update + training.optimizer,
+        weights,
+        error,
+    )
 
 
-def plan_splits(cfg, sizes: ModelSizes, machine: Machine,
-                response_length: int | None = None) -> tuple[Colocated, list[SplitPlan]]:
+def plan_splits(
+    cfg, sizes: ModelSizes, machine: Machine, response_length: int | None = None
+) -> tuple[Colocated, list[SplitPlan]]:
     """The synchronous, colocated step on all the GPUs, and every split of them (1 to G - 1 samplers)."""
     check_split_gpus(machine.gpus)
     together = copy.deepcopy(cfg)
     together.rollout.sampler_ranks = 0  # (whatever the config sets: each split sets its own)
     plan = plan_config(together, sizes, machine.gpus, machine.gpu_bytes)
-    colocated = Colocated(step_time_config(together, sizes, plan, machine.gpus_per_node, response_length),
-                          training_error(together, sizes, machine.gpus, plan))
+    colocated = Colocated(
+        step_time_config(together, sizes, plan, machine.gpus_per_node, response_length),
+        training_error(together, sizes, machine.gpus, plan),
+    )
     return colocated, [plan_split(together, sizes, machine, s, response_length) for s in range(1, machine.gpus)]
 
 
@@ -110,11 +123,17 @@ def _fits(error: str | None) -> str:
 
 
 def splits_table(colocated: Colocated, splits: list[SplitPlan]) -> str:
-    lines = [f"  {'sampler ranks':>13} {'training ranks':>14} {'rollout s':>10} {'training s':>10} {'weights s':>9} "
-             f"{'step s':>8}  fits"]
+    lines = [
+        f"  {'sampler ranks':>13} {'training ranks':>14} {'rollout s':>10} {'training s':>10} {'weights s':>9} "
+        f"{'step s':>8}  fits"
+    ]
     for s in splits:
-        lines.append(f"  {s.samplers:>13} {s.trainers:>14} {seconds(s.rollout_s):>10} {seconds(s.training_s):>10} "
-                     f"{seconds(s.weights_s):>9} {seconds(s.step_s):>8}  {_fits(s.error)}")
-    lines.append(f"  synchronous, every GPU sampling then training: {seconds(colocated.step.total)} s a step; fits: "
-                 f"{_fits(colocated.error)}")
+        lines.append(
+            f"  {s.samplers:>13} {s.trainers:>14} {seconds(s.rollout_s):>10} {seconds(s.training_s):>10} "
+            f"{seconds(s.weights_s):>9} {seconds(s.step_s):>8}  {_fits(s.error)}"
+        )
+    lines.append(
+        f"  synchronous, every GPU sampling then training: {seconds(colocated.step.total)} s a step; fits: "
+        f"{_fits(colocated.error)}"
+    )
     return "\n".join(lines)

@@ -102,11 +102,15 @@ class StepTime:
         return self.prefill + self.decode + self.old_logprobs + self.update + self.optimizer + self.refresh
 
     def table(self) -> str:
-        rows = [("rollout: prefill", self.prefill), ("rollout: decode", self.decode),
-                ("old log-probs (forward)", self.old_logprobs),
-                (f"update ({self.micro_batches} micro-batches)", self.update),
-                (f"optimizer ({self.optimizer_steps} step{'s' if self.optimizer_steps > 1 else ''})", self.optimizer),
-                ("weight refresh (engine's copy)", self.refresh), ("step", self.total)]
+        rows = [
+            ("rollout: prefill", self.prefill),
+            ("rollout: decode", self.decode),
+            ("old log-probs (forward)", self.old_logprobs),
+            (f"update ({self.micro_batches} micro-batches)", self.update),
+            (f"optimizer ({self.optimizer_steps} step{'s' if self.optimizer_steps > 1 else ''})", self.optimizer),
+            ("weight refresh (engine's copy)", self.refresh),
+            ("step", self.total),
+        ]
         return "\n".join(f"  {name:<40} {seconds(value):>8} s" for name, value in rows)
 
 
@@ -141,11 +145,26 @@ def micro_batch_flops(config, prompt_length: int, lengths: list[list[int]], budg
     return out
 
 
-def plan_step_time(sizes: ModelSizes, plan: MemoryPlan, *, gpus_per_node: int, prompt_length: int,
-                   response_length: int | list[list[int]], n: int, batch_size: int, mini_batch_size: int, epochs: int,
-                   micro_batch_tokens: int, recomputed: float, cpu_offload: bool, strategy: str = "fsdp2",
-                   param_bytes: int = 2, activation_offload: float = 0.0,
-                   state_bytes: int | None = None, offloaded: float = 1.0) -> StepTime:
+def plan_step_time(
+    sizes: ModelSizes,
+    plan: MemoryPlan,
+    *,
+    gpus_per_node: int,
+    prompt_length: int,
+    response_length: int | list[list[int]],
+    n: int,
+    batch_size: int,
+    mini_batch_size: int,
+    epochs: int,
+    micro_batch_tokens: int,
+    recomputed: float,
+    cpu_offload: bool,
+    strategy: str = "fsdp2",
+    param_bytes: int = 2,
+    activation_offload: float = 0.0,
+    state_bytes: int | None = None,
+    offloaded: float = 1.0,
+) -> StepTime:
     """One rank's seconds per phase of a GRPO step under ``plan`` (the module docstring says how); ``response_length``:
     every sample's, or each of the rank's groups' list of its samples' lengths; ``offloaded``: the share of an
     offloaded optimizer on the host (ZeRO-3's partial offload)."""
@@ -154,8 +173,9 @@ def plan_step_time(sizes: ModelSizes, plan: MemoryPlan, *, gpus_per_node: int, p
     lengths = per_sample_lengths(response_length, n, groups)
     peak = H200_BF16_PEAK
     prefill = groups * group_flops(config, prompt_length, [], True).flops / 3 / (peak * PREFILL_MFU)
-    floor = decode_floor_s(config, prompt_length, lengths, in_flight=min(groups, plan.kv_groups),
-                           dtype_bytes=param_bytes)
+    floor = decode_floor_s(
+        config, prompt_length, lengths, in_flight=min(groups, plan.kv_groups), dtype_bytes=param_bytes
+    )
     decode = floor / DECODE_FRACTION_OF_FLOOR
 
     link = NVLINK_BYTES_PER_S if world <= gpus_per_node else NETWORK_BYTES_PER_S
@@ -167,10 +187,11 @@ def plan_step_time(sizes: ModelSizes, plan: MemoryPlan, *, gpus_per_node: int, p
     elif cpu_offload:
         weights_in = gradients_out = state_bytes * params / world
     offload_rate = OFFLOAD_BYTES_PER_S[strategy]
-    activations = (round(activation_offload * sizes.layers) * 2 * micro_batch_tokens
-                   * sum(saved_activation_widths(sizes)))
+    activations = (
+        round(activation_offload * sizes.layers) * 2 * micro_batch_tokens * sum(saved_activation_widths(sizes))
+    )
     own = max(1, mini_batch_size // world)  # the rank's share of each mini-batch
-    minis = [lengths[start:start + own] for start in range(0, groups, own)]
+    minis = [lengths[start : start + own] for start in range(0, groups, own)]
     flops = [f for mini in minis for f in micro_batch_flops(config, prompt_length, mini, micro_batch_tokens)]
     attention_rate = attention_mfu(config.head_dim)
 
@@ -180,8 +201,10 @@ def plan_step_time(sizes: ModelSizes, plan: MemoryPlan, *, gpus_per_node: int, p
         (sharded), whichever takes longest."""
         transfers = offloaded / offload_rate + activation_bytes / PCIE_BYTES_PER_S
         comm = link_bytes * params / link if world > 1 else 0.0
-        return sum(max(work * (dense / (peak * UPDATE_MFU) + attention / (peak * attention_rate)), transfers, comm)
-                   for dense, attention in flops)
+        return sum(
+            max(work * (dense / (peak * UPDATE_MFU) + attention / (peak * attention_rate)), transfers, comm)
+            for dense, attention in flops
+        )
 
     # a forward: its offloaded weights in once, one gather of bf16 weights
     old = pass_time(1 / 3, weights_in, 0.0, 2) if epochs > 1 or len(minis) > 1 else 0.0
@@ -197,8 +220,16 @@ def plan_step_time(sizes: ModelSizes, plan: MemoryPlan, *, gpus_per_node: int, p
     refresh = 0.0
     if plan.rollout_weights:
         refresh = (param_bytes * params / link if world > 1 else 0.0) + weights_in / PCIE_BYTES_PER_S
-    return StepTime(prefill=prefill, decode=decode, old_logprobs=old, update=update, optimizer=optimizer,
-                    refresh=refresh, micro_batches=len(flops), optimizer_steps=steps)
+    return StepTime(
+        prefill=prefill,
+        decode=decode,
+        old_logprobs=old,
+        update=update,
+        optimizer=optimizer,
+        refresh=refresh,
+        micro_batches=len(flops),
+        optimizer_steps=steps,
+    )
 
 
 def planned_lengths(cfg, world_size: int, response_length: int | None = None) -> int | list[list[int]]:
@@ -212,20 +243,33 @@ def planned_lengths(cfg, world_size: int, response_length: int | None = None) ->
     if cfg.rollout.response_lengths == "model":
         return top
     groups = max(1, cfg.data.train_batch_size // world_size)
-    return [draw_response_lengths(cfg.rollout.response_lengths, cfg.rollout.n, top, (cfg.trainer.seed, 0, g, 0))
-            for g in range(groups)]
+    return [
+        draw_response_lengths(cfg.rollout.response_lengths, cfg.rollout.n, top, (cfg.trainer.seed, 0, g, 0))
+        for g in range(groups)
+    ]
 
 
-def step_time_config(cfg, sizes: ModelSizes, plan: MemoryPlan, gpus_per_node: int,
-                     response_length: int | None = None) -> StepTime:
+def step_time_config(
+    cfg, sizes: ModelSizes, plan: MemoryPlan, gpus_per_node: int, response_length: int | None = None
+) -> StepTime:
     """The step time of a longqa config under its memory plan; ``response_length``: the mean response
     length to plan for (default: ``planned_lengths``)."""
-    return plan_step_time(sizes, plan, gpus_per_node=gpus_per_node, prompt_length=cfg.data.max_prompt_length,
-                          response_length=planned_lengths(cfg, plan.world_size, response_length), n=cfg.rollout.n,
-                          batch_size=cfg.data.train_batch_size, mini_batch_size=cfg.actor.ppo_mini_batch_size,
-                          epochs=cfg.actor.ppo_epochs, micro_batch_tokens=cfg.actor.max_tokens_per_micro_batch,
-                          recomputed=recomputed_fraction(cfg), cpu_offload=offloads(cfg)[0],
-                          strategy=cfg.actor.strategy, param_bytes=DTYPE_BYTES[cfg.model.dtype],
-                          activation_offload=cfg.model.activation_offload,
-                          state_bytes=master_bytes(cfg, plan.world_size),
-                          offloaded=offload_fraction(cfg, plan.world_size, sizes.params))
+    return plan_step_time(
+        sizes,
+        plan,
+        gpus_per_node=gpus_per_node,
+        prompt_length=cfg.data.max_prompt_length,
+        response_length=planned_lengths(cfg, plan.world_size, response_length),
+        n=cfg.rollout.n,
+        batch_size=cfg.data.train_batch_size,
+        mini_batch_size=cfg.actor.ppo_mini_batch_size,
+        epochs=cfg.actor.ppo_epochs,
+        micro_batch_tokens=cfg.actor.max_tokens_per_micro_batch,
+        recomputed=recomputed_fraction(cfg),
+        cpu_offload=offloads(cfg)[0],
+        strategy=cfg.actor.strategy,
+        param_bytes=DTYPE_BYTES[cfg.model.dtype],
+        activation_offload=cfg.model.activation_offload,
+        state_bytes=master_bytes(cfg, plan.world_size),
+        offloaded=offload_fraction(cfg, plan.world_size, sizes.params),
+    )

@@ -156,10 +156,16 @@ class RolloutEngine(ABC):
     """Each capture and each re-sizing that dropped captured graphs, said in a line (``CompileWatch``)."""
 
     @abstractmethod
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 generator: torch.Generator | None = None, *, seeds: Sequence[int] | None = None,
-                 stop_at: Sequence[Sequence[int]] | None = None,
-                 at_version: int | None = None) -> list[list[Sample]]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+        *,
+        seeds: Sequence[int] | None = None,
+        stop_at: Sequence[Sequence[int]] | None = None,
+        at_version: int | None = None,
+    ) -> list[list[Sample]]:
         """``params.n`` samples for each prompt, in prompt order.
 
         ``generator``: where the randomness comes from (the same state gives the same samples). ``seeds``, for a

@@ -21,12 +21,21 @@ class EngineBuilder(Protocol):
     ``Trainer(cfg, build_engine=...)`` (it may ignore the keywords that do not concern its engine). The trainer
     uses what it returns through ``RolloutEngine`` alone."""
 
-    def __call__(self, cfg: Config, model, tokenizer, *, split: Split | None = None, prompt_tokens: int = 0,
-                 own_copy: bool = False) -> RolloutEngine: ...
+    def __call__(
+        self,
+        cfg: Config,
+        model,
+        tokenizer,
+        *,
+        split: Split | None = None,
+        prompt_tokens: int = 0,
+        own_copy: bool = False,
+    ) -> RolloutEngine: ...
 
 
-def build_engine(cfg: Config, model, tokenizer, *, split: Split | None = None, prompt_tokens: int = 0,
-                 own_copy: bool = False) -> RolloutEngine:
+def build_engine(
+    cfg: Config, model, tokenizer, *, split: Split | None = None, prompt_tokens: int = 0, own_copy: bool = False
+) -> RolloutEngine:
     """``rollout.engine`` on ``model``, the training model, before the actor shards it (an engine that copies it or
     loads it into vLLM takes the whole weights; later syncs gather them).
 
@@ -51,10 +60,17 @@ def build_engine(cfg: Config, model, tokenizer, *, split: Split | None = None, p
 def fast_engine(cfg: Config, model, tokenizer, **options) -> FastRolloutEngine:
     """The fast engine on ``model`` as ``rollout.*`` sets it up (``options``: where it runs, e.g. ``own_copy``)."""
     r = cfg.rollout
-    return FastRolloutEngine(model, tokenizer, kv_cache_bytes=r.kv_cache_bytes, cuda_graphs=r.cuda_graphs,
-                             speculative=None if r.speculative == "off" else r.speculative,
-                             num_speculative_tokens=r.num_speculative_tokens, prompt_lookup_min=r.prompt_lookup_min,
-                             prompt_lookup_max=r.prompt_lookup_max, **options)
+    return FastRolloutEngine(
+        model,
+        tokenizer,
+        kv_cache_bytes=r.kv_cache_bytes,
+        cuda_graphs=r.cuda_graphs,
+        speculative=None if r.speculative == "off" else r.speculative,
+        num_speculative_tokens=r.num_speculative_tokens,
+        prompt_lookup_min=r.prompt_lookup_min,
+        prompt_lookup_max=r.prompt_lookup_max,
+        **options,
+    )
 
 
 def vllm_engine(cfg: Config, model) -> VLLMRolloutEngine:
@@ -64,9 +80,19 @@ def vllm_engine(cfg: Config, model) -> VLLMRolloutEngine:
     m, r, d = cfg.model, cfg.rollout, cfg.data
     logprobs_mode = logprobs_mode_for(r.temperature, r.top_k, r.top_p)
     return VLLMRolloutEngine(
-        model, resolve_model_path(m.path), tokenizer_path=m.tokenizer_path, dtype=m.dtype,
-        tensor_parallel_size=r.tensor_model_parallel_size, gpu_memory_utilization=r.gpu_memory_utilization,
-        kv_cache_bytes=r.kv_cache_bytes, free_cache_engine=r.free_cache_engine, enforce_eager=r.enforce_eager,
-        max_model_len=min(d.max_prompt_length + d.max_response_length,
-                          getattr(model.config, "max_position_embeddings", None) or 1 << 30),
-        logprobs_mode=logprobs_mode or "processed_logprobs", seed=cfg.trainer.seed)
+        model,
+        resolve_model_path(m.path),
+        tokenizer_path=m.tokenizer_path,
+        dtype=m.dtype,
+        tensor_parallel_size=r.tensor_model_parallel_size,
+        gpu_memory_utilization=r.gpu_memory_utilization,
+        kv_cache_bytes=r.kv_cache_bytes,
+        free_cache_engine=r.free_cache_engine,
+        enforce_eager=r.enforce_eager,
+        max_model_len=min(
+            d.max_prompt_length + d.max_response_length,
+            getattr(model.config, "max_position_embeddings", None) or 1 << 30,
+        ),
+        logprobs_mode=logprobs_mode or "processed_logprobs",
+        seed=cfg.trainer.seed,
+    )

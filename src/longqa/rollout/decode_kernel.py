@@ -42,8 +42,9 @@ def chunk_of(view: int, splits: int, block_n: int) -> int:
     return max(block_n, math.ceil(math.ceil(view / splits) / block_n) * block_n)
 
 
-def split_plan(view: int, splits: int | None, block_n: int, programs: int, sms: int = SM_FALLBACK,
-               waves: float = WAVES) -> tuple[int, int]:
+def split_plan(
+    view: int, splits: int | None, block_n: int, programs: int, sms: int = SM_FALLBACK, waves: float = WAVES
+) -> tuple[int, int]:
     """``(splits, chunk)``: split ``s`` reads keys ``[s*chunk, (s+1)*chunk)`` (clipped to ``view``), ``chunk``
     being ``chunk_of(view, splits, block_n)``.
 
@@ -73,8 +74,9 @@ def _kernel():
     try:
         from longqa.rollout.decode_triton import merge_kernel, partial_kernel
     except ImportError as err:  # pragma: no cover - depends on the environment
-        raise RuntimeError("longqa's Triton decode attention needs the `triton` package "
-                           "(it comes with CUDA builds of torch)") from err
+        raise RuntimeError(
+            "longqa's Triton decode attention needs the `triton` package (it comes with CUDA builds of torch)"
+        ) from err
     return partial_kernel, merge_kernel
 
 
@@ -91,12 +93,31 @@ def _check_store(name: str, k: torch.Tensor, v: torch.Tensor, view: int) -> None
         raise ValueError(f"{name} view {view} is outside [0, {k.shape[2]}]")
 
 
-def shared_prefix_attention(q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_v, own_len, n: int,
-                            prompt_view: int, own_view: int, scaling: float, block_n: int = 64,
-                            dtype: torch.dtype | None = None, waves: float = WAVES, num_warps: int = 4,
-                            num_stages: int = 3, splits: tuple[int | None, int | None] = (None, None),
-                            partials: bool = False, window: int | None = None, softcap: float | None = None,
-                            queries: int = 1, max_block_m: int = MAX_BLOCK_M, reads: torch.Tensor | None = None):
+def shared_prefix_attention(
+    q,
+    prefix_k,
+    prefix_v,
+    prefix_len,
+    suffix_k,
+    suffix_v,
+    own_len,
+    n: int,
+    prompt_view: int,
+    own_view: int,
+    scaling: float,
+    block_n: int = 64,
+    dtype: torch.dtype | None = None,
+    waves: float = WAVES,
+    num_warps: int = 4,
+    num_stages: int = 3,
+    splits: tuple[int | None, int | None] = (None, None),
+    partials: bool = False,
+    window: int | None = None,
+    softcap: float | None = None,
+    queries: int = 1,
+    max_block_m: int = MAX_BLOCK_M,
+    reads: torch.Tensor | None = None,
+):
     """One layer's decode attention over the store: ``q`` ``[rows * queries, heads, d]`` (rows =
     groups*n, group-major; ``queries`` consecutive tokens per row) against its group's prompt keys
     ``[0, prefix_len[g])`` and its own keys -> ``[rows * queries, heads, d]`` in ``dtype`` (default
@@ -125,10 +146,18 @@ def shared_prefix_attention(q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_
     _check_store("own", suffix_k, suffix_v, own_view)
     if queries < 1:
         raise ValueError(f"queries must be >= 1, got {queries}")
-    if (q.shape[2] != d or suffix_k.shape[3] != d or rows != groups * n or q.shape[0] != rows * queries
-            or heads % kv_heads or suffix_k.shape[1] != kv_heads):
-        raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, prompt keys {tuple(prefix_k.shape)}, "
-                         f"own keys {tuple(suffix_k.shape)}, n={n}, queries={queries}")
+    if (
+        q.shape[2] != d
+        or suffix_k.shape[3] != d
+        or rows != groups * n
+        or q.shape[0] != rows * queries
+        or heads % kv_heads
+        or suffix_k.shape[1] != kv_heads
+    ):
+        raise ValueError(
+            f"shapes do not fit: q {tuple(q.shape)}, prompt keys {tuple(prefix_k.shape)}, "
+            f"own keys {tuple(suffix_k.shape)}, n={n}, queries={queries}"
+        )
     if d < 16 or d > 256 or d & (d - 1):
         raise ValueError(f"head_dim must be a power of two in [16, 256], got {d}")
     if block_n < 16 or block_n & (block_n - 1):
@@ -152,12 +181,43 @@ def shared_prefix_attention(q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_
     prompt_programs = groups * kv_heads * prompt_splits * m_blocks
     if cells * heads:
         partial_kernel[(prompt_programs + rows * kv_heads * own_splits,)](
-            q, prefix_k, prefix_v, prefix_len.contiguous(), suffix_k, suffix_v, own_len.contiguous(), out, lse,
-            q.stride(0), q.stride(1), *prefix_k.stride()[:3], *prefix_v.stride()[:3], *suffix_k.stride()[:3],
-            *suffix_v.stride()[:3], scaling * math.log2(math.e), float(softcap or 0.0), int(window or 0), kv_heads,
-            n, r, queries, heads, reads, prompt_splits, own_splits, prompt_programs, m_blocks, BLOCK_M=block_m,
-            BLOCK_N=block_n, D=d,
-            IEEE=q.dtype == torch.float32, WINDOW=window is not None, SOFTCAP=softcap is not None,
-            CAUSAL=queries > 1, num_warps=num_warps, num_stages=num_stages)
+            q,
+            prefix_k,
+            prefix_v,
+            prefix_len.contiguous(),
+            suffix_k,
+            suffix_v,
+            own_len.contiguous(),
+            out,
+            lse,
+            q.stride(0),
+            q.stride(1),
+            *prefix_k.stride()[:3],
+            *prefix_v.stride()[:3],
+            *suffix_k.stride()[:3],
+            *suffix_v.stride()[:3],
+            scaling * math.log2(math.e),
+            float(softcap or 0.0),
+            int(window or 0),
+            kv_heads,
+            n,
+            r,
+            queries,
+            heads,
+            reads,
+            prompt_splits,
+            own_splits,
+            prompt_programs,
+            m_blocks,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            D=d,
+            IEEE=q.dtype == torch.float32,
+            WINDOW=window is not None,
+            SOFTCAP=softcap is not None,
+            CAUSAL=queries > 1,
+            num_warps=num_warps,
+            num_stages=num_stages,
+        )
         merge_kernel[(cells * heads,)](out, lse, result, total, BLOCK_S=_next_power_of_2(max(total, 2)), D=d)
     return (result, out, lse) if partials else result

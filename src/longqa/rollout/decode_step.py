@@ -26,8 +26,13 @@ import torch
 import torch.nn.functional as F
 
 FAMILIES = ("qwen3", "qwen2", "llama", "mistral")
-ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu,
-               "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}
+ACTIVATIONS = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "relu": F.relu,
+    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
+}
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -43,8 +48,9 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-def attention_inputs(x, cos, sin, qkv_w, qkv_b, q_norm_w, k_norm_w, *, head_eps: float, heads: int, kv_heads: int,
-                     head_dim: int):
+def attention_inputs(
+    x, cos, sin, qkv_w, qkv_b, q_norm_w, k_norm_w, *, head_eps: float, heads: int, kv_heads: int, head_dim: int
+):
     """``x`` ``[rows, hidden]`` (already through the layer's input norm) -> rotated queries and keys, and
     values, ``[rows, heads, 1, head_dim]``."""
     rows = x.shape[0]
@@ -114,9 +120,11 @@ def unsupported_reason(model) -> str | None:
             return f"the decoder has no {name}"
     for layer in base.layers:
         attention, mlp = layer.self_attn, layer.mlp
-        for module, names in ((layer, ("input_layernorm", "post_attention_layernorm")),
-                              (attention, ("q_proj", "k_proj", "v_proj", "o_proj")),
-                              (mlp, ("gate_proj", "up_proj", "down_proj"))):
+        for module, names in (
+            (layer, ("input_layernorm", "post_attention_layernorm")),
+            (attention, ("q_proj", "k_proj", "v_proj", "o_proj")),
+            (mlp, ("gate_proj", "up_proj", "down_proj")),
+        ):
             if not all(hasattr(module, n) for n in names):
                 return f"a {type(module).__name__} lacks one of {names}"
         for stacked in ((attention.q_proj, attention.k_proj, attention.v_proj), (mlp.gate_proj, mlp.up_proj)):
@@ -155,13 +163,16 @@ class FusedLinear:
             start = 0
             for lin in self.linears:
                 param = getattr(lin, name)
-                param.data = stacked[start:start + param.shape[0]]
+                param.data = stacked[start : start + param.shape[0]]
                 start += param.shape[0]
 
     def _bound(self) -> bool:
         """Whether every parameter still lives in the stacked storage (a cast or a re-bind breaks that)."""
-        return all(getattr(lin, name).untyped_storage().data_ptr() == stacked.untyped_storage().data_ptr()
-                   for stacked, name in self._pairs() for lin in self.linears)
+        return all(
+            getattr(lin, name).untyped_storage().data_ptr() == stacked.untyped_storage().data_ptr()
+            for stacked, name in self._pairs()
+            for lin in self.linears
+        )
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -193,22 +204,32 @@ class DecodeStep:
         self.specs = [spec.layers[index] for index in range(len(base.layers))]
         q_norm = getattr(first.self_attn, "q_norm", None)
         eps = first.input_layernorm.variance_epsilon  # all of them (unsupported_reason)
-        shape = dict(head_eps=q_norm.variance_epsilon if q_norm is not None else 0.0,
-                     heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim)
+        shape = dict(
+            head_eps=q_norm.variance_epsilon if q_norm is not None else 0.0,
+            heads=self.heads,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+        )
         # Decode shapes are fixed per KV allocation: one graph each, shared by every layer. Prefill
         # chunks vary in length: one dynamic-shape graph for all of them (eager, its norms, rotary and
         # activation cost as much as its matrix products).
         decode = (lambda fn: _compiled(fn, False)) if compiled else (lambda fn: fn)
         prefill = (lambda fn: _compiled(fn, True)) if compiled else (lambda fn: fn)
         post = dict(eps=eps, act=ACTIVATIONS[config.hidden_act])
-        self.decode_fns = (functools.partial(decode(DECODE_NORM), eps=eps),
-                           functools.partial(decode(store_and_query), **shape),
-                           functools.partial(decode(DECODE_POST), **post))
-        self.prefill_fns = (functools.partial(prefill(PREFILL_NORM), eps=eps),
-                            functools.partial(prefill(attention_inputs), **shape),
-                            functools.partial(prefill(PREFILL_POST), **post))
-        self.qkv = [FusedLinear([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj], views)
-                    for layer in base.layers]
+        self.decode_fns = (
+            functools.partial(decode(DECODE_NORM), eps=eps),
+            functools.partial(decode(store_and_query), **shape),
+            functools.partial(decode(DECODE_POST), **post),
+        )
+        self.prefill_fns = (
+            functools.partial(prefill(PREFILL_NORM), eps=eps),
+            functools.partial(prefill(attention_inputs), **shape),
+            functools.partial(prefill(PREFILL_POST), **post),
+        )
+        self.qkv = [
+            FusedLinear([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj], views)
+            for layer in base.layers
+        ]
         self.gate_up = [FusedLinear([layer.mlp.gate_proj, layer.mlp.up_proj], views) for layer in base.layers]
 
     def refresh(self) -> None:
@@ -222,10 +243,22 @@ class DecodeStep:
         qkv, gate_up = self.qkv[index], self.gate_up[index]
         layers = self.base.layers
         next_norm = layers[index + 1].input_layernorm if index + 1 < len(layers) else self.base.norm
-        pre = (qkv.weight, qkv.bias, q_norm.weight if q_norm is not None else None,
-               k_norm.weight if k_norm is not None else None)
-        post = (a.o_proj.weight, a.o_proj.bias, layer.post_attention_layernorm.weight, gate_up.weight, gate_up.bias,
-                m.down_proj.weight, m.down_proj.bias, next_norm.weight)
+        pre = (
+            qkv.weight,
+            qkv.bias,
+            q_norm.weight if q_norm is not None else None,
+            k_norm.weight if k_norm is not None else None,
+        )
+        post = (
+            a.o_proj.weight,
+            a.o_proj.bias,
+            layer.post_attention_layernorm.weight,
+            gate_up.weight,
+            gate_up.bias,
+            m.down_proj.weight,
+            m.down_proj.bias,
+            next_norm.weight,
+        )
         return pre, post
 
     def decode(self, ids: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
@@ -237,6 +270,7 @@ class DecodeStep:
         def attention(index, x, cos, sin, weights):
             q = store_pre(x, cos, sin, *weights, *kv.own_slot(index))
             return kv.attend(index, q, None, None, self.scaling, self.specs[index])
+
         return self._forward(ids, positions, norm, attention, post)
 
     def prefill(self, ids: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
@@ -247,6 +281,7 @@ class DecodeStep:
         def attention(index, x, cos, sin, weights):
             q, k, v = (t[:, :, 0].transpose(0, 1)[None] for t in pre(x, cos, sin, *weights))
             return kv.attend(index, q, k, v, self.scaling, self.specs[index])
+
         return self._forward(ids, positions, norm, attention, post)
 
     def _forward(self, ids, positions, norm, attention, post) -> torch.Tensor:

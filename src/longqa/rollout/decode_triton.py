@@ -9,18 +9,45 @@ import triton.language as tl
 
 
 @triton.jit
-def attend_split(Q, K, V, OUT, LSE, rows, heads_m, valid_m, lo, hi, key_lo, key_hi, slot, stride_qr, stride_qh,
-                 stride_kn, stride_vn, scale_log2, softcap, heads, total_splits,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr,
-                 WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr):
+def attend_split(
+    Q,
+    K,
+    V,
+    OUT,
+    LSE,
+    rows,
+    heads_m,
+    valid_m,
+    lo,
+    hi,
+    key_lo,
+    key_hi,
+    slot,
+    stride_qr,
+    stride_qh,
+    stride_kn,
+    stride_vn,
+    scale_log2,
+    softcap,
+    heads,
+    total_splits,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D: tl.constexpr,
+    IEEE: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    CAUSAL: tl.constexpr,
+):
     """Attention of the tile's queries (cell m = query row ``rows[m]`` of Q, head ``heads_m[m]``) over
     keys ``[lo, hi)`` of ``K``/``V`` (already at the tile's batch entry and kv head), stored as split
     ``slot`` of each cell: the normalised output and its base-2 log-sum-exp. With ``WINDOW`` cell m
     also skips keys below ``key_lo[m]``, with ``CAUSAL`` keys from ``key_hi[m]`` on; with ``SOFTCAP``
     scores are soft-capped at ``softcap``."""
     offs_d = tl.arange(0, D)
-    q = tl.load(Q + rows[:, None] * stride_qr + heads_m[:, None] * stride_qh + offs_d[None, :],
-                mask=valid_m[:, None], other=0.0)
+    q = tl.load(
+        Q + rows[:, None] * stride_qr + heads_m[:, None] * stride_qh + offs_d[None, :], mask=valid_m[:, None], other=0.0
+    )
     if WINDOW:  # no block below every cell's window
         lo = tl.maximum(lo, tl.min(tl.where(valid_m, key_lo, hi), 0))
     # Online softmax in base 2 (scores pre-multiplied by log2(e)). Without a window or a causal bound
@@ -70,13 +97,50 @@ def attend_split(Q, K, V, OUT, LSE, rows, heads_m, valid_m, lo, hi, key_lo, key_
 
 @triton.jit
 def partial_kernel(
-        Q, PK, PV, PLEN, SK, SV, OLEN, OUT, LSE,
-        stride_qr, stride_qh, stride_pkb, stride_pkh, stride_pkn, stride_pvb, stride_pvh, stride_pvn,
-        stride_skb, stride_skh, stride_skn, stride_svb, stride_svh, stride_svn,
-        scale_log2, softcap, window, kv_heads, n, r, queries, heads, READS, prompt_splits, own_splits, prompt_programs,
-        m_blocks,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr,
-        WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr):
+    Q,
+    PK,
+    PV,
+    PLEN,
+    SK,
+    SV,
+    OLEN,
+    OUT,
+    LSE,
+    stride_qr,
+    stride_qh,
+    stride_pkb,
+    stride_pkh,
+    stride_pkn,
+    stride_pvb,
+    stride_pvh,
+    stride_pvn,
+    stride_skb,
+    stride_skh,
+    stride_skn,
+    stride_svb,
+    stride_svh,
+    stride_svn,
+    scale_log2,
+    softcap,
+    window,
+    kv_heads,
+    n,
+    r,
+    queries,
+    heads,
+    READS,
+    prompt_splits,
+    own_splits,
+    prompt_programs,
+    m_blocks,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D: tl.constexpr,
+    IEEE: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    CAUSAL: tl.constexpr,
+):
     """Programs ``[0, prompt_programs)`` take the prompt half (a group's cells in ``m_blocks`` tiles), the
     rest the own half. Row ``b`` feeds ``queries`` tokens, Q rows ``b * queries + i``; token i sits at
     position ``PLEN[group] + OLEN[b] - queries + i``, reads own keys below ``OLEN[b] - queries + 1 + i``
@@ -94,10 +158,36 @@ def partial_kernel(
         if WINDOW:
             own = tl.load(OLEN + q_rows // queries, mask=valid_m, other=1).to(tl.int32)
             key_lo = tl.load(PLEN + b).to(tl.int32) + own - queries + (cell // r) % queries + 1 - window
-        attend_split(Q, PK + b * stride_pkb + h * stride_pkh, PV + b * stride_pvb + h * stride_pvh, OUT, LSE,
-                     q_rows, h * r + cell % r, valid_m, lo, hi, key_lo, tl.zeros([BLOCK_M], tl.int32) + hi, split,
-                     stride_qr, stride_qh, stride_pkn, stride_pvn, scale_log2, softcap, heads, total_splits, BLOCK_M,
-                     BLOCK_N, D, IEEE, WINDOW, SOFTCAP, False)
+        attend_split(
+            Q,
+            PK + b * stride_pkb + h * stride_pkh,
+            PV + b * stride_pvb + h * stride_pvh,
+            OUT,
+            LSE,
+            q_rows,
+            h * r + cell % r,
+            valid_m,
+            lo,
+            hi,
+            key_lo,
+            tl.zeros([BLOCK_M], tl.int32) + hi,
+            split,
+            stride_qr,
+            stride_qh,
+            stride_pkn,
+            stride_pvn,
+            scale_log2,
+            softcap,
+            heads,
+            total_splits,
+            BLOCK_M,
+            BLOCK_N,
+            D,
+            IEEE,
+            WINDOW,
+            SOFTCAP,
+            False,
+        )
     else:  # own half: cell m = i*r + t is token i of row b, head h*r + t
         split, b, h, lo, hi = locate(pid - prompt_programs, own_splits, BLOCK_N, kv_heads, OLEN, tl.load(READS + 1))
         token = offs_m // r
@@ -105,10 +195,36 @@ def partial_kernel(
         key_lo = tl.zeros([BLOCK_M], tl.int32)
         if WINDOW:  # own key j sits at position PLEN + j
             key_lo += key_hi - window
-        attend_split(Q, SK + b * stride_skb + h * stride_skh, SV + b * stride_svb + h * stride_svh, OUT, LSE,
-                     b * queries + token, h * r + offs_m % r, offs_m < queries * r, lo, hi, key_lo, key_hi,
-                     prompt_splits + split, stride_qr, stride_qh, stride_skn, stride_svn, scale_log2, softcap, heads,
-                     total_splits, BLOCK_M, BLOCK_N, D, IEEE, WINDOW, SOFTCAP, CAUSAL)
+        attend_split(
+            Q,
+            SK + b * stride_skb + h * stride_skh,
+            SV + b * stride_svb + h * stride_svh,
+            OUT,
+            LSE,
+            b * queries + token,
+            h * r + offs_m % r,
+            offs_m < queries * r,
+            lo,
+            hi,
+            key_lo,
+            key_hi,
+            prompt_splits + split,
+            stride_qr,
+            stride_qh,
+            stride_skn,
+            stride_svn,
+            scale_log2,
+            softcap,
+            heads,
+            total_splits,
+            BLOCK_M,
+            BLOCK_N,
+            D,
+            IEEE,
+            WINDOW,
+            SOFTCAP,
+            CAUSAL,
+        )
 
 
 @triton.jit
@@ -133,8 +249,9 @@ def merge_kernel(OUT, LSE, RESULT, splits, BLOCK_S: tl.constexpr, D: tl.constexp
     top = tl.max(lse, 0)
     top = tl.where(top == float("-inf"), 0.0, top)  # no key at all: every weight 0, output 0
     w = tl.exp2(lse - top)
-    parts = tl.load(OUT + (cell * splits + offs_s)[:, None] * D + offs_d[None, :], mask=(offs_s < splits)[:, None],
-                    other=0.0)
+    parts = tl.load(
+        OUT + (cell * splits + offs_s)[:, None] * D + offs_d[None, :], mask=(offs_s < splits)[:, None], other=0.0
+    )
     total = tl.sum(w, 0)
     out = tl.sum(w[:, None] * parts, 0) / tl.where(total > 0, total, 1.0)
     tl.store(RESULT + cell * D + offs_d, out.to(RESULT.dtype.element_ty))

@@ -83,6 +83,8 @@ VOCAB_CHUNKS = 64
 PROMPT_VIEW_STEP, RESPONSE_VIEW_STEP = 256, 64
 PREFILL_ACTIVATION_BYTES = 1 << 30
 
+PLAIN_ATTENTION = AttentionSpec()  # causal softmax, no window or soft-capping: a layer that says nothing else
+
 
 def prefill_tokens(model) -> int:
     """Tokens of one prefill forward by default: as many as keep its widest activation (the MLP's gate
@@ -109,8 +111,9 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 def request_seeds(seeds: torch.Tensor, n: int) -> torch.Tensor:
     """One 32-bit stream key per sample: sample j of a prompt with seed s."""
     base = _mix32((seeds & MASK32) ^ _mix32(seeds >> 32))
-    return _mix32(base.repeat_interleave(n) ^ (torch.arange(n, device=seeds.device).repeat(len(seeds)) * 0x27D4EB2D
-                                             & MASK32))
+    return _mix32(
+        base.repeat_interleave(n) ^ (torch.arange(n, device=seeds.device).repeat(len(seeds)) * 0x27D4EB2D & MASK32)
+    )
 
 
 def hashed_vocab(vocab: int, device) -> torch.Tensor:
@@ -124,7 +127,7 @@ def gumbel_noise(keys: torch.Tensor, index: torch.Tensor, vocab_terms: torch.Ten
     """``[rows, vocab]`` standard Gumbel noise, a pure function of (key, token index, vocabulary id);
     ``vocab_terms`` is ``hashed_vocab(vocab)``."""
     row = _mix32(keys ^ ((index * 0x9E3779B1) & MASK32))
-    u = (_mix32(row[:, None] ^ vocab_terms[None, :]).float() + 0.5) / 2.0 ** 32
+    u = (_mix32(row[:, None] ^ vocab_terms[None, :]).float() + 0.5) / 2.0**32
     u = u.clamp(1e-7, 1 - 1e-7)
     return -torch.log(-torch.log(u))
 
@@ -151,8 +154,9 @@ def log_softmax_at(x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return x.gather(-1, tokens[:, None]).squeeze(-1) - _vocab_chunks(x).logsumexp(-1).logsumexp(-1)
 
 
-def sample_rows(logits: torch.Tensor, params: SamplingParams, keys: torch.Tensor, index: torch.Tensor,
-                vocab_terms: torch.Tensor):
+def sample_rows(
+    logits: torch.Tensor, params: SamplingParams, keys: torch.Tensor, index: torch.Tensor, vocab_terms: torch.Tensor
+):
     """Tokens and their log-probs under ``softmax(logits / T)`` (no top-k/top-p renormalisation, as the
     trainer recomputes them). Sampling is Gumbel-max over the filtered, tempered logits."""
     logits = logits.float()
@@ -176,8 +180,20 @@ class SharedPrefixKV:
     own stores). A rejected draft's are never read (each token reads own keys up to its own index only)
     and the next step overwrites them. Each slot's prompt token ids are kept too, for drafting."""
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, groups: int, n: int, prompt_cap: int,
-                 response_cap: int, dtype, device, kernel: str = "bmm", queries: int = 1):
+    def __init__(
+        self,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        groups: int,
+        n: int,
+        prompt_cap: int,
+        response_cap: int,
+        dtype,
+        device,
+        kernel: str = "bmm",
+        queries: int = 1,
+    ):
         self.groups, self.n, self.prompt_cap, self.response_cap = groups, n, prompt_cap, response_cap
         self.kernel, self.queries = kernel, queries
         self.own_cap = response_cap + queries - 1
@@ -228,7 +244,7 @@ class SharedPrefixKV:
         writes them itself)."""
         return self.suffix_k[layer], self.suffix_v[layer], self.query_rows, self.query_at
 
-    def attend(self, layer: int, q, k, v, scaling, spec: AttentionSpec = AttentionSpec()):
+    def attend(self, layer: int, q, k, v, scaling, spec: AttentionSpec = PLAIN_ATTENTION):
         """Attention of this step's queries under the layer's ``spec`` (sliding window, soft-capping);
         ``k``/``v`` None in decode when they are already in ``own_slot``."""
         if self.mode == "prefill":
@@ -240,8 +256,9 @@ class SharedPrefixKV:
         outputs, offset = [], 0
         for g, start, length in self.prefill_pieces:
             piece = slice(offset, offset + length)
-            outputs.append(self._prefill_piece(layer, g, start, q[:, :, piece], k[:, :, piece], v[:, :, piece],
-                                               scaling, spec))
+            outputs.append(
+                self._prefill_piece(layer, g, start, q[:, :, piece], k[:, :, piece], v[:, :, piece], scaling, spec)
+            )
             offset += length
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, 1)
 
@@ -252,8 +269,9 @@ class SharedPrefixKV:
         self.prefix_v[layer, g, :, start:end] = v[0]
         keys, values = self.prefix_k[layer, g, :, :end][None], self.prefix_v[layer, g, :, :end][None]
         if start == 0 and spec == AttentionSpec():
-            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scaling,
-                                                 enable_gqa=keys.shape[1] != q.shape[1])
+            out = F.scaled_dot_product_attention(
+                q, keys, values, is_causal=True, scale=scaling, enable_gqa=keys.shape[1] != q.shape[1]
+            )
         else:
             distance = torch.arange(start, end, device=q.device)[:, None] - torch.arange(end, device=q.device)[None, :]
             mask = (distance >= 0) & (distance < (spec.window or end + 1))
@@ -272,15 +290,40 @@ class SharedPrefixKV:
         heads, d = q.shape[1], q.shape[3]
         q = q.transpose(1, 2).reshape(rows, m, heads, d)
         if self.kernel == "triton":
-            out = shared_prefix_attention(q.reshape(rows * m, heads, d), self.prefix_k[layer], self.prefix_v[layer],
-                                          self.prompt_read, self.suffix_k[layer], self.suffix_v[layer], self.own_len,
-                                          self.n, self.prompt_view, self.response_view, scaling, window=spec.window,
-                                          softcap=spec.softcap, queries=m, reads=self.reads)
+            out = shared_prefix_attention(
+                q.reshape(rows * m, heads, d),
+                self.prefix_k[layer],
+                self.prefix_v[layer],
+                self.prompt_read,
+                self.suffix_k[layer],
+                self.suffix_v[layer],
+                self.own_len,
+                self.n,
+                self.prompt_view,
+                self.response_view,
+                scaling,
+                window=spec.window,
+                softcap=spec.softcap,
+                queries=m,
+                reads=self.reads,
+            )
             return out.view(rows, m, heads, d)
         math_fn = _compiled_decode_attention() if q.is_cuda else decode_attention
-        return math_fn(q, self.prefix_k[layer], self.prefix_v[layer], self.suffix_k[layer], self.suffix_v[layer],
-                       self.prefix_len, self.write_at, self.n, self.prompt_view, self.response_view, scaling,
-                       spec.window, spec.softcap)
+        return math_fn(
+            q,
+            self.prefix_k[layer],
+            self.prefix_v[layer],
+            self.suffix_k[layer],
+            self.suffix_v[layer],
+            self.prefix_len,
+            self.write_at,
+            self.n,
+            self.prompt_view,
+            self.response_view,
+            scaling,
+            spec.window,
+            spec.softcap,
+        )
 
 
 def _batched(store: torch.Tensor, length: int) -> torch.Tensor:
@@ -304,8 +347,21 @@ def _softmax_part(q, keys, values, outside, scaling, softcap):
     return out.float(), lse
 
 
-def decode_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, write_at, n: int, prompt_view: int,
-                     response_view: int, scaling, window: int | None = None, softcap: float | None = None):
+def decode_attention(
+    q,
+    prefix_k,
+    prefix_v,
+    suffix_k,
+    suffix_v,
+    prefix_len,
+    write_at,
+    n: int,
+    prompt_view: int,
+    response_view: int,
+    scaling,
+    window: int | None = None,
+    softcap: float | None = None,
+):
     """``q`` ``[rows, m, heads, d]``: m new tokens per row (rows = groups x n, group-major), the i-th
     written at own index ``write_at + i`` -> ``[rows, m, heads, d]``. Token i reads its group's prompt
     and its row's own keys up to index ``write_at + i`` (causal among the m new tokens; m > 1 when a
@@ -408,11 +464,26 @@ class FastRolloutEngine(RolloutEngine):
         """With the fused decode step it never calls the modules that the update compiles."""
         return self.decode_step is not None
 
-    def __init__(self, model, tokenizer=None, kv_cache_bytes: int | None = None, prefill_chunk: int | None = None,
-                 sync_every: int = 16, cuda_graphs: bool = True, max_groups: int | None = None, dtype=None,
-                 own_copy: bool = False, fused_decode: bool | None = None, decode_kernel: str = "auto",
-                 speculative: str | None = None, num_speculative_tokens: int = 4, prompt_lookup_min: int = 2,
-                 prompt_lookup_max: int = 8, kv_share: float = ENGINE_KV_SHARE, prompt_tokens: int = 0):
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        kv_cache_bytes: int | None = None,
+        prefill_chunk: int | None = None,
+        sync_every: int = 16,
+        cuda_graphs: bool = True,
+        max_groups: int | None = None,
+        dtype=None,
+        own_copy: bool = False,
+        fused_decode: bool | None = None,
+        decode_kernel: str = "auto",
+        speculative: str | None = None,
+        num_speculative_tokens: int = 4,
+        prompt_lookup_min: int = 2,
+        prompt_lookup_max: int = 8,
+        kv_share: float = ENGINE_KV_SHARE,
+        prompt_tokens: int = 0,
+    ):
         self.source, self.tokenizer = model, tokenizer
         self.prompt_tokens = prompt_tokens
         self.model = model
@@ -424,8 +495,9 @@ class FastRolloutEngine(RolloutEngine):
             raise ValueError(f"decode_kernel must be 'auto', 'bmm' or 'triton', got {decode_kernel!r}")
         if speculative not in (None, *SPECULATIVE_METHODS):
             raise ValueError(f"speculative must be None or one of {SPECULATIVE_METHODS}, got {speculative!r}")
-        self.speculation = (Speculation(num_speculative_tokens, prompt_lookup_min, prompt_lookup_max)
-                            if speculative else None)
+        self.speculation = (
+            Speculation(num_speculative_tokens, prompt_lookup_min, prompt_lookup_max) if speculative else None
+        )
         self.queries = self.speculation.queries if self.speculation else 1  # tokens a decode step feeds per row
         self.kv_cache_bytes, self.kv_share, self.sync_every = kv_cache_bytes, kv_share, sync_every
         self.prefill_chunk = prefill_chunk or prefill_tokens(model)
@@ -438,8 +510,10 @@ class FastRolloutEngine(RolloutEngine):
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         spec = use_longqa_attention(self.model)
         if spec.engine_problem:
-            raise UnsupportedModelError(f"the fast engine cannot hold {spec.model_type!r} models in its KV store: "
-                                        f"{spec.engine_problem}; use rollout.engine=hf")
+            raise UnsupportedModelError(
+                f"the fast engine cannot hold {spec.model_type!r} models in its KV store: "
+                f"{spec.engine_problem}; use rollout.engine=hf"
+            )
         self.layers = max(spec.layers) + 1
         self.kv_heads, self.head_dim, self.logits_spec = spec.kv_heads, spec.head_dim, spec.logits
         self.kv: SharedPrefixKV | None = None
@@ -456,8 +530,11 @@ class FastRolloutEngine(RolloutEngine):
         if compiled:
             use_user_cache()  # what it compiles is kept for the next start
         # A copy only the engine holds may have its projections re-bound as views of stacked matrices.
-        self.decode_step = (DecodeStep(self.model, compiled, views=self.model is not self.source)
-                            if fused_decode is not False and not reason else None)
+        self.decode_step = (
+            DecodeStep(self.model, compiled, views=self.model is not self.source)
+            if fused_decode is not False and not reason
+            else None
+        )
         self.sample = torch.compile(sample_rows, dynamic=False) if compiled else sample_rows
         self.vocab_terms = hashed_vocab(self.model.get_output_embeddings().weight.shape[0], self.device)
 
@@ -490,28 +567,47 @@ class FastRolloutEngine(RolloutEngine):
         prompt_cap = _bucket(max(self.prompt_tokens, *(len(p) for p in prompts)), PROMPT_VIEW_STEP, 1 << 62)
         response_cap = params.max_new_tokens
         kv = self.kv
-        if (kv is not None and kv.n == params.n and kv.prompt_cap >= prompt_cap and kv.response_cap >= response_cap
-                and kv.groups >= min(len(prompts), self.max_groups or len(prompts))):
+        if (
+            kv is not None
+            and kv.n == params.n
+            and kv.prompt_cap >= prompt_cap
+            and kv.response_cap >= response_cap
+            and kv.groups >= min(len(prompts), self.max_groups or len(prompts))
+        ):
             return kv
         if kv is not None:
             self.graph_events.append(
                 f"re-sized the KV stores for {len(prompts)} prompts of up to {prompt_cap} tokens, {response_cap} new, "
                 f"n={params.n} (they held {kv.groups} groups of {kv.prompt_cap}, {kv.response_cap}, n={kv.n}): "
-                f"{len(self.graphs)} captured decode graphs dropped")
+                f"{len(self.graphs)} captured decode graphs dropped"
+            )
         self.kv, self.graphs = None, {}  # free the old stores (and the graphs that point at them) first
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        per_group = SharedPrefixKV.bytes_per_group(self.layers, self.kv_heads, self.head_dim, params.n, prompt_cap,
-                                                   response_cap, self.dtype, self.queries)
+        per_group = SharedPrefixKV.bytes_per_group(
+            self.layers, self.kv_heads, self.head_dim, params.n, prompt_cap, response_cap, self.dtype, self.queries
+        )
         budget = self._budget()
         groups = min(len(prompts), budget // per_group, self.max_groups or len(prompts))
         if groups < 1:
             raise KVBudgetError(
                 f"one group (n={params.n}, a {prompt_cap}-token prompt, {response_cap} new tokens) needs "
                 f"{per_group / 2**30:.2f} GiB of KV cache but the budget is {budget / 2**30:.2f} GiB: raise "
-                f"rollout.kv_cache_bytes, or lower data.max_prompt_length, data.max_response_length or rollout.n")
-        self.kv = SharedPrefixKV(self.layers, self.kv_heads, self.head_dim, groups, params.n, prompt_cap, response_cap,
-                                 self.dtype, self.device, self.decode_kernel, self.queries)
+                f"rollout.kv_cache_bytes, or lower data.max_prompt_length, data.max_response_length or rollout.n"
+            )
+        self.kv = SharedPrefixKV(
+            self.layers,
+            self.kv_heads,
+            self.head_dim,
+            groups,
+            params.n,
+            prompt_cap,
+            response_cap,
+            self.dtype,
+            self.device,
+            self.decode_kernel,
+            self.queries,
+        )
         # Captured graphs read and write these very tensors: they live as long as the KV stores.
         self.state = DecodeState(groups * params.n, response_cap, self.device, self.queries)
         self.stop_ids = {}
@@ -519,10 +615,16 @@ class FastRolloutEngine(RolloutEngine):
 
     # ------------------------------------------------------------------------------------- generate
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 generator: torch.Generator | None = None, *, seeds: Sequence[int] | None = None,
-                 stop_at: Sequence[Sequence[int]] | None = None,
-                 at_version: int | None = None) -> list[list[Sample]]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+        *,
+        seeds: Sequence[int] | None = None,
+        stop_at: Sequence[Sequence[int]] | None = None,
+        at_version: int | None = None,
+    ) -> list[list[Sample]]:
         """``params.n`` samples per prompt. ``seeds`` (one per prompt) make each prompt's samples a
         function of its seed alone; without them seeds are drawn from ``generator``.
 
@@ -545,8 +647,10 @@ class FastRolloutEngine(RolloutEngine):
             raise ValueError("stop_strings need a tokenizer: pass one to FastRolloutEngine")
         expected = weights_version(self.source) if at_version is None else at_version
         if self.model is not self.source and self.version != expected:
-            raise StaleWeightsError(f"the engine's weights copy is version {self.version} but the training model is "
-                                    f"at {expected}: call sync_weights() after each update")
+            raise StaleWeightsError(
+                f"the engine's weights copy is version {self.version} but the training model is "
+                f"at {expected}: call sync_weights() after each update"
+            )
         seeds = prompt_seeds(len(prompts), generator, seeds)
         with eval_mode(self.model):
             if self.decode_step is not None:
@@ -569,8 +673,9 @@ class FastRolloutEngine(RolloutEngine):
         kv = self._ensure_kv(prompts, params)
         n, dev, state = params.n, self.device, self.state
         state.reset()
-        stops = self.stop_ids.setdefault(params.stop_token_ids,
-                                         torch.as_tensor(params.stop_token_ids or (-1,), device=dev))
+        stops = self.stop_ids.setdefault(
+            params.stop_token_ids, torch.as_tensor(params.stop_token_ids or (-1,), device=dev)
+        )
         keys = request_seeds(seeds.to(dev), n)  # [len(prompts) * n]
         row_limits = torch.as_tensor(limits, dtype=torch.long).view(-1).to(dev)  # [len(prompts) * n]
         pending = deque(range(len(prompts)))
@@ -586,14 +691,15 @@ class FastRolloutEngine(RolloutEngine):
                     slot.admit(i, len(prompts[i]), max(limits[i]))
             if admitted:
                 self._admit(admitted, prompts, params, keys, row_limits, state, stops)
-            active, reach = torch.stack([state.active.view(kv.groups, n).any(1).long(),
-                                         state.length.view(kv.groups, n).max(1).values]).tolist()
+            active, reach = torch.stack(
+                [state.active.view(kv.groups, n).any(1).long(), state.length.view(kv.groups, n).max(1).values]
+            ).tolist()
             freed = False
             for g, slot in enumerate(slots):  # groups that finished (possibly at their first token)
                 slot.reach = reach[g]
                 if not slot.free and not active[g]:
                     results[slot.prompt] = self._collect(g, params, state)
-                    self._count_steps(state.steps[g * n:(g + 1) * n].tolist())
+                    self._count_steps(state.steps[g * n : (g + 1) * n].tolist())
                     slot.prompt, freed = None, True
             if freed and pending:
                 continue  # a freed slot takes the next prompt before the next decode step
@@ -627,16 +733,20 @@ class FastRolloutEngine(RolloutEngine):
         self.last_run["busy_slot_steps"] += max(steps)
         self.last_run["live_row_steps"] += sum(steps)
 
-    def _admit(self, admitted: list[tuple[int, int]], prompts, params, keys, limits, state: "DecodeState",
-               stops) -> None:
+    def _admit(
+        self, admitted: list[tuple[int, int]], prompts, params, keys, limits, state: "DecodeState", stops
+    ) -> None:
         """Prefill the prompts of ``admitted`` (slot, prompt index) pairs into their slots and sample each of
         their rows' first token (``keys`` and ``limits`` are per row of every prompt). A forward holds up to
         ``prefill_chunk`` tokens of several prompts: one prompt per forward leaves a small model's GPU
         waiting on the host's launches (SmolLM2-135M: 27 ms a prompt of 8,192 tokens for 10 ms of kernels)."""
         kv, n, dev = self.kv, params.n, self.device
         lengths = [len(prompts[i]) for _, i in admitted]
-        pieces = [(g, start, min(self.prefill_chunk, length - start))
-                  for (g, _), length in zip(admitted, lengths) for start in range(0, length, self.prefill_chunk)]
+        pieces = [
+            (g, start, min(self.prefill_chunk, length - start))
+            for (g, _), length in zip(admitted, lengths)
+            for start in range(0, length, self.prefill_chunk)
+        ]
         # Tokens and positions as tensors, then one copy to the device (flattening 64 prompts of 8,192 tokens
         # in Python cost 0.1 s of GPU idle).
         ids = torch.cat([torch.as_tensor(prompts[i], dtype=torch.long) for _, i in admitted])
@@ -646,7 +756,7 @@ class FastRolloutEngine(RolloutEngine):
         for forward in _fill(pieces, self.prefill_chunk):
             width = sum(length for _, _, length in forward)
             kv.prefill_pieces = forward
-            hidden = self._prefill_forward(ids[offset:offset + width], positions[offset:offset + width], kv)
+            hidden = self._prefill_forward(ids[offset : offset + width], positions[offset : offset + width], kv)
             end = 0
             for _, start, length in forward:
                 end += length
@@ -656,24 +766,29 @@ class FastRolloutEngine(RolloutEngine):
         kv.mode = "decode"
         logits = self._logits(torch.stack(ends)).repeat_interleave(n, 0)  # [admitted * n, vocab]
         rows = torch.cat([torch.arange(i * n, (i + 1) * n) for _, i in admitted]).to(dev)
-        tokens, logp = sample_rows(logits, params, keys[rows], torch.zeros(len(rows), dtype=torch.long, device=dev),
-                                   self.vocab_terms)
+        tokens, logp = sample_rows(
+            logits, params, keys[rows], torch.zeros(len(rows), dtype=torch.long, device=dev), self.vocab_terms
+        )
         offset = 0
         for j, ((g, i), length) in enumerate(zip(admitted, lengths)):
             slot_rows, picked = slice(g * n, (g + 1) * n), slice(j * n, (j + 1) * n)
             kv.prefix_len[g] = length
-            kv.prompt_ids[g, :length] = ids[offset:offset + length]
-            state.keys[slot_rows] = keys[i * n:(i + 1) * n]
-            state.start(slot_rows, tokens[picked], logp[picked], stops, limits[i * n:(i + 1) * n])
+            kv.prompt_ids[g, :length] = ids[offset : offset + length]
+            state.keys[slot_rows] = keys[i * n : (i + 1) * n]
+            state.start(slot_rows, tokens[picked], logp[picked], stops, limits[i * n : (i + 1) * n])
             offset += length
 
     def _prefill_forward(self, ids: torch.Tensor, positions: torch.Tensor, kv: SharedPrefixKV) -> torch.Tensor:
         """Final hidden states ``[tokens, hidden]`` of one prefill forward (``kv.prefill_pieces`` says whose)."""
         if self.decode_step is not None:
             return self.decode_step.prefill(ids, positions, kv)
-        return self.model.base_model(input_ids=ids[None], position_ids=positions[None],
-                                     attention_mask=NO_MASK.to(self.device), use_cache=False,
-                                     longqa_kv=kv).last_hidden_state[0]
+        return self.model.base_model(
+            input_ids=ids[None],
+            position_ids=positions[None],
+            attention_mask=NO_MASK.to(self.device),
+            use_cache=False,
+            longqa_kv=kv,
+        ).last_hidden_state[0]
 
     def _decode_step(self, params, state: "DecodeState", stops) -> None:
         if not self.cuda_graphs:
@@ -684,8 +799,10 @@ class FastRolloutEngine(RolloutEngine):
             start = time.perf_counter()
             graph = self.graphs[key] = self._capture(params, state, stops)
             self.graph_captures += 1
-            self.graph_events.append(f"captured the decode step for prompt view {key[0]}, response view {key[1]} "
-                                     f"({self.kv.groups} groups of {params.n}) in {time.perf_counter() - start:.2f} s")
+            self.graph_events.append(
+                f"captured the decode step for prompt view {key[0]}, response view {key[1]} "
+                f"({self.kv.groups} groups of {params.n}) in {time.perf_counter() - start:.2f} s"
+            )
         graph.replay()
 
     def _capture(self, params, state, stops):
@@ -723,17 +840,26 @@ class FastRolloutEngine(RolloutEngine):
             spec = self.speculation
             # Drafts come from the text the step reads: the prompts of groups still running and the tokens of
             # live rows. A finished group's slot keeps its text, which can be longer than the views.
-            text, length = row_text(kv.prompt_ids[:, :kv.prompt_view], kv.prompt_read,
-                                    state.tokens[:, :kv.response_view], torch.where(state.active, index, 0), n)
+            text, length = row_text(
+                kv.prompt_ids[:, : kv.prompt_view],
+                kv.prompt_read,
+                state.tokens[:, : kv.response_view],
+                torch.where(state.active, index, 0),
+                n,
+            )
             drafts, draft_len = propose(text, length, spec.tokens, spec.min_match, spec.max_match)
             feed = torch.cat([feed, drafts], 1)
             positions = positions[:, None] + kv.query_offset
         if self.decode_step is not None:
             hidden = self.decode_step.decode(feed.view(-1), positions.reshape(-1), kv)
         else:
-            hidden = self.model.base_model(input_ids=feed, position_ids=positions.view(-1, m),
-                                           attention_mask=NO_MASK.to(self.device), use_cache=False,
-                                           longqa_kv=kv).last_hidden_state.flatten(0, 1)
+            hidden = self.model.base_model(
+                input_ids=feed,
+                position_ids=positions.view(-1, m),
+                attention_mask=NO_MASK.to(self.device),
+                use_cache=False,
+                longqa_kv=kv,
+            ).last_hidden_state.flatten(0, 1)
         logits = self._logits(hidden)
         if not self.speculation:
             tokens, logp = self.sample(logits, params, state.keys, index, self.vocab_terms)
@@ -754,8 +880,14 @@ class FastRolloutEngine(RolloutEngine):
         logps = state.logp[rows].tolist() if params.return_logprobs else None
         stopped = state.stopped[rows].tolist()
         # A row shorter than max_new_tokens was ended by a stop token or string, or by its stop_at limit.
-        return [Sample(tokens[j][:lengths[j]], "stop" if stopped[j] or lengths[j] < params.max_new_tokens else "length",
-                       logps[j][:lengths[j]] if logps is not None else None) for j in range(n)]
+        return [
+            Sample(
+                tokens[j][: lengths[j]],
+                "stop" if stopped[j] or lengths[j] < params.max_new_tokens else "length",
+                logps[j][: lengths[j]] if logps is not None else None,
+            )
+            for j in range(n)
+        ]
 
     def _apply_stop_strings(self, params, state: "DecodeState", slots: list[Slot]) -> None:
         """Cut rows at the first token that completes a stop string (searched on the host, per sync)."""
@@ -765,7 +897,7 @@ class FastRolloutEngine(RolloutEngine):
             if slots[row // params.n].free:
                 continue
             for end in range(state.checked[row] + 1, length + 1):
-                tail = self.tokenizer.decode(tokens[row][max(0, end - window):end], skip_special_tokens=True)
+                tail = self.tokenizer.decode(tokens[row][max(0, end - window) : end], skip_special_tokens=True)
                 if any(s in tail for s in params.stop_strings):
                     state.cut(row, end)
                     length = end
@@ -871,9 +1003,10 @@ class DecodeState:
         self.length[row], self.active[row], self.stopped[row] = length, False, True
 
     def snapshot(self) -> dict:
-        return {name: getattr(self, name).clone()
-                for name in ("tokens", "logp", "length", "last", "active", "stopped", "steps", "draft_steps",
-                             "accepted")}
+        return {
+            name: getattr(self, name).clone()
+            for name in ("tokens", "logp", "length", "last", "active", "stopped", "steps", "draft_steps", "accepted")
+        }
 
     def restore(self, snapshot: dict) -> None:
         for name, value in snapshot.items():

@@ -37,16 +37,24 @@ class HFRolloutEngine(RolloutEngine):
         self.max_batch_tokens = max_batch_tokens
         self.cache_kwarg = _cache_kwarg(model)
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 generator: torch.Generator | None = None, *, seeds: Sequence[int] | None = None,
-                 stop_at: Sequence[Sequence[int]] | None = None,
-                 at_version: int | None = None) -> list[list[Sample]]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+        *,
+        seeds: Sequence[int] | None = None,
+        stop_at: Sequence[Sequence[int]] | None = None,
+        at_version: int | None = None,
+    ) -> list[list[Sample]]:
         """``RolloutEngine.generate`` without ``seeds`` or ``stop_at``; ``at_version`` can only be the model's
         version now, since it samples the training model itself."""
         self.check_request(seeds, stop_at)
         if at_version is not None and at_version != weights_version(self.model):
-            raise StaleWeightsError(f"asked to sample weights version {at_version}, but the training model this "
-                                    f"engine samples is at {weights_version(self.model)}")
+            raise StaleWeightsError(
+                f"asked to sample weights version {at_version}, but the training model this "
+                f"engine samples is at {weights_version(self.model)}"
+            )
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer: pass one to HFRolloutEngine")
         if generator is not None and generator.device.type != self.model.device.type:
@@ -67,7 +75,7 @@ class HFRolloutEngine(RolloutEngine):
         cache = DynamicCache(config=self.model.config)
         chunk = self.max_batch_tokens or len(prompt)
         for start in range(0, len(prompt), chunk):
-            logits = self._forward(ids[:, start:start + chunk], cache)
+            logits = self._forward(ids[:, start : start + chunk], cache)
         # The prompt's KV cache is computed once and copied to every sample; the last prompt position's
         # logits give every sample's first token.
         cache.batch_repeat_interleave(params.n)
@@ -114,8 +122,9 @@ class HFRolloutEngine(RolloutEngine):
         return any(s in tail for s in params.stop_strings)
 
 
-def sample_tokens(logits: torch.Tensor, params: SamplingParams,
-                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def sample_tokens(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One token per row of float32 ``logits`` and, if asked, its log-prob under ``softmax(logits / T)``.
 
     The log-prob ignores top-k/top-p on purpose: the trainer recomputes it from full logits.
@@ -146,15 +155,16 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
-def response_logprobs(model, prompt_ids: Sequence[int], response_ids: Sequence[int],
-                      temperature: float) -> torch.Tensor:
+def response_logprobs(
+    model, prompt_ids: Sequence[int], response_ids: Sequence[int], temperature: float
+) -> torch.Tensor:
     """Per-token log-probs of ``response_ids`` after ``prompt_ids`` by one plain forward, as the trainer
     computes them: ``log_softmax(logits / T)`` with T=1 when ``temperature`` is 0. float32, on the model's
     device; equals ``Sample.logprobs`` up to float error."""
     ids = torch.tensor([[*prompt_ids, *response_ids]], device=model.device)
     with eval_mode(model):
         logits = model(input_ids=ids, use_cache=False, logits_to_keep=len(response_ids) + 1).logits[0, :-1].float()
-    targets = ids[0, len(prompt_ids):, None]
+    targets = ids[0, len(prompt_ids) :, None]
     return (logits / (temperature or 1.0)).log_softmax(-1).gather(-1, targets).squeeze(-1)
 
 

@@ -23,8 +23,9 @@ NO_TOKEN = -1  # past the end of a row's text
 NEVER = -2  # a last-tokens entry before the start of a short text: equal to nothing
 
 
-def row_text(prompt_ids: torch.Tensor, prefix_len: torch.Tensor, own_ids: torch.Tensor, own_len: torch.Tensor,
-             n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def row_text(
+    prompt_ids: torch.Tensor, prefix_len: torch.Tensor, own_ids: torch.Tensor, own_len: torch.Tensor, n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's text, ``[rows, P + S]``: its group's prompt (``prompt_ids`` ``[groups, P]``, the first
     ``prefix_len[g]`` valid) then its own tokens (``own_ids`` ``[rows, S]``, the first ``own_len[row]``
     valid), ``NO_TOKEN`` after; and each text's length. Rows are group-major, ``n`` per group. The lengths
@@ -40,8 +41,9 @@ def row_text(prompt_ids: torch.Tensor, prefix_len: torch.Tensor, own_ids: torch.
     return text, length
 
 
-def propose(text: torch.Tensor, length: torch.Tensor, k: int, min_match: int,
-            max_match: int) -> tuple[torch.Tensor, torch.Tensor]:
+def propose(
+    text: torch.Tensor, length: torch.Tensor, k: int, min_match: int, max_match: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Drafts ``[rows, k]`` and how many of each row's are real, ``[rows]`` (0: no match of at least
     ``min_match`` tokens). ``text`` ``[rows, T]`` (``NO_TOKEN`` past each row's ``length``).
 
@@ -57,7 +59,7 @@ def propose(text: torch.Tensor, length: torch.Tensor, k: int, min_match: int,
     matched = torch.zeros(rows, T, dtype=torch.int32, device=text.device)
     for j in range(1, min(max_match, T - 1) + 1):  # the j-th token before each candidate against the j-th from the end
         run[:, j - 1] = False  # candidate j - 1 has no j-th token before it
-        run[:, j:] &= text[:, :T - j] == tail[:, j - 1:j]
+        run[:, j:] &= text[:, : T - j] == tail[:, j - 1 : j]
         matched += run
     matched = torch.where((position < length[:, None]) & (matched >= min_match), matched, 0).long()
     best = (matched * (T + 1) - position).argmax(1)  # the longest match, the earliest of equal ones

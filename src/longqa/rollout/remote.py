@@ -73,20 +73,37 @@ class RemoteRolloutEngine(RolloutEngine):
         first = next(model.parameters())
         self.dtype, self.device = first.dtype, first.device  # (an offloaded shard's whole tensor may be on the host)
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 generator: torch.Generator | None = None, *, seeds: Sequence[int] | None = None,
-                 stop_at: Sequence[Sequence[int]] | None = None, at_version: int | None = None) -> list[list[Sample]]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+        *,
+        seeds: Sequence[int] | None = None,
+        stop_at: Sequence[Sequence[int]] | None = None,
+        at_version: int | None = None,
+    ) -> list[list[Sample]]:
         """As ``FastRolloutEngine.generate``, sampled on this rank's sampler. Sent even for no prompts: the sampler
         takes one message from each training rank it serves in turn."""
         prompts = [list(p) for p in prompts]
         seeds = prompt_seeds(len(prompts), generator, seeds)
         version = weights_version(self.model) if at_version is None else at_version
-        reply = self._ask({"kind": "generate", "prompts": prompts, "params": params, "seeds": seeds,
-                           "stop_at": None if stop_at is None else [list(s) for s in stop_at], "version": version,
-                           "prompt_tokens": self.prompt_tokens})
+        reply = self._ask(
+            {
+                "kind": "generate",
+                "prompts": prompts,
+                "params": params,
+                "seeds": seeds,
+                "stop_at": None if stop_at is None else [list(s) for s in stop_at],
+                "version": version,
+                "prompt_tokens": self.prompt_tokens,
+            }
+        )
         if "trace" in reply:
-            failure = SamplerError(f"sampler rank {self.sampler} could not sample for training rank "
-                                   f"{self.split.job.rank}:\n{reply['trace']}")
+            failure = SamplerError(
+                f"sampler rank {self.sampler} could not sample for training rank "
+                f"{self.split.job.rank}:\n{reply['trace']}"
+            )
             if reply["error"] is None:
                 raise failure
             raise reply["error"] from failure  # the sampler's own error (a KV budget too small, say), as it was
@@ -170,8 +187,10 @@ def serve(engine, split: Split) -> bool:
         messages = [_receive(t) for t in trainers]
         kinds = {m["kind"] for m in messages}
         if len(kinds) != 1:
-            raise RuntimeError(f"sampler rank {split.job.rank}: training ranks {trainers} are out of step "
-                               f"(asked for {[m['kind'] for m in messages]})")
+            raise RuntimeError(
+                f"sampler rank {split.job.rank}: training ranks {trainers} are out of step "
+                f"(asked for {[m['kind'] for m in messages]})"
+            )
         kind = kinds.pop()
         if kind == "stop":
             return all(m["finished"] for m in messages)
@@ -201,8 +220,9 @@ def _sample(engine, messages: list[dict]) -> list[list[list[Sample]]]:
     held = weights_version(engine.source)
     for message in messages:
         if message["version"] != held:
-            raise StaleWeightsError(f"asked to sample with weights version {message['version']}, but this sampler "
-                                    f"holds version {held}")
+            raise StaleWeightsError(
+                f"asked to sample with weights version {message['version']}, but this sampler holds version {held}"
+            )
     params = messages[0]["params"]
     if any(m["params"] != params for m in messages):
         raise ValueError("the training ranks asked for different sampling parameters in one request")
@@ -216,6 +236,6 @@ def _sample(engine, messages: list[dict]) -> list[list[list[Sample]]]:
     samples = engine.generate(prompts, params, seeds=seeds, stop_at=stop_at) if prompts else []
     parts, start = [], 0
     for message in messages:
-        parts.append(samples[start:start + len(message["prompts"])])
+        parts.append(samples[start : start + len(message["prompts"])])
         start += len(message["prompts"])
     return parts

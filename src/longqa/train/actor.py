@@ -58,8 +58,12 @@ class Samples:
         """From verl's tensors: left-padded prompts ``[N, P]`` and right-padded responses ``[N, R]``
         with their 0/1 masks; padding is dropped."""
         keep = lambda ids, mask: [int(t) for t, m in zip(ids.tolist(), mask.tolist()) if m]  # noqa: E731
-        return cls([keep(p, m) for p, m in zip(prompts, prompt_mask)],
-                   [keep(r, m) for r, m in zip(responses, response_mask)], advantages, group_size)
+        return cls(
+            [keep(p, m) for p, m in zip(prompts, prompt_mask)],
+            [keep(r, m) for r, m in zip(responses, response_mask)],
+            advantages,
+            group_size,
+        )
 
 
 @dataclass
@@ -130,8 +134,11 @@ class Actor:
         masters = next(model.parameters()).dtype != torch.float32  # FSDP2's mixed precision keeps float32 shards
         if a.shared_prompt:
             # Sharded by FSDP2 on a GPU, the layers compute in bfloat16 whatever the shards' dtype (shard_model).
-            compute = torch.bfloat16 if sharded and a.strategy == "fsdp2" and device.type == "cuda" \
+            compute = (
+                torch.bfloat16
+                if sharded and a.strategy == "fsdp2" and device.type == "cuda"
                 else next(model.parameters()).dtype
+            )
             self.backend = resolve_backend(a.attention_backend, device, use_longqa_attention(model), compute)
         # A frozen copy of the starting weights, only when a KL penalty asks for one (the recipe has none).
         self.reference = None
@@ -146,11 +153,17 @@ class Actor:
             if sharded:  # (the optimizer must be built on the shards, after)
                 for scorer in (self.scorer, self.reference):
                     if scorer is not None:  # (the frozen reference takes no step: it keeps the loaded dtype)
-                        shard_model(scorer, scorer.model.base_model.layers, device, a.cpu_offload,
-                                    mixed_precision=device.type == "cuda" or masters,
-                                    master_weights=a.master_weights if scorer is self.scorer else "model")
-            self.optimizer = torch.optim.AdamW(self.scorer.parameters(), lr=a.lr, betas=tuple(a.betas),
-                                               weight_decay=a.weight_decay)
+                        shard_model(
+                            scorer,
+                            scorer.model.base_model.layers,
+                            device,
+                            a.cpu_offload,
+                            mixed_precision=device.type == "cuda" or masters,
+                            master_weights=a.master_weights if scorer is self.scorer else "model",
+                        )
+            self.optimizer = torch.optim.AdamW(
+                self.scorer.parameters(), lr=a.lr, betas=tuple(a.betas), weight_decay=a.weight_decay
+            )
         self.updates_per_step = a.ppo_epochs * math.ceil(cfg.data.train_batch_size / a.ppo_mini_batch_size)
         self.lr_factor = lr_lambda(cfg, max(1, total_steps * self.updates_per_step))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.lr_factor)
@@ -166,8 +179,9 @@ class Actor:
         for group in self.optimizer.param_groups:
             group.update(initial_lr=a.lr, betas=tuple(a.betas), weight_decay=a.weight_decay)
         # (a scheduler built at the restored update takes each group's initial_lr as its base)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.lr_factor,
-                                                           last_epoch=self.scheduler.last_epoch - 1)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, self.lr_factor, last_epoch=self.scheduler.last_epoch - 1
+        )
 
     def micro_batches(self, samples: Samples, indices: list[int]) -> list[MicroBatch]:
         """``indices`` (whole groups, group-contiguous) cut to ``actor.max_tokens_per_micro_batch``."""
@@ -246,8 +260,10 @@ class Actor:
         cfg = self.cfg
         groups = len(samples) // samples.group_size
         per_mini = cfg.actor.ppo_mini_batch_size // world_size()
-        minis = [list(range(g * samples.group_size, min(groups, g + per_mini) * samples.group_size))
-                 for g in range(0, groups, per_mini)]
+        minis = [
+            list(range(g * samples.group_size, min(groups, g + per_mini) * samples.group_size))
+            for g in range(0, groups, per_mini)
+        ]
         on_policy = cfg.actor.ppo_epochs == 1 and len(minis) == 1
         if samples.old_logprobs is not None:  # sampled by older weights: their log-probs, not a recompute
             old = [torch.tensor(lp, dtype=torch.float32) for lp in samples.old_logprobs]
@@ -278,7 +294,7 @@ class Actor:
     def _plan(self, samples: Samples, indices: list[int]):
         """Packs of ``indices`` (whole groups, group-contiguous) in micro-batches of the token budget."""
         size = samples.group_size
-        groups = [indices[g:g + size] for g in range(0, len(indices), size)]
+        groups = [indices[g : g + size] for g in range(0, len(indices), size)]
         return plan_packs(samples.prompt_ids, samples.response_ids, groups, self.cfg.actor.max_tokens_per_micro_batch)
 
     def _update_mini(self, samples: Samples, mini: list[int], old: list[torch.Tensor] | None) -> dict:
@@ -313,16 +329,30 @@ class Actor:
                 for row, i in enumerate(index):
                     old_logp[row][response[row]] = old[i].to(self.device)
             advantages = samples.advantages[index].to(self.device)
-            token_losses, pg_stats = algo.policy_loss(logp, old_logp, advantages, response, cfg.algo.clip_ratio,
-                                                      cfg.algo.clip_ratio_high, cfg.algo.dual_clip_c)
+            token_losses, pg_stats = algo.policy_loss(
+                logp,
+                old_logp,
+                advantages,
+                response,
+                cfg.algo.clip_ratio,
+                cfg.algo.clip_ratio_high,
+                cfg.algo.dual_clip_c,
+            )
             kl = None
             if self.reference is not None:
                 with torch.no_grad():
                     ref_logp, _, _ = self.forward(self.reference, micro)
                 kl = algo.kl_penalty(logp, ref_logp, cfg.algo.kl_type) * response
-            loss, loss_stats = algo.total_loss(token_losses, response, cfg.algo.loss_agg_mode, entropy=entropy,
-                                               entropy_coeff=cfg.algo.entropy_coeff, kl=kl,
-                                               kl_coef=cfg.algo.kl_coef, **denominators)
+            loss, loss_stats = algo.total_loss(
+                token_losses,
+                response,
+                cfg.algo.loss_agg_mode,
+                entropy=entropy,
+                entropy_coeff=cfg.algo.entropy_coeff,
+                kl=kl,
+                kl_coef=cfg.algo.kl_coef,
+                **denominators,
+            )
             self._backward(loss * weight, boundary=k == rounds - 1)
             if weight == 0:
                 continue
@@ -366,8 +396,10 @@ class Actor:
             self.bad_steps += 1
             stats.update(grad_norm=0.0, skipped_updates=1.0)
             if self.bad_steps >= cfg.actor.max_bad_steps:
-                raise TrainingError(f"{self.bad_steps} updates in a row had a non-finite loss or gradient; "
-                                    f"stopping (lower actor.lr, check the data, or raise actor.max_bad_steps)")
+                raise TrainingError(
+                    f"{self.bad_steps} updates in a row had a non-finite loss or gradient; "
+                    f"stopping (lower actor.lr, check the data, or raise actor.max_bad_steps)"
+                )
             return stats
         self.bad_steps = 0
         if self.engine is None:

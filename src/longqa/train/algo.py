@@ -30,8 +30,9 @@ def _constant(groups: Tensor) -> Tensor:
     return (groups == groups[:, :1]).all(dim=1)
 
 
-def group_advantages(rewards: Tensor, group_size: int, estimator: str = "grpo", norm_by_std: bool = True,
-                     eps: float = 1e-6) -> tuple[Tensor, int]:
+def group_advantages(
+    rewards: Tensor, group_size: int, estimator: str = "grpo", norm_by_std: bool = True, eps: float = 1e-6
+) -> tuple[Tensor, int]:
     """One advantage per sample from its group's rewards; also the number of all-equal (zero-signal) groups.
 
     - ``grpo``: ``(r - mean) / (std + eps)`` with Bessel's std (verl's ``torch.std``); ``r - mean`` without
@@ -72,9 +73,15 @@ def _masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     return (values * mask).sum() / mask.sum().clamp(min=1)
 
 
-def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, clip_ratio: float,
-                clip_ratio_high: float | None = None,
-                dual_clip_c: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+def policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_ratio: float,
+    clip_ratio_high: float | None = None,
+    dual_clip_c: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate per token, ``[B, T]``, plus detached masked-mean stats.
 
     ``loss = max(-A * ratio, -A * clip(ratio, 1 - clip_ratio, 1 + clip_ratio_high))``; a separate upper bound
@@ -114,8 +121,15 @@ def _denominator(given: int | float | None, counted: Tensor) -> Tensor | int | f
     return counted.clamp(min=1) if given is None else max(given, 1)
 
 
-def aggregate(token_losses: Tensor, mask: Tensor, mode: str, *, num_tokens: int | None = None,
-              num_seqs: int | None = None, max_response_length: int | None = None) -> Tensor:
+def aggregate(
+    token_losses: Tensor,
+    mask: Tensor,
+    mode: str,
+    *,
+    num_tokens: int | None = None,
+    num_seqs: int | None = None,
+    max_response_length: int | None = None,
+) -> Tensor:
     """Reduce ``[B, T]`` token losses to a scalar the way verl's ``agg_loss`` does.
 
     - ``token-mean``: sum over valid tokens / ``num_tokens`` (long answers weigh more, per token).
@@ -179,9 +193,16 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str = "low_var_kl") -> Tens
     raise ValueError(f"unknown KL kind {kind!r}; expected one of {KL_KINDS}")
 
 
-def total_loss(token_losses: Tensor, mask: Tensor, mode: str, entropy: Tensor | None = None,
-               entropy_coeff: float = 0.0, kl: Tensor | None = None, kl_coef: float = 0.0,
-               **denominators) -> tuple[Tensor, dict[str, Tensor]]:
+def total_loss(
+    token_losses: Tensor,
+    mask: Tensor,
+    mode: str,
+    entropy: Tensor | None = None,
+    entropy_coeff: float = 0.0,
+    kl: Tensor | None = None,
+    kl_coef: float = 0.0,
+    **denominators,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """``agg(pg) - entropy_coeff * agg(entropy) + kl_coef * agg(kl)``, one aggregation and set of denominators.
 
     Sharing them keeps the three terms on the same scale and keeps the micro-batch sum exact. The stats

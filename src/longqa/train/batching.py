@@ -33,7 +33,7 @@ def collate_right(sequences: Sequence[Sequence[int]], response_starts: Sequence[
     attention = torch.zeros((len(sequences), width), dtype=torch.long)
     response = torch.zeros((len(sequences), width), dtype=torch.bool)
     for row, (seq, start) in enumerate(zip(sequences, response_starts)):
-        ids[row, :len(seq)] = torch.as_tensor(list(seq), dtype=torch.long)
-        attention[row, :len(seq)] = 1
-        response[row, start:len(seq)] = True
+        ids[row, : len(seq)] = torch.as_tensor(list(seq), dtype=torch.long)
+        attention[row, : len(seq)] = 1
+        response[row, start : len(seq)] = True
     return ids, attention, response

@@ -137,19 +137,25 @@ def resolve_resume(run_dir: str | os.PathLike, resume: str, say: Callable[[str],
         return latest_checkpoint(run_dir)
     path = Path(resume)
     if not path.is_dir():
-        raise CheckpointError(f"trainer.resume={resume}: no checkpoint folder at {path}; "
-                              f"use trainer.resume=auto for the latest one in {checkpoints_dir(run_dir)}")
+        raise CheckpointError(
+            f"trainer.resume={resume}: no checkpoint folder at {path}; "
+            f"use trainer.resume=auto for the latest one in {checkpoints_dir(run_dir)}"
+        )
     if not _is_checkpoint_folder(path):
         latest = latest_of_folder(path)
         if latest is None:
-            raise CheckpointError(f"trainer.resume={resume}: {path} is neither a checkpoint nor a run folder with a "
-                                  f"complete one: give runs/NAME/checkpoints/step_XXXXXXXX or runs/NAME")
+            raise CheckpointError(
+                f"trainer.resume={resume}: {path} is neither a checkpoint nor a run folder with a "
+                f"complete one: give runs/NAME/checkpoints/step_XXXXXXXX or runs/NAME"
+            )
         if say is not None:
             say(f"trainer.resume={resume}: resuming its latest complete checkpoint, {latest}")
         return latest
     if not is_complete(path):
-        raise CheckpointError(f"trainer.resume={resume}: {path} is incomplete (no {MARKER} marker; its writing "
-                              f"was interrupted); use trainer.resume=auto for the latest complete checkpoint")
+        raise CheckpointError(
+            f"trainer.resume={resume}: {path} is incomplete (no {MARKER} marker; its writing "
+            f"was interrupted); use trainer.resume=auto for the latest complete checkpoint"
+        )
     return path
 
 
@@ -209,7 +215,7 @@ def _spread(names: list[str], work: Callable[[str], Any]) -> dict[str, Any]:
     names), the results of all gathered on every rank: one pass over a sharded checkpoint, not one per rank."""
     from longqa.distributed.env import gather_objects, rank, world_size
 
-    mine = {name: work(name) for name in names[rank()::world_size()]}
+    mine = {name: work(name) for name in names[rank() :: world_size()]}
     return {name: result for part in gather_objects(mine) for name, result in part.items()}
 
 
@@ -232,8 +238,10 @@ def rng_state() -> dict:
     numpy_state = np.random.get_state(legacy=False)
     return {
         "python": [version, list(internal), gauss],
-        "numpy": {**numpy_state, "state": {"key": numpy_state["state"]["key"].tolist(),
-                                           "pos": numpy_state["state"]["pos"]}},
+        "numpy": {
+            **numpy_state,
+            "state": {"key": numpy_state["state"]["key"].tolist(), "pos": numpy_state["state"]["pos"]},
+        },
         "torch": torch.get_rng_state().tolist(),
         "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
     }
@@ -244,11 +252,18 @@ def set_rng_state(state: dict) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     numpy_state = state["numpy"]
-    np.random.set_state({**numpy_state, "state": {"key": np.array(numpy_state["state"]["key"], dtype=np.uint32),
-                                                  "pos": numpy_state["state"]["pos"]}})
+    np.random.set_state(
+        {
+            **numpy_state,
+            "state": {
+                "key": np.array(numpy_state["state"]["key"], dtype=np.uint32),
+                "pos": numpy_state["state"]["pos"],
+            },
+        }
+    )
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
     if state["cuda"] and torch.cuda.is_available():
-        cuda = state["cuda"][:torch.cuda.device_count()]
+        cuda = state["cuda"][: torch.cuda.device_count()]
         torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in cuda])
 
 
@@ -294,8 +309,7 @@ def _ranks_digests(tmp: Path) -> dict[str, str]:
     return _spread(names, lambda name: _file_digest(tmp / name))
 
 
-def _write_temp(tmp: Path, files: dict[str, Callable[[IO[bytes]], Any]], step: int,
-                digests: dict[str, str]) -> None:
+def _write_temp(tmp: Path, files: dict[str, Callable[[IO[bytes]], Any]], step: int, digests: dict[str, str]) -> None:
     """Write every file into ``tmp`` (which may already hold the ranks' shards, of ``digests``), then the marker
     naming them all with their sizes and digests, and make it all durable."""
     tmp.mkdir(exist_ok=True)
@@ -332,9 +346,17 @@ def _state_dicts(model, optimizer, *, full: bool = False):
     return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=full))
 
 
-def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer, scheduler: Any = None, trainer_state: dict,
-                    keep_last: int, engine: Any = None) -> Path:
+def save_checkpoint(
+    run_dir: str | os.PathLike,
+    step: int,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any = None,
+    trainer_state: dict,
+    keep_last: int,
+    engine: Any = None,
+) -> Path:
     """Write checkpoint ``step`` atomically, then keep only the ``keep_last`` newest; returns its folder.
 
     A write error (a full disk above all) removes the partial folder and raises :class:`CheckpointError`;
@@ -377,8 +399,11 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Mo
         elif sharded:
             import torch.distributed.checkpoint as dcp
 
-            dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp / SHARDED,
-                     process_group=training_group())
+            dcp.save(
+                {"model": model_state, "optimizer": optimizer_state},
+                checkpoint_id=tmp / SHARDED,
+                process_group=training_group(),
+            )
             barrier()
         digests = _ranks_digests(tmp) if engine is not None or sharded else {}
         if is_main():
@@ -389,8 +414,9 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Mo
         if os_error is None:
             raise
         what = "disk full" if os_error.errno in _DISK_FULL else (os_error.strerror or str(os_error)).lower()
-        raise CheckpointError(f"{what} while writing checkpoint step {step} to {final}; "
-                              f"{_describe_previous(run_dir)}") from exc
+        raise CheckpointError(
+            f"{what} while writing checkpoint step {step} to {final}; {_describe_previous(run_dir)}"
+        ) from exc
     if is_main():
         _publish(tmp, final)
         _prune(run_dir, step, keep_last)
@@ -406,8 +432,10 @@ def _load(path: Path) -> Any:
 
 
 def _damaged(path: Path, what: str) -> CheckpointError:
-    return CheckpointError(f"checkpoint {path} is damaged: {what}; resume or export an earlier checkpoint "
-                           f"(trainer.resume=PATH, longqa export PATH)")
+    return CheckpointError(
+        f"checkpoint {path} is damaged: {what}; resume or export an earlier checkpoint "
+        f"(trainer.resume=PATH, longqa export PATH)"
+    )
 
 
 def _read_json(path: Path, name: str) -> Any:
@@ -450,8 +478,10 @@ def _check(path: Path, skip: Iterable[str] = (), say: Callable[[str], Any] | Non
     digests = marker.get(DIGESTS)
     if digests is None:
         if say is not None:
-            say(f"note: checkpoint {path} records no digests of its files (an earlier longqa wrote it): they are "
-                f"checked by size only")
+            say(
+                f"note: checkpoint {path} records no digests of its files (an earlier longqa wrote it): they are "
+                f"checked by size only"
+            )
         return
     found = _spread(names, lambda name: _file_digest(path / name) == digests.get(name))
     if changed := [name for name in names if not found[name]]:
@@ -489,9 +519,11 @@ def _check_finite(path: Path, model: torch.nn.Module) -> None:
     if bad:
         name = next(n for n, _ in model.named_parameters() if n in bad)
         others = f" ({len(bad) - 1} more parameters have some)" if len(bad) > 1 else ""
-        raise CheckpointError(f"checkpoint {path} holds weights that are not finite: {name} has {bad[name]} NaN or "
-                              f"infinite values{others}; resume or export an earlier checkpoint (trainer.resume=PATH, "
-                              f"longqa export PATH)")
+        raise CheckpointError(
+            f"checkpoint {path} holds weights that are not finite: {name} has {bad[name]} NaN or "
+            f"infinite values{others}; resume or export an earlier checkpoint (trainer.resume=PATH, "
+            f"longqa export PATH)"
+        )
 
 
 def _saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
@@ -499,8 +531,11 @@ def _saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     import torch.distributed.checkpoint as dcp
 
     metadata = dcp.FileSystemReader(str(path / SHARDED)).read_metadata().state_dict_metadata
-    return {key.removeprefix("model."): tuple(getattr(item, "size", ()))
-            for key, item in metadata.items() if key.startswith("model.")}
+    return {
+        key.removeprefix("model."): tuple(getattr(item, "size", ()))
+        for key, item in metadata.items()
+        if key.startswith("model.")
+    }
 
 
 def _check_shapes(path: Path, model: torch.nn.Module, shapes: dict[str, tuple[int, ...]]) -> None:
@@ -511,14 +546,17 @@ def _check_shapes(path: Path, model: torch.nn.Module, shapes: dict[str, tuple[in
     mismatched = [name for name in common if shapes[name] != mine[name]]
     if mismatched:
         name = mismatched[0]
-        what = (f"{name} is {list(shapes[name])} in the checkpoint but {list(mine[name])} in the model"
-                + (f" ({len(mismatched) - 1} more differ)" if len(mismatched) > 1 else ""))
+        what = f"{name} is {list(shapes[name])} in the checkpoint but {list(mine[name])} in the model" + (
+            f" ({len(mismatched) - 1} more differ)" if len(mismatched) > 1 else ""
+        )
     elif mine and shapes and not common:
         what = f"none of the model's parameter names is in it (the model has {next(iter(mine))})"
     else:
         return
-    raise CheckpointError(f"checkpoint {path} holds weights that do not fit model.path: {what}; resume with the "
-                          f"model it was trained from, or start a new run in another trainer.output_dir")
+    raise CheckpointError(
+        f"checkpoint {path} holds weights that do not fit model.path: {what}; resume with the "
+        f"model it was trained from, or start a new run in another trainer.output_dir"
+    )
 
 
 def _load_states(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
@@ -549,18 +587,23 @@ def _load_states(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
         model_state = _load(path / MODEL)
         optimizer_state = _load(path / OPTIMIZER) if optimizer is not None else None
         full = True  # whole tensors: each rank keeps its shard of them
-        _check_shapes(path, model, {name: tuple(value.shape) for name, value in model_state.items()
-                                    if isinstance(value, torch.Tensor)})
+        _check_shapes(
+            path,
+            model,
+            {name: tuple(value.shape) for name, value in model_state.items() if isinstance(value, torch.Tensor)},
+        )
     options = StateDictOptions(full_state_dict=full)
     if optimizer is None:
         set_model_state_dict(model, model_state, options=options)
     else:
-        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
-                       options=options)
+        set_state_dict(
+            model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state, options=options
+        )
 
 
-def load_model_weights(path: str | os.PathLike, model: torch.nn.Module,
-                       say: Callable[[str], Any] | None = None) -> None:
+def load_model_weights(
+    path: str | os.PathLike, model: torch.nn.Module, say: Callable[[str], Any] | None = None
+) -> None:
     """Load only the model weights of checkpoint ``path`` into ``model`` (same architecture, not sharded
     by DeepSpeed: a DeepSpeed checkpoint's partitions are put together here, in this process). The files it
     does not read (the optimizer's, scheduler's and random states) are not checked; ``say``: see ``_check``."""
@@ -580,13 +623,22 @@ def _check_strategy(path: Path, engine: Any) -> None:
     written = (path / DEEPSPEED).is_dir()
     if written != (engine is not None):
         by, now = ("deepspeed", "fsdp2") if written else ("fsdp2", "deepspeed")
-        raise CheckpointError(f"checkpoint {path} was written under actor.strategy={by} and cannot resume under "
-                              f"actor.strategy={now}: resume with actor.strategy={by}, or export its weights "
-                              f"(longqa export) and start a new run from them")
+        raise CheckpointError(
+            f"checkpoint {path} was written under actor.strategy={by} and cannot resume under "
+            f"actor.strategy={now}: resume with actor.strategy={by}, or export its weights "
+            f"(longqa export) and start a new run from them"
+        )
 
 
-def load_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler: Any = None, engine: Any = None, say: Callable[[str], Any] | None = None) -> dict:
+def load_checkpoint(
+    path: str | os.PathLike,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any = None,
+    engine: Any = None,
+    say: Callable[[str], Any] | None = None,
+) -> dict:
     """Restore model, optimizer, scheduler and random states in place; returns the trainer_state dict.
     ``engine``: the DeepSpeed engine holding ``model`` and ``optimizer``, which reads them itself. With several
     ranks every rank calls it. ``say``: see ``_check``."""
@@ -600,9 +652,11 @@ def load_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module, optimize
         from longqa.distributed.env import world_size
 
         if (ranks := deepspeed.saved_ranks(path)) != world_size():
-            raise CheckpointError(f"checkpoint {path} holds DeepSpeed partitions of {ranks} ranks: resume it on "
-                                  f"{ranks} ranks (not {world_size()}), or export its weights (longqa export) and "
-                                  f"start a new run from them")
+            raise CheckpointError(
+                f"checkpoint {path} holds DeepSpeed partitions of {ranks} ranks: resume it on "
+                f"{ranks} ranks (not {world_size()}), or export its weights (longqa export) and "
+                f"start a new run from them"
+            )
         deepspeed.load(engine, path)
     else:
         _load_states(path, model, optimizer)
@@ -622,9 +676,14 @@ def read_trainer_state(path: str | os.PathLike) -> dict:
     return _read_json(path, TRAINER_STATE)
 
 
-def export_hf(checkpoint_path_or_model: str | os.PathLike | torch.nn.Module, tokenizer: Any,
-              out_dir: str | os.PathLike, *, model: torch.nn.Module | None = None,
-              say: Callable[[str], Any] | None = None) -> Path:
+def export_hf(
+    checkpoint_path_or_model: str | os.PathLike | torch.nn.Module,
+    tokenizer: Any,
+    out_dir: str | os.PathLike,
+    *,
+    model: torch.nn.Module | None = None,
+    say: Callable[[str], Any] | None = None,
+) -> Path:
     """Write a Hugging Face folder (safetensors weights, config, tokenizer) for ``from_pretrained``.
 
     Given a checkpoint path, its weights are loaded into ``model`` (a skeleton of the same architecture,
@@ -662,5 +721,7 @@ def check_export_folder(out_dir: str | os.PathLike, checkpoint: str | os.PathLik
     out, checkpoint = Path(out_dir).resolve(), Path(checkpoint).resolve()
     folder = checkpoint.parent if checkpoint.parent.name == checkpoints_dir("").name else checkpoint
     if out == folder or folder in out.parents:
-        raise CheckpointError(f"the output folder {out_dir} is inside {folder}, whose checkpoints training deletes "
-                              f"as it goes: write the export elsewhere, such as next to the checkpoints folder")
+        raise CheckpointError(
+            f"the output folder {out_dir} is inside {folder}, whose checkpoints training deletes "
+            f"as it goes: write the export elsewhere, such as next to the checkpoints folder"
+        )

@@ -58,8 +58,9 @@ def count_parameters(model_config) -> int:
         return sum(p.numel() for p in AutoModelForCausalLM.from_config(model_config).parameters())
 
 
-def check_checkpoint_space(cfg, run_dir: Path, params: int, world_size: int, start_step: int,
-                           total_steps: int) -> str | None:
+def check_checkpoint_space(
+    cfg, run_dir: Path, params: int, world_size: int, start_step: int, total_steps: int
+) -> str | None:
     """Refuse a run whose first checkpoint cannot fit in the free space of ``run_dir``'s disk; return a warning
     naming the first save that would find the disk full, if a later one would; None when all fit."""
     saves = save_steps(cfg.trainer.save_freq, start_step, total_steps)
@@ -70,9 +71,11 @@ def check_checkpoint_space(cfg, run_dir: Path, params: int, world_size: int, sta
     folder = checkpoints_dir(run_dir)
     existing = sum(is_complete(p) for p in folder.glob("step_*")) if folder.is_dir() else 0
     keep = cfg.trainer.keep_last
-    what = (f"a checkpoint of this run takes about {size / GB:,.1f} GB ({params / 1e9:.2f}B parameters: the weights "
-            f"the optimizer steps and AdamW's two moments, {size // params // 3} bytes each), and {run_dir}'s disk "
-            f"has {free / GB:,.1f} GB free")
+    what = (
+        f"a checkpoint of this run takes about {size / GB:,.1f} GB ({params / 1e9:.2f}B parameters: the weights "
+        f"the optimizer steps and AdamW's two moments, {size // params // 3} bytes each), and {run_dir}'s disk "
+        f"has {free / GB:,.1f} GB free"
+    )
     for number, step in enumerate(saves, 1):
         # A save writes its checkpoint whole, then deletes the oldest beyond keep_last (those found at the start
         # too): what this run has added by then stays on disk with it.
@@ -81,13 +84,17 @@ def check_checkpoint_space(cfg, run_dir: Path, params: int, world_size: int, sta
         if added * size <= free:
             continue
         if number == 1:
-            raise DiskSpaceError(f"{what}: the first save, after step {step}, would find the disk full. Point "
-                                 f"trainer.output_dir at a disk with room, free space, or set trainer.save_freq=0 "
-                                 f"(no checkpoints)")
+            raise DiskSpaceError(
+                f"{what}: the first save, after step {step}, would find the disk full. Point "
+                f"trainer.output_dir at a disk with room, free space, or set trainer.save_freq=0 "
+                f"(no checkpoints)"
+            )
         room = free // size
         fitting = room - 1 + existing  # the keep_last whose peak (fitting + 1 on disk, existing found) fits
         lower = f"trainer.keep_last={fitting} keeps it within the free space, " if fitting >= 1 else ""
-        return (f"warning: {what}, room for {room} more: with trainer.keep_last={keep} a save writes its checkpoint "
-                f"before deleting the oldest, so save {number} of this run (after step {step}) would find the disk "
-                f"full; {lower}or free space or point trainer.output_dir at a disk with room")
+        return (
+            f"warning: {what}, room for {room} more: with trainer.keep_last={keep} a save writes its checkpoint "
+            f"before deleting the oldest, so save {number} of this run (after step {step}) would find the disk "
+            f"full; {lower}or free space or point trainer.output_dir at a disk with room"
+        )
     return None

@@ -94,9 +94,11 @@ def _say_stopping(signum: int) -> None:
     lines of whatever it interrupted, which may be in the middle of writing to the buffered ``sys.stderr``."""
     if os.environ.get("RANK", "0") != "0":
         return
-    line = (f"longqa: {signal.Signals(signum).name}: stopping once the sampling, update or validation in flight "
-            f"ends; the last finished step is then saved and the run exits {EXIT_PREEMPTED} (another signal, "
-            f"{ECHO_S:g} s or more after this one, ends it at once)\n")
+    line = (
+        f"longqa: {signal.Signals(signum).name}: stopping once the sampling, update or validation in flight "
+        f"ends; the last finished step is then saved and the run exits {EXIT_PREEMPTED} (another signal, "
+        f"{ECHO_S:g} s or more after this one, ends it at once)\n"
+    )
     os.write(2, ("\n" if os.isatty(1) else "").encode() + line.encode())  # (past a console line left open)
 
 
@@ -162,8 +164,9 @@ class StopRequest:
         Every rank must call it at the same points: under several ranks it is one collective.
         """
         waited = self.waited()
-        asked, most_waited, most_finish = all_reduce([float(waited is not None), waited or 0.0, finish_s], "max",
-                                                     device)
+        asked, most_waited, most_finish = all_reduce(
+            [float(waited is not None), waited or 0.0, finish_s], "max", device
+        )
         return asked > 0, most_waited, most_finish
 
     def answer(self, step: int, checkpoint: str | None) -> None:

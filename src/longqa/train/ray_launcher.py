@@ -41,6 +41,7 @@ def _absolute(cfg: Config) -> Config:
     own, and ``trainer.resume=none`` as ``auto``: the driver has checked that the run folder holds no other run
     (``check_before_workers``), so a first start finds nothing to resume and starts fresh, and a restart after a
     failure resumes this run's own last checkpoint instead of refusing (or replacing) it."""
+
     def fix(path):
         return _folder(path) if path and Path(path).expanduser().exists() else path
 
@@ -49,12 +50,16 @@ def _absolute(cfg: Config) -> Config:
     return dataclasses.replace(
         cfg,
         model=dataclasses.replace(cfg.model, path=fix(cfg.model.path), tokenizer_path=fix(cfg.model.tokenizer_path)),
-        data=dataclasses.replace(cfg.data, train_files=[fix(p) for p in cfg.data.train_files],
-                                 val_files=[fix(p) for p in cfg.data.val_files],
-                                 cache_dir=_folder(cfg.data.cache_dir) if cfg.data.cache_dir else None),
+        data=dataclasses.replace(
+            cfg.data,
+            train_files=[fix(p) for p in cfg.data.train_files],
+            val_files=[fix(p) for p in cfg.data.val_files],
+            cache_dir=_folder(cfg.data.cache_dir) if cfg.data.cache_dir else None,
+        ),
         reward=dataclasses.replace(cfg.reward, path=fix(cfg.reward.path)),
-        trainer=dataclasses.replace(cfg.trainer, launcher="local", output_dir=_folder(cfg.trainer.output_dir),
-                                    resume=resume),
+        trainer=dataclasses.replace(
+            cfg.trainer, launcher="local", output_dir=_folder(cfg.trainer.output_dir), resume=resume
+        ),
     )
 
 
@@ -101,9 +106,11 @@ def ray_worker_count(cfg, cluster_gpus: int, use_gpu: bool) -> int:
     if workers < 1:
         raise RayClusterError("the Ray cluster has no GPUs: set trainer.ray_workers to the number of CPU workers")
     if use_gpu and workers > cluster_gpus:
-        raise RayClusterError(f"trainer.ray_workers={workers} asks for one GPU each but the Ray cluster has {cluster_gpus}: "
-                          f"add nodes to the cluster, or set trainer.ray_workers (a verl line's trainer.nnodes x "
-                          f"n_gpus_per_node, or remote_backend.training_gpus) to the GPUs there are")
+        raise RayClusterError(
+            f"trainer.ray_workers={workers} asks for one GPU each but the Ray cluster has {cluster_gpus}: "
+            f"add nodes to the cluster, or set trainer.ray_workers (a verl line's trainer.nnodes x "
+            f"n_gpus_per_node, or remote_backend.training_gpus) to the GPUs there are"
+        )
     return workers
 
 
@@ -114,9 +121,11 @@ def check_placeable(workers: int, use_gpu: bool, resources: dict) -> None:
     unit = "GPU" if use_gpu else "CPU"
     if workers <= (gpus if use_gpu else cpus):
         return
-    raise RayClusterError(f"trainer.ray_workers={workers} Ray workers need one {unit} each, but the Ray cluster has "
-                      f"{gpus} GPUs and {cpus} CPUs: set trainer.ray_workers (a verl line's trainer.n_gpus_per_node "
-                      f"x trainer.nnodes) to what there is, add nodes, or train here with trainer.launcher=local")
+    raise RayClusterError(
+        f"trainer.ray_workers={workers} Ray workers need one {unit} each, but the Ray cluster has "
+        f"{gpus} GPUs and {cpus} CPUs: set trainer.ray_workers (a verl line's trainer.n_gpus_per_node "
+        f"x trainer.nnodes) to what there is, add nodes, or train here with trainer.launcher=local"
+    )
 
 
 def _failure_config(failure_config: type, max_failures: int):
@@ -132,9 +141,11 @@ def _failure_config(failure_config: type, max_failures: int):
 def describe_launch(workers: int, use_gpu: bool) -> str:
     """The line saying the run goes to Ray workers, which a verl line's n_gpus_per_node chooses without naming
     trainer.launcher."""
-    return (f"trainer.launcher=ray: {workers} Ray Train workers, one {'GPU' if use_gpu else 'CPU'} each "
-            f"(a verl line's trainer.n_gpus_per_node x trainer.nnodes sets trainer.launcher=ray and "
-            f"trainer.ray_workers)")
+    return (
+        f"trainer.launcher=ray: {workers} Ray Train workers, one {'GPU' if use_gpu else 'CPU'} each "
+        f"(a verl line's trainer.n_gpus_per_node x trainer.nnodes sets trainer.launcher=ray and "
+        f"trainer.ray_workers)"
+    )
 
 
 def _scaling(scaling_config: type, workers: int, use_gpu: bool):
@@ -176,11 +187,16 @@ def run_with_ray(cfg: Config, train: Callable[..., dict]) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     stop_file = run_dir / ".stop-request"  # one driver per run folder, as one process saves into it
     trainer = TorchTrainer(
-        _worker_loop, train_loop_config={"config": to_dict(local), "stop_file": str(stop_file), "train": train},
+        _worker_loop,
+        train_loop_config={"config": to_dict(local), "stop_file": str(stop_file), "train": train},
         scaling_config=_scaling(ScalingConfig, workers, use_gpu),
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
-        run_config=RunConfig(name="longqa", storage_path=str(run_dir / "ray"),
-                             failure_config=_failure_config(FailureConfig, cfg.trainer.max_failures)))
+        run_config=RunConfig(
+            name="longqa",
+            storage_path=str(run_dir / "ray"),
+            failure_config=_failure_config(FailureConfig, cfg.trainer.max_failures),
+        ),
+    )
     with forward_stop_requests(stop_file) as forwarded:
         try:
             result = trainer.fit()

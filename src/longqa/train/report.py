@@ -84,8 +84,11 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
 
 def _truncate_jsonl(path: Path, resume_step: int | None) -> None:
     """Drop the records after ``resume_step`` (all of them for a fresh run), so no step appears twice."""
-    kept = [] if resume_step is None or not path.exists() else [
-        r for r in read_metrics(path) if r.get("step", math.inf) <= resume_step]
+    kept = (
+        []
+        if resume_step is None or not path.exists()
+        else [r for r in read_metrics(path) if r.get("step", math.inf) <= resume_step]
+    )
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
     os.replace(tmp, path)
@@ -110,8 +113,12 @@ def _import_wandb():
 class ConsoleLine:
     """One progress line per step: rewritten in place on a terminal, one printed line per step otherwise."""
 
-    FIELDS = ((REWARD, "reward {:.3f}"), (FULL_REWARD, "full reward {:.1%}"), (LENGTH_MEAN, "len {:.0f}"),
-              (TOKENS_PER_S, "{:,.0f} sample tok/s"))
+    FIELDS = (
+        (REWARD, "reward {:.3f}"),
+        (FULL_REWARD, "full reward {:.1%}"),
+        (LENGTH_MEAN, "len {:.0f}"),
+        (TOKENS_PER_S, "{:,.0f} sample tok/s"),
+    )
 
     def __init__(self, total_steps: int | None):
         self.total_steps = total_steps
@@ -123,8 +130,11 @@ class ConsoleLine:
         parts += [form.format(record[key]) for key, form in self.FIELDS if _is_number(record.get(key))]
         if _is_number(errors := record.get(REWARD_ERRORS)) and errors:  # a reward function failing, not scoring 0
             parts.append(f"reward errors {errors}")
-        parts += [f"{key} {value}" if isinstance(value, int) else f"{key} {value:.3f}" for key, value in record.items()
-                  if key.startswith(VAL_PREFIX) and _is_number(value)]  # (counts as counts)
+        parts += [
+            f"{key} {value}" if isinstance(value, int) else f"{key} {value:.3f}"
+            for key, value in record.items()
+            if key.startswith(VAL_PREFIX) and _is_number(value)
+        ]  # (counts as counts)
         if self.total_steps and self.step_times:
             remaining = max(self.total_steps - step, 0)
             parts.append(f"ETA {_hms(remaining * sum(self.step_times) / len(self.step_times))}")
@@ -161,9 +171,17 @@ class MetricsLogger:
     ``project`` and ``name``: the W&B project and the run's name there.
     """
 
-    def __init__(self, run_dir: str | os.PathLike, sinks: list[str], total_steps: int | None,
-                 config: dict | None = None, *, resume_step: int | None = None, project: str = "longqa",
-                 name: str | None = None):
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        sinks: list[str],
+        total_steps: int | None,
+        config: dict | None = None,
+        *,
+        resume_step: int | None = None,
+        project: str = "longqa",
+        name: str | None = None,
+    ):
         unknown = [s for s in sinks if s not in SINKS]
         if unknown:
             raise ValueError(f"unknown logger sink(s) {', '.join(unknown)}; allowed: {', '.join(SINKS)}")
@@ -185,8 +203,14 @@ class MetricsLogger:
             self.tensorboard = summary_writer(log_dir=str(self.run_dir / "tensorboard"), purge_step=purge_step)
         self.wandb = None
         if wandb is not None:
-            self.wandb = wandb.init(project=project, name=name, config=config, dir=str(self.run_dir),
-                                    id=self._wandb_id(resume_step), resume="allow")
+            self.wandb = wandb.init(
+                project=project,
+                name=name,
+                config=config,
+                dir=str(self.run_dir),
+                id=self._wandb_id(resume_step),
+                resume="allow",
+            )
 
     def _wandb_id(self, resume_step: int | None) -> str:
         """The stored W&B run id when resuming (one W&B run per training run), else a new stored one."""
@@ -276,12 +300,12 @@ def _plot(path: Path, title: str, ylabel: str, records: list[dict], keys: list[s
 
 
 def _length_of(key: str) -> int:
-    return int(key[len(LENGTH_ACCURACY):])
+    return int(key[len(LENGTH_ACCURACY) :])
 
 
 def _length_keys(records: list[dict]) -> list[str]:
     """The ``val/accuracy@<length>`` keys logged, shortest length first."""
-    keys = {k for r in records for k in r if k.startswith(LENGTH_ACCURACY) and k[len(LENGTH_ACCURACY):].isdigit()}
+    keys = {k for r in records for k in r if k.startswith(LENGTH_ACCURACY) and k[len(LENGTH_ACCURACY) :].isdigit()}
     return sorted(keys, key=_length_of)
 
 
@@ -310,8 +334,7 @@ def _plot_by_length(path: Path, records: list[dict], keys: list[str]) -> bool:
     ax.set_xscale("log", base=2)
     ax.set_xticks(lengths, [str(n) for n in lengths])
     ax.minorticks_off()
-    ax.set(title="Validation accuracy by context length", xlabel="context tokens", ylabel="accuracy",
-           ylim=(0, 1.05))
+    ax.set(title="Validation accuracy by context length", xlabel="context tokens", ylabel="accuracy", ylim=(0, 1.05))
     ax.grid(alpha=0.3)
     ax.legend()
     fig.savefig(path, dpi=100)
@@ -342,8 +365,9 @@ def write_report(run_dir: str | os.PathLike) -> Path:
     out = run_dir / REPORT_DIR
     out.mkdir(parents=True, exist_ok=True)
     # Validation scores (accuracy, F1, overall and per data source) share the accuracy plot's 0-1 scale.
-    val_keys = sorted({k for r in records for k in r
-                       if k.startswith(VAL_PREFIX) and k.rsplit("/", 1)[-1] in ("accuracy", "f1")})
+    val_keys = sorted(
+        {k for r in records for k in r if k.startswith(VAL_PREFIX) and k.rsplit("/", 1)[-1] in ("accuracy", "f1")}
+    )
     length_keys = _length_keys(records)  # their own plot: accuracy against length, not against step
 
     plots = {
@@ -351,19 +375,28 @@ def write_report(run_dir: str | os.PathLike) -> Path:
         "accuracy.png": ("Validation accuracy", "accuracy", val_keys),
         "response_length.png": ("Response length", "tokens", [LENGTH_MEAN, LENGTH_MAX]),
     }
-    written = [name for name, (title, ylabel, keys) in plots.items()
-               if _plot(out / name, title, ylabel, records, keys)]
+    written = [name for name, (title, ylabel, keys) in plots.items() if _plot(out / name, title, ylabel, records, keys)]
     if _plot_by_length(out / LENGTH_PLOT, records, length_keys):
         written.append(LENGTH_PLOT)
 
-    rows = [(REWARD, True), (FULL_REWARD, True), *[(k, True) for k in (*val_keys, *length_keys)],
-            (LENGTH_MEAN, False), (LENGTH_MAX, False), (TOKENS_PER_S, True)]
+    rows = [
+        (REWARD, True),
+        (FULL_REWARD, True),
+        *[(k, True) for k in (*val_keys, *length_keys)],
+        (LENGTH_MEAN, False),
+        (LENGTH_MAX, False),
+        (TOKENS_PER_S, True),
+    ]
     table = [row for key, better in rows if (row := _summary_row(records, key, better))]
     total_time = sum(r[STEP_TIME] for r in records if _is_number(r.get(STEP_TIME)))
     steps = [r for r in records if r["step"] > 0]  # step 0 holds the validation before the first step
-    lines = [f"# Run report: {run_dir.name}", "",
-             f"- steps: {len(steps)}" + (f" (last step {steps[-1]['step']})" if steps else ""),
-             f"- total time: {_hms(total_time)}", ""]
+    lines = [
+        f"# Run report: {run_dir.name}",
+        "",
+        f"- steps: {len(steps)}" + (f" (last step {steps[-1]['step']})" if steps else ""),
+        f"- total time: {_hms(total_time)}",
+        "",
+    ]
     if table:
         lines += ["| metric | first | last | best |", "|---|---|---|---|", *table, ""]
     lines += [f"![{name[:-4]}]({name})" for name in written]

@@ -87,8 +87,11 @@ def config_changes(recorded: dict, cfg: Config) -> list[Change]:
     gives it), in the config's key order. A key the checkpoint does not record (it was written before the key
     existed) is compared with the key's default, which is how that version ran."""
     then = {**_flat(to_dict(Config())), **_flat(recorded)}
-    return [Change(key, then[key], value) for key, value in _flat(to_dict(cfg)).items()
-            if _compared(key, then[key]) != _compared(key, value)]
+    return [
+        Change(key, then[key], value)
+        for key, value in _flat(to_dict(cfg)).items()
+        if _compared(key, then[key]) != _compared(key, value)
+    ]
 
 
 @dataclass(frozen=True)
@@ -115,8 +118,7 @@ def data_fingerprint(cfg: Config) -> dict[str, list[str | None]]:
     """A digest of the bytes of each training and validation file, in order, for the checkpoint to record: a
     file replaced under the same name is a change of data that the config alone would not show."""
     d = cfg.data
-    return {key: [_digest(f) for f in files or []]
-            for key, files in zip(DATA_FILE_KEYS, (d.train_files, d.val_files))}
+    return {key: [_digest(f) for f in files or []] for key, files in zip(DATA_FILE_KEYS, (d.train_files, d.val_files))}
 
 
 def data_changes(recorded: dict, then: dict | None, cfg: Config, now: dict) -> list[Change]:
@@ -136,8 +138,9 @@ def data_changes(recorded: dict, then: dict | None, cfg: Config, now: dict) -> l
     return changes
 
 
-def check_resume(checkpoint: Path, recorded: dict, cfg: Config, data_then: dict | None = None,
-                 data_now: dict | None = None) -> list[Change]:
+def check_resume(
+    checkpoint: Path, recorded: dict, cfg: Config, data_then: dict | None = None, data_now: dict | None = None
+) -> list[Change]:
     """The changes resuming from ``checkpoint`` with ``cfg`` makes; a ResumeError naming every change that
     alters what the run computes, unless ``trainer.resume_allow_changes`` allows them. ``data_then`` and
     ``data_now``: the data fingerprints (``data_fingerprint``) of the checkpoint and of this run."""
@@ -152,7 +155,8 @@ def check_resume(checkpoint: Path, recorded: dict, cfg: Config, data_then: dict 
             f"checkpoint {checkpoint} was written with other settings that change what the run computes: "
             f"{'; '.join(map(str, refused))}{also}; resume with the checkpoint's values, set "
             f"trainer.resume_allow_changes=true to go on with the new ones, or start a new run in another "
-            f"trainer.output_dir")
+            f"trainer.output_dir"
+        )
     return changes
 
 
@@ -164,8 +168,10 @@ def describe_changes(changes: list[Change], step: int) -> list[str]:
     if applied:
         lines.append(f"  changed since the checkpoint, applied from step {step + 1} on: {'; '.join(applied)}")
     if allowed:
-        lines.append(f"  changed since the checkpoint, altering what the run computes (trainer.resume_allow_changes"
-                     f"=true): {'; '.join(allowed)}")
+        lines.append(
+            f"  changed since the checkpoint, altering what the run computes (trainer.resume_allow_changes"
+            f"=true): {'; '.join(allowed)}"
+        )
     return lines
 
 

@@ -25,15 +25,21 @@ class SampledGroup:
 
     def state(self) -> dict:
         """The group as a checkpoint saves it."""
-        return {"index": self.index, "samples": [[s.token_ids, s.finish_reason, s.logprobs] for s in self.samples],
-                "results": [[r.score, r.reason] for r in self.results]}
+        return {
+            "index": self.index,
+            "samples": [[s.token_ids, s.finish_reason, s.logprobs] for s in self.samples],
+            "results": [[r.score, r.reason] for r in self.results],
+        }
 
     @classmethod
     def from_state(cls, saved: dict, prompt: list[int]) -> SampledGroup:
         """``state``'s group back, given its prompt's token ids."""
-        return cls(saved["index"], prompt,
-                   [Sample(tokens, finish, logprobs) for tokens, finish, logprobs in saved["samples"]],
-                   [RewardResult(score, why) for score, why in saved["results"]])
+        return cls(
+            saved["index"],
+            prompt,
+            [Sample(tokens, finish, logprobs) for tokens, finish, logprobs in saved["samples"]],
+            [RewardResult(score, why) for score, why in saved["results"]],
+        )
 
 
 @dataclass

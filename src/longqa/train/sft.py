@@ -113,8 +113,10 @@ def check_positions(longest: int, limit: int) -> None:
     train on the extra positions without complaint, and a model whose declared limit is too short would
     then be refused, or cut, by the tools that trust the limit (vLLM, for one)."""
     if longest > limit:
-        raise PositionLimitError(f"the longest training example has {longest} tokens, more than the model's "
-                                 f"{limit} positions: raise --max-positions or lower --max-prompt-length")
+        raise PositionLimitError(
+            f"the longest training example has {longest} tokens, more than the model's "
+            f"{limit} positions: raise --max-positions or lower --max-prompt-length"
+        )
 
 
 def _batches(lengths: np.ndarray, batch_tokens: int, rng: random.Random) -> list[list[int]]:
@@ -164,10 +166,16 @@ def _model_config(options: SFTOptions):
     positions = options.max_positions
     if positions is None:
         positions = max(4096, 2 * options.max_prompt_length)
-    config = qwen3_config(len(tokenizer), options.hidden_size, options.num_layers, options.num_heads,
-                          options.num_kv_heads, max_positions=positions,
-                          eos_token_id=tokenizer.convert_tokens_to_ids(END_OF_TURN),
-                          pad_token_id=tokenizer.pad_token_id)
+    config = qwen3_config(
+        len(tokenizer),
+        options.hidden_size,
+        options.num_layers,
+        options.num_heads,
+        options.num_kv_heads,
+        max_positions=positions,
+        eos_token_id=tokenizer.convert_tokens_to_ids(END_OF_TURN),
+        pad_token_id=tokenizer.pad_token_id,
+    )
     return config, tokenizer
 
 
@@ -187,15 +195,22 @@ def _lr_at(step: int, options: SFTOptions, time_fraction: float) -> float:
     """Warmup, then cosine over whichever budget runs out first: steps or minutes."""
     if step < options.warmup_steps:
         return options.lr * (step + 1) / options.warmup_steps
-    progress = min(1.0, max(time_fraction, (step - options.warmup_steps) / max(1, options.max_steps - options.warmup_steps)))
+    progress = min(
+        1.0, max(time_fraction, (step - options.warmup_steps) / max(1, options.max_steps - options.warmup_steps))
+    )
     floor = options.lr * options.min_lr_ratio
     return floor + (options.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def _git_commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -204,8 +219,9 @@ def check_output(options: SFTOptions) -> None:
     """Refuse, before any work, an output folder that holds what sft reads, or that another command made: an
     export or another model it would overwrite, a data or run folder it would fill with model files."""
     reads = {"--train-files": options.train_files, "--eval-files": options.eval_files, "--init": [options.init]}
-    check_output_folder(options.output_dir, "--output-dir", reads, makes=SFT_MODEL, files=SFT_FILES,
-                        writer="longqa sft")
+    check_output_folder(
+        options.output_dir, "--output-dir", reads, makes=SFT_MODEL, files=SFT_FILES, writer="longqa sft"
+    )
 
 
 def run_sft(options: SFTOptions, command: str = "") -> dict:
@@ -220,8 +236,9 @@ def run_sft(options: SFTOptions, command: str = "") -> dict:
 
     config, tokenizer = _model_config(options)
     prompt_options = PromptOptions(options.max_prompt_length)
-    train = prepare_prompts(options.train_files, tokenizer, prompt_options, length_setting="--max-prompt-length",
-                            skip_setting=None)
+    train = prepare_prompts(
+        options.train_files, tokenizer, prompt_options, length_setting="--max-prompt-length", skip_setting=None
+    )
     print("\n".join(describe_prompt_losses(train, prompt_options, "train")), flush=True)
     examples, starts = _examples(train, tokenizer, options)
     lengths = np.asarray([len(e) for e in examples])
@@ -229,27 +246,43 @@ def run_sft(options: SFTOptions, command: str = "") -> dict:
     memory = {}
     if device.type == "cuda":  # refuse a batch budget that cannot fit before any weight is read
         gpu = torch.cuda.get_device_properties(device).total_memory
-        need = check_sft(ModelSizes.from_config(config), gpu_bytes=gpu, batch_tokens=options.batch_tokens,
-                         longest=int(lengths.max()))
+        need = check_sft(
+            ModelSizes.from_config(config), gpu_bytes=gpu, batch_tokens=options.batch_tokens, longest=int(lengths.max())
+        )
         memory = {"planned_gib": round(need / 2**30, 1), "gpu_gib": round(gpu / 2**30, 1)}
     model = _model(options, config, tokenizer, device)
     held_out = None
     if options.eval_files:
-        held_out = prepare_prompts(options.eval_files, tokenizer, prompt_options,
-                                   length_setting="--max-prompt-length", skip_setting=None)
+        held_out = prepare_prompts(
+            options.eval_files, tokenizer, prompt_options, length_setting="--max-prompt-length", skip_setting=None
+        )
         print("\n".join(describe_prompt_losses(held_out, prompt_options, "held-out")), flush=True)
         keep = min(options.eval_rows, len(held_out))
-        held_out = PromptSet(held_out.token_ids, held_out.offsets[:keep + 1], held_out.meta[:keep], held_out.stats)
+        held_out = PromptSet(held_out.token_ids, held_out.offsets[: keep + 1], held_out.meta[:keep], held_out.stats)
     max_new = int(max(len(e) - s for e, s in zip(examples, starts))) + 16
     params = sum(p.numel() for p in model.parameters())
-    print(json.dumps({"examples": len(examples), "tokens": int(lengths.sum()), "params": params,
-                      "vocab": len(tokenizer), **memory, "prep_s": round(time.perf_counter() - start, 1)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "examples": len(examples),
+                "tokens": int(lengths.sum()),
+                "params": params,
+                "vocab": len(tokenizer),
+                **memory,
+                "prep_s": round(time.perf_counter() - start, 1),
+            }
+        ),
+        flush=True,
+    )
 
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": options.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=options.lr, betas=(0.9, 0.95),
-                                  fused=device.type == "cuda")
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": options.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=options.lr,
+        betas=(0.9, 0.95),
+        fused=device.type == "cuda",
+    )
     budget_s = 60 * options.max_minutes
     log, step, epoch, tokens_seen = [], 0, 0, 0
     train_start = time.perf_counter()
@@ -285,9 +318,17 @@ def run_sft(options: SFTOptions, command: str = "") -> dict:
             step += 1
             tokens_seen += int(mask.sum())
             if step % 50 == 0:
-                print(json.dumps({"step": step, "epoch": epoch, "loss": round(loss.item(), 4),
-                                  "tokens_per_s": round(tokens_seen / (time.perf_counter() - train_start))}),
-                      flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "step": step,
+                            "epoch": epoch,
+                            "loss": round(loss.item(), 4),
+                            "tokens_per_s": round(tokens_seen / (time.perf_counter() - train_start)),
+                        }
+                    ),
+                    flush=True,
+                )
             if held_out is not None and step % options.eval_every == 0:
                 run_eval()
             if step >= options.max_steps or time.perf_counter() - train_start > budget_s:
@@ -299,14 +340,32 @@ def run_sft(options: SFTOptions, command: str = "") -> dict:
     tokenizer.save_pretrained(out)
     follow_umask(out.glob("*.safetensors"))
     model.float()
-    summary = {"steps": step, "epochs_started": epoch, "train_minutes": round((time.perf_counter() - train_start) / 60, 2),
-               "params": params, "architecture": type(model).__name__,
-               "shape": {k: getattr(model.config, k) for k in (
-                   "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
-                   "max_position_embeddings")},
-               "examples": len(examples), "train_prompts": prompt_counts(train), "tokens_seen": tokens_seen,
-               "device": str(device),
-               "options": asdict(options), "commit": _git_commit(), "command": command, "evals": log}
+    summary = {
+        "steps": step,
+        "epochs_started": epoch,
+        "train_minutes": round((time.perf_counter() - train_start) / 60, 2),
+        "params": params,
+        "architecture": type(model).__name__,
+        "shape": {
+            k: getattr(model.config, k)
+            for k in (
+                "hidden_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "vocab_size",
+                "max_position_embeddings",
+            )
+        },
+        "examples": len(examples),
+        "train_prompts": prompt_counts(train),
+        "tokens_seen": tokens_seen,
+        "device": str(device),
+        "options": asdict(options),
+        "commit": _git_commit(),
+        "command": command,
+        "evals": log,
+    }
     if held_out is not None:
         final = run_eval()
         log[-1]["saved_weights"] = True  # after rounding to the bfloat16 that is stored
@@ -322,24 +381,41 @@ def write_model_card(out: Path, summary: dict) -> None:
     o, shape = summary["options"], summary["shape"]
     origin = f"continued from `{o['init']}`" if o.get("init") else "trained from scratch"
     lines = [
-        f"# {out.name}", "",
+        f"# {out.name}",
+        "",
         f"A {summary['architecture']} {origin} by `longqa sft` on synthetic long-context multi-hop QA (`longqa "
         "data synth`): it reads the passages, writes the supporting facts inside `<think>` and the answer inside "
-        "`\\boxed{}`" + ("." if o.get("init") else "; it knows nothing beyond that synthetic world."), "",
+        "`\\boxed{}`" + ("." if o.get("init") else "; it knows nothing beyond that synthetic world."),
+        "",
         f"- parameters: {summary['params']:,} (hidden {shape['hidden_size']}, {shape['num_hidden_layers']} layers, "
         f"{shape['num_attention_heads']} heads, {shape['num_key_value_heads']} KV heads, vocabulary "
         f"{shape['vocab_size']}, {shape['max_position_embeddings']:,} positions), stored in bfloat16",
         f"- training: {summary['steps']} steps, {summary['tokens_seen']:,} tokens, {summary['train_minutes']} min on "
         f"{summary['device']}, lr {o['lr']} (cosine to {o['min_lr_ratio']}x), {o['batch_tokens']} tokens per batch, "
-        f"seed {o['seed']}", f"- longqa commit: {summary['commit']}", "", "## Command", "", "```bash",
-        summary["command"] or "(called from Python)", "```", ""]
+        f"seed {o['seed']}",
+        f"- longqa commit: {summary['commit']}",
+        "",
+        "## Command",
+        "",
+        "```bash",
+        summary["command"] or "(called from Python)",
+        "```",
+        "",
+    ]
     if "final" in summary:
         a = summary["final"]["all"]
-        lines += ["## Held-out accuracy (greedy, hardened reward)", "",
-                  f"- accuracy {a['accuracy']:.3f} (EM {a['em']:.3f}, F1 {a['f1']:.3f}) on {a['n']} questions",
-                  f"- guessing baseline: {a.get('guess_baseline', float('nan')):.3f} (pick at random an entity of "
-                  f"the asked type named in the context)", ""]
+        lines += [
+            "## Held-out accuracy (greedy, hardened reward)",
+            "",
+            f"- accuracy {a['accuracy']:.3f} (EM {a['em']:.3f}, F1 {a['f1']:.3f}) on {a['n']} questions",
+            f"- guessing baseline: {a.get('guess_baseline', float('nan')):.3f} (pick at random an entity of "
+            f"the asked type named in the context)",
+            "",
+        ]
         lines += ["| step | minutes | accuracy |", "| ---: | ---: | ---: |"]
-        lines += [f"| {e['step']}{' (saved bf16 weights)' if e.get('saved_weights') else ''} | {e['minutes']} | "
-                  f"{e['accuracy']:.3f} |" for e in summary["evals"]]
+        lines += [
+            f"| {e['step']}{' (saved bf16 weights)' if e.get('saved_weights') else ''} | {e['minutes']} | "
+            f"{e['accuracy']:.3f} |"
+            for e in summary["evals"]
+        ]
     (out / MODEL_CARD).write_text("\n".join(lines) + "\n")

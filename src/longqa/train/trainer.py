@@ -113,8 +113,11 @@ def check_reward_calls(cfg: Config, calls: int, errors: int, last_error: str | N
         return
     r = cfg.reward
     scorer = f"reward.path={r.path} ({r.name})" if r.path else f"reward.mode={r.mode}"
-    raise TrainingError(f"every one of the {calls} reward calls of {where} failed"
-                        + (f", the last with {last_error}" if last_error else "") + f": fix {scorer}")
+    raise TrainingError(
+        f"every one of the {calls} reward calls of {where} failed"
+        + (f", the last with {last_error}" if last_error else "")
+        + f": fix {scorer}"
+    )
 
 
 def load_prompts(cfg: Config, tokenizer, say=print) -> tuple[PromptSet, PromptSet | None]:
@@ -129,8 +132,10 @@ def load_prompts(cfg: Config, tokenizer, say=print) -> tuple[PromptSet, PromptSe
                 say(line)
     if val is not None and (suffixes := lost_row_suffixes(val)):
         names = [validation_metric(group, key, suffix) for (group, key), suffix in suffixes.items()]
-        say(f"  validation logs a source or length that dropped some rows under a name saying how many it scores: "
-            f"{', '.join(names[:2])}{', ...' if len(names) > 2 else ''}")
+        say(
+            f"  validation logs a source or length that dropped some rows under a name saying how many it scores: "
+            f"{', '.join(names[:2])}{', ...' if len(names) > 2 else ''}"
+        )
     check_prompt_count(cfg, len(train))
     return train, val
 
@@ -146,8 +151,12 @@ def lost_row_suffixes(val: PromptSet) -> dict[tuple[str, object], str]:
     (``val/accuracy@2048_whole_4_of_9``); a bucket that lost every row logs nothing ("none left" at the start).
     A prompt cut to the length limit (``data.truncation``) is kept and scored, so it is no loss here (the start
     of the run says how many were cut)."""
-    return {(group, key): f"_whole_{t.rows - t.dropped}_of_{t.rows}"
-            for group in GROUPS for key, t in tally(val, group).items() if 0 < t.dropped < t.rows}
+    return {
+        (group, key): f"_whole_{t.rows - t.dropped}_of_{t.rows}"
+        for group in GROUPS
+        for key, t in tally(val, group).items()
+        if 0 < t.dropped < t.rows
+    }
 
 
 def validation_metric(group: str, key, suffix: str) -> str:
@@ -190,11 +199,15 @@ def check_fresh_folder(cfg: Config, resume_from: Path | None, say=print) -> None
         return
     held = _describe_contents(steps, records)
     if t.resume == "none":
-        raise RunFolderTaken(f"trainer.resume=none starts a fresh run, but trainer.output_dir={t.output_dir} holds "
-                          f"another run's {held}, which it would replace: pick another trainer.output_dir, remove "
-                          f"the folder, or resume it with trainer.resume=auto")
-    say(f"note: trainer.output_dir={t.output_dir} holds {held} but no complete checkpoint to resume: this run "
-        f"starts at step 0 and replaces them")
+        raise RunFolderTaken(
+            f"trainer.resume=none starts a fresh run, but trainer.output_dir={t.output_dir} holds "
+            f"another run's {held}, which it would replace: pick another trainer.output_dir, remove "
+            f"the folder, or resume it with trainer.resume=auto"
+        )
+    say(
+        f"note: trainer.output_dir={t.output_dir} holds {held} but no complete checkpoint to resume: this run "
+        f"starts at step 0 and replaces them"
+    )
 
 
 def check_data_files(cfg: Config) -> None:
@@ -225,17 +238,22 @@ def describe_epochs(cfg: Config, prompts: int) -> list[str]:
     per_epoch, left = divmod(prompts, batch)
     lines = []
     if t.max_steps and t.max_steps > t.total_epochs * per_epoch:
-        lines.append(f"note: trainer.max_steps={t.max_steps} is capped at {t.total_epochs * per_epoch} by "
-                     f"trainer.total_epochs={t.total_epochs} ({prompts} prompts, {batch} a step): raise "
-                     f"trainer.total_epochs to go on")
+        lines.append(
+            f"note: trainer.max_steps={t.max_steps} is capped at {t.total_epochs * per_epoch} by "
+            f"trainer.total_epochs={t.total_epochs} ({prompts} prompts, {batch} a step): raise "
+            f"trainer.total_epochs to go on"
+        )
     if left:
-        which = (f"the last {left} of the file order" if not d.shuffle else
-                 "the last of each epoch's shuffled order, other ones each epoch")
-        lines.append(f"note: {left} of {prompts} prompts ({which}) are left out of every epoch: {prompts} is not a "
-                     f"multiple of data.train_batch_size={batch}")
+        which = (
+            f"the last {left} of the file order"
+            if not d.shuffle
+            else "the last of each epoch's shuffled order, other ones each epoch"
+        )
+        lines.append(
+            f"note: {left} of {prompts} prompts ({which}) are left out of every epoch: {prompts} is not a "
+            f"multiple of data.train_batch_size={batch}"
+        )
     return lines
-
-
 
 
 def rounding_warning(cfg: Config) -> str | None:
@@ -246,9 +264,11 @@ def rounding_warning(cfg: Config) -> str | None:
     bits = {"bfloat16": 8, "float16": 11}.get(cfg.model.dtype)
     if bits is None or cfg.actor.strategy == "deepspeed" or cfg.actor.master_weights == "float32":
         return None
-    return (f"warning: model.dtype={cfg.model.dtype} with actor.master_weights=model trains the {cfg.model.dtype} "
-            f"weights themselves: an update of about actor.lr={cfg.actor.lr:g} is rounded away on any weight above "
-            f"{cfg.actor.lr * 2 ** bits:.2g}. actor.master_weights=float32 keeps float32 master weights")
+    return (
+        f"warning: model.dtype={cfg.model.dtype} with actor.master_weights=model trains the {cfg.model.dtype} "
+        f"weights themselves: an update of about actor.lr={cfg.actor.lr:g} is rounded away on any weight above "
+        f"{cfg.actor.lr * 2**bits:.2g}. actor.master_weights=float32 keeps float32 master weights"
+    )
 
 
 # Memory per step in GiB, the most of any rank: the process's peak resident host memory since it started, and on
@@ -261,14 +281,24 @@ def memory_peaks(device: torch.device) -> dict[str, float]:
     gib = 2**30
     peaks = {HOST_MEMORY: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / gib}  # (KB on Linux)
     if device.type == "cuda":
-        peaks.update(zip(GPU_MEMORY, (torch.cuda.max_memory_allocated(device) / gib,
-                                      torch.cuda.max_memory_reserved(device) / gib)))
+        peaks.update(
+            zip(
+                GPU_MEMORY,
+                (torch.cuda.max_memory_allocated(device) / gib, torch.cuda.max_memory_reserved(device) / gib),
+            )
+        )
     return peaks
 
 
 class Trainer:
-    def __init__(self, cfg: Config, stop_file: str | Path | None = None, split: Split | None = None, *,
-                 build_engine: EngineBuilder = build_engine):
+    def __init__(
+        self,
+        cfg: Config,
+        stop_file: str | Path | None = None,
+        split: Split | None = None,
+        *,
+        build_engine: EngineBuilder = build_engine,
+    ):
         """``stop_file``: where the driver of Ray Train workers asks for a stop (see ``preemption``); ``split``: the
         job's ranks when some of them only sample (``rollout.sampler_ranks``; this is a training rank);
         ``build_engine``: what builds the rollout engine (``rollout/build.py``'s for the engine ``rollout.engine``
@@ -299,8 +329,12 @@ class Trainer:
         # filled where it is auto; then a plan that cannot fit refused, before anything loads (and before the
         # resume compares the config with the checkpoint's, which records the budget that ran).
         gpu_bytes = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else None
-        checked = check_run(cfg, split.job.world_size if split else self.env.world_size,
-                            device_type=self.device.type, gpu_bytes=gpu_bytes)
+        checked = check_run(
+            cfg,
+            split.job.world_size if split else self.env.world_size,
+            device_type=self.device.type,
+            gpu_bytes=gpu_bytes,
+        )
         self.cfg = cfg = checked.config
         if checked.note:
             self._say(checked.note)
@@ -323,9 +357,11 @@ class Trainer:
             print(warning, flush=True)  # said before the weights load, not after
         if split is not None and not self.beside:
             why = "rollout.mode=sync" if r.mode == "sync" else "rollout.max_staleness=0"
-            self._say(f"warning: rollout.sampler_ranks={r.sampler_ranks} with {why}: the sampler ranks wait while the "
-                      f"training ranks update, and the other way round; rollout.mode=one_step_off with "
-                      f"rollout.max_staleness=1 runs the two at once")
+            self._say(
+                f"warning: rollout.sampler_ranks={r.sampler_ranks} with {why}: the sampler ranks wait while the "
+                f"training ranks update, and the other way round; rollout.mode=one_step_off with "
+                f"rollout.max_staleness=1 runs the two at once"
+            )
         seed = cfg.trainer.seed
         random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
         m = cfg.model
@@ -333,11 +369,13 @@ class Trainer:
         self.tokenizer = config_tokenizer(m)
         self.train_set, self.val_set = load_prompts(cfg, self.tokenizer, say=self._say)
         self.val_suffixes = lost_row_suffixes(self.val_set) if self.val_set is not None else {}  # (fixed for the run)
-        self.longest_prompt = longest = max(int(p.lengths.max(initial=0))
-                                            for p in (self.train_set, self.val_set) if p is not None)
+        self.longest_prompt = longest = max(
+            int(p.lengths.max(initial=0)) for p in (self.train_set, self.val_set) if p is not None
+        )
         model_config = load_model_config(m.path, m.gguf_file)
-        if (warning := position_limit_warning(model_config, longest, cfg.data.max_response_length,
-                                              "data.max_prompt_length", "data.max_response_length")):
+        if warning := position_limit_warning(
+            model_config, longest, cfg.data.max_response_length, "data.max_prompt_length", "data.max_response_length"
+        ):
             check_positions(cfg, longest, model_config.max_position_embeddings)
             self._say(warning)
         self.steps_per_epoch = len(self.train_set) // cfg.data.train_batch_size
@@ -346,22 +384,31 @@ class Trainer:
         for line in describe_epochs(cfg, len(self.train_set)):
             self._say(line)
         if not cfg.trainer.save_freq:
-            self._say("note: trainer.save_freq=0 (never; verl's -1 is the same): this run writes no checkpoint but on a "
-                      "stop by SIGTERM/SIGINT, so a crash loses it and longqa export finds nothing to export")
+            self._say(
+                "note: trainer.save_freq=0 (never; verl's -1 is the same): this run writes no checkpoint but on a "
+                "stop by SIGTERM/SIGINT, so a crash loses it and longqa export finds nothing to export"
+            )
         partial_offload = deepspeed and cfg.actor.cpu_offload and cfg.actor.cpu_offload_ratio < 1
         if self.env.is_main and (cfg.trainer.save_freq or partial_offload):  # (the other ranks stop with it)
             params = count_parameters(model_config)
             start = 0 if self.resume_from is None else read_trainer_state(self.resume_from)["step"]
-            if warning := check_checkpoint_space(cfg, self.run_dir, params, self.env.world_size, start,
-                                                 self.total_steps):
+            if warning := check_checkpoint_space(
+                cfg, self.run_dir, params, self.env.world_size, start, self.total_steps
+            ):
                 self._say(warning)
             if partial_offload:  # the share offloaded, in whole sub-groups
                 self._say(describe_training(cfg, params, self.env.world_size))
-        self.model, _ = load_model(m.path, gguf_file=m.gguf_file, dtype=m.dtype, attn_implementation=m.attn_implementation,
-                                   gradient_checkpointing=m.gradient_checkpointing,
-                                   checkpoint_fraction=m.checkpoint_fraction,
-                                   activation_offload=m.activation_offload, device=self.device,
-                                   tokenizer=self.tokenizer)
+        self.model, _ = load_model(
+            m.path,
+            gguf_file=m.gguf_file,
+            dtype=m.dtype,
+            attn_implementation=m.attn_implementation,
+            gradient_checkpointing=m.gradient_checkpointing,
+            checkpoint_fraction=m.checkpoint_fraction,
+            activation_offload=m.activation_offload,
+            device=self.device,
+            tokenizer=self.tokenizer,
+        )
         # Compiled graphs from earlier starts (this machine's cache, or the run folder's copy) before any compiling.
         use_user_cache()
         load_run_cache(self.run_dir)
@@ -369,27 +416,39 @@ class Trainer:
         # Built before the actor shards the model: under data parallelism (or a group of one, above) the fast
         # engine keeps an unsharded copy, and vLLM loads the unsharded weights (later syncs gather them); with
         # sampler ranks of their own, they hold the engine (and their own copy of the weights).
-        self.engine: RolloutEngine = build_engine(cfg, self.model, self.tokenizer, split=split,
-                                                  prompt_tokens=self.longest_prompt,
-                                                  own_copy=self.env.distributed or sharded_alone or r.overlap)
+        self.engine: RolloutEngine = build_engine(
+            cfg,
+            self.model,
+            self.tokenizer,
+            split=split,
+            prompt_tokens=self.longest_prompt,
+            own_copy=self.env.distributed or sharded_alone or r.overlap,
+        )
         check_engine(cfg, self.engine)
         self.actor = Actor(self.model, cfg, self.total_steps, self.device, self.tokenizer.pad_token_id)
         if cfg.actor.compile_layers and self.device.type == "cuda" and self._compilable():
             compile_decoder_layers(self.model, with_hooks=not deepspeed)  # DeepSpeed's hooks cannot be traced
             start = time.perf_counter()
             if (count := self.actor.compile_length_buckets()) and self.env.is_main:
-                print(f"compiled the update for {count} packed lengths in {time.perf_counter() - start:.0f} s",
-                      flush=True)
+                print(
+                    f"compiled the update for {count} packed lengths in {time.perf_counter() - start:.0f} s", flush=True
+                )
         # What a step compiles or captures once the process is warm, and why (said after its first step).
         self.compile_watch, self.warm, self.validated_since_step = CompileWatch(self.engine), False, False
         self.stops = tuple(stop_token_ids(self.tokenizer))
         logprobs_mode = logprobs_mode_for(r.temperature, r.top_k, r.top_p)
         # The trainer recomputes the old policy's log-probs itself; vLLM returns exact sample log-probs except
         # for tempered *and* top-k/top-p-filtered sampling, where it is not asked for them.
-        self.params = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                     max_new_tokens=cfg.data.max_response_length, stop_token_ids=self.stops,
-                                     stop_strings=tuple(r.stop),
-                                     return_logprobs=r.engine != "vllm" or logprobs_mode is not None)
+        self.params = SamplingParams(
+            n=r.n,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_new_tokens=cfg.data.max_response_length,
+            stop_token_ids=self.stops,
+            stop_strings=tuple(r.stop),
+            return_logprobs=r.engine != "vllm" or logprobs_mode is not None,
+        )
 
     def _check_resume(self, checkpoint: Path) -> list:
         """What resuming from ``checkpoint`` changes (settings, and data files with other contents under the same
@@ -416,15 +475,16 @@ class Trainer:
         b = self.cfg.data.train_batch_size
         share = b // self.env.world_size
         start = position * b + self.env.rank * share
-        return self.epoch_order(epoch)[start:start + share].tolist()
+        return self.epoch_order(epoch)[start : start + share].tolist()
 
     # ------------------------------------------------------------------------------------------ one step
 
     def _generator(self, step: int, round_: int) -> torch.Generator:
         return torch.Generator(self.device).manual_seed(self.cfg.trainer.seed * 1_000_003 + step * 101 + round_)
 
-    def _sample_groups(self, indices: list[int], step: int, round_: int, times: dict,
-                       at_version: int | None = None) -> list[SampledGroup]:
+    def _sample_groups(
+        self, indices: list[int], step: int, round_: int, times: dict, at_version: int | None = None
+    ) -> list[SampledGroup]:
         """Sample and score n responses for each prompt. Adds to ``times``. ``at_version``: the weights version
         sampled while an update runs beside (``RolloutEngine.generate``)."""
         t0 = time.perf_counter()
@@ -435,8 +495,14 @@ class Trainer:
             seeds = [(base * 2_147_483_659 + i) % 2**63 for i in indices]  # an int64 for any trainer.seed
         else:  # on (seed, step) and the order of the prompts
             generator = self._generator(step, round_)
-        outputs = self.engine.generate(prompts, self.params, generator, seeds=seeds,
-                                       stop_at=self._drawn_lengths(indices, step, round_), at_version=at_version)
+        outputs = self.engine.generate(
+            prompts,
+            self.params,
+            generator,
+            seeds=seeds,
+            stop_at=self._drawn_lengths(indices, step, round_),
+            at_version=at_version,
+        )
         t1 = time.perf_counter()
         groups = []
         for i, prompt, samples in zip(indices, prompts, outputs):
@@ -481,7 +547,7 @@ class Trainer:
             stats["dropped_groups"] += len(extra) - len(good)
             stats["sampling_rounds"] += 1
             kept += good
-        return (kept[:cfg.data.train_batch_size] or groups), stats
+        return (kept[: cfg.data.train_batch_size] or groups), stats
 
     def _step_groups(self, step: int) -> tuple[list[SampledGroup], dict, int]:
         """The step's groups, their sampling statistics, and the step whose weights sampled them (the weights
@@ -520,6 +586,7 @@ class Trainer:
         def sample() -> SampledAhead | None:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 return self._sample_ahead(step, stats, at_version=version)
+
         return self.sampling_thread.submit(sample)
 
     def _join_sampling(self, pending: Future) -> SampledAhead | None:
@@ -547,9 +614,13 @@ class Trainer:
         rewards = torch.tensor([r.score for r in results], dtype=torch.float32)
         advantages, zero_var = algo.group_advantages(rewards, n, cfg.algo.adv_estimator, cfg.algo.norm_adv_by_std)
         stale = sampled_with < step  # sampled before an earlier update: the ratio's denominator is the sampler's
-        batch = Samples(prompt_ids=[g.prompt for g in groups for _ in range(n)],
-                        response_ids=[s.token_ids for s in samples], advantages=advantages, group_size=n,
-                        old_logprobs=[s.logprobs for s in samples] if stale else None)
+        batch = Samples(
+            prompt_ids=[g.prompt for g in groups for _ in range(n)],
+            response_ids=[s.token_ids for s in samples],
+            advantages=advantages,
+            group_size=n,
+            old_logprobs=[s.logprobs for s in samples] if stale else None,
+        )
         self._say_over_budget(step, max(batch.length(i) for i in range(len(batch))))
         t_update = time.perf_counter()
         pending = self._sample_ahead_beside(step, stats) if overlap else None  # the next step, beside the update
@@ -567,19 +638,30 @@ class Trainer:
         self.ahead = ahead
         end = time.perf_counter()
         self.seconds["update"] = end - t_update
-        local = {"rewards": rewards.tolist(), "lengths": [len(s.token_ids) for s in samples],
-                 "truncated": [s.finish_reason == "length" for s in samples],
-                 "reasons": [r.reason for r in results if r.reason], "zero_var": zero_var, "groups": len(groups),
-                 "tokens": sum(batch.length(i) for i in range(len(batch))), "flops": self._update_flops(groups),
-                 "reward_error": getattr(self.score, "last_error", None)}
+        local = {
+            "rewards": rewards.tolist(),
+            "lengths": [len(s.token_ids) for s in samples],
+            "truncated": [s.finish_reason == "length" for s in samples],
+            "reasons": [r.reason for r in results if r.reason],
+            "zero_var": zero_var,
+            "groups": len(groups),
+            "tokens": sum(batch.length(i) for i in range(len(batch))),
+            "flops": self._update_flops(groups),
+            "reward_error": getattr(self.score, "last_error", None),
+        }
         every = gather_objects(local)  # one entry per rank
         rewards = torch.tensor([x for part in every for x in part["rewards"]])
         lengths = np.array([x for part in every for x in part["lengths"]])
         truncated = [x for part in every for x in part["truncated"]]
         reasons = Counter(x for part in every for x in part["reasons"])
         reward_errors = sum(v for k, v in reasons.items() if k.startswith("error"))
-        check_reward_calls(cfg, len(rewards), reward_errors,
-                           next((p["reward_error"] for p in every if p["reward_error"]), None), f"step {step + 1}")
+        check_reward_calls(
+            cfg,
+            len(rewards),
+            reward_errors,
+            next((p["reward_error"] for p in every if p["reward_error"]), None),
+            f"step {step + 1}",
+        )
         zero_var, tokens = sum(p["zero_var"] for p in every), sum(p["tokens"] for p in every)
         flops = None if None in (p["flops"] for p in every) else sum(p["flops"] for p in every)
         if zero_var == sum(p["groups"] for p in every):
@@ -589,20 +671,40 @@ class Trainer:
         # Each phase's time and the compilations and graph captures (0 once warm): the most of any rank.
         compiled, captured = compiled_graphs() - compiled, self.engine.graph_captures - captured
         memory = memory_peaks(self.device)
-        most = dict(zip(("rollout_s", "reward_s", "update_s", "recompiles", "graph_captures", *memory), all_reduce(
-            [stats["rollout_s"], stats["reward_s"], update_s if overlap else end - t_update, compiled, captured,
-             *memory.values()], "max", self.device)))
+        most = dict(
+            zip(
+                ("rollout_s", "reward_s", "update_s", "recompiles", "graph_captures", *memory),
+                all_reduce(
+                    [
+                        stats["rollout_s"],
+                        stats["reward_s"],
+                        update_s if overlap else end - t_update,
+                        compiled,
+                        captured,
+                        *memory.values(),
+                    ],
+                    "max",
+                    self.device,
+                ),
+            )
+        )
         metrics = {
             "epoch": step // self.steps_per_epoch,
-            "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+            "reward/mean": float(rewards.mean()),
+            "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
             "reward/full_fraction": float((rewards >= 1.0).float().mean()),
-            "response_length/mean": float(lengths.mean()), "response_length/max": int(lengths.max()),
+            "response_length/mean": float(lengths.mean()),
+            "response_length/max": int(lengths.max()),
             "response/truncated": float(np.mean(truncated)),
-            "zero_variance_groups": zero_var, "reward_errors": reward_errors,
+            "zero_variance_groups": zero_var,
+            "reward_errors": reward_errors,
             **{f"reward_reason/{k}": v for k, v in sorted(reasons.items())},
-            "time/rollout_s": most["rollout_s"], "time/reward_s": most["reward_s"],
-            "time/update_s": most["update_s"], "perf/tokens_per_s": tokens / (end - start),
-            "perf/recompiles": int(most["recompiles"]), "perf/graph_captures": int(most["graph_captures"]),
+            "time/rollout_s": most["rollout_s"],
+            "time/reward_s": most["reward_s"],
+            "time/update_s": most["update_s"],
+            "perf/tokens_per_s": tokens / (end - start),
+            "perf/recompiles": int(most["recompiles"]),
+            "perf/graph_captures": int(most["graph_captures"]),
             **{key: round(most[key], 3) for key in memory},
             **update,
         }
@@ -612,8 +714,13 @@ class Trainer:
         if cfg.rollout.mode == "one_step_off":
             metrics["rollout/staleness"] = step - sampled_with
         if cfg.algo.dynamic_sampling:
-            metrics.update({"dynamic/dropped_groups": stats["dropped_groups"],
-                            "dynamic/rounds": stats["sampling_rounds"], "dynamic/groups": len(groups)})
+            metrics.update(
+                {
+                    "dynamic/dropped_groups": stats["dropped_groups"],
+                    "dynamic/rounds": stats["sampling_rounds"],
+                    "dynamic/groups": len(groups),
+                }
+            )
         return metrics
 
     def _update_flops(self, groups: list[SampledGroup]) -> float | None:
@@ -622,8 +729,12 @@ class Trainer:
         config = self.model.config
         if not counts_flops(config):
             return None
-        return sum(group_flops(config, len(g.prompt), [len(s.token_ids) for s in g.samples],
-                               self.cfg.actor.shared_prompt).flops for g in groups)
+        return sum(
+            group_flops(
+                config, len(g.prompt), [len(s.token_ids) for s in g.samples], self.cfg.actor.shared_prompt
+            ).flops
+            for g in groups
+        )
 
     def _say_over_budget(self, step: int, longest: int) -> None:
         """Say once when a sample (a prompt and one response) is longer than actor.max_tokens_per_micro_batch: it
@@ -633,10 +744,12 @@ class Trainer:
         if self.over_budget_said or not isinstance(budget, int) or longest <= budget:
             return
         self.over_budget_said = True
-        self._say(f"warning: step {step + 1} updates on a prompt and response of {longest} tokens, past "
-                  f"actor.max_tokens_per_micro_batch={budget}: it goes in a micro-batch of its own, larger than the "
-                  f"budget that bounds the update's memory; raise the budget to {longest} or more, or lower "
-                  f"data.max_prompt_length / data.max_response_length (said once)")
+        self._say(
+            f"warning: step {step + 1} updates on a prompt and response of {longest} tokens, past "
+            f"actor.max_tokens_per_micro_batch={budget}: it goes in a micro-batch of its own, larger than the "
+            f"budget that bounds the update's memory; raise the budget to {longest} or more, or lower "
+            f"data.max_prompt_length / data.max_response_length (said once)"
+        )
 
     def _say_built_again(self, step: int) -> None:
         """After this process's first step (which compiles and captures what the run needs), say what a step
@@ -648,8 +761,11 @@ class Trainer:
         if news and self.env.is_main:
             shown = "; ".join(news[:4]) + (f"; and {len(news) - 4} more" if len(news) > 4 else "")
             if self.warm:
-                print(f"note: step {step + 1} (or a validation before it) compiled or captured again, which a warm "
-                      f"step should not: {shown}", flush=True)
+                print(
+                    f"note: step {step + 1} (or a validation before it) compiled or captured again, which a warm "
+                    f"step should not: {shown}",
+                    flush=True,
+                )
             else:  # the first step: what the rest of the run replays (and what it cost)
                 print(f"the first step {shown}", flush=True)
         self.warm = True
@@ -667,15 +783,21 @@ class Trainer:
         mean = float(rewards.mean())
         why = ", ".join(f"{reason} {count}" for reason, count in reasons.most_common(3))
         why = f"; reasons: {why} of {len(rewards)} samples" if why else ""
-        line = (f"warning: step {step + 1}: no gradient{f' for {streak} steps in a row' if streak > 1 else ''}: "
-                f"all {groups} groups scored alike (mean reward {mean:.3f}{why})")
+        line = (
+            f"warning: step {step + 1}: no gradient{f' for {streak} steps in a row' if streak > 1 else ''}: "
+            f"all {groups} groups scored alike (mean reward {mean:.3f}{why})"
+        )
         if mean <= 0 and 2 * cut > len(rewards):  # no reward, and most responses never reached their end
-            line += (f": {cut} of {len(rewards)} samples were cut at data.max_response_length="
-                     f"{self.cfg.data.max_response_length} tokens before they ended, so the answer a response ends "
-                     f"with was never written; raise data.max_response_length")
+            line += (
+                f": {cut} of {len(rewards)} samples were cut at data.max_response_length="
+                f"{self.cfg.data.max_response_length} tokens before they ended, so the answer a response ends "
+                f"with was never written; raise data.max_response_length"
+            )
         elif mean == 0 and reasons and reasons.most_common(1)[0][0] == "no_boxed":
-            line += (": the model writes no \\boxed{} answer for the reward to read. A short `longqa sft` teaches "
-                     "the format (or an instruction in the prompts may ask for it)")
+            line += (
+                ": the model writes no \\boxed{} answer for the reward to read. A short `longqa sft` teaches "
+                "the format (or an instruction in the prompts may ask for it)"
+            )
         elif mean > 0 and bool((rewards == rewards[0]).all()):
             line += ": every sample earned the same reward; harder questions give GRPO something to learn"
         self._say(line)
@@ -693,12 +815,27 @@ class Trainer:
         # are called (generate, or an engine that runs the model's modules).
         eager = engine is None or engine.calls_model_layers
         with torch.compiler.set_stance("force_eager" if eager else "default"):
-            result = evaluate(self.model, self.tokenizer, self.val_set, self.cfg.data.max_response_length,
-                              reward_fn=self.score, engine=engine, shard=shard)
-        check_reward_calls(self.cfg, result["all"]["n"], result["reward_errors"],
-                           getattr(self.score, "last_error", None), "the validation")
-        out = {"val/accuracy": result["all"]["accuracy"], "val/f1": result["all"]["f1"],
-               "val/seconds": result["seconds"]}
+            result = evaluate(
+                self.model,
+                self.tokenizer,
+                self.val_set,
+                self.cfg.data.max_response_length,
+                reward_fn=self.score,
+                engine=engine,
+                shard=shard,
+            )
+        check_reward_calls(
+            self.cfg,
+            result["all"]["n"],
+            result["reward_errors"],
+            getattr(self.score, "last_error", None),
+            "the validation",
+        )
+        out = {
+            "val/accuracy": result["all"]["accuracy"],
+            "val/f1": result["all"]["f1"],
+            "val/seconds": result["seconds"],
+        }
         if result["reward_errors"]:  # a reward function failing on some answers, not scoring them 0
             out["val/reward_errors"] = result["reward_errors"]
         if dropped := self.val_set.stats.overlong_filtered + self.val_set.stats.bad_rows:  # (cut ones are scored)
@@ -707,8 +844,13 @@ class Trainer:
         def name(group: str, key) -> str:
             return validation_metric(group, key, self.val_suffixes.get((group, key), ""))
 
-        out.update({name("data_source", source): r["accuracy"] for source, r in result.items()
-                    if isinstance(r, dict) and source != "all"})
+        out.update(
+            {
+                name("data_source", source): r["accuracy"]
+                for source, r in result.items()
+                if isinstance(r, dict) and source != "all"
+            }
+        )
         # A validation set of one set of questions at several lengths (synth --context-lengths) gives the
         # accuracy at each: what longer contexts cost, and whether training closes the gap.
         out.update({name("target_tokens", g["target_tokens"]): g["accuracy"] for g in result.get("by_length", ())})
@@ -738,10 +880,15 @@ class Trainer:
         if step < self.total_steps:
             return None
         t = self.cfg.trainer
-        limit = (f"trainer.max_steps={t.max_steps}" if t.max_steps and t.max_steps == self.total_steps else
-                 f"the {self.total_steps} steps of trainer.total_epochs={t.total_epochs}")
-        self._say(f"checkpoint {self.resume_from} is already at step {step} >= {limit}: nothing to train; raise "
-                  f"trainer.max_steps (or trainer.total_epochs) to go on")
+        limit = (
+            f"trainer.max_steps={t.max_steps}"
+            if t.max_steps and t.max_steps == self.total_steps
+            else f"the {self.total_steps} steps of trainer.total_epochs={t.total_epochs}"
+        )
+        self._say(
+            f"checkpoint {self.resume_from} is already at step {step} >= {limit}: nothing to train; raise "
+            f"trainer.max_steps (or trainer.total_epochs) to go on"
+        )
         return {"steps": step, "trained": 0, "report": None, "preempted": None}
 
     def _run(self) -> dict:
@@ -768,8 +915,14 @@ class Trainer:
         resume = self.resume_from
         if resume is None:
             return 0, None
-        state = load_checkpoint(resume, model=self.model, optimizer=self.actor.optimizer,
-                                scheduler=self.actor.scheduler, engine=self.actor.engine, say=self._say)
+        state = load_checkpoint(
+            resume,
+            model=self.model,
+            optimizer=self.actor.optimizer,
+            scheduler=self.actor.scheduler,
+            engine=self.actor.engine,
+            say=self._say,
+        )
         self.actor.follow_config()  # this run's learning rate, optimizer settings and schedule, at the restored step
         self.actor.bad_steps = state["bad_steps"]
         bump_weights_version(self.model)  # new weights: an engine holding a copy must load them
@@ -777,8 +930,11 @@ class Trainer:
         step = state["step"]
         self.ahead = self._restored_ahead(state.get(AHEAD_KEY))
         self.changes_on_resume = change_history(state, step, self.resume_changes)
-        for line in [f"resumed from {resume} at step {step}", *describe_changes(self.resume_changes, step),
-                     *self._abandoned(step)]:
+        for line in [
+            f"resumed from {resume} at step {step}",
+            *describe_changes(self.resume_changes, step),
+            *self._abandoned(step),
+        ]:
             self._say(line)
         return step, resume
 
@@ -788,9 +944,11 @@ class Trainer:
         later = later_checkpoints(self.run_dir, step)
         if not later:
             return []
-        return [f"{self.run_dir} holds later checkpoints ({', '.join(p.name for p in later)}): this run goes on from "
-                f"step {step} instead, discards them at its first save, and its metrics from step {step + 1} on "
-                f"replace theirs"]
+        return [
+            f"{self.run_dir} holds later checkpoints ({', '.join(p.name for p in later)}): this run goes on from "
+            f"step {step} instead, discards them at its first save, and its metrics from step {step + 1} on "
+            f"replace theirs"
+        ]
 
     def _ahead_state(self) -> dict | None:
         """The groups sampled ahead (rollout.mode=one_step_off) for a checkpoint: what a resume needs to update on
@@ -807,9 +965,10 @@ class Trainer:
         if saved is None:
             return None
         share = len(saved["groups"]) // self.env.world_size
-        mine = saved["groups"][self.env.rank * share:(self.env.rank + 1) * share]
-        return SampledAhead.from_state(saved, [SampledGroup.from_state(g, self.train_set.ids(g["index"]).tolist())
-                                               for g in mine])
+        mine = saved["groups"][self.env.rank * share : (self.env.rank + 1) * share]
+        return SampledAhead.from_state(
+            saved, [SampledGroup.from_state(g, self.train_set.ids(g["index"]).tolist()) for g in mine]
+        )
 
     def _say(self, line: str) -> None:
         """A line for the user, from one rank (the others would say the same)."""
@@ -820,9 +979,15 @@ class Trainer:
         if not self.env.is_main:  # the other ranks compute the same (reduced) metrics; rank 0 writes them
             return _Silent()
         t = self.cfg.trainer
-        return MetricsLogger(self.run_dir, t.logger, self.total_steps, to_dict(self.cfg),
-                             resume_step=start_step if resumed is not None else None, project=t.project_name,
-                             name=t.experiment_name or self.run_dir.name)
+        return MetricsLogger(
+            self.run_dir,
+            t.logger,
+            self.total_steps,
+            to_dict(self.cfg),
+            resume_step=start_step if resumed is not None else None,
+            project=t.project_name,
+            name=t.experiment_name or self.run_dir.name,
+        )
 
     def _train(self, start_step: int, logger) -> int:
         """The steps from ``start_step`` until the last or an agreed stop; returns the last finished step."""
@@ -869,12 +1034,23 @@ class Trainer:
     def _save(self, done: int) -> Path:
         start = time.perf_counter()
         cfg = self.cfg
-        path = save_checkpoint(self.run_dir, done, model=self.model, optimizer=self.actor.optimizer,
-                               scheduler=self.actor.scheduler, engine=self.actor.engine,
-                               keep_last=cfg.trainer.keep_last,
-                               trainer_state={"step": done, "bad_steps": self.actor.bad_steps, "config": to_dict(cfg),
-                                              CHANGES_KEY: self.changes_on_resume, AHEAD_KEY: self._ahead_state(),
-                                              DATA_KEY: self.data_fingerprint})
+        path = save_checkpoint(
+            self.run_dir,
+            done,
+            model=self.model,
+            optimizer=self.actor.optimizer,
+            scheduler=self.actor.scheduler,
+            engine=self.actor.engine,
+            keep_last=cfg.trainer.keep_last,
+            trainer_state={
+                "step": done,
+                "bad_steps": self.actor.bad_steps,
+                "config": to_dict(cfg),
+                CHANGES_KEY: self.changes_on_resume,
+                AHEAD_KEY: self._ahead_state(),
+                DATA_KEY: self.data_fingerprint,
+            },
+        )
         self.seconds["save"] = time.perf_counter() - start
         self.saved = (done, path)
         return path
@@ -978,8 +1154,14 @@ def run_sampler(cfg: Config, split: Split) -> bool:
     check_machine(cfg, device.type)
     random.seed(cfg.trainer.seed), np.random.seed(cfg.trainer.seed), torch.manual_seed(cfg.trainer.seed)
     tokenizer = config_tokenizer(m)
-    model, _ = load_model(m.path, gguf_file=m.gguf_file, dtype=m.dtype, attn_implementation=m.attn_implementation,
-                          device=device, tokenizer=tokenizer)
+    model, _ = load_model(
+        m.path,
+        gguf_file=m.gguf_file,
+        dtype=m.dtype,
+        attn_implementation=m.attn_implementation,
+        device=device,
+        tokenizer=tokenizer,
+    )
     model.requires_grad_(False)
     return serve(build_engine(cfg, model, tokenizer, split=split), split)
 
