@@ -34,7 +34,7 @@ looks like a checkpoint. Hidden leftovers of a crash are removed by the next sav
 
 A run folder holds one timeline: saving step N removes checkpoints of later steps (left by a run that was
 resumed from an older checkpoint), so that ``trainer.resume=auto`` can never jump back to the abandoned
-run. One run saves into a run folder at a time (``run_lock``).
+run. One run saves into a run folder at a time (``outputs.lock``).
 """
 
 from __future__ import annotations
