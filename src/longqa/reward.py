@@ -78,6 +78,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "ENVIRONMENT_VARIABLES",
     "REWARD_MODES",
     "RewardResult",
     "compute_score",
@@ -93,6 +94,18 @@ __all__ = [
 
 DEFAULT_MODE = "hardened"
 MODE_ENV = "REWARD_CALC_TYPE"
+# The recipe's knobs, read from the environment each time its modes score, with their defaults.
+RECIPE_ENV_DEFAULTS = {
+    "MAX_BOXED_LIMIT": 1,
+    "PUNISH_MULTIPLE_BRACES": 1,
+    "ANSWER_OVER_FLOW_LIMIT": 128,
+    "EOT_OVER_FLOW_LIMIT": 32,
+    "F1_SCORE_THRESHOLD": 0.5,
+}
+# Every environment variable this file reads when it scores (the recipe's reward file reads the same ones). A run
+# whose processes start elsewhere (Ray workers) takes them from the driver's environment, or it would score with
+# other values than the ones it was started with.
+ENVIRONMENT_VARIABLES: tuple[str, ...] = (MODE_ENV, *RECIPE_ENV_DEFAULTS)
 # Words that make an answer with the ground truth in it a hedge rather than a wordy answer (a failure reason only:
 # either scores 0).
 HEDGE_WORDS = frozenset(
@@ -255,8 +268,8 @@ def _best(results: list[RewardResult]) -> RewardResult:
 # --- the recipe's modes --------------------------------------------------------------------------
 
 
-def _env_int(name: str, default: int) -> int:
-    return int(os.getenv(name, default))
+def _env_int(name: str) -> int:
+    return int(os.getenv(name, RECIPE_ENV_DEFAULTS[name]))
 
 
 def _recipe_prediction(solution: str) -> tuple[str | None, str | None]:
@@ -292,13 +305,13 @@ def _recipe_is_match(prediction: str, truth: str) -> bool:
 
 def _recipe_gated_prediction(solution: str) -> tuple[str | None, str | None]:
     """The format modes' prediction, after the box-count and brace gates that zero a response."""
-    max_boxed = _env_int("MAX_BOXED_LIMIT", 1)
+    max_boxed = _env_int("MAX_BOXED_LIMIT")
     if max_boxed > 0 and solution.count("\\boxed") > max_boxed:
         return None, "too_many_boxed"
     prediction, reason = _recipe_prediction(solution)
     if prediction is None:
         return None, reason
-    if _env_int("PUNISH_MULTIPLE_BRACES", 1) > 0 and (
+    if _env_int("PUNISH_MULTIPLE_BRACES") > 0 and (
         prediction.count("{") > 1 or prediction.count("}") > 1 or prediction.count("\\") > 1
     ):
         return None, "multiple_braces"
@@ -307,10 +320,10 @@ def _recipe_gated_prediction(solution: str) -> tuple[str | None, str | None]:
 
 def _recipe_overflow(solution: str, prediction: str, truth: str) -> str | None:
     """Why the recipe voids a match: too long an answer, or too much text after it."""
-    if len(prediction) - len(truth) > _env_int("ANSWER_OVER_FLOW_LIMIT", 128):
+    if len(prediction) - len(truth) > _env_int("ANSWER_OVER_FLOW_LIMIT"):
         return "answer_overflow"
     tail = len(solution) - (solution.rfind(prediction) + len(prediction))
-    if tail > _env_int("EOT_OVER_FLOW_LIMIT", 32):
+    if tail > _env_int("EOT_OVER_FLOW_LIMIT"):
         return "eot_overflow"
     return None
 
@@ -342,7 +355,7 @@ def _score_format_f1_score(solution: str, truths: list[str]) -> RewardResult:
     prediction, reason = _recipe_gated_prediction(solution)
     if prediction is None:
         return _fail(reason)
-    threshold = float(os.getenv("F1_SCORE_THRESHOLD", 0.5))
+    threshold = float(os.getenv("F1_SCORE_THRESHOLD", RECIPE_ENV_DEFAULTS["F1_SCORE_THRESHOLD"]))
     tokens = normalize_answer(prediction).split()
     results = []
     for truth in truths:

@@ -9,19 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from longqa.config.reward_mode import check_environment_mode, environment_reward_mode, what_scores
 from longqa.config.schema import (
     Config,
     ConfigError,
-    RewardConfig,
     all_keys,
     checked,
-    declared_types,
     expand_paths,
     flatten,
     parse_override,
@@ -37,6 +35,7 @@ __all__ = [
     "ConfigError",
     "all_keys",
     "checked",
+    "environment_reward_mode",
     "key_help",
     "load_config",
     "load_config_dict",
@@ -47,24 +46,6 @@ __all__ = [
 ]
 
 
-def environment_reward_mode() -> str | None:
-    """The reward mode the recipe's environment variable ``REWARD_CALC_TYPE`` names, None when it is unset.
-    verl runs of the recipe pick their mode with it, so longqa takes it as the default of ``reward.mode`` and
-    of ``longqa eval --mode``; a value that is no mode is refused here rather than scoring every answer 0."""
-    from longqa.reward import MODE_ENV
-
-    value = os.environ.get(MODE_ENV)
-    if not value:
-        return None
-    modes = typing.get_args(declared_types(RewardConfig)["mode"])
-    if value not in modes:
-        raise ConfigError(
-            f"the environment variable {MODE_ENV}={value!r} names no reward mode: set it to one of "
-            f"{', '.join(modes)}, or unset it"
-        )
-    return value
-
-
 def load_config(
     path: str | os.PathLike | None = None,
     overrides: list[str] | tuple[str, ...] = (),
@@ -73,20 +54,33 @@ def load_config(
     """Defaults (``reward.mode``'s from ``REWARD_CALC_TYPE`` when set) with ``base`` over them (longqa keys, e.g.
     verl's defaults for a verl launch line), then the YAML file, then the overrides (longqa's keys or verl's
     launch-line keys, see ``longqa.config.verl_keys``); each value checked as it is applied, every bad override named
-    in one error."""
+    in one error. A ``reward.mode`` given that differs from ``REWARD_CALC_TYPE``'s mode is refused
+    (``config/reward_mode.py``)."""
     cfg = Config()
     if mode := environment_reward_mode():
         cfg.reward.mode = mode
-    for key, value in (base or {}).items():
-        set_key(cfg, key, value)
-    if path is not None:
-        for key, value in resolve_file_keys(read_config_file(path), str(path)):
-            set_key(cfg, key, value)
-    for key, value in resolve_overrides(overrides):
-        set_key(cfg, key, value)
+    mode_from = None  # where the reward.mode that stands was given, for the refusal
+    if _apply(cfg, (base or {}).items()):
+        mode_from = "the base settings"
+    if path is not None and _apply(cfg, resolve_file_keys(read_config_file(path), str(path))):
+        mode_from = str(path)
+    if _apply(cfg, resolve_overrides(overrides)):
+        mode_from = "the command line"
     expand_paths(cfg)
+    check_environment_mode(cfg, mode_from)
     return cfg
 
+
+def _apply(cfg: Config, pairs) -> bool:
+    """Set each (key, value) of ``pairs`` in ``cfg``; whether ``reward.mode`` was one of them."""
+    given = False
+    for key, value in pairs:
+        set_key(cfg, key, value)
+        given = given or key == MODE_KEY
+    return given
+
+
+MODE_KEY = "reward.mode"
 
 # Files that hold data, not a config: named as such when given where the config file goes.
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".arrow", ".csv", ".tsv", ".gz", ".zst")
@@ -132,7 +126,10 @@ def to_dict(cfg: Config) -> dict[str, Any]:
 
 
 def to_yaml(cfg: Config) -> str:
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
+    """The config as YAML that ``load_config`` reads back, with a comment above the reward section that says what
+    scores (``reward.mode``, or the function of ``reward.path``, beside which the mode is unused)."""
+    text = yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
+    return text.replace("\nreward:\n", f"\n# {what_scores(cfg)}\nreward:\n", 1)
 
 
 def key_help() -> list[tuple[str, str, Any]]:

@@ -388,7 +388,8 @@ class RewardConfig:
     mode: Literal["hardened", "pure_exact_match", "format_exact_match", "format_f1_score"] = opt(
         "hardened",
         "scoring mode of longqa.reward; the last three are the recipe's (gameable) modes. The recipe's "
-        "environment variable REWARD_CALC_TYPE, when set, replaces the default",
+        "environment variable REWARD_CALC_TYPE, when set, is the default, and a config naming another mode is "
+        "refused (unless reward.path is set: its function scores, and reads the variable itself)",
         on_resume="refuse",
     )
     path: Optional[str] = opt(

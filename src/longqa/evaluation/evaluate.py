@@ -26,6 +26,7 @@ import torch
 
 from longqa import reward
 from longqa.config import ConfigError
+from longqa.outputs.layout import RUN_REWARD
 from longqa.outputs.paths import CHECKPOINT, RUN, folder_kind
 
 # A reward function: (data_source, response, ground_truth, extra_info) -> reward.RewardResult, as the trainer
@@ -343,6 +344,34 @@ def check_model_folder(path: str | None, flag: str = "--model") -> None:
         raise ModelFolderError(f"{flag} {path} holds no model ({why}): give a model folder, hub id or GGUF file")
 
 
+def run_reward(model: str | None) -> dict | None:
+    """The reward section of the config the run behind ``model`` trained with, which ``longqa export`` writes beside
+    the model (``RUN_REWARD``); None for any other model (a hub id, a base model, an sft folder)."""
+    path = Path(model).expanduser() / RUN_REWARD if model else None
+    if path is None or not path.is_file():
+        return None
+    return json.loads(path.read_text(encoding="utf-8"))["reward"]
+
+
+def run_reward_note(run: dict | None, mode: str) -> str | None:
+    """What the scores in ``mode`` are beside the reward of the run that made the model (``run_reward``): its
+    validation's accuracy is another number where it scored otherwise, which is said rather than left to be
+    compared. None where no run is known."""
+    if run is None:
+        return None
+    if run.get("path"):
+        return (
+            f"the run that made this model scored with {run['name']} of reward.path={run['path']}, which eval "
+            f"does not run: these scores are not its validation's"
+        )
+    if run["mode"] != mode:
+        return (
+            f"the run that made this model validated with reward.mode={run['mode']}, not {mode}: "
+            f"--mode {run['mode']} scores as it did"
+        )
+    return "the mode the run that made this model validated with"
+
+
 def describe_prompt_losses(prompts, options, name: str = "prompts") -> list[str]:
     """What preparing ``prompts`` dropped or cut, per reason, data_source and context length, in the words
     `longqa train` uses but naming the flags: a source that vanished would otherwise only be missed in the
@@ -386,15 +415,13 @@ def describe_cut_responses(cut: int, n: int, max_new_tokens: int, setting: str =
 
 
 def format_table(result: dict) -> str:
-    """The per-source scores; with ``result["reward_mode"]``, a first line that says which mode made ``acc``."""
-    lines = (
-        [
-            f"acc: reward mode {result['reward_mode']}"
-            + (f" ({result['reward_mode_from']})" if result.get("reward_mode_from") else "")
-        ]
-        if result.get("reward_mode")
-        else []
-    )
+    """The per-source scores; with ``result["reward_mode"]``, a first line that says which mode made ``acc`` (and,
+    with ``result["run_reward_note"]``, how it stands to the reward of the run that made the model)."""
+    lines = []
+    if result.get("reward_mode"):
+        said = f"acc: reward mode {result['reward_mode']}"
+        said += f" ({result['reward_mode_from']})" if result.get("reward_mode_from") else ""
+        lines.append(said + (f"; {result['run_reward_note']}" if result.get("run_reward_note") else ""))
     lines.append(f"{'data_source':32s} {'n':>6s} {'acc':>7s} {'em':>7s} {'f1':>7s}")
     for source, r in result.items():
         if isinstance(r, dict):

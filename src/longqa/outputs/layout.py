@@ -15,9 +15,13 @@ METRICS_FILE, WANDB_ID_FILE, REPORT_DIR = "metrics.jsonl", "wandb_run_id", "repo
 # A checkpoint folder: the marker written last (a folder without it is unfinished) and the trainer's state.
 MARKER, TRAINER_STATE = "COMPLETE", "trainer_state.json"
 
-# The files of a Hugging Face folder that an export writes (``save_pretrained`` of a model and of its tokenizer). An
-# output folder that holds only such files is a previous export, which a new export replaces; any other file in it
-# (an sft model card, a run's checkpoints) would end up beside weights it does not describe.
+# Beside an exported model: the reward its run trained and validated with (its config's reward section), which
+# ``longqa eval`` compares with the mode it scores in.
+RUN_REWARD = "longqa_reward.json"
+
+# The files of a Hugging Face folder that an export writes (``save_pretrained`` of a model and of its tokenizer, and
+# the run's reward). An output folder that holds only such files is a previous export, which a new export replaces;
+# any other file in it (an sft model card, a run's checkpoints) would end up beside weights it does not describe.
 EXPORT_FILES = (
     "config.json",
     "generation_config.json",
@@ -33,6 +37,7 @@ EXPORT_FILES = (
     "merges.txt",
     "added_tokens.json",
     "tokenizer.model",
+    RUN_REWARD,
 )
 
 # The files ``longqa sft`` writes beside a model's: its model card and the summary by which its folders are known.

@@ -54,7 +54,7 @@ import numpy as np
 import torch
 
 from longqa.distributed.deepspeed import TAG as DEEPSPEED
-from longqa.outputs.layout import MARKER, TRAINER_STATE, checkpoints_dir
+from longqa.outputs.layout import MARKER, RUN_REWARD, TRAINER_STATE, checkpoints_dir
 
 __all__ = [
     "CheckpointError",
@@ -702,6 +702,15 @@ def export_hf(
     tokenizer.save_pretrained(out_dir)
     follow_umask(out_dir.glob("*.safetensors"))
     return out_dir
+
+
+def write_run_reward(out_dir: str | os.PathLike, checkpoint: str | os.PathLike, reward: dict[str, Any]) -> Path:
+    """Write beside an exported model the reward section of the config its run trained with (``RUN_REWARD``): the
+    model's weights do not say which reward their validation scored with, and ``longqa eval`` compares it with the
+    mode it scores in."""
+    path = Path(out_dir) / RUN_REWARD
+    path.write_text(json.dumps({"checkpoint": str(checkpoint), "reward": reward}, indent=1) + "\n")
+    return path
 
 
 def follow_umask(paths: Iterable[str | os.PathLike]) -> None:

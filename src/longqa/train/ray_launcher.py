@@ -12,16 +12,21 @@ as it stops a torchrun run (``longqa.train.preemption``): the workers train in t
 handler can be installed, so the driver passes the request on through a file in the run folder, and
 rank 0 answers with the step it stopped at through another. (Ray Train answers Ctrl-C in the driver
 itself, by aborting the run.)
+
+Ray starts its workers with the cluster's environment, not the driver's: the variables the reward reads when it
+scores (``longqa.reward.ENVIRONMENT_VARIABLES``: ``REWARD_CALC_TYPE`` and the recipe's knobs) that are set where
+``longqa train`` runs go to the workers through ``ray.init``'s ``runtime_env``, and the launch says which.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from longqa.config import Config, ConfigError, load_config_dict, to_dict
+from longqa.reward import ENVIRONMENT_VARIABLES
 from longqa.train.preemption import forward_stop_requests, preempted_message
 
 
@@ -148,6 +153,19 @@ def describe_launch(workers: int, use_gpu: bool) -> str:
     )
 
 
+def reward_environment(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The variables the reward reads when it scores (``longqa.reward.ENVIRONMENT_VARIABLES``: the mode and the
+    recipe's knobs, which the recipe's own reward file reads too) that are set in the driver's environment: Ray
+    starts its workers with the cluster's environment, not the driver's, so these go to them by name."""
+    return {name: environ[name] for name in ENVIRONMENT_VARIABLES if name in environ}
+
+
+def describe_environment(environment: dict[str, str]) -> str:
+    """The line saying which of the driver's variables the workers get."""
+    given = ", ".join(f"{name}={value}" for name, value in environment.items())
+    return f"Ray workers get the driver's {given} (what the reward reads when it scores)"
+
+
 def _scaling(scaling_config: type, workers: int, use_gpu: bool):
     """``workers`` workers, and Ray Train's coordinator on no CPU of its own. Ray Train's first API (Ray 2.40 to
     about 2.50) reserves one CPU for its coordinator by default, so a cluster with exactly one CPU per worker
@@ -176,12 +194,20 @@ def run_with_ray(cfg: Config, train: Callable[..., dict]) -> dict:
         from ray.train.torch import TorchConfig, TorchTrainer
     except ImportError as e:
         raise RayClusterError("trainer.launcher=ray needs Ray Train: pip install 'longqa[ray]'") from e
-    ray.init(address=os.environ.get("RAY_ADDRESS"), ignore_reinit_error=True, log_to_driver=True)
+    environment = reward_environment()
+    ray.init(
+        address=os.environ.get("RAY_ADDRESS"),
+        ignore_reinit_error=True,
+        log_to_driver=True,
+        runtime_env={"env_vars": environment} if environment else None,
+    )
     gpus = int(ray.cluster_resources().get("GPU", 0))
     use_gpu = gpus > 0 and cfg.trainer.device != "cpu"
     workers = ray_worker_count(cfg, gpus, use_gpu)
     check_placeable(workers, use_gpu, ray.cluster_resources())
     print(describe_launch(workers, use_gpu), flush=True)
+    if environment:
+        print(describe_environment(environment), flush=True)
     local = _absolute(cfg)
     run_dir = Path(local.trainer.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
