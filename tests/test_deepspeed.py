@@ -212,12 +212,13 @@ def test_cpu_adam_on_the_offloaded_optimizer_takes_the_single_process_step(refer
 
 def partly_offloaded_actor(ratio: float, sub_groups_file: str) -> Actor:
     """ZeRO-3 with CPU Adam stepping ``ratio`` of the optimizer's sub-groups and torch's AdamW the rest, the learning
-    rate warming up over the 3 updates (so it changes every step). On the CPU DeepSpeed's accelerator *is* the CPU,
+    rate falling along a cosine over the 3 updates, from the full rate (so it changes every step and is never 0, as
+    a DeepSpeed warm-up's first two updates are). On the CPU DeepSpeed's accelerator *is* the CPU,
     and it would give every sub-group to CPU Adam: the accelerator's share is renamed "cpu:0", a name for the same
     device that DeepSpeed does not take for its host, so those sub-groups take its accelerator path as on a GPU."""
     cfg = config("true", "token-mean", 40, True)
     cfg.actor.strategy, cfg.actor.cpu_offload_ratio, cfg.actor.deepspeed_config = "deepspeed", ratio, sub_groups_file
-    cfg.actor.warmup_ratio = 1.0
+    cfg.actor.warmup_ratio, cfg.actor.lr_schedule = 0.0, "cosine"
     actor = Actor(tiny_lm(), cfg, 3, torch.device("cpu"))
     zero = actor.engine.optimizer
     for i in range(int((1 - ratio) * len(zero.subgroup_to_device))):
@@ -530,6 +531,95 @@ def test_kill_and_resume_under_deepspeed_reproduces_the_uninterrupted_run(run_in
         exported.append(AutoModelForCausalLM.from_pretrained(run / "hf").state_dict())
     assert exported[0].keys() == exported[1].keys()
     assert all(torch.equal(exported[0][k], exported[1][k]) for k in exported[0])
+
+
+# ------------------------------------------------------------------------------------------ warm-up
+
+
+def recipe_zero3_rates(lr: float, ratio: float, horizon: int, schedule: str, floor: float, updates: int) -> list:
+    """The learning rate of each update on the recipe's ZeRO-3 path, from DeepSpeed's own schedulers built as
+    Arctic's client builds them (arctic_platform/common/deepspeed_worker.py, ds_training_config): WarmupLR over
+    round(ratio * horizon) updates from 0, linear, none when that is 0; WarmupCosineLR for a cosine. The engine
+    builds it before the first update and steps it after each (DeepSpeedEngine._take_model_step)."""
+    from deepspeed.runtime.lr_schedules import WarmupCosineLR, WarmupLR
+
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    warmup = round(ratio * horizon)
+    if schedule == "cosine":
+        scheduler = WarmupCosineLR(
+            optimizer, horizon, warmup_min_ratio=0.0, warmup_num_steps=warmup, cos_min_ratio=floor, warmup_type="linear"
+        )
+    elif warmup > 0:
+        scheduler = WarmupLR(optimizer, 0.0, lr, warmup, warmup_type="linear")
+    else:
+        scheduler = None
+    rates = []
+    for _ in range(updates):
+        rates.append(optimizer.param_groups[0]["lr"])
+        if scheduler is not None:
+            scheduler.step()
+    return rates
+
+
+def longqa_rates(overrides: list[str], total_updates: int, updates: int, path: str | None = None) -> list:
+    """The learning rate the actor's scheduler gives each update (the rate the engine's optimizer steps with) in a
+    run of ``total_updates``."""
+    from longqa.train.actor import lr_lambda
+
+    cfg = load_config(path, overrides)
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=cfg.actor.lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_updates))
+    rates = []
+    for _ in range(updates):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()  # (no gradient: the weight stays; the scheduler then steps in torch's order)
+        scheduler.step()
+    return rates
+
+
+@needs_deepspeed
+@pytest.mark.parametrize(
+    "ratio, horizon, schedule, floor",
+    [
+        (0.05, 1000, "constant", 0.0),  # the 8B Arctic launcher's: 50 updates
+        (0.05, 148, "constant", 0.0),  # round(7.4): 7
+        (0.05, 150, "constant", 0.0),  # round(7.5): 8 (int would say 7)
+        (0.1, 10, "constant", 0.0),  # 1 update, which DeepSpeed raises to 2
+        (0.0, 20, "constant", 0.0),  # no warm-up: no scheduler, the full rate from the first update
+        (0.1, 40, "cosine", 0.1),  # 4 updates up, then a cosine to 10% (and past the end of the schedule)
+    ],
+)
+def test_the_warm_up_under_deepspeed_is_deepspeed_s_own(ratio, horizon, schedule, floor):
+    """Under `actor.strategy=deepspeed` the learning rate of every update is the one DeepSpeed's WarmupLR (or
+    WarmupCosineLR) gives on the recipe's ZeRO-3 path, to the bit: 0 for the first two updates of a warm-up,
+    where longqa's own ramp starts at 1/W."""
+    lr, updates = 1e-6, horizon + 10
+    expected = recipe_zero3_rates(lr, ratio, horizon, schedule, floor, updates)
+    given = [f"actor.lr={lr}", f"actor.warmup_ratio={ratio}", f"actor.lr_schedule={schedule}"]
+    given.append(f"actor.min_lr_ratio={floor}")
+    assert longqa_rates([*given, "actor.strategy=deepspeed"], horizon, updates) == expected
+    # laid over actor.schedule_updates instead of the run's own updates: the same rates, whatever the run's length
+    assert longqa_rates([*given, "actor.strategy=deepspeed", f"actor.schedule_updates={horizon}"], 7, updates) == (
+        expected
+    )
+    if ratio * horizon >= 1:  # FSDP2 keeps longqa's own ramp, which starts at 1/W
+        assert longqa_rates(given, horizon, 1) == [lr / int(ratio * horizon)]
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("run_updates", [7, 312, 5000])
+def test_the_8b_config_steps_as_the_arctic_launcher(run_updates):
+    """configs/loongrl-qwen3-8b.yaml under `actor.strategy=deepspeed`, as its launcher trains: one update a step
+    (SkyRL's Arctic trainer takes one fwd_bwd and one optim_step over the step's whole batch), and the learning
+    rate of each update the launcher's: WarmupLR over round(0.05 * 1000) updates, SkyRL laying the schedule over
+    1,000 updates when not given trainer.total_training_steps (integrations/arctic_rl/config.py), however long
+    the run."""
+    cfg = load_config("configs/loongrl-qwen3-8b.yaml", ["actor.strategy=deepspeed"])
+    assert (cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size, cfg.actor.ppo_epochs) == (16, 16, 1)
+    expected = recipe_zero3_rates(1e-6, 0.05, 1000, "constant", 0.0, 120)
+    assert expected[:3] == [0.0, 0.0, 1e-6 / 50] and expected[51] == 1e-6
+    rates = longqa_rates(["actor.strategy=deepspeed"], run_updates, 120, "configs/loongrl-qwen3-8b.yaml")
+    assert rates == expected
 
 
 # ------------------------------------------------------------------------------------------ clear errors

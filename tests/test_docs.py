@@ -248,13 +248,62 @@ def test_the_launch_line_table_is_the_code_s():
     assert launch_line_table(line) in (ROOT / "docs" / "verl-launch-line.md").read_text()
 
 
-def test_the_8b_translation_table_is_the_tested_one():
-    """docs/verl-launch-line.md's SkyRL 8B table lists exactly the settings tests/test_config.py checks."""
+def launcher_table(title: str) -> list[list[str]]:
+    """The rows (cells) of docs/verl-launch-line.md's table under the heading ``title``."""
+    text = (ROOT / "docs" / "verl-launch-line.md").read_text().split(f"### {title}\n", 1)[1].split("\n#", 1)[0]
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| ---")]
+    return [[cell.strip() for cell in row.strip("|").split(" | ")] for row in rows[1:]]
+
+
+def longqa_values(cell: str) -> dict[str, str]:
+    """The ``key=value`` settings a longqa cell names."""
+    return dict(re.findall(r"`([a-z_]+\.[a-z_]+)=([^`]*)`", cell))
+
+
+def value_of(cfg, key: str) -> str:
+    section, field = key.split(".")
+    return str(getattr(getattr(cfg, section), field))
+
+
+def test_the_32b_launcher_table_is_the_config_and_the_launch_line():
+    """docs/verl-launch-line.md's table of the 32B launcher's settings: each longqa value is the config's, and each
+    one it calls equal is also what the recipe's own launch line becomes, so neither can drift from the table."""
+    from test_verl_keys import recipe_launch_line
+
+    from longqa.config import load_config
+    from longqa.config.verl_keys import VERL_DEFAULTS
+
+    ours = load_config("configs/loongrl-qwen3-32b.yaml")
+    line = recipe_launch_line(data="data/loongrl", model="Qwen/Qwen3-32B", reward="/recipe/reward.py", output="x")
+    recipe = load_config(None, line, base=VERL_DEFAULTS)
+    rows = launcher_table("The 32B launcher (verl) and `configs/loongrl-qwen3-32b.yaml`")
+    named = 0
+    for setting, _, longqa, verdict in rows:
+        for key, value in longqa_values(longqa).items():
+            named += 1
+            assert value_of(ours, key) == value, (setting, key)
+            if verdict == "equal":
+                assert value_of(recipe, key) == value, (setting, key)
+    assert named >= 35
+
+
+def test_the_8b_launcher_table_is_the_config_and_the_tested_settings():
+    """docs/verl-launch-line.md's table of the 8B launcher's settings: each longqa value is the config's, and the
+    rows it calls equal are exactly the settings tests/test_config.py checks against the launcher."""
     from test_config import RECIPE_8B
 
-    doc = (ROOT / "docs" / "verl-launch-line.md").read_text()
-    for name, key, value in RECIPE_8B:
-        assert f"| {name} | `{key}={value}` |" in doc
+    from longqa.config import load_config
+
+    ours = load_config("configs/loongrl-qwen3-8b.yaml")
+    rows = launcher_table("The 8B launcher (SkyRL, Arctic backend) and `configs/loongrl-qwen3-8b.yaml`")
+    equal = set()
+    for setting, _, longqa, verdict in rows:
+        values = longqa_values(longqa)
+        for key, value in values.items():
+            assert value_of(ours, key) == value, (setting, key)
+        if verdict == "equal" and values:
+            equal |= {(setting, key, value) for key, value in values.items()}
+    assert equal == {(name, key, str(value)) for name, key, value in RECIPE_8B}
 
 
 def test_the_package_table_names_every_module_where_it_is():

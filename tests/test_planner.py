@@ -107,7 +107,7 @@ def test_cli_prints_host_memory_and_step_time_beside_the_gpu_table(capsys):
         "rollout: decode",
         "old log-probs (forward)",
         "update (",
-        "optimizer (2 steps)",
+        "optimizer (1 step)",  # the Arctic launcher's one update a step
         "weight refresh (engine's copy)",
         "step  ",
     ):

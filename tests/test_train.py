@@ -607,6 +607,22 @@ def test_learning_rate_schedule():
     assert lr_lambda(load_config(None, ["actor.warmup_ratio=0"]), 100)(50) == 1.0
 
 
+def test_the_schedule_can_be_laid_over_a_given_number_of_updates():
+    """`actor.schedule_updates`: the warm-up ratio and the cosine count that many updates, not the run's: 0.05 of
+    1,000 is a warm-up of 50 updates however long the run (SkyRL's Arctic backend's horizon); 0 keeps the run's."""
+    cfg = load_config(None, ["actor.warmup_ratio=0.05", "actor.schedule_updates=1000"])
+    for total in (7, 312, 5000):
+        f = lr_lambda(cfg, total)
+        assert [f(u) for u in (0, 24, 49, 50, 900)] == [1 / 50, 25 / 50, 1.0, 1.0, 1.0]
+    assert lr_lambda(load_config(None, ["actor.warmup_ratio=0.05"]), 312)(0) == 1 / 15  # int(0.05 * 312)
+    cosine = ["actor.warmup_ratio=0.1", "actor.lr_schedule=cosine", "actor.min_lr_ratio=0.1"]
+    over, run = (
+        lr_lambda(load_config(None, [*cosine, "actor.schedule_updates=100"]), 7),
+        lr_lambda(load_config(None, cosine), 100),
+    )
+    assert [over(u) for u in range(120)] == [run(u) for u in range(120)]
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [

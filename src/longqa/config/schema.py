@@ -307,7 +307,17 @@ class ActorConfig:
     )
     weight_decay: float = opt(0.0, "AdamW weight decay", *non_negative, on_resume="apply")
     warmup_ratio: float = opt(
-        0.05, "fraction of steps spent warming the learning rate up", *unit_closed, on_resume="apply"
+        0.05,
+        "fraction of the schedule's updates (actor.schedule_updates) spent warming the learning rate up",
+        *unit_closed,
+        on_resume="apply",
+    )
+    schedule_updates: int = opt(
+        0,
+        "optimizer updates the warm-up ratio and the cosine are laid over; 0: all of the run's updates (SkyRL's "
+        "Arctic backend lays them over 1000 unless told the run's length)",
+        *non_negative,
+        on_resume="apply",
     )
     lr_schedule: Literal["constant", "cosine"] = opt("constant", "learning rate after warmup", on_resume="apply")
     min_lr_ratio: float = opt(0.0, "cosine: final learning rate as a fraction of lr", *unit_closed, on_resume="apply")

@@ -40,7 +40,7 @@ OWNED = {
     "gradient_accumulation_steps": "actor.ppo_mini_batch_size (each mini-batch is accumulated exactly)",
     "gradient_clipping": "actor.grad_clip",
     "optimizer": "actor.lr, actor.betas and actor.weight_decay (AdamW; DeepSpeed's CPU Adam when offloaded)",
-    "scheduler": "actor.warmup_ratio, actor.lr_schedule and actor.min_lr_ratio",
+    "scheduler": "actor.warmup_ratio, actor.schedule_updates, actor.lr_schedule and actor.min_lr_ratio",
 }
 
 

@@ -75,19 +75,48 @@ class MicroBatch:
 
 
 def lr_lambda(cfg: Config, total_updates: int):
-    """Linear warmup over ``warmup_ratio`` of the updates, then constant or cosine to ``min_lr_ratio``."""
-    warmup = int(cfg.actor.warmup_ratio * total_updates)
-    floor = cfg.actor.min_lr_ratio
+    """The learning rate of update ``u`` (from 0) as a fraction of ``actor.lr``: a linear warm-up over
+    ``warmup_ratio`` of the schedule's updates (``actor.schedule_updates``, or the run's ``total_updates``), then
+    constant, or a cosine to ``min_lr_ratio`` at the schedule's end.
+
+    The warm-up is longqa's own, update u at (u + 1) / W for u < W, except under ``actor.strategy=deepspeed``:
+    there it is the recipe's ZeRO-3 path's (``warmup_ramp``), so that the run DeepSpeed trains is the recipe's
+    update for update."""
+    a = cfg.actor
+    horizon = a.schedule_updates or total_updates
+    warmup, ramp_ends, ramp = warmup_ramp(a.warmup_ratio, horizon, deepspeed=a.strategy == "deepspeed")
+    floor = a.min_lr_ratio
 
     def factor(update: int) -> float:
-        if update < warmup:
-            return (update + 1) / warmup
-        if cfg.actor.lr_schedule == "constant":
+        if update < ramp_ends:
+            return ramp(update)
+        if a.lr_schedule == "constant":
             return 1.0
-        progress = min(1.0, (update - warmup) / max(1, total_updates - warmup))
+        progress = min(1.0, (update - warmup) / max(1, horizon - warmup))
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return factor
+
+
+def warmup_ramp(ratio: float, horizon: int, deepspeed: bool):
+    """``(W, end, ramp)``: the warm-up's length W in updates, the first update past it and the fraction of the
+    learning rate each update before that takes.
+
+    longqa's own: W = int(ratio * horizon), update u at (u + 1) / W, the full rate from update W on. The recipe's
+    ZeRO-3 path (Arctic's client, arctic_platform/common/deepspeed_worker.py and integrations/verl/adapter.py)
+    hands DeepSpeed ``WarmupLR`` (``WarmupCosineLR`` for a cosine) with ``warmup_min_lr`` 0, linear, over
+    round(ratio * horizon) updates, none when that is 0. DeepSpeed raises W below 2 to 2, sets the rate of
+    iteration -1 (the minimum, 0) when it is built and steps once after each update, so update u takes iteration
+    u - 1's rate: 0 for updates 0 and 1, (u - 1) / W up to update W, the full rate (or the cosine, which then
+    reads (u - W) / (horizon - W) as longqa's does) from update W + 1 on."""
+    if not deepspeed:
+        warmup = int(ratio * horizon)
+        return warmup, warmup, lambda u: (u + 1) / warmup
+    warmup = round(ratio * horizon)
+    if not warmup:
+        return 0, 0, None
+    warmup = max(2, warmup)
+    return warmup, warmup + 1, lambda u: max(u - 1, 0) / warmup
 
 
 def _response_mask(micro: MicroBatch) -> torch.Tensor:
