@@ -4,6 +4,7 @@ responses of different lengths."""
 
 import pytest
 import torch
+from test_deepspeed import needs_deepspeed
 from test_distributed import (  # noqa: F401
     GROUPS,
     N,
@@ -45,17 +46,19 @@ def config(degree: int, backend: str = "dense", mode: str = "token-mean"):
     )
 
 
-# Each case: (ranks, degree, attention backend, loss aggregation, recomputed layers). The cases of one number of
-# ranks run in one launch of its processes.
+# Each case: (ranks, degree, attention backend, loss aggregation, decoder layers: eager, recomputed in the backward
+# pass (gradient checkpointing) or compiled as the trainer compiles them on a GPU, with Dynamo's eager backend here).
+# The cases of one number of ranks run in one launch of its processes.
 CASES = [
-    (2, 2, "dense", "token-mean", False),
-    (2, 2, "dense", "seq-mean-token-sum", True),  # recomputed layers run their exchanges again
-    (2, 2, "split", "token-mean", False),
-    (2, 2, "flex", "token-mean", False),
-    (4, 4, "dense", "token-mean", False),
-    (4, 2, "dense", "seq-mean-token-mean", False),  # 2 data-parallel x 2 sequence-parallel ranks
-    (4, 4, "split", "seq-mean-token-sum-norm", False),
-    (4, 4, "flex", "token-mean", False),
+    (2, 2, "dense", "token-mean", "eager"),
+    (2, 2, "dense", "seq-mean-token-sum", "recomputed"),  # recomputed layers run their exchanges again
+    (2, 2, "dense", "token-mean", "compiled"),
+    (2, 2, "split", "token-mean", "eager"),
+    (2, 2, "flex", "token-mean", "eager"),
+    (4, 4, "dense", "token-mean", "eager"),
+    (4, 2, "dense", "seq-mean-token-mean", "eager"),  # 2 data-parallel x 2 sequence-parallel ranks
+    (4, 4, "split", "seq-mean-token-sum-norm", "eager"),
+    (4, 4, "flex", "token-mean", "eager"),
 ]
 
 
@@ -64,17 +67,19 @@ def _worker(rank, world, port, cases, out):
 
     import torch.distributed as dist
 
-    from longqa.model.load import arrange_layer_memory
+    from longqa.model.load import arrange_layer_memory, compile_decoder_layers
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         results = []
-        for _, degree, backend, mode, checkpointing in cases:
+        for _, degree, backend, mode, layers in cases:
             model = tiny_lm()
-            if checkpointing:
+            if layers == "recomputed":
                 arrange_layer_memory(model, checkpoint_fraction=1.0)
             actor = Actor(model, config(degree, backend, mode), 1, torch.device("cpu"))
+            if layers == "compiled":
+                compile_decoder_layers(actor.model, backend="eager")
             assert actor.shard.size == degree and type(next(actor.scorer.parameters())).__name__ == "DTensor"
             samples = rank_share(global_samples(), rank // degree, world // degree)  # a group's ranks: its groups
             result = {"logprobs": actor.logprobs(samples)}
@@ -143,6 +148,41 @@ def test_shards_split_a_row_evenly_and_repeat_too_few_kv_heads():
     with pytest.raises(ValueError, match="does not split into 4"):
         SequenceShard(0, 4).bounds(10)
     assert (kv_repeats(2, 4), kv_repeats(8, 4), kv_repeats(2, 2), kv_repeats(3, 2)) == (2, 1, 1, 2)
+
+
+def _deepspeed_worker(rank, world, degree, port, mode, out):
+    import os
+
+    import torch.distributed as dist
+    from test_deepspeed import one_step
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        cfg = config(degree, "dense", mode)
+        cfg.actor.strategy = "deepspeed"
+        actor = Actor(tiny_lm(), cfg, 1, torch.device("cpu"))
+        assert actor.engine is not None and actor.shard.size == degree
+        result = one_step(actor, rank_share(global_samples(), rank // degree, world // degree))
+        if rank == 0:
+            torch.save(result, out)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@needs_deepspeed
+@pytest.mark.slow
+@pytest.mark.parametrize("world,degree,mode", [(2, 2, "token-mean"), (4, 4, "seq-mean-token-mean")])
+def test_sequence_parallel_under_deepspeed_is_the_single_process_update(tmp_path, world, degree, mode):
+    """ZeRO-3 partitions over every rank, as FSDP2 shards: the loss, every gradient and the weights after the step
+    are the single process's."""
+    from test_deepspeed import assert_the_single_process_step, one_step
+
+    reference = one_step(Actor(tiny_lm(), config(1, "dense", mode), 1, torch.device("cpu")), global_samples())
+    out = tmp_path / "rank0.pt"
+    spawn_ranks(_deepspeed_worker, world, degree, free_port(), mode, str(out), nprocs=world)
+    assert_the_single_process_step(reference, torch.load(out))
 
 
 @pytest.mark.slow
