@@ -21,6 +21,7 @@ from test_distributed import (  # noqa: F401
 from tiny_models import tiny_lm
 
 from longqa.config import load_config
+from longqa.distributed.ulysses import SequenceLayoutError, sequence_shard
 from longqa.model.sequence_parallel import SequenceShard, kv_repeats
 from longqa.train.actor import Actor
 
@@ -148,6 +149,9 @@ def test_shards_split_a_row_evenly_and_repeat_too_few_kv_heads():
     with pytest.raises(ValueError, match="does not split into 4"):
         SequenceShard(0, 4).bounds(10)
     assert (kv_repeats(2, 4), kv_repeats(8, 4), kv_repeats(2, 2), kv_repeats(3, 2)) == (2, 1, 1, 2)
+    assert sequence_shard(1) is None
+    with pytest.raises(SequenceLayoutError, match=r"^actor.sequence_parallel_size=2 must divide the 1 training ranks"):
+        sequence_shard(2)  # (one process)
 
 
 def _deepspeed_worker(rank, world, degree, port, mode, out):

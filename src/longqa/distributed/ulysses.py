@@ -11,14 +11,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from longqa.config import ConfigError
 from longqa.distributed.env import rank, training_group, world_size
 from longqa.model.sequence_parallel import SequenceShard
 
 _GROUPS: dict[tuple, SequenceShard] = {}  # (job's group, world, size) -> this rank's shard, its group made once
 
 
-class SequenceLayoutError(ValueError):
-    """The training ranks do not split into sequence-parallel groups of the size asked."""
+class SequenceLayoutError(ConfigError):
+    """The training ranks do not split into sequence-parallel groups of the size ``actor.sequence_parallel_size``
+    asks (the settings rules refuse it first, where the ranks are known before the job starts)."""
 
 
 def sequence_shard(size: int) -> SequenceShard | None:
@@ -28,7 +30,10 @@ def sequence_shard(size: int) -> SequenceShard | None:
         return None
     world = world_size()
     if world % size:
-        raise SequenceLayoutError(f"{world} training ranks do not split into sequence-parallel groups of {size}")
+        raise SequenceLayoutError(
+            f"actor.sequence_parallel_size={size} must divide the {world} training ranks, which form groups of "
+            f"that many"
+        )
     key = (dist.group.WORLD, world, size)  # (a process that joins a new job makes its groups anew)
     if key not in _GROUPS:
         first = rank() // size * size
