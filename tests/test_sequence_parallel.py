@@ -1,6 +1,7 @@
-"""Ulysses sequence parallelism (actor.sequence_parallel_size) under FSDP2 over gloo on the CPU: the log-probs,
-the loss and every gradient of degrees 2 and 4 are the single process's, on packed groups with shared prompts and
-responses of different lengths."""
+"""Ulysses sequence parallelism (actor.sequence_parallel_size) over gloo on the CPU: under FSDP2 (eager, recomputed
+and compiled layers; the dense, split and flex backends) and DeepSpeed ZeRO-3, the log-probs, the loss and every
+gradient of degrees 2 and 4 are the single process's, on packed groups with shared prompts and responses of
+different lengths; and `longqa train` on 2 ranks at degree 2 logs the single-process run's metrics."""
 
 import pytest
 import torch
