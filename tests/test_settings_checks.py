@@ -20,6 +20,7 @@ CASES = {
     "check_sampler_ranks": (["rollout.sampler_ranks=1", "rollout.engine=hf"], 2),
     "check_batch_shares": (["actor.ppo_mini_batch_size=6"], 1),
     "check_parallel_support": (["rollout.engine=hf"], 2),
+    "check_sequence_parallel": (["actor.sequence_parallel_size=2"], 1),
     "check_groups": (["rollout.n=1"], 1),
     "check_response_lengths": (["rollout.response_lengths=lognormal", "rollout.engine=hf"], 1),
     "check_speculative": (["rollout.speculative=prompt_lookup", "rollout.engine=hf"], 1),
@@ -109,6 +110,23 @@ def test_filling_auto_returns_a_new_config_and_leaves_the_one_given_as_it_was():
     assert to_dict(cfg) == before and cfg.actor.max_tokens_per_micro_batch == "auto"
     numbered = load_config(None, ["actor.max_tokens_per_micro_batch=4096"])
     assert resolve_auto(numbered, 1, 141 * GIB, model_sizes(numbered)) == (numbered, None)  # nothing to fill
+
+
+def test_config_show_refuses_a_sequence_parallel_degree_in_one_line(monkeypatch, capsys):
+    """A degree that does not divide the model's attention heads (the embedded model has 8), or the ranks."""
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    batch = ["data.train_batch_size=3", "actor.ppo_mini_batch_size=3"]
+    assert _refusal(capsys, ["config", "show", *batch, "actor.sequence_parallel_size=3"]) == (
+        "actor.sequence_parallel_size=3 must divide the model's 8 attention heads, which the ranks of a "
+        "sequence-parallel group share: use one of [1, 2, 4, 8]"
+    )
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert _refusal(capsys, ["config", "show", "actor.sequence_parallel_size=4"]) == (
+        "actor.sequence_parallel_size=4 must divide the 2 training ranks, which form groups of that many: use one "
+        "of [1, 2]"
+    )
+    assert main(["config", "show", "actor.sequence_parallel_size=2"]) == 0
+    assert "sequence_parallel_size: 2" in capsys.readouterr().out
 
 
 def test_the_rules_on_what_a_run_reads_name_the_settings():

@@ -152,10 +152,11 @@ RECIPE_MAPPED = {
     "trainer.project_name=arctic_rl_long_context": ("trainer.project_name", "arctic_rl_long_context"),
     "trainer.experiment_name=longcontext_grpo": ("trainer.experiment_name", "longcontext_grpo"),
     "trainer.val_before_train=False": ("trainer.val_before_train", False),
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2": ("actor.sequence_parallel_size", 2),
 }
 # ... and a value longqa cannot run.
 RECIPE_REFUSED = [
-    "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+    "trainer.critic_warmup=1",
     "actor_rollout_ref.rollout.calculate_log_probs=True",
 ]
 

@@ -182,6 +182,11 @@ def cmd_config_show(args: argparse.Namespace) -> None:
 
     cfg = run_config(args)
     check_run(cfg, run_ranks(cfg), device_type=run_device_type(cfg))
+    if cfg.actor.sequence_parallel_size > 1:  # the ranks of a sequence-parallel group share the model's heads
+        from longqa.config.checks import check_sequence_heads
+        from longqa.model.load import load_model_config
+
+        check_sequence_heads(cfg, load_model_config(cfg.model.path, cfg.model.gguf_file).num_attention_heads)
     print(to_yaml(cfg), end="")
 
 

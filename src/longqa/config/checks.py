@@ -122,6 +122,26 @@ def check_parallel_support(cfg: Config, training_ranks: int) -> None:
             raise ConfigError(f"{what} is not supported with {training_ranks} ranks yet")
 
 
+def check_sequence_parallel(cfg: Config, training_ranks: int) -> None:
+    """Ulysses sequence parallelism splits the packed rows of the shared-prompt update over groups of
+    ``actor.sequence_parallel_size`` training ranks, which the training ranks must fill."""
+    a = cfg.actor
+    degree = a.sequence_parallel_size
+    if degree == 1:
+        return
+    if not a.shared_prompt:
+        raise ConfigError(
+            f"actor.sequence_parallel_size={degree} splits the packed rows of the shared-prompt update: it needs "
+            f"actor.shared_prompt=true"
+        )
+    if training_ranks % degree:
+        fits = [d for d in range(1, training_ranks + 1) if training_ranks % d == 0]
+        raise ConfigError(
+            f"actor.sequence_parallel_size={degree} must divide the {training_ranks} training ranks, which form "
+            f"groups of that many: use one of {fits}"
+        )
+
+
 def check_data_parallel(cfg: Config, world: int) -> None:
     """What ``world`` training ranks (one included) need of the batch and of the other settings: the two rank
     rules of the list, for ``longqa plan --split``, which checks each split's training ranks with them."""
@@ -265,6 +285,7 @@ CHECKS = (
     check_sampler_ranks,
     check_batch_shares,
     check_parallel_support,
+    check_sequence_parallel,
     check_groups,
     check_response_lengths,
     check_speculative,
@@ -312,6 +333,18 @@ def check_positions(cfg: Config, longest_prompt: int, positions: int) -> None:
             f"{cfg.data.max_response_length} need {need} positions, past the model's {positions}, and "
             f"rollout.engine=vllm samples none past them: lower data.max_prompt_length or "
             f"data.max_response_length, or sample with rollout.engine=fast"
+        )
+
+
+def check_sequence_heads(cfg: Config, heads: int) -> None:
+    """Each rank of a sequence-parallel group attends with an equal share of the model's ``heads`` query heads (its
+    key/value heads are repeated where fewer), so the degree must divide them."""
+    degree = cfg.actor.sequence_parallel_size
+    if heads % degree:
+        fits = [d for d in range(1, heads + 1) if heads % d == 0]
+        raise ConfigError(
+            f"actor.sequence_parallel_size={degree} must divide the model's {heads} attention heads, which the "
+            f"ranks of a sequence-parallel group share: use one of {fits}"
         )
 
 

@@ -148,6 +148,7 @@ RENAMED: dict[str, Renamed] = {
     ),
     ACTOR + "ppo_mini_batch_size": Renamed("actor.ppo_mini_batch_size"),
     ACTOR + "ppo_epochs": Renamed("actor.ppo_epochs"),
+    ACTOR + "ulysses_sequence_parallel_size": Renamed("actor.sequence_parallel_size"),
     # Both are token budgets of one forward/backward, for speed and memory alone, counted differently: verl's
     # counts each response's prompt (Arctic's its tiles), longqa packs a prompt once for its group. So a verl
     # budget becomes longqa's auto (the largest its memory plan fits), said (VALUE_NOTES).
@@ -243,9 +244,6 @@ FIXED: dict[str, Fixed] = {
     "reward_model.reward_manager": Fixed(("naive",), _ONE_RESPONSE_AT_A_TIME),
     "reward.reward_manager.name": Fixed(("naive",), _ONE_RESPONSE_AT_A_TIME),
     "trainer.critic_warmup": Fixed((0,), "longqa trains no critic"),
-    ACTOR + "ulysses_sequence_parallel_size": Fixed(
-        (1,), "longqa runs no sequence parallelism: each rank holds whole sequences (packed)"
-    ),
     ROLLOUT + "calculate_log_probs": Fixed(
         (False,), "longqa recomputes the samples' log-probs with the training model before the update"
     ),

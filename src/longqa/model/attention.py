@@ -20,7 +20,9 @@ Backends, chosen per call:
   log-sum-exp (``model/split_attention.py``), on CUDA cuDNN's kernels: 2.5-9% faster than flex per
   group once cuDNN has planned its shapes (each new shape costs it 0.2-0.8 s on an H200; shapes are
   rounded to a bounded set). Opt-in, for models with plain causal attention in bfloat16 or float16.
-None copies the prompt's keys and values per response or synchronises with the host per layer.
+None copies the prompt's keys and values per response or synchronises with the host per layer. Under sequence
+parallelism (a pack with a ``shard``) each rank passes its shard of the row, and the backend runs unchanged on whole
+rows of its share of the heads, between the exchanges of ``model/sequence_parallel.py``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch.nn.functional as F
 
 from longqa.model.attention_spec import AttentionSpec, ModelSpec, UnsupportedModelError, close, inspect_model, read_call
 from longqa.model.packing import PackedBatch
+from longqa.model.sequence_parallel import heads_to_sequence, split_heads
 from longqa.model.split_attention import shared_prompt_attention, split_layout
 from longqa.model.split_attention import unsupported_reason as split_unsupported
 
@@ -299,7 +302,11 @@ def _attention(
     if dropout:
         raise ValueError("shared-prompt attention does not implement attention dropout")
     run = {"flex": _flex, "split": _split}.get(longqa_pack.backend, _dense)
-    out = run(query, key, value, longqa_pack, scaling, spec)
+    shard = longqa_pack.shard
+    if shard is None:
+        out = run(query, key, value, longqa_pack, scaling, spec)
+    else:  # this rank's sequence shard of every head <-> whole rows of its share of the heads
+        out = heads_to_sequence(run(*split_heads(query, key, value, shard), longqa_pack, scaling, spec), shard)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -102,6 +102,8 @@ def packed_logprobs(
     ``pack.samples`` order: the shared-prompt layout's response-token log-probs (``model/packing.py``).
     The model is routed through longqa's attention (``use_longqa_attention``) if it is not yet."""
     prepare(pack, use_longqa_attention(model))
+    if pack.shard is not None:
+        return _sharded_logprobs(model, pack, temperature, chunk_size)
     hidden = model.base_model(
         input_ids=pack.input_ids,
         position_ids=pack.position_ids,
@@ -111,6 +113,36 @@ def packed_logprobs(
     ).last_hidden_state
     logp_flat, ent_flat = chunked_head(model, hidden[0, pack.predict_at], pack.targets, temperature, chunk_size)
     mask = pack.response_mask().to(pack.input_ids.device)
+    logp = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_scatter(mask, logp_flat)
+    entropy = torch.zeros_like(logp).masked_scatter(mask, ent_flat)
+    return logp, entropy, mask
+
+
+def _sharded_logprobs(model, pack: PackedBatch, temperature: float, chunk_size: int):
+    """``packed_logprobs`` of this rank's sequence shard (``pack.shard``): the decoder runs on the shard's rows (with
+    the whole row's positions), the LM head on the response tokens those rows predict. The mask is True on those
+    tokens alone; the other ranks of the shard's group hold the rest."""
+    start, end = pack.rows()
+    hidden = model.base_model(
+        input_ids=pack.input_ids[:, start:end],
+        position_ids=pack.position_ids[:, start:end],
+        attention_mask=NO_MASK.to(pack.input_ids.device),
+        use_cache=False,
+        longqa_pack=pack,
+    ).last_hidden_state
+    here = pack.predicted_here()
+    states, targets = hidden[0, pack.predict_at[here] - start], pack.targets[here]
+    if len(targets):
+        logp_flat, ent_flat = chunked_head(model, states, targets, temperature, chunk_size)
+    else:  # a shard that predicts nothing (a prompt's middle) still runs the head on its no rows, so that its
+        # backward pass runs as the other ranks' do: their gradients reach this shard's keys and values through
+        # the attention's exchanges, and a sharded head's gradient is reduced on every rank, zeros here
+        head = model.get_output_embeddings()
+        logp_flat, ent_flat = _head_chunk(
+            states, head.weight, head.bias, targets, temperature, logits_spec(model.config)
+        )
+    whole = pack.response_mask().to(pack.input_ids.device)
+    mask = torch.zeros_like(whole).masked_scatter(whole, here)
     logp = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_scatter(mask, logp_flat)
     entropy = torch.zeros_like(logp).masked_scatter(mask, ent_flat)
     return logp, entropy, mask

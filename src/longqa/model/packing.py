@@ -22,6 +22,8 @@ from typing import Sequence
 
 import torch
 
+from longqa.model.sequence_parallel import SequenceShard
+
 
 @dataclass
 class Pack:
@@ -92,6 +94,7 @@ class PackedBatch:
     block_masks: dict = field(default_factory=dict)  # the flex backend's BlockMask per sliding window (None: none)
     split_layout: object = None  # the split backend's SplitLayout (model/split_attention.py)
     pad_to: int = 1  # the row was padded to a multiple of this (the split backend buckets its kernels' shapes by it)
+    shard: SequenceShard | None = None  # under sequence parallelism, the part of the row this rank computes
     length: int = field(init=False)
 
     def __post_init__(self):
@@ -112,6 +115,15 @@ class PackedBatch:
                 ),
             )
         return self
+
+    def rows(self) -> tuple[int, int]:
+        """The rows ``[start, end)`` of the packed row this rank computes: all of it, or its sequence shard."""
+        return (0, self.length) if self.shard is None else self.shard.bounds(self.length)
+
+    def predicted_here(self) -> torch.Tensor:
+        """``[K]`` bool: the response tokens whose predicting row (``predict_at``) lies in this rank's rows."""
+        start, end = self.rows()
+        return (self.predict_at >= start) & (self.predict_at < end)
 
     def response_mask(self) -> torch.Tensor:
         """``[len(samples), longest response]`` bool, True on real response tokens (row order = ``samples``)."""

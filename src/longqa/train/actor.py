@@ -22,6 +22,7 @@ from longqa.config.checks import float32_masters
 from longqa.distributed import deepspeed
 from longqa.distributed.env import all_reduce, world_size
 from longqa.distributed.fsdp import shard_model
+from longqa.distributed.ulysses import data_parallel_size, sequence_shard, sum_over_shards
 from longqa.model.attention import PADDED_BACKENDS, length_step, resolve_backend, use_longqa_attention
 from longqa.model.logprobs import packed_logprobs, token_logprobs
 from longqa.model.packing import build_packed_batch, plan_packs
@@ -157,6 +158,8 @@ class Actor:
         a = cfg.actor
         temperature = cfg.rollout.temperature or 1.0
         self.backend = None
+        # Ulysses sequence parallelism: this rank's shard of every packed row (None: whole rows)
+        self.shard = sequence_shard(a.sequence_parallel_size)
         # Parameters become shards over several ranks, or in a process group of one to offload them to the CPU or
         # to keep float32 masters of a 16-bit model (`longqa train` makes no group for one process otherwise).
         sharded = world_size() > 1 or ((a.cpu_offload or float32_masters(cfg)) and torch.distributed.is_initialized())
@@ -225,10 +228,12 @@ class Actor:
             return out
         # Rows padded to a few lengths per budget, so compiled kernels keep static shapes (length_step).
         pad_to = length_step(self.cfg.actor.max_tokens_per_micro_batch) if self.backend in PADDED_BACKENDS else 1
+        if self.shard is not None:  # and split evenly over the sequence-parallel ranks
+            pad_to = math.lcm(pad_to, self.shard.size)
         out = []
         for packs in self._plan(samples, indices):
             pack = build_packed_batch(packs, samples.response_ids, pad_to=pad_to)
-            pack.backend = self.backend
+            pack.backend, pack.shard = self.backend, self.shard
             out.append(MicroBatch(pack.samples, pack.to(self.device)))
         return out
 
@@ -273,9 +278,10 @@ class Actor:
         rounds = int(all_reduce([len(micros)], "max", self.device)[0])  # every sharded forward is a collective
         for k in range(rounds):
             micro = micros[min(k, len(micros) - 1)]
-            logp, _, mask = self.forward(self.scorer, micro)
+            logp, _, _ = self.forward(self.scorer, micro)
             if k >= len(micros):
                 continue
+            logp, mask = sum_over_shards(logp, self.shard), _response_mask(micro).to(logp.device)  # whole rows
             for row, i in enumerate(micro.index):
                 out[i] = logp[row][mask[row]].cpu()
         self.model.train(was_training)
@@ -288,7 +294,7 @@ class Actor:
         is its share, so every optimizer step covers that many groups whatever the number of ranks."""
         cfg = self.cfg
         groups = len(samples) // samples.group_size
-        per_mini = cfg.actor.ppo_mini_batch_size // world_size()
+        per_mini = cfg.actor.ppo_mini_batch_size // data_parallel_size(cfg.actor.sequence_parallel_size)
         minis = [
             list(range(g * samples.group_size, min(groups, g + per_mini) * samples.group_size))
             for g in range(0, groups, per_mini)
@@ -337,26 +343,29 @@ class Actor:
         Under data parallelism (FSDP2) each rank passes its own groups: the token/sequence counts are
         summed over the ranks so every loss is divided by the global mini-batch's, each loss is scaled
         by the world size (FSDP averages gradients over ranks), and ranks with fewer micro-batches
-        repeat their last one at weight 0, since every backward is a collective."""
+        repeat their last one at weight 0, since every backward is a collective. Under sequence parallelism the
+        ranks of a group pass the same groups and each computes the loss of its own tokens: the counts are each
+        group's once, and a row's whole length divides its tokens' losses (``seq-mean-token-mean``)."""
         cfg = self.cfg
         micros = self.micro_batches(samples, mini)
         denominators = algo.global_denominators([_response_mask(m) for m in micros], cfg.data.max_response_length)
-        world, rounds = world_size(), len(micros)
+        world, rounds, copies = world_size(), len(micros), cfg.actor.sequence_parallel_size
         if world > 1:
             tokens, seqs = all_reduce([denominators["num_tokens"], denominators["num_seqs"]], "sum", self.device)
-            denominators.update(num_tokens=int(tokens), num_seqs=int(seqs))
+            denominators.update(num_tokens=int(tokens) // copies, num_seqs=int(seqs) // copies)
             rounds = int(all_reduce([len(micros)], "max", self.device)[0])
         stats: dict[str, float] = {}
         for k in range(rounds):
             micro, weight = (micros[k], float(world)) if k < len(micros) else (micros[-1], 0.0)
             index = micro.index
             logp, entropy, response = self.forward(self.scorer, micro)
+            whole = _response_mask(micro).to(self.device)  # (``response``: this rank's tokens of it)
             if old is None:
                 old_logp = logp.detach()
             else:
                 old_logp = torch.zeros_like(logp)
                 for row, i in enumerate(index):
-                    old_logp[row][response[row]] = old[i].to(self.device)
+                    old_logp[row][whole[row]] = old[i].to(self.device)
             advantages = samples.advantages[index].to(self.device)
             token_losses, pg_stats = algo.policy_loss(
                 logp,
@@ -380,6 +389,7 @@ class Actor:
                 entropy_coeff=cfg.algo.entropy_coeff,
                 kl=kl,
                 kl_coef=cfg.algo.kl_coef,
+                lengths=None if self.shard is None else whole.sum(-1),
                 **denominators,
             )
             self._backward(loss * weight, boundary=k == rounds - 1)

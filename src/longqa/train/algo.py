@@ -129,6 +129,7 @@ def aggregate(
     num_tokens: int | None = None,
     num_seqs: int | None = None,
     max_response_length: int | None = None,
+    lengths: Tensor | None = None,
 ) -> Tensor:
     """Reduce ``[B, T]`` token losses to a scalar the way verl's ``agg_loss`` does.
 
@@ -141,11 +142,13 @@ def aggregate(
     The keyword denominators default to this batch's own (``num_seqs`` counts only rows with a valid token,
     as verl now does; ``max_response_length`` defaults to ``T``). For gradient accumulation pass the whole
     mini-batch's values (``global_denominators``): then every term is linear in its rows, and the micro-batch
-    losses, and their gradients, sum exactly to the mini-batch's.
+    losses, and their gradients, sum exactly to the mini-batch's. Where ``mask`` holds only some of each row's
+    tokens (a sequence-parallel rank's share), ``lengths`` gives the rows' whole token counts, by which
+    ``seq-mean-token-mean`` divides, so the shares' losses sum to the whole rows' loss.
     """
     mask = mask.to(token_losses.dtype)
     seq_sums = (token_losses * mask).sum(dim=-1)
-    seq_lens = mask.sum(dim=-1)
+    seq_lens = mask.sum(dim=-1) if lengths is None else lengths.to(token_losses.dtype)
     if mode == "token-mean":
         return seq_sums.sum() / _denominator(num_tokens, seq_lens.sum())
     if mode == "seq-mean-token-sum":

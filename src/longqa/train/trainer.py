@@ -28,6 +28,7 @@ from longqa.config.checks import (
     check_engine,
     check_positions,
     check_prompt_count,
+    check_sequence_heads,
     check_settings,
     float32_masters,
     logprobs_mode_for,
@@ -44,6 +45,7 @@ from longqa.data.prompts import (
 )
 from longqa.distributed.deepspeed import check_deepspeed
 from longqa.distributed.env import DistEnv, Split, all_reduce, gather_objects, leave_group
+from longqa.distributed.ulysses import gather_in_group
 from longqa.evaluation.evaluate import evaluate, stop_token_ids
 from longqa.model.compile_cache import load_run_cache, save_run_cache, use_user_cache
 from longqa.model.compile_watch import CompileWatch
@@ -373,6 +375,7 @@ class Trainer:
             int(p.lengths.max(initial=0)) for p in (self.train_set, self.val_set) if p is not None
         )
         model_config = load_model_config(m.path, m.gguf_file)
+        check_sequence_heads(cfg, model_config.num_attention_heads)
         if warning := position_limit_warning(
             model_config, longest, cfg.data.max_response_length, "data.max_prompt_length", "data.max_response_length"
         ):
@@ -597,6 +600,23 @@ class Trainer:
             torch.cuda.current_stream(self.device).wait_stream(self.sampling_stream)
         return ahead
 
+    def _update_batch(self, groups: list[SampledGroup], advantages: torch.Tensor, stale: bool) -> Samples:
+        """What this rank updates on: its groups, or under sequence parallelism (``actor.sequence_parallel_size``)
+        the groups of every rank of its sequence-parallel group, in rank order, which each of them computes a
+        shard of. Each rank samples and scores a share of the step's prompts either way, and its metrics are
+        those of its own groups."""
+        n = self.cfg.rollout.n
+        parts = gather_in_group((groups, advantages), self.actor.shard)
+        groups = [g for part, _ in parts for g in part]
+        samples = [s for g in groups for s in g.samples]
+        return Samples(
+            prompt_ids=[g.prompt for g in groups for _ in range(n)],
+            response_ids=[s.token_ids for s in samples],
+            advantages=torch.cat([a for _, a in parts]),
+            group_size=n,
+            old_logprobs=[s.logprobs for s in samples] if stale else None,
+        )
+
     def train_step(self, step: int) -> dict | None:
         """The step's metrics; None when a stop request dropped it before its update (nothing changed)."""
         cfg, n = self.cfg, self.cfg.rollout.n
@@ -614,13 +634,7 @@ class Trainer:
         rewards = torch.tensor([r.score for r in results], dtype=torch.float32)
         advantages, zero_var = algo.group_advantages(rewards, n, cfg.algo.adv_estimator, cfg.algo.norm_adv_by_std)
         stale = sampled_with < step  # sampled before an earlier update: the ratio's denominator is the sampler's
-        batch = Samples(
-            prompt_ids=[g.prompt for g in groups for _ in range(n)],
-            response_ids=[s.token_ids for s in samples],
-            advantages=advantages,
-            group_size=n,
-            old_logprobs=[s.logprobs for s in samples] if stale else None,
-        )
+        batch = self._update_batch(groups, advantages, stale)
         self._say_over_budget(step, max(batch.length(i) for i in range(len(batch))))
         t_update = time.perf_counter()
         pending = self._sample_ahead_beside(step, stats) if overlap else None  # the next step, beside the update
@@ -645,7 +659,7 @@ class Trainer:
             "reasons": [r.reason for r in results if r.reason],
             "zero_var": zero_var,
             "groups": len(groups),
-            "tokens": sum(batch.length(i) for i in range(len(batch))),
+            "tokens": sum(len(g.prompt) + len(s.token_ids) for g in groups for s in g.samples),
             "flops": self._update_flops(groups),
             "reward_error": getattr(self.score, "last_error", None),
         }
