@@ -20,6 +20,7 @@ CASES = {
     "check_sampler_ranks": (["rollout.sampler_ranks=1", "rollout.engine=hf"], 2),
     "check_batch_shares": (["actor.ppo_mini_batch_size=6"], 1),
     "check_parallel_support": (["rollout.engine=hf"], 2),
+    "check_sequence_parallel": (["actor.sequence_parallel_size=2"], 1),
     "check_groups": (["rollout.n=1"], 1),
     "check_response_lengths": (["rollout.response_lengths=lognormal", "rollout.engine=hf"], 1),
     "check_speculative": (["rollout.speculative=prompt_lookup", "rollout.engine=hf"], 1),

@@ -122,11 +122,23 @@ def check_parallel_support(cfg: Config, training_ranks: int) -> None:
             raise ConfigError(f"{what} is not supported with {training_ranks} ranks yet")
 
 
+def check_sequence_parallel(cfg: Config, training_ranks: int) -> None:
+    """The training ranks are data-parallel ranks of ``actor.sequence_parallel_size`` each: the degree divides them."""
+    degree = cfg.actor.sequence_parallel_size
+    if training_ranks % degree:
+        fits = max(d for d in range(1, degree) if training_ranks % d == 0)
+        raise ConfigError(
+            f"actor.sequence_parallel_size={degree} must divide the {training_ranks} training ranks: each group of "
+            f"that many ranks splits a packed row; use {fits} (or another divisor)"
+        )
+
+
 def check_data_parallel(cfg: Config, world: int) -> None:
-    """What ``world`` training ranks (one included) need of the batch and of the other settings: the two rank
+    """What ``world`` training ranks (one included) need of the batch and of the other settings: the three rank
     rules of the list, for ``longqa plan --split``, which checks each split's training ranks with them."""
     check_batch_shares(cfg, world)
     check_parallel_support(cfg, world)
+    check_sequence_parallel(cfg, world)
 
 
 # ------------------------------------------------------------------------------------------------ sampling
@@ -265,6 +277,7 @@ CHECKS = (
     check_sampler_ranks,
     check_batch_shares,
     check_parallel_support,
+    check_sequence_parallel,
     check_groups,
     check_response_lengths,
     check_speculative,

@@ -381,6 +381,13 @@ class ActorConfig:
     )
     grad_clip: float = opt(1.0, "max gradient norm", *positive, on_resume="apply")
     max_bad_steps: int = opt(3, "stop after this many non-finite steps in a row", *positive, on_resume="apply")
+    sequence_parallel_size: int = opt(
+        1,
+        "Ulysses sequence parallelism: each packed group's row is split over this many ranks, which trade sequence "
+        "shards for head shards around attention (verl's ulysses_sequence_parallel_size)",
+        *positive,
+        on_resume="apply",
+    )
 
 
 @dataclass
