@@ -738,10 +738,10 @@ def _kv_line(cfg, sizes, gpu) -> str:
 
 def _print_longest_prompts(cfg, machine) -> None:
     """``longqa plan --largest``'s second answer: the longest prompt each shape trains on the machine."""
-    from longqa.planning.fit import longest_prompts
+    from longqa.planning.fit import LONGEST_PROMPT, longest_prompts
 
-    def length(tokens: int | None) -> str:
-        return f"{tokens:,}" if tokens else "none"
+    def length(tokens: int | None) -> str:  # (the search stops at LONGEST_PROMPT)
+        return "none" if not tokens else f"{tokens:,}" + ("+" if tokens >= LONGEST_PROMPT else "")
 
     print(
         f"the longest prompt each shape trains (data.max_prompt_length, in steps of 1,024, with "
@@ -752,7 +752,7 @@ def _print_longest_prompts(cfg, machine) -> None:
     for row in longest_prompts(cfg, machine):
         print(
             f"  {row.shape:<14} {str(row.cpu_offload).lower():<12} {length(row.plain):>10} "
-            f"{length(row.parallel):>10} {row.degree:>3} {length(row.kv_limit):>14}"
+            f"{length(row.parallel):>10} {row.degree:>3} {row.kv_limit:>14,}"
         )
     print(
         "  (cpu_offload: actor.cpu_offload, as the config asks or true where that trains longer; KV on one GPU: "
