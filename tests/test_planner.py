@@ -127,7 +127,7 @@ def test_cli_refuses_a_plan_over_the_host_memory(capsys):
 
 def test_cli_finds_the_largest_shape_two_gpus_can_train(capsys):
     assert main(["plan", "configs/loongrl-qwen3-32b.yaml", "--gpus", "2", "--largest"]) == 0
-    lines = capsys.readouterr().out.splitlines()
+    lines = capsys.readouterr().out.split("the longest prompt")[0].splitlines()  # (then each shape's longest)
     assert lines[0].startswith("the largest Qwen3 shape on 2 GPU(s) of 141 GiB, 2 per node with 250 GiB")
     assert [line.split(":")[0].strip() for line in lines[1:]] == [
         "qwen3-32b, actor.cpu_offload=false",
@@ -317,7 +317,7 @@ def test_the_plan_names_the_partial_offload_where_host_memory_runs_out(capsys):
         )
         == 0
     )
-    last = capsys.readouterr().out.splitlines()[-2:]
+    last = capsys.readouterr().out.split("the longest prompt")[0].splitlines()[-2:]
     assert "qwen3-8b, actor.cpu_offload=true: this plan needs about" in last[0]
     assert last[1].startswith(f"  qwen3-8b, actor.cpu_offload=true actor.cpu_offload_ratio={ratio}: fits")
 

@@ -683,6 +683,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     samplers = 0 if args.split else cfg.rollout.sampler_ranks
     args.gpus -= samplers  # the job's last ranks only sample: the plan is a training rank's, over the others
     per_node = args.gpus_per_node or min(args.gpus, 8)
+    _check_sequence_parallel_node(cfg, per_node)
     used = min(args.gpus, per_node)  # the run's GPUs on a node: the default host memory is theirs
     host_gib = args.host_memory_gib or HOST_GIB_PER_GPU * used
     machine = Machine(args.gpus, gpu_bytes, per_node, int(host_gib * GIB))
@@ -704,6 +705,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
                     or f"fits (GPU {attempt.gpu.total / GIB:.1f} GiB, host {attempt.host.peak / GIB:.1f} GiB per node)"
                 )
             )
+        _print_longest_prompts(cfg, machine)
         return
     if note:
         print(note)
@@ -727,8 +729,49 @@ def cmd_plan(args: argparse.Namespace) -> None:
         f"step time per GRPO step ({cfg.data.train_batch_size} prompts x {cfg.rollout.n}, {responses}; H200s, the "
         f"fast engine):\n{step.table()}"
     )
-    check_run_plan(cfg, gpu, host, sizes)
+    print(_kv_line(cfg, sizes, gpu))
+    check_run_plan(cfg, gpu, host, sizes, per_node)
     print("fits")
+
+
+def _kv_line(cfg, sizes, gpu) -> str:
+    """The rollout's KV of one group beside the longest prompt one GPU's fast engine can hold a group of."""
+    from longqa.planning.planner import DTYPE_BYTES, GIB, longest_kv_prompt
+
+    limit = longest_kv_prompt(
+        sizes, gpu.gpu_bytes, cfg.data.max_response_length, cfg.rollout.n, DTYPE_BYTES[cfg.model.dtype]
+    )
+    return (
+        f"rollout KV of one group ({cfg.data.max_prompt_length:,}-token prompt once, {cfg.rollout.n} x "
+        f"{cfg.data.max_response_length:,}-token responses): {gpu.kv_group / GIB:.1f} GiB on one GPU (the fast "
+        f"engine has no tensor parallelism for the prompt's KV); a GPU that only samples holds it up to "
+        f"{limit:,}-token prompts"
+    )
+
+
+def _print_longest_prompts(cfg, machine) -> None:
+    """``longqa plan --largest``'s second answer: the longest prompt each shape trains on the machine."""
+    from longqa.planning.fit import LONGEST_PROMPT, longest_prompts
+
+    def length(tokens: int | None) -> str:  # (the search stops at LONGEST_PROMPT)
+        return "none" if not tokens else f"{tokens:,}" + ("+" if tokens >= LONGEST_PROMPT else "")
+
+    print(
+        f"the longest prompt each shape trains (data.max_prompt_length, in steps of 1,024, with "
+        f"{cfg.rollout.n} x {cfg.data.max_response_length:,}-token responses at one sample a micro-batch; "
+        f"sequence parallelism within a node of {machine.gpus_per_node}):"
+    )
+    print(f"  {'shape':<14} {'cpu_offload':<12} {'sp=1':>10} {'with sp':>10} {'sp':>3} {'KV on one GPU':>14}")
+    for row in longest_prompts(cfg, machine):
+        print(
+            f"  {row.shape:<14} {str(row.cpu_offload).lower():<12} {length(row.plain):>10} "
+            f"{length(row.parallel):>10} {row.degree:>3} {row.kv_limit:>14,}"
+        )
+    print(
+        "  (cpu_offload: actor.cpu_offload, as the config asks or true where that trains longer; KV on one GPU: "
+        "the longest prompt whose group's KV the fast engine holds on one GPU beside its weights alone, on GPUs "
+        "that only sample: it has no tensor parallelism for the prompt's KV)"
+    )
 
 
 def _check_plan_flags(args: argparse.Namespace, cfg: Config) -> None:
@@ -760,6 +803,17 @@ def _check_plan_flags(args: argparse.Namespace, cfg: Config) -> None:
         )
     if args.largest and args.split:
         raise ConfigError("--largest tries every known shape, --split splits the GPUs of one: give either")
+
+
+def _check_sequence_parallel_node(cfg: Config, per_node: int) -> None:
+    """A sequence-parallel group within one node, where the all-to-alls around every attention use its links (the
+    plan times them there)."""
+    degree = cfg.actor.sequence_parallel_size
+    if degree > per_node:
+        raise ConfigError(
+            f"actor.sequence_parallel_size={degree} spans nodes of --gpus-per-node {per_node}: the all-to-alls "
+            f"around every layer's attention would cross the network; use at most {per_node}"
+        )
 
 
 def _plan_split(cfg, sizes, machine, response_length: int | None, what: str) -> None:

@@ -143,10 +143,11 @@ def check_sequence_parallel(cfg: Config, training_ranks: int) -> None:
 
 
 def check_data_parallel(cfg: Config, world: int) -> None:
-    """What ``world`` training ranks (one included) need of the batch and of the other settings: the two rank
+    """What ``world`` training ranks (one included) need of the batch and of the other settings: the three rank
     rules of the list, for ``longqa plan --split``, which checks each split's training ranks with them."""
     check_batch_shares(cfg, world)
     check_parallel_support(cfg, world)
+    check_sequence_parallel(cfg, world)
 
 
 # ------------------------------------------------------------------------------------------------ sampling

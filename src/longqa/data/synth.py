@@ -550,10 +550,15 @@ class World:
         return entity
 
     def pick(self, kind: str, reuse: float, exclude: object = None) -> Entity:
-        """An existing place or company (with probability ``reuse``), else a new one."""
-        pool = [e for e in self.pools[kind] if e is not exclude]
-        if pool and (self.rng.random() < reuse or self.crowded(kind)):
-            return self.rng.choice(pool)
+        """An existing place or company (with probability ``reuse``), else a new one. The pool is not copied to leave
+        ``exclude`` out: at 128K-token contexts it holds thousands of entities and a row picks tens of thousands of
+        times. The draw is ``rng.choice``'s over the pool without ``exclude`` (one ``randrange`` of its length)."""
+        pool = self.pools[kind]
+        skip = None if exclude is None else next((i for i, e in enumerate(pool) if e is exclude), None)
+        size = len(pool) - (skip is not None)
+        if size and (self.rng.random() < reuse or self.crowded(kind)):
+            index = self.rng.randrange(size)
+            return pool[index + 1 if skip is not None and index >= skip else index]
         return self.new(kind)
 
     def get(self, entity: Entity, relation: str) -> Entity | int | None:

@@ -31,6 +31,15 @@ out-of-memory costs the run, one that refuses too much costs only a smaller micr
 - the backward pass's own gradients while it crosses one layer (``layer_gradient_bytes``), or the LM head's, or
   the embedding's at the end (``embedding_gradient_bytes``), whichever is largest.
 
+Under Ulysses sequence parallelism (``actor.sequence_parallel_size`` = sp) each rank of a group of sp holds 1/sp
+of the packed row for everything per token (the norms, the MLP, the projections, the LM head, the bookkeeping),
+but attention runs over the whole row for heads/sp of the heads: the all-to-all before it trades sequence
+shards for head shards, and the one after it trades them back. So what the attention kernel keeps in its own
+layout (rotated queries, keys, values, output and log-sum-exp, ``attention_layout_bytes``) is counted for the
+whole row at heads/sp; key/value heads fewer than sp are repeated to one a rank, which then holds more than
+1/sp of them. A layer's attention backward pass holds the gradients of those tensors in the kernel's layout
+and the all-to-alls' sequence-layout buffers on either side (``all_to_all_bytes``).
+
 The peak is the largest of the backward pass's moments: the LM head's chunk (every saved tensor still held),
 a kept layer's, a recomputed layer's (after the kept layers, the last ones, have freed theirs) and the
 embedding's at the end (with next to nothing else left).
@@ -121,6 +130,51 @@ def layer_bytes_per_token(sizes, compute: Compute, packed: bool = False) -> int:
     return eager_layer_bytes(sizes, compute, packed)
 
 
+def heads_per_rank(sizes, sequence_parallel: int) -> tuple[int, int]:
+    """``(query heads, key/value heads)`` one rank attends over the whole row with ``sequence_parallel`` ranks a
+    row: heads/sp of each, key/value heads fewer than sp repeated so that each rank holds one."""
+    return -(-sizes.heads // sequence_parallel), -(-sizes.kv_heads // sequence_parallel)
+
+
+def attention_layout_bytes(sizes, compute: Compute, sequence_parallel: int = 1) -> int:
+    """Bytes per token of the whole row that one rank's attention kernel keeps in its own layout for the
+    backward pass: its rotated queries and keys, values and output in the activations' dtype, its float32
+    log-sum-exp, over the heads the rank attends (``heads_per_rank``). Eager and compiled layers both keep
+    these; the rest of ``layer_bytes_per_token`` is in the sequence layout, split over the ranks."""
+    queries, kv = heads_per_rank(sizes, sequence_parallel)
+    return compute.dtype_bytes * sizes.head_dim * (2 * queries + 2 * kv) + 4 * queries
+
+
+def local_tokens(tokens: int, sequence_parallel: int) -> int:
+    """One rank's share of a row of ``tokens`` split over ``sequence_parallel`` ranks (the longest share)."""
+    return -(-tokens // sequence_parallel)
+
+
+def layer_bytes(sizes, compute: Compute, tokens: int, packed: bool = False, sequence_parallel: int = 1) -> int:
+    """Bytes one rank's kept decoder layer saves over a row of ``tokens`` split over ``sequence_parallel`` ranks:
+    the sequence-layout tensors of its share of the row, and attention's own over the whole row at heads/sp."""
+    per_token = layer_bytes_per_token(sizes, compute, packed)
+    if sequence_parallel == 1:
+        return tokens * per_token
+    sequence_layout = per_token - attention_layout_bytes(sizes, compute)
+    return local_tokens(tokens, sequence_parallel) * sequence_layout + tokens * attention_layout_bytes(
+        sizes, compute, sequence_parallel
+    )
+
+
+def all_to_all_bytes(sizes, compute: Compute, tokens: int, sequence_parallel: int) -> int:
+    """What one layer's attention backward pass holds on a rank under sequence parallelism, beyond the saved
+    tensors: the gradients of the output, queries, keys and values in the kernel's layout (the whole row, the
+    rank's heads), and in the sequence layout the output's gradient that the all-to-all brought in and the
+    queries', keys' and values' that it sends back (the rank's share of the row, every head). None without."""
+    if sequence_parallel == 1:
+        return 0
+    queries, kv = heads_per_rank(sizes, sequence_parallel)
+    kernel = tokens * sizes.head_dim * (2 * queries + 2 * kv)
+    local = local_tokens(tokens, sequence_parallel) * sizes.head_dim * (2 * sizes.heads + 2 * sizes.kv_heads)
+    return compute.dtype_bytes * (kernel + local)
+
+
 def mask_bytes(tokens: int, span: int, compute: Compute) -> int:
     """One layer's additive attention masks over a row of ``tokens`` tokens cut into attended blocks (packs, or
     padded rows) of at most ``span`` tokens: the sum of their squares is at most ``tokens x span``. In the
@@ -130,17 +184,18 @@ def mask_bytes(tokens: int, span: int, compute: Compute) -> int:
     return tokens * (-(-span // MASK_ALIGNMENT) * MASK_ALIGNMENT) * compute.dtype_bytes
 
 
-def score_bytes(sizes, tokens: int, span: int, compute: Compute) -> int:
+def score_bytes(sizes, tokens: int, span: int, compute: Compute, sequence_parallel: int = 1) -> int:
     """One layer's attention probabilities, where SDPA can only run its math kernel, which materialises them
     (``heads x L x L`` per block of ``L`` tokens, at most ``heads x tokens x span``) and keeps them for the
     backward pass. On CUDA that is float32 queries under a mask with grouped key/value heads: FlashAttention and
     cuDNN take 16-bit inputs only, and the memory-efficient kernel no grouped heads. Measured on an H200: a
     float32 SmolLM2-135M pack of 11,264 tokens on the dense backend asked for 4.25 GiB (9 x 11,264^2 x 4 bytes)
-    in each of its 30 layers and ran out of memory. On the CPU, SDPA's flash kernel keeps no scores."""
+    in each of its 30 layers and ran out of memory. On the CPU, SDPA's flash kernel keeps no scores. Under
+    sequence parallelism a rank's attention covers the whole row for its heads (``heads_per_rank``)."""
     grouped = sizes.kv_heads != sizes.heads
     if not (compute.cuda and span and compute.dtype_bytes == 4 and grouped):
         return 0
-    return sizes.heads * tokens * span * compute.dtype_bytes
+    return heads_per_rank(sizes, sequence_parallel)[0] * tokens * span * compute.dtype_bytes
 
 
 def layer_gradient_bytes(sizes, tokens: int) -> int:
@@ -201,30 +256,36 @@ def activation_bytes(
     mask_span: int = 0,
     packed: bool = False,
     head_tokens: int | None = None,
+    sequence_parallel: int = 1,
 ) -> Activations:
     """Peak bytes of one forward and backward pass over a row of ``tokens`` tokens (the module docstring says
     what is counted). ``recomputed`` and ``offloaded``: the fractions of decoder layers recomputed in the backward
     pass and kept in host memory; ``mask_span``: the longest block a boolean attention mask covers (0: no mask);
-    ``packed``: longqa's packed attention; ``head_tokens``: tokens the LM head predicts (default all)."""
+    ``packed``: longqa's packed attention; ``head_tokens``: tokens the LM head predicts (default all);
+    ``sequence_parallel``: the ranks the row is split over (one rank's bytes are counted)."""
+    sp = sequence_parallel
     head_tokens = tokens if head_tokens is None else head_tokens
+    local = local_tokens(tokens, sp)  # the rank's share of the row: everything per token but attention
     recomputed_layers = round(float(recomputed) * sizes.layers)
     kept = sizes.layers - recomputed_layers - round(offloaded * sizes.layers)
-    per_layer = tokens * layer_bytes_per_token(sizes, compute, packed)
-    per_mask = mask_bytes(tokens, mask_span, compute) + score_bytes(sizes, tokens, mask_span, compute)
-    scores_transient = 2 * score_bytes(sizes, tokens, mask_span, compute)  # the scores and their gradient
-    head_kept, head_transient = head_bytes(sizes, compute, tokens, head_tokens)
+    per_layer = layer_bytes(sizes, compute, tokens, packed, sp)
+    per_mask = mask_bytes(tokens, mask_span, compute) + score_bytes(sizes, tokens, mask_span, compute, sp)
+    scores_transient = 2 * score_bytes(sizes, tokens, mask_span, compute, sp)  # the scores and their gradient
+    head_kept, head_transient = head_bytes(sizes, compute, local, local_tokens(head_tokens, sp))
     held, embedding_transient = embedding_gradient_bytes(sizes, compute)
-    other = tokens * (2 * sizes.head_dim * compute.stream_bytes + BOOKKEEPING_BYTES)
+    other = local * (2 * sizes.head_dim * compute.stream_bytes + BOOKKEEPING_BYTES)
     if compute.autocast:  # each decoder weight's bfloat16 copy, made once by autocast and kept for the backward pass
         other += 2 * sizes.layers * sizes.layer_params
     kept_layers, kept_masks = kept * per_layer, kept * per_mask
-    saved = kept_layers + kept_masks + recomputed_layers * tokens * sizes.hidden * compute.stream_bytes
+    saved = kept_layers + kept_masks + recomputed_layers * local * sizes.hidden * compute.stream_bytes
     saved += head_kept + other
-    gradients = held + layer_gradient_bytes(sizes, tokens) + scores_transient
+    # a layer's backward pass: its MLP's gradients, or (sequence parallel) its attention's and the all-to-alls'
+    attention = 4 * local * 2 * sizes.hidden + all_to_all_bytes(sizes, compute, tokens, sp)
+    gradients = held + max(layer_gradient_bytes(sizes, local), attention) + scores_transient
     moments = [
         saved + head_transient,  # the LM head's backward pass comes first
         saved + gradients,  # a kept layer's (the kept layers are the last ones: theirs come next)
-        other + embedding_transient + 4 * tokens * sizes.hidden,
+        other + embedding_transient + 4 * local * sizes.hidden,
     ]  # the embedding's, at the end
     if recomputed_layers:  # a recomputed layer's, the kept layers' tensors freed: it holds its own again
         moments.append(saved - kept_layers - kept_masks + gradients + per_layer + per_mask)
@@ -250,12 +311,15 @@ def update_activations(
     offloaded: float = 0.0,
     shared_prompt: bool = True,
     head_tokens: int | None = None,
+    sequence_parallel: int = 1,
 ) -> Activations:
     """One micro-batch of the GRPO update (``train/actor.py``) at ``actor.max_tokens_per_micro_batch`` =
     ``budget``: a sample longer than the budget goes alone, the flex and split backends pad the packed row to
     their length step, and the dense backend masks each pack (a prompt and up to ``n`` responses, cut to the
     budget). The naive layout (``shared_prompt=False``) pads rows of one sample each, masked by transformers.
-    ``head_tokens``: the response tokens the LM head predicts, where known (at most the row)."""
+    ``head_tokens``: the response tokens the LM head predicts, where known (at most the row);
+    ``sequence_parallel``: the ranks each packed row is split over (``actor.sequence_parallel_size``; the budget is
+    the whole row's)."""
     from longqa.model.attention import PADDED_BACKENDS, length_step
 
     sample = prompt_length + response_length
@@ -269,6 +333,7 @@ def update_activations(
             offloaded=offloaded,
             mask_span=sample,
             head_tokens=head_tokens,
+            sequence_parallel=sequence_parallel,
         )
     if backend in PADDED_BACKENDS:
         step = length_step(budget)
@@ -283,6 +348,7 @@ def update_activations(
         mask_span=span,
         packed=True,
         head_tokens=head_tokens,
+        sequence_parallel=sequence_parallel,
     )
 
 

@@ -217,7 +217,8 @@ def fitting_offload_ratio(plan: HostPlan) -> float | None:
 
 
 def plan_host_config(cfg, sizes: ModelSizes, world_size: int, ranks_per_node: int, host_bytes: int) -> HostPlan:
-    """The host plan of a longqa config."""
+    """The host plan of a longqa config (a rank offloads the activations of its share of a row, 1/sp of it under
+    sequence parallelism: attention's tensors over the whole row at heads/sp of the heads are as large)."""
     cpu_offload, offload_params = offloads(cfg)
     ratio, sub_group_size = offload_ratio(cfg)
     return plan_host_memory(
@@ -227,7 +228,7 @@ def plan_host_config(cfg, sizes: ModelSizes, world_size: int, ranks_per_node: in
         host_bytes=host_bytes,
         param_bytes=DTYPE_BYTES[cfg.model.dtype],
         state_bytes=master_bytes(cfg, world_size),
-        micro_batch_tokens=cfg.actor.max_tokens_per_micro_batch,
+        micro_batch_tokens=-(-cfg.actor.max_tokens_per_micro_batch // cfg.actor.sequence_parallel_size),
         cpu_offload=cpu_offload,
         strategy=cfg.actor.strategy,
         offload_params=offload_params,

@@ -22,7 +22,11 @@ sharded over ``world_size`` ranks (FSDP2, ZeRO-3 style):
   every kept layer's saved tensors, in the dtype the layers compute in (bf16 when sharded, else
   ``model.dtype``), fewer when the layers are compiled than eager; a recomputed layer's input, and one
   layer's recompute; on the dense attention backend an additive mask per pack in every kept layer, which
-  grows with the square of a pack's length; the chunked LM head's backward pass and its weight's gradient;
+  grows with the square of a pack's length; the chunked LM head's backward pass and its weight's gradient.
+  With Ulysses sequence parallelism (``actor.sequence_parallel_size`` = sp) the row is split over sp ranks:
+  a rank holds 1/sp of it for everything per token and the whole row for heads/sp of the heads in attention;
+  the job's ranks are then ranks/sp data-parallel ranks of sp each (FSDP2 still shards over all of them, and
+  the rollout is unchanged: each rank samples its own share of the groups);
 - the rollout engine: a full copy of the weights in ``model.dtype`` (gathered after each update) when
   the model is sharded (several ranks, ZeRO-3 or an offload) or the engine samples beside the update
   (``rollout.overlap``), none when one process shares its model with the engine; and its KV cache,
@@ -139,6 +143,9 @@ class MemoryPlan:
     param_bytes: int = 4  # bytes of one parameter in model.dtype (what loads, and the engine's copy)
     activation_parts: Activations | None = None  # what the activations are made of
     reference_weights: int = 0  # the frozen reference model of a KL penalty
+    sequence_parallel: int = 1  # ranks each packed row is split over (actor.sequence_parallel_size)
+    kv_group: int = 0  # the engine's KV of one group (the prompt once, n responses), on one GPU
+    model_bytes: int = 0  # the whole model in model.dtype (what a sampler rank holds beside its KV)
 
     @property
     def total(self) -> int:
@@ -155,10 +162,11 @@ class MemoryPlan:
     def table(self) -> str:
         parts = self.activation_parts
         masks = f" (masks {parts.masks / GIB:.1f})" if parts and parts.masks else ""
+        split = f", 1/{self.sequence_parallel} of a row" if self.sequence_parallel > 1 else ""
         rows = [
             ("training state (weights, grads, AdamW)", self.training_state),
             ("unsharded layers in flight", self.unsharded_layers),
-            (f"activations{masks}", self.activations),
+            (f"activations{masks}{split}", self.activations),
             ("rollout weights (engine's copy)", self.rollout_weights),
             *([("reference model (algo.kl_coef)", self.reference_weights)] if self.reference_weights else []),
             (
@@ -223,6 +231,7 @@ def plan_memory(
     shared_prompt: bool = True,
     reference_model: bool = False,
     engine_copy: bool | None = None,
+    sequence_parallel: int = 1,
 ) -> MemoryPlan:
     """Per-GPU bytes of a plan (see the module docstring for what is counted); ``gradient_checkpointing`` is
     the fraction of decoder layers recomputed (True: all), ``activation_offload`` the fraction whose
@@ -234,7 +243,8 @@ def plan_memory(
     layers compute (default: compiled, in bf16), ``backend``: the packed attention backend, ``shared_prompt``:
     the packed layout (else one padded row per sample); ``reference_model``: a frozen copy of the starting weights
     for a KL penalty (``algo.kl_coef``), in ``model.dtype``, sharded like the policy under FSDP2; ``engine_copy``:
-    whether the engine keeps a copy of the weights (default: when sharded)."""
+    whether the engine keeps a copy of the weights (default: when sharded); ``sequence_parallel``: the ranks each
+    packed row is split over (``micro_batch_tokens`` is the whole row's)."""
     bf16 = 2
     state, host = training_state(
         sizes.params,
@@ -257,6 +267,7 @@ def plan_memory(
         recomputed=float(gradient_checkpointing),
         offloaded=activation_offload,
         shared_prompt=shared_prompt,
+        sequence_parallel=sequence_parallel,
     )
     copy = param_bytes * sizes.params if (sharded if engine_copy is None else engine_copy) else 0
     reference = 0  # (copied whole from the loaded model, then sharded)
@@ -283,6 +294,9 @@ def plan_memory(
         param_bytes=param_bytes,
         activation_parts=activations,
         reference_weights=reference,
+        sequence_parallel=sequence_parallel,
+        kv_group=one_group,
+        model_bytes=param_bytes * sizes.params,
     )
 
 
@@ -300,9 +314,12 @@ def check_plan(
     partly_offloaded: bool = False,
     fitting_tokens: int | None = None,
     backend: str = "flex",
+    fitting_parallel: tuple[int, int | None] | None = None,
 ) -> None:
     """Refuse a plan over the GPU's memory, naming the settings that would make it fit: first the largest
-    micro-batch token budget that does (``fitting_tokens``, when one is known)."""
+    micro-batch token budget that does (``fitting_tokens``, when one is known), then the smallest sequence-parallel
+    degree that does (``fitting_parallel``: the degree, and the budget it needs where the plan's own is too
+    large)."""
     if plan.loading > plan.gpu_bytes:
         fix = (
             "load it in bf16 (model.dtype=bfloat16)"
@@ -321,6 +338,13 @@ def check_plan(
     if fitting_tokens:
         advice.append(
             f"set actor.max_tokens_per_micro_batch={fitting_tokens}, the largest that fits (now {micro_batch_tokens})"
+        )
+    if fitting_parallel:
+        degree, tokens = fitting_parallel
+        budget = f" with actor.max_tokens_per_micro_batch={tokens} or less" if tokens else ""
+        advice.append(
+            f"set actor.sequence_parallel_size={degree}{budget}, the smallest sequence-parallel degree that fits "
+            f"(now {plan.sequence_parallel}: each rank then holds 1/{degree} of a row)"
         )
     state_matters = plan.training_state >= 0.1 * (plan.total - plan.gpu_bytes)  # else moving it is no fix
     if not cpu_offload and plan.training_state > plan.total - plan.gpu_bytes:
@@ -350,6 +374,8 @@ def check_plan(
         advice.append("keep the first layers' activations in host memory (model.activation_offload)")
         if not fitting_tokens:
             advice.append(f"lower actor.max_tokens_per_micro_batch (now {micro_batch_tokens})")
+    if plan.kv_groups == 1 and plan.rollout_kv > 0.2 * plan.gpu_bytes:
+        advice.append(kv_advice(plan))
     if plan.kv_groups > 1 and plan.rollout_kv > 0.2 * plan.gpu_bytes:
         advice.append(
             "lower rollout.kv_cache_bytes"
@@ -363,6 +389,76 @@ def check_plan(
         f"this plan needs about {plan.total / GIB:.1f} GiB per GPU but a GPU has "
         f"{plan.gpu_bytes / GIB:.1f} GiB ({over:.1f} GiB over); to fit: " + "; or ".join(advice)
     )
+
+
+def sampler_room(plan: MemoryPlan) -> int:
+    """Bytes a GPU has for the engine's KV where it only samples (``rollout.sampler_ranks``): all but the engine's
+    weights and the margin."""
+    return plan.gpu_bytes - plan.model_bytes - plan.margin
+
+
+def kv_advice(plan: MemoryPlan) -> str:
+    """What a plan whose one group's KV is a large part of the GPU needs: the fast engine holds a group's prompt KV
+    on one GPU, with no tensor parallelism to spread it, so GPUs that only sample, or shorter groups."""
+    group = f"one group's KV (the prompt once, its responses) is {plan.kv_group / GIB:.1f} GiB"
+    why = "the fast engine holds a group's KV on one GPU (it has no tensor parallelism for the prompt's KV)"
+    if plan.kv_group <= sampler_room(plan):
+        return (
+            f"sample on GPUs of their own (rollout.sampler_ranks, with rollout.mode=one_step_off): {why}, and "
+            f"{group}, which fits beside the engine's weights alone"
+        )
+    return (
+        f"shorten the groups (data.max_prompt_length, data.max_response_length or rollout.n) or use GPUs with "
+        f"more memory: {why}, and {group}, more than a GPU holds beside the engine's weights alone "
+        f"({sampler_room(plan) / GIB:.1f} GiB)"
+    )
+
+
+def longest_kv_prompt(sizes: ModelSizes, gpu_bytes: int, response_length: int, n: int, param_bytes: int) -> int:
+    """The longest prompt whose group (the prompt once, ``n`` responses) the fast engine's KV holds on one GPU
+    beside the engine's weights alone (a sampler rank's; a GPU that trains too holds less): past it no layout of
+    the run samples, since the engine has no tensor parallelism for the prompt's KV."""
+    per_token = kv_bytes_per_group(sizes, 1, 0, 0, param_bytes)
+    room = gpu_bytes - param_bytes * sizes.params - MARGIN_BYTES
+    return max(0, room // per_token - n * response_length)
+
+
+def sequence_parallel_degrees(sizes: ModelSizes, world_size: int, gpus_per_node: int | None = None) -> list[int]:
+    """The sequence-parallel degrees a run of ``world_size`` training ranks can take for this model: dividing the
+    ranks and the query heads, the key/value heads dividing it or it them (fewer are repeated to one a rank),
+    within one node (the all-to-alls around every attention stay on its links)."""
+    per_node = gpus_per_node or min(world_size, 8)
+    return [
+        degree
+        for degree in range(1, min(world_size, per_node) + 1)
+        if world_size % degree == 0
+        and sizes.heads % degree == 0
+        and (sizes.kv_heads % degree == 0 or degree % sizes.kv_heads == 0)
+    ]
+
+
+def with_sequence_parallel(cfg, degree: int):
+    """``cfg`` with ``actor.sequence_parallel_size=degree``, as a new config."""
+    return dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, sequence_parallel_size=degree))
+
+
+def fitting_sequence_parallel(
+    cfg, sizes: ModelSizes, world_size: int, gpu_bytes: int, gpus_per_node: int | None = None
+) -> tuple[int, int | None] | None:
+    """The smallest sequence-parallel degree above the config's at which its plan fits (``sequence_parallel_degrees``),
+    and the largest micro-batch budget that does where the config's own is too large (None: it fits as it is);
+    None where no degree fits."""
+    for degree in sequence_parallel_degrees(sizes, world_size, gpus_per_node):
+        if degree <= cfg.actor.sequence_parallel_size:
+            continue
+        trial = with_sequence_parallel(cfg, degree)
+        plan = plan_config(trial, sizes, world_size, gpu_bytes)
+        if plan.loading <= gpu_bytes and plan.total <= gpu_bytes:
+            return degree, None
+        tokens = largest_micro_batch_tokens(trial, sizes, world_size, gpu_bytes)
+        if tokens is not None:
+            return degree, tokens
+    return None
 
 
 def plan_config(
@@ -397,6 +493,7 @@ def plan_config(
         shared_prompt=cfg.actor.shared_prompt,
         reference_model=cfg.algo.kl_coef > 0,
         engine_copy=(is_sharded(cfg, world_size) or cfg.rollout.overlap) and not apart,
+        sequence_parallel=cfg.actor.sequence_parallel_size,
     )
     return dataclasses.replace(plan, rollout_kv=0) if apart else plan
 
@@ -512,12 +609,14 @@ def describe_training(cfg, model_params: int | None = None, world_size: int = 1)
     return "FSDP2" + (", CPU offload (torch's AdamW steps it on the host)" if optimizer else "")
 
 
-def check_config(cfg, plan: MemoryPlan, sizes: ModelSizes | None = None) -> None:
+def check_config(cfg, plan: MemoryPlan, sizes: ModelSizes | None = None, gpus_per_node: int | None = None) -> None:
     """Refuse a config's plan over the GPU's memory; with the model's ``sizes``, name the largest micro-batch
-    token budget that fits."""
-    fitting = None
+    token budget that fits and the smallest sequence-parallel degree that does (within nodes of
+    ``gpus_per_node``, default the ranks up to 8)."""
+    fitting = parallel = None
     if sizes is not None and plan.total > plan.gpu_bytes:
         fitting = largest_micro_batch_tokens(cfg, sizes, plan.world_size, plan.gpu_bytes)
+        parallel = fitting_sequence_parallel(cfg, sizes, plan.world_size, plan.gpu_bytes, gpus_per_node)
     check_plan(
         plan,
         offloads(cfg)[0],
@@ -527,6 +626,7 @@ def check_config(cfg, plan: MemoryPlan, sizes: ModelSizes | None = None) -> None
         partly_offloaded=offload_ratio(cfg)[0] < 1,
         fitting_tokens=fitting,
         backend=update_backend(cfg),
+        fitting_parallel=parallel,
     )
 
 
@@ -566,8 +666,10 @@ def one_sample_tokens(cfg) -> int:
 
 
 def mini_batch_share_tokens(cfg, world_size: int) -> int:
-    """The most tokens one rank's share of a mini-batch packs: no micro-batch needs more."""
-    groups = max(1, cfg.actor.ppo_mini_batch_size // world_size)
+    """The most tokens one data-parallel rank's share of a mini-batch packs (the ranks of a sequence-parallel group
+    share one): no micro-batch needs more."""
+    data_parallel = max(1, world_size // cfg.actor.sequence_parallel_size)
+    groups = max(1, cfg.actor.ppo_mini_batch_size // data_parallel)
     d, n = cfg.data, cfg.rollout.n
     shared = d.max_prompt_length + n * d.max_response_length  # the prompt packed once with its n responses
     per_group = shared if cfg.actor.shared_prompt else n * one_sample_tokens(cfg)

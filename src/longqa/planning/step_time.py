@@ -23,6 +23,13 @@ Every rank does the same work on its own share of the step's groups, so a step t
   forward and again for the backward and sends the gradients out to be added on the host; ZeRO-3 keeps
   its bf16 partitions on the GPU and sends only the gradients out (those of its offloaded share, when
   ``actor.cpu_offload_ratio`` keeps the rest on the GPU);
+- sequence parallelism (``actor.sequence_parallel_size`` = sp): a data-parallel rank's groups (the groups its
+  sp ranks sampled) are packed as without it, and each micro-batch's FLOPs are split over the sp ranks, which
+  also exchange every layer's queries, keys, values and output by all-to-all, four in the forward pass and
+  four in the backward pass (and four more for a recomputed layer), each moving (sp - 1)/sp of the rank's
+  share in bf16, key/value heads fewer than sp repeated to sp first (``all_to_all_s``). Those wait for
+  attention and attention for them: they add to the compute. They run at ``ALL_TO_ALL_BYTES_PER_S`` within a
+  node (``longqa plan`` keeps sp within one);
 - optimizer steps: on the GPU at the measured AdamW time per parameter; offloaded, at the time per
   parameter measured on the host for each backend's optimizer (torch's AdamW, DeepSpeed's CPU Adam), and
   a partial offload's GPU share at the GPU's time;
@@ -82,6 +89,9 @@ PCIE_BYTES_PER_S = 55e9  # pinned copies each way on the H200 host (RESULTS.md, 
 OFFLOAD_BYTES_PER_S = {"fsdp2": 4.6e9, "deepspeed": 17.9e9}
 NVLINK_BYTES_PER_S = 300e9  # assumed: NCCL all-gather bus bandwidth between the H200s of one node
 NETWORK_BYTES_PER_S = 45e9  # assumed: one 400 Gb/s network link per GPU between nodes
+# assumed, not measured here: bytes a GPU sends per second in an NCCL all-to-all among the GPUs of one NVLink node
+# (about two thirds of NVLink 4's 450 GB/s each way, as the all-gathers above).
+ALL_TO_ALL_BYTES_PER_S = NVLINK_BYTES_PER_S
 
 
 @dataclass
@@ -128,10 +138,12 @@ def attention_mfu(head_dim: int) -> float:
     return slow + share * (fast - slow)
 
 
-def micro_batch_flops(config, prompt_length: int, lengths: list[list[int]], budget: int) -> list[tuple[float, float]]:
+def micro_batch_flops(
+    config, prompt_length: int, lengths: list[list[int]], budget: int
+) -> list[tuple[float, float, int]]:
     """Forward+backward FLOPs of each micro-batch the actor packs these groups into (``lengths``: each group's
     response lengths; ``plan_packs``: a group over the budget is cut into packs that each carry the prompt):
-    (the matrix products', attention's)."""
+    (the matrix products', attention's, the micro-batch's tokens)."""
     from longqa.model.packing import plan_packs
 
     n = len(lengths[0])
@@ -141,8 +153,29 @@ def micro_batch_flops(config, prompt_length: int, lengths: list[list[int]], budg
     out = []
     for micro in plan_packs(prompts, responses, members, budget):
         counts = [group_flops(config, prompt_length, pack.response_lengths, True) for pack in micro]
-        out.append((sum(c.flops - c.attention for c in counts), sum(c.attention for c in counts)))
+        out.append(
+            (
+                sum(c.flops - c.attention for c in counts),
+                sum(c.attention for c in counts),
+                sum(c.tokens for c in counts),
+            )
+        )
     return out
+
+
+def all_to_all_s(config, tokens: int, sequence_parallel: int, bandwidth: float = ALL_TO_ALL_BYTES_PER_S) -> float:
+    """Seconds of one pass's all-to-alls over a row of ``tokens`` split over ``sequence_parallel`` ranks: per layer,
+    the queries, keys, values and output (bf16) of the rank's share of the row, each sending (sp - 1)/sp of it;
+    key/value heads fewer than sp are repeated to sp before theirs. A backward pass moves as much again."""
+    sp = sequence_parallel
+    if sp == 1:
+        return 0.0
+    heads = config.num_attention_heads
+    kv = max(getattr(config, "num_key_value_heads", None) or heads, sp)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    local = -(-tokens // sp)
+    sent = 2 * local * head_dim * (2 * heads + 2 * kv) * (sp - 1) / sp
+    return config.num_hidden_layers * sent / bandwidth
 
 
 def plan_step_time(
@@ -164,10 +197,12 @@ def plan_step_time(
     activation_offload: float = 0.0,
     state_bytes: int | None = None,
     offloaded: float = 1.0,
+    sequence_parallel: int = 1,
 ) -> StepTime:
     """One rank's seconds per phase of a GRPO step under ``plan`` (the module docstring says how); ``response_length``:
     every sample's, or each of the rank's groups' list of its samples' lengths; ``offloaded``: the share of an
-    offloaded optimizer on the host (ZeRO-3's partial offload)."""
+    offloaded optimizer on the host (ZeRO-3's partial offload); ``sequence_parallel``: the ranks each packed row is
+    split over (the groups a data-parallel rank updates are its sp ranks' samples: the rank's lengths, sp times)."""
     config, world, params = sizes.config, plan.world_size, sizes.params
     groups = max(1, batch_size // world)
     lengths = per_sample_lengths(response_length, n, groups)
@@ -190,26 +225,35 @@ def plan_step_time(
     activations = (
         round(activation_offload * sizes.layers) * 2 * micro_batch_tokens * sum(saved_activation_widths(sizes))
     )
-    own = max(1, mini_batch_size // world)  # the rank's share of each mini-batch
-    minis = [lengths[start : start + own] for start in range(0, groups, own)]
+    sp = sequence_parallel
+    activations = -(-activations // sp)  # (the rank's share of each row)
+    update_lengths = lengths * sp  # the data-parallel rank's groups: its sp ranks' samples
+    own = max(1, mini_batch_size // (world // sp))  # the data-parallel rank's share of each mini-batch
+    minis = [update_lengths[start : start + own] for start in range(0, len(update_lengths), own)]
     flops = [f for mini in minis for f in micro_batch_flops(config, prompt_length, mini, micro_batch_tokens)]
     attention_rate = attention_mfu(config.head_dim)
 
-    def pass_time(work: float, offloaded: float, activation_bytes: float, link_bytes: int) -> float:
-        """One pass over the micro-batches: ``work`` times their training FLOPs, against ``offloaded`` bytes of the
-        offload's traffic, ``activation_bytes`` over PCIe each way and ``link_bytes`` per parameter over the link
-        (sharded), whichever takes longest."""
+    def pass_time(work: float, offloaded: float, activation_bytes: float, link_bytes: int, exchanges: float) -> float:
+        """One pass over the micro-batches: ``work`` times their training FLOPs (a sp-th of them on this rank) and
+        ``exchanges`` forward passes' worth of all-to-alls, against ``offloaded`` bytes of the offload's traffic,
+        ``activation_bytes`` over PCIe each way and ``link_bytes`` per parameter over the link (sharded), whichever
+        takes longest."""
         transfers = offloaded / offload_rate + activation_bytes / PCIE_BYTES_PER_S
         comm = link_bytes * params / link if world > 1 else 0.0
         return sum(
-            max(work * (dense / (peak * UPDATE_MFU) + attention / (peak * attention_rate)), transfers, comm)
-            for dense, attention in flops
+            max(
+                work * (dense / (peak * UPDATE_MFU) + attention / (peak * attention_rate)) / sp
+                + exchanges * all_to_all_s(config, tokens, sp),
+                transfers,
+                comm,
+            )
+            for dense, attention, tokens in flops
         )
 
     # a forward: its offloaded weights in once, one gather of bf16 weights
-    old = pass_time(1 / 3, weights_in, 0.0, 2) if epochs > 1 or len(minis) > 1 else 0.0
+    old = pass_time(1 / 3, weights_in, 0.0, 2, 1) if epochs > 1 or len(minis) > 1 else 0.0
     # forward and backward: two gathers and a scatter
-    update = epochs * pass_time(1 + recomputed / 3, 2 * weights_in + gradients_out, activations, 8)
+    update = epochs * pass_time(1 + recomputed / 3, 2 * weights_in + gradients_out, activations, 8, 2 + recomputed)
     steps = epochs * len(minis)
     if cpu_offload:
         host = HOST_ADAM_S_PER_PARAM[strategy] * (state_bytes / 4 if strategy == "fsdp2" else 1)
@@ -272,4 +316,5 @@ def step_time_config(
         activation_offload=cfg.model.activation_offload,
         state_bytes=master_bytes(cfg, plan.world_size),
         offloaded=offload_fraction(cfg, plan.world_size, sizes.params),
+        sequence_parallel=cfg.actor.sequence_parallel_size,
     )
