@@ -10,7 +10,9 @@ out-of-memory costs the run, one that refuses too much costs only a smaller micr
   H200; eager layers keep what the Llama-family modeling code (Llama, Qwen2, Qwen3, Mistral) hands autograd,
   counted from that code (``eager_layer_bytes``): RMSNorm computes in float32 and keeps its float32 input and
   its normalised tensor, the projections keep their inputs, attention its rotated queries and keys, values,
-  output and log-sum-exp, the MLP its gate, activation, up projection and their product. Under autocast
+  output and log-sum-exp, the MLP its gate, activation, up projection and their product (``mlp_bytes``; a
+  tiled MLP, ``model.mlp_tile_tokens``, keeps none of them, and holds one tile's again, with their gradients,
+  while its backward pass crosses it). Under autocast
   (``longqa sft`` on a GPU) the weights and the residual stream stay float32 and every projection keeps its
   own bfloat16 copy of its input;
 - attention masks: a boolean mask handed to SDPA (the dense packed backend, one per pack; a padded batch's in
@@ -63,6 +65,12 @@ class Compute:
     autocast: bool = False
     compiled: bool = False
     cuda: bool = True  # SDPA picks its kernel by device, dtype and heads (score_bytes)
+    mlp_tile: int = 0  # model.mlp_tile_tokens: eager layers' MLPs computed over tiles of this many tokens
+
+    def mlp_tokens(self, tokens: int) -> int:
+        """Tokens whose MLP intermediates exist at once in a row of ``tokens``: one tile where the MLP is tiled
+        (model/tiled_mlp.py: a longer row than a tile, and eager layers, since compiled ones are untiled)."""
+        return self.mlp_tile if self.mlp_tile and not self.compiled and tokens > self.mlp_tile else tokens
 
     @property
     def stream_bytes(self) -> int:
@@ -94,12 +102,18 @@ def rms_norm_bytes(width: int, input_bytes: int) -> int:
     return 4 * width + input_bytes * width + 4
 
 
-def eager_layer_bytes(sizes, compute: Compute, packed: bool = False) -> int:
+def mlp_bytes(sizes, compute: Compute) -> int:
+    """Bytes per token an eager MLP keeps for its backward pass: gate, its activation, up, their product."""
+    return 4 * sizes.intermediate * compute.dtype_bytes
+
+
+def eager_layer_bytes(sizes, compute: Compute, packed: bool = False, tiled_mlp: bool = False) -> int:
     """Bytes per token one eager Llama-family decoder layer keeps for its backward pass (the module docstring
     says what). ``packed``: longqa's packed attention hands ``o_proj`` a contiguous copy of attention's output,
-    where transformers' kernels return it in that layout already."""
+    where transformers' kernels return it in that layout already. ``tiled_mlp``: its MLP keeps only its input,
+    the norm's output counted already."""
     b, stream = compute.dtype_bytes, compute.stream_bytes
-    hidden, intermediate = sizes.hidden, sizes.intermediate
+    hidden = sizes.hidden
     queries, keys = sizes.heads * sizes.head_dim, sizes.kv_heads * sizes.head_dim
 
     def norm_output(consumers: int) -> int:  # kept once in the layers' dtype, or by each projection as its own cast
@@ -111,14 +125,14 @@ def eager_layer_bytes(sizes, compute: Compute, packed: bool = False) -> int:
     total += (queries + 2 * keys) * b  # attention's inputs: rotated queries and keys, values
     total += queries * b * (2 if packed else 1) + 4 * sizes.heads  # its output (and copy), its log-sum-exp
     total += rms_norm_bytes(hidden, stream) + norm_output(2)  # post-attention norm, read by gate and up
-    return total + 4 * intermediate * b  # gate, its activation, up, their product
+    return total + (0 if tiled_mlp else mlp_bytes(sizes, compute))
 
 
-def layer_bytes_per_token(sizes, compute: Compute, packed: bool = False) -> int:
+def layer_bytes_per_token(sizes, compute: Compute, packed: bool = False, tiled_mlp: bool = False) -> int:
     """Bytes per token one kept decoder layer saves for its backward pass, compiled or eager."""
     if compute.compiled:
         return compute.dtype_bytes * sum(saved_activation_widths(sizes)) + layer_float32_bytes(sizes)
-    return eager_layer_bytes(sizes, compute, packed)
+    return eager_layer_bytes(sizes, compute, packed, tiled_mlp)
 
 
 def mask_bytes(tokens: int, span: int, compute: Compute) -> int:
@@ -143,10 +157,12 @@ def score_bytes(sizes, tokens: int, span: int, compute: Compute) -> int:
     return sizes.heads * tokens * span * compute.dtype_bytes
 
 
-def layer_gradient_bytes(sizes, tokens: int) -> int:
+def layer_gradient_bytes(sizes, tokens: int, mlp_tokens: int | None = None) -> int:
     """The gradients alive while the backward pass crosses one layer: the residual stream's and its branch's
-    (two of the hidden size) and the MLP's three (gate, up, their product), float32 at most."""
-    return 4 * tokens * (2 * sizes.hidden + 3 * sizes.intermediate)
+    (two of the hidden size) and the MLP's three (gate, up, their product) over ``mlp_tokens`` (a tiled MLP's
+    tile; default the row), float32 at most."""
+    mlp_tokens = tokens if mlp_tokens is None else mlp_tokens
+    return 4 * (2 * sizes.hidden * tokens + 3 * sizes.intermediate * mlp_tokens)
 
 
 def head_bytes(sizes, compute: Compute, tokens: int, head_tokens: int) -> tuple[int, int]:
@@ -209,7 +225,9 @@ def activation_bytes(
     head_tokens = tokens if head_tokens is None else head_tokens
     recomputed_layers = round(float(recomputed) * sizes.layers)
     kept = sizes.layers - recomputed_layers - round(offloaded * sizes.layers)
-    per_layer = tokens * layer_bytes_per_token(sizes, compute, packed)
+    mlp_tokens = compute.mlp_tokens(tokens)
+    tiled = mlp_tokens < tokens  # a tiled MLP: one tile's intermediates again while its backward pass crosses it
+    per_layer = tokens * layer_bytes_per_token(sizes, compute, packed, tiled)
     per_mask = mask_bytes(tokens, mask_span, compute) + score_bytes(sizes, tokens, mask_span, compute)
     scores_transient = 2 * score_bytes(sizes, tokens, mask_span, compute)  # the scores and their gradient
     head_kept, head_transient = head_bytes(sizes, compute, tokens, head_tokens)
@@ -220,7 +238,9 @@ def activation_bytes(
     kept_layers, kept_masks = kept * per_layer, kept * per_mask
     saved = kept_layers + kept_masks + recomputed_layers * tokens * sizes.hidden * compute.stream_bytes
     saved += head_kept + other
-    gradients = held + layer_gradient_bytes(sizes, tokens) + scores_transient
+    gradients = held + layer_gradient_bytes(sizes, tokens, mlp_tokens) + scores_transient
+    if tiled:
+        gradients += mlp_tokens * mlp_bytes(sizes, compute)
     moments = [
         saved + head_transient,  # the LM head's backward pass comes first
         saved + gradients,  # a kept layer's (the kept layers are the last ones: theirs come next)
