@@ -6,19 +6,23 @@ width while the backward pass crosses it) exist for one tile instead of the whol
 that saves: a random-weight Qwen3-architecture model of a few layers (no LM head: the decoder's hidden states
 only, summed into a loss) runs one forward and backward pass over one row of each ``--tokens`` length, with the
 layers keeping their activations and with every layer recomputed (``model.gradient_checkpointing``), untiled and
-tiled. Each case runs in a fresh process, and two peaks are taken: the CPU allocator's (the largest running total
-of torch's profiler allocation events, ``longqa.bench.memory.peak_bytes``: exact, kernels' scratch included) and
-the process's resident set (``resource.getrusage``'s ``ru_maxrss``, less its value before the pass). Seconds are
-the pass's wall time, for ratios on the same machine only.
+tiled. Each case runs in a fresh process, which takes two peaks, each in a pass of its own: first the process's
+resident set (``resource.getrusage``'s ``ru_maxrss`` after the pass, less its value before; glibc is told to map
+every block of 64 KiB or more on its own, ``MALLOC_MMAP_THRESHOLD_``, so a freed tensor leaves the resident set
+instead of staying in the heap), then the CPU allocator's (the largest running total of torch's profiler
+allocation events, ``longqa.bench.memory.peak_bytes``: exact, kernels' scratch included; the profiler's own
+records would inflate the resident set, hence the order). Seconds are the first pass's wall time, for ratios on
+the same machine only.
 
-    python benchmarks/tiled_memory.py                                  # 16K and 32K tokens: about 10 minutes
-    python benchmarks/tiled_memory.py --tokens 65536 --layers 1        # one layer at 64K
+    python benchmarks/tiled_memory.py                             # 16K and 32K tokens, two layers
+    python benchmarks/tiled_memory.py --tokens 65536 --layers 1   # one layer at 64K
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -56,10 +60,12 @@ def run_case(args) -> dict:
 
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.perf_counter()
-    allocator = peak_bytes(step, torch.device("cpu"))
+    step()
     seconds = time.perf_counter() - start
     rss = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) * 1024  # ru_maxrss is in KiB on Linux
     grad = sum(float(p.grad.double().abs().sum()) for p in model.parameters() if p.grad is not None)
+    model.zero_grad(set_to_none=True)
+    allocator = peak_bytes(step, torch.device("cpu"))
     return {"allocator": allocator, "rss": rss, "seconds": seconds, "grad_abs_sum": grad}
 
 
@@ -68,7 +74,8 @@ def measure(args, tokens: int, tile: int, recompute: bool) -> dict:
     command = [sys.executable, __file__, "--case-tokens", str(tokens), "--case-tile", str(tile)]
     command += ["--hidden", str(args.hidden), "--intermediate", str(args.intermediate), "--layers", str(args.layers)]
     command += ["--heads", str(args.heads), "--threads", str(args.threads)] + (["--recompute"] if recompute else [])
-    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}
+    out = subprocess.run(command, check=True, capture_output=True, text=True, env=env).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -100,10 +107,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[16384, 32768])
     parser.add_argument("--tile", type=int, default=1024, help="model.mlp_tile_tokens of the tiled cases")
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--intermediate", type=int, default=1024)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--intermediate", type=int, default=512)
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--recompute", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--case-tokens", type=int, help=argparse.SUPPRESS)
