@@ -190,11 +190,13 @@ needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is No
 
 
 def _sharded_worker(rank, world, port, out, tile):
-    """One update of the tiled model under FSDP2 and under ZeRO-3 (each parameter gathered by its own module's
-    hooks inside each tile), and how many tiled MLP calls each made."""
+    """One update of the tiled model under FSDP2 and under ZeRO-3 (each decoder layer gathered whole around its
+    forward and backward, the tiles computed inside), how many tiled MLP calls each made, and how many gradients
+    ZeRO-3 queued for reduction, tiled and untiled."""
     import os
 
     import torch.distributed as dist
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Zero3
     from test_deepspeed import one_step
     from test_distributed import config, global_samples, rank_share
 
@@ -202,21 +204,22 @@ def _sharded_worker(rank, world, port, out, tile):
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    calls = []
-    apply = tiled_mlp._TiledMLP.apply
+    calls, queued = [], []
+    apply, queue = tiled_mlp._TiledMLP.apply, Zero3._DeepSpeedZeroOptimizer_Stage3__add_grad_to_ipg_bucket
     tiled_mlp._TiledMLP.apply = lambda *args: calls.append(1) or apply(*args)
+    Zero3._DeepSpeedZeroOptimizer_Stage3__add_grad_to_ipg_bucket = lambda *args: queued.append(1) or queue(*args)
     try:
         results = {}
-        for strategy in ("fsdp2", "deepspeed"):
+        for strategy, strategy_tile in (("fsdp2", tile), ("deepspeed", tile), ("deepspeed-untiled", 0)):
             cfg = config("true", "token-mean", 40)
-            cfg.actor.strategy = strategy
+            cfg.actor.strategy = strategy.split("-")[0]
             m = tiny_lm()
-            tile_mlps(m, tile)
-            calls.clear()
+            tile_mlps(m, strategy_tile)
+            calls.clear(), queued.clear()
             results[strategy] = one_step(
                 Actor(m, cfg, 1, torch.device("cpu")), rank_share(global_samples(), rank, world)
             )
-            results[strategy]["tiled_calls"] = len(calls)
+            results[strategy].update(tiled_calls=len(calls), queued=len(queued))
         if rank == 0:
             torch.save(results, out)
         dist.barrier()
@@ -238,3 +241,5 @@ def test_fsdp2_and_zero3_take_the_single_process_step_with_tiled_mlps(tmp_path):
     for strategy in ("fsdp2", "deepspeed"):
         assert results[strategy]["tiled_calls"] > 0, strategy
         assert_the_single_process_step(reference, results[strategy])
+    # ZeRO-3 reduces each gradient once, after the last tile, as untiled (not once per tile)
+    assert results["deepspeed"]["queued"] == results["deepspeed-untiled"]["queued"] > 0

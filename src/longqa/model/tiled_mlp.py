@@ -64,9 +64,10 @@ def _tile_output(y) -> torch.Tensor:
 
 
 def _zero3_params(module: nn.Module) -> list[nn.Parameter]:
-    """The module's ZeRO-3 parameters that train: DeepSpeed reduces a parameter's gradient as soon as autograd
-    adds it, unless ``ds_grad_is_ready`` is False, so the tiles but the last set it False (DeepSpeed's own
-    tiled computations do the same)."""
+    """The module's ZeRO-3 parameters that train. Where ZeRO-3 hooks a parameter's own gradient (a module that is
+    not inside a ZeRO-3 leaf), it reduces the gradient as soon as autograd adds it, unless ``ds_grad_is_ready``
+    is False: the tiles but the last set it False, as DeepSpeed's own tiled computations do. (longqa makes each
+    decoder layer a leaf, whose gradients ZeRO-3 reduces once the layer's backward pass is done.)"""
     return [p for p in module.parameters() if p.requires_grad and hasattr(p, "ds_id")]
 
 
