@@ -368,3 +368,27 @@ def test_a_tokenizer_without_a_pad_token_pads_with_eos_outside_every_loss(tmp_pa
     assert runs["true"]["reward/mean"] == runs["false"]["reward/mean"]
     for key in ("pg_loss", "entropy", "grad_norm"):
         assert runs["false"][key] == pytest.approx(runs["true"][key], rel=1e-4, abs=1e-6), key
+
+
+def test_what_the_chunked_head_holds_grows_by_two_hidden_rows_per_target():
+    """What of the LM head grows with the response tokens, at its largest moment (a chunk's backward pass, its
+    [chunk, vocab] tensors alive): the gathered hidden states, its input, and their gradient, one float32 row of
+    the hidden size each per target, and the few floats of the log-prob and entropy; no logits, softmax or
+    entropy temporaries of more than one chunk. (A chunk's gradient, padded with zeros to every target, is
+    added to the sum after the chunk's tensors are freed, so it never meets them.)"""
+    from longqa.bench.memory import peak_bytes
+    from longqa.model.logprobs import chunked_head
+
+    model, hidden, chunk = tiny("qwen3", vocab=4096), 32, 256
+
+    def peak(rows: int) -> int:
+        def step():  # (everything it allocates it frees while measured: no peak starts above another)
+            states = torch.randn(rows, hidden, requires_grad=True)
+            logp, ent = chunked_head(model, states, torch.randint(0, 4096, (rows,)), chunk_size=chunk)
+            (logp.sum() + ent.sum()).backward()
+
+        return peak_bytes(step, torch.device("cpu"))
+
+    peak(chunk)  # (the first backward pass allocates the weight's gradient, which later ones add to)
+    growth = (peak(16 * chunk) - peak(8 * chunk)) / (8 * chunk)
+    assert 2 * 4 * hidden <= growth < 2 * 4 * hidden + 64, growth

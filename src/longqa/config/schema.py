@@ -98,6 +98,15 @@ class ModelConfig:
         *unit_closed,
         on_resume="apply",
     )
+    mlp_tile_tokens: int = opt(
+        0,
+        "compute each decoder layer's MLP over tiles of this many tokens in the update, so its intermediates "
+        "(4 x intermediate_size per token) exist for one tile, not the whole row, for one more MLP forward "
+        "pass in the backward (DeepSpeed's ALST calls it tiled_mlp; verl has no key for it); rows of at most "
+        "one tile, and compiled decoder layers (actor.compile_layers on a GPU), run the MLP untiled; 0: off",
+        *non_negative,
+        on_resume="apply",
+    )
 
 
 @dataclass

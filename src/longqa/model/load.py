@@ -99,6 +99,7 @@ def load_model(
     gradient_checkpointing: bool = False,
     checkpoint_fraction: float = 1.0,
     activation_offload: float = 0.0,
+    mlp_tile_tokens: int = 0,
     device: str | torch.device = "cpu",
     tokenizer=None,
 ):
@@ -122,7 +123,9 @@ def load_model(
         raise ModelError(
             f"cannot load a causal LM from {source}{' / ' + gguf_file if gguf_file else ''}: {type(e).__name__}: {e}"
         ) from None
-    arrange_layer_memory(model, checkpoint_fraction if gradient_checkpointing else 0.0, activation_offload)
+    arrange_layer_memory(
+        model, checkpoint_fraction if gradient_checkpointing else 0.0, activation_offload, mlp_tile_tokens
+    )
     return model.to(device), tokenizer
 
 
@@ -155,12 +158,17 @@ def checkpoint_layers(model, fraction: float = 1.0, first: int = 0) -> int:
     return count
 
 
-def arrange_layer_memory(model, checkpoint_fraction: float = 0.0, offload_fraction: float = 0.0):
+def arrange_layer_memory(
+    model, checkpoint_fraction: float = 0.0, offload_fraction: float = 0.0, mlp_tile_tokens: int = 0
+):
     """Where each decoder layer keeps its activations between forward and backward: the first
     ``offload_fraction`` of the layers in host memory (their copies overlap the rest of the model's
     compute; model/offload.py), the next ``checkpoint_fraction`` nowhere (recomputed), the rest on the
-    device. Returns the activation offload, or None."""
+    device. Returns the activation offload, or None. ``mlp_tile_tokens``: every layer's MLP computed over
+    tiles of that many tokens (model/tiled_mlp.py), so its intermediates never exist for the whole row,
+    whichever of the three keeps the layer's other activations; 0 leaves the MLPs as they are."""
     from longqa.model.offload import offload_layers
+    from longqa.model.tiled_mlp import tile_mlps
 
     layers = len(model.base_model.layers)
     offloaded = round(offload_fraction * layers)
@@ -170,6 +178,7 @@ def arrange_layer_memory(model, checkpoint_fraction: float = 0.0, offload_fracti
             f"more than the model's {layers}"
         )
     checkpoint_layers(model, checkpoint_fraction, first=offloaded)
+    tile_mlps(model, mlp_tile_tokens)
     return offload_layers(model, offload_fraction)
 
 
@@ -283,15 +292,19 @@ def compile_decoder_layers(model, backend: str = "inductor", with_hooks: bool = 
 
     Shapes stay static: the packed rows come in a few padded lengths (``attention.length_step``), each
     compiled once, rather than one dynamic graph whose kernels are slower. ``with_hooks``: the layer's
-    hooks are compiled too (FSDP2's are traceable); otherwise only its forward (DeepSpeed's hooks are not)."""
+    hooks are compiled too (FSDP2's are traceable); otherwise only its forward (DeepSpeed's hooks are not).
+    Tiled MLPs (``model.mlp_tile_tokens``) are untiled first: a tile's backward pass runs autograd inside
+    itself, which a compiled graph cannot hold."""
     from longqa.model.attention import allow_length_buckets
     from longqa.model.compile_cache import use_user_cache
+    from longqa.model.tiled_mlp import untile_mlps
 
     layers = getattr(model.base_model, "layers", None)
     if layers is None:
         raise ModelError(f"{type(model).__name__} has no decoder layer list (base_model.layers) to compile")
     allow_length_buckets()
     use_user_cache()  # the compiled layers are kept for the next start
+    untile_mlps(model)
     for layer in layers:
         if with_hooks:
             layer.compile(dynamic=False, backend=backend)

@@ -10,7 +10,9 @@ out-of-memory costs the run, one that refuses too much costs only a smaller micr
   H200; eager layers keep what the Llama-family modeling code (Llama, Qwen2, Qwen3, Mistral) hands autograd,
   counted from that code (``eager_layer_bytes``): RMSNorm computes in float32 and keeps its float32 input and
   its normalised tensor, the projections keep their inputs, attention its rotated queries and keys, values,
-  output and log-sum-exp, the MLP its gate, activation, up projection and their product. Under autocast
+  output and log-sum-exp, the MLP its gate, activation, up projection and their product (``mlp_bytes``; a
+  tiled MLP, ``model.mlp_tile_tokens``, keeps none of them, and holds one tile's again, with their gradients,
+  while its backward pass crosses it). Under autocast
   (``longqa sft`` on a GPU) the weights and the residual stream stay float32 and every projection keeps its
   own bfloat16 copy of its input;
 - attention masks: a boolean mask handed to SDPA (the dense packed backend, one per pack; a padded batch's in
@@ -72,6 +74,12 @@ class Compute:
     autocast: bool = False
     compiled: bool = False
     cuda: bool = True  # SDPA picks its kernel by device, dtype and heads (score_bytes)
+    mlp_tile: int = 0  # model.mlp_tile_tokens: eager layers' MLPs computed over tiles of this many tokens
+
+    def mlp_tokens(self, tokens: int) -> int:
+        """Tokens whose MLP intermediates exist at once in a row of ``tokens``: one tile where the MLP is tiled
+        (model/tiled_mlp.py: a longer row than a tile, and eager layers, since compiled ones are untiled)."""
+        return self.mlp_tile if self.mlp_tile and not self.compiled and tokens > self.mlp_tile else tokens
 
     @property
     def stream_bytes(self) -> int:
@@ -103,12 +111,18 @@ def rms_norm_bytes(width: int, input_bytes: int) -> int:
     return 4 * width + input_bytes * width + 4
 
 
-def eager_layer_bytes(sizes, compute: Compute, packed: bool = False) -> int:
+def mlp_bytes(sizes, compute: Compute) -> int:
+    """Bytes per token an eager MLP keeps for its backward pass: gate, its activation, up, their product."""
+    return 4 * sizes.intermediate * compute.dtype_bytes
+
+
+def eager_layer_bytes(sizes, compute: Compute, packed: bool = False, tiled_mlp: bool = False) -> int:
     """Bytes per token one eager Llama-family decoder layer keeps for its backward pass (the module docstring
     says what). ``packed``: longqa's packed attention hands ``o_proj`` a contiguous copy of attention's output,
-    where transformers' kernels return it in that layout already."""
+    where transformers' kernels return it in that layout already. ``tiled_mlp``: its MLP keeps only its input,
+    the norm's output counted already."""
     b, stream = compute.dtype_bytes, compute.stream_bytes
-    hidden, intermediate = sizes.hidden, sizes.intermediate
+    hidden = sizes.hidden
     queries, keys = sizes.heads * sizes.head_dim, sizes.kv_heads * sizes.head_dim
 
     def norm_output(consumers: int) -> int:  # kept once in the layers' dtype, or by each projection as its own cast
@@ -120,14 +134,14 @@ def eager_layer_bytes(sizes, compute: Compute, packed: bool = False) -> int:
     total += (queries + 2 * keys) * b  # attention's inputs: rotated queries and keys, values
     total += queries * b * (2 if packed else 1) + 4 * sizes.heads  # its output (and copy), its log-sum-exp
     total += rms_norm_bytes(hidden, stream) + norm_output(2)  # post-attention norm, read by gate and up
-    return total + 4 * intermediate * b  # gate, its activation, up, their product
+    return total + (0 if tiled_mlp else mlp_bytes(sizes, compute))
 
 
-def layer_bytes_per_token(sizes, compute: Compute, packed: bool = False) -> int:
+def layer_bytes_per_token(sizes, compute: Compute, packed: bool = False, tiled_mlp: bool = False) -> int:
     """Bytes per token one kept decoder layer saves for its backward pass, compiled or eager."""
     if compute.compiled:
         return compute.dtype_bytes * sum(saved_activation_widths(sizes)) + layer_float32_bytes(sizes)
-    return eager_layer_bytes(sizes, compute, packed)
+    return eager_layer_bytes(sizes, compute, packed, tiled_mlp)
 
 
 def heads_per_rank(sizes, sequence_parallel: int) -> tuple[int, int]:
@@ -150,10 +164,13 @@ def local_tokens(tokens: int, sequence_parallel: int) -> int:
     return -(-tokens // sequence_parallel)
 
 
-def layer_bytes(sizes, compute: Compute, tokens: int, packed: bool = False, sequence_parallel: int = 1) -> int:
+def layer_bytes(
+    sizes, compute: Compute, tokens: int, packed: bool = False, sequence_parallel: int = 1, tiled_mlp: bool = False
+) -> int:
     """Bytes one rank's kept decoder layer saves over a row of ``tokens`` split over ``sequence_parallel`` ranks:
-    the sequence-layout tensors of its share of the row, and attention's own over the whole row at heads/sp."""
-    per_token = layer_bytes_per_token(sizes, compute, packed)
+    the sequence-layout tensors of its share of the row, and attention's own over the whole row at heads/sp.
+    ``tiled_mlp``: its MLP keeps only its input (``eager_layer_bytes``)."""
+    per_token = layer_bytes_per_token(sizes, compute, packed, tiled_mlp)
     if sequence_parallel == 1:
         return tokens * per_token
     sequence_layout = per_token - attention_layout_bytes(sizes, compute)
@@ -198,10 +215,12 @@ def score_bytes(sizes, tokens: int, span: int, compute: Compute, sequence_parall
     return heads_per_rank(sizes, sequence_parallel)[0] * tokens * span * compute.dtype_bytes
 
 
-def layer_gradient_bytes(sizes, tokens: int) -> int:
+def layer_gradient_bytes(sizes, tokens: int, mlp_tokens: int | None = None) -> int:
     """The gradients alive while the backward pass crosses one layer: the residual stream's and its branch's
-    (two of the hidden size) and the MLP's three (gate, up, their product), float32 at most."""
-    return 4 * tokens * (2 * sizes.hidden + 3 * sizes.intermediate)
+    (two of the hidden size) and the MLP's three (gate, up, their product) over ``mlp_tokens`` (a tiled MLP's
+    tile; default the row), float32 at most."""
+    mlp_tokens = tokens if mlp_tokens is None else mlp_tokens
+    return 4 * (2 * sizes.hidden * tokens + 3 * sizes.intermediate * mlp_tokens)
 
 
 def head_bytes(sizes, compute: Compute, tokens: int, head_tokens: int) -> tuple[int, int]:
@@ -268,7 +287,9 @@ def activation_bytes(
     local = local_tokens(tokens, sp)  # the rank's share of the row: everything per token but attention
     recomputed_layers = round(float(recomputed) * sizes.layers)
     kept = sizes.layers - recomputed_layers - round(offloaded * sizes.layers)
-    per_layer = layer_bytes(sizes, compute, tokens, packed, sp)
+    mlp_tokens = compute.mlp_tokens(local)  # the MLP runs on the rank's share: one tile of it at once when tiled
+    tiled = mlp_tokens < local  # a tiled MLP: one tile's intermediates again while its backward pass crosses it
+    per_layer = layer_bytes(sizes, compute, tokens, packed, sp, tiled)
     per_mask = mask_bytes(tokens, mask_span, compute) + score_bytes(sizes, tokens, mask_span, compute, sp)
     scores_transient = 2 * score_bytes(sizes, tokens, mask_span, compute, sp)  # the scores and their gradient
     head_kept, head_transient = head_bytes(sizes, compute, local, local_tokens(head_tokens, sp))
@@ -281,7 +302,9 @@ def activation_bytes(
     saved += head_kept + other
     # a layer's backward pass: its MLP's gradients, or (sequence parallel) its attention's and the all-to-alls'
     attention = 4 * local * 2 * sizes.hidden + all_to_all_bytes(sizes, compute, tokens, sp)
-    gradients = held + max(layer_gradient_bytes(sizes, local), attention) + scores_transient
+    gradients = held + max(layer_gradient_bytes(sizes, local, mlp_tokens), attention) + scores_transient
+    if tiled:
+        gradients += mlp_tokens * mlp_bytes(sizes, compute)
     moments = [
         saved + head_transient,  # the LM head's backward pass comes first
         saved + gradients,  # a kept layer's (the kept layers are the last ones: theirs come next)

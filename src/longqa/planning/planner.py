@@ -504,7 +504,7 @@ def update_compute(cfg, sizes: ModelSizes, world_size: int) -> Compute:
     with the fast engine, for the Llama-family layers its fused decode runs), else eager."""
     dtype = 2 if is_sharded(cfg, world_size) else DTYPE_BYTES[cfg.model.dtype]
     compiled = cfg.actor.compile_layers and cfg.rollout.engine == "fast" and sizes.compilable
-    return Compute(dtype_bytes=dtype, param_bytes=dtype, compiled=compiled)
+    return Compute(dtype_bytes=dtype, param_bytes=dtype, compiled=compiled, mlp_tile=cfg.model.mlp_tile_tokens)
 
 
 def update_backend(cfg) -> str:

@@ -409,6 +409,7 @@ class Trainer:
             gradient_checkpointing=m.gradient_checkpointing,
             checkpoint_fraction=m.checkpoint_fraction,
             activation_offload=m.activation_offload,
+            mlp_tile_tokens=m.mlp_tile_tokens,
             device=self.device,
             tokenizer=self.tokenizer,
         )
