@@ -18,7 +18,7 @@ import pytest
 from test_cli import _commands  # every (command path, parser) of the command line
 
 from longqa.cli import build_parser, main
-from longqa.config import load as config_module
+from longqa.config import schema as config_module
 from longqa.config import verl_keys
 
 # --- running the command line ------------------------------------------------------------------------

@@ -8,20 +8,15 @@ re-exported here, so ``from longqa.config import load_config`` reads as it alway
 """
 
 from longqa.config.load import (
-    Config,
-    ConfigError,
-    all_keys,
-    checked,
     environment_reward_mode,
     key_help,
     load_config,
     load_config_dict,
-    parse_override,
-    path_keys,
     read_config_file,
     to_dict,
     to_yaml,
 )
+from longqa.config.schema import Config, ConfigError, all_keys, checked, parse_override, path_keys
 
 __all__ = [
     "Config",

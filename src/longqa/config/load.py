@@ -2,7 +2,7 @@
 launch-line keys), each value checked as it is applied, before any work starts.
 
 The keys themselves, their types and rules live in ``longqa.config.schema``; the names a user imports
-(``Config``, ``ConfigError``, ...) are re-exported here.
+(``Config``, ``ConfigError``, ...) are re-exported by the package, ``longqa.config``.
 """
 
 from __future__ import annotations
@@ -18,32 +18,12 @@ from longqa.config.reward_mode import check_environment_mode, environment_reward
 from longqa.config.schema import (
     Config,
     ConfigError,
-    all_keys,
-    checked,
     expand_paths,
     flatten,
-    parse_override,
-    path_keys,
     sections,
     set_key,
 )
 from longqa.config.verl_keys import resolve_file_keys, resolve_overrides
-
-# Re-exported: the names users and the package import from here.
-__all__ = [
-    "Config",
-    "ConfigError",
-    "all_keys",
-    "checked",
-    "environment_reward_mode",
-    "key_help",
-    "load_config",
-    "load_config_dict",
-    "parse_override",
-    "path_keys",
-    "to_dict",
-    "to_yaml",
-]
 
 
 def load_config(
