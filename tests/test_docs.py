@@ -168,9 +168,9 @@ def test_guide_commands_run_through_the_entry_point(guide_workdir):
         ("torchrun --nproc_per_node 8 train.py", "must run -m longqa.cli"),
         ("pip install -e '.[ray,tensorbord]'", "tensorbord"),
         (
-            "longqa train actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.tensor_model_parallel_size=2 "
+            "longqa train actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.tensor_model_parallel_size=3 "
             "trainer.n_gpus_per_node=8 trainer.nnodes=4",
-            "not supported with 32 ranks",
+            "tensor_model_parallel_size=3 must divide the 32 ranks",
         ),
     ],
 )

@@ -113,26 +113,25 @@ def test_the_trainer_refuses_what_cannot_work_before_loading(monkeypatch):
     from longqa.config.support import check_imports, check_machine
 
     monkeypatch.setattr(longqa.config.support, "installed", lambda name: True)  # (the device, not the package)
-    with pytest.raises(ConfigError, match="tensor_model_parallel_size=2 needs GPUs"):
-        check_machine(load_config(None, ["rollout.engine=vllm", "rollout.tensor_model_parallel_size=2"]), "cpu")
+    tensor_parallel = load_config(None, ["rollout.engine=vllm", "rollout.tensor_model_parallel_size=2"])
+    with pytest.raises(ConfigError, match="tensor_model_parallel_size=2 in one process needs GPUs"):
+        check_machine(tensor_parallel, "cpu")
+    check_machine(tensor_parallel, "cpu", ranks=2)  # an engine over two torchrun ranks: fine on a CPU
+    check_machine(tensor_parallel, "cuda")
     with pytest.raises(ConfigError, match="not a GGUF file"):
         check_settings(load_config(None, ["rollout.engine=vllm", "model.path=x/model.gguf"]))
-    with pytest.raises(ConfigError, match="tensor_model_parallel_size=2 is not supported with 2 ranks"):
-        check_data_parallel(
-            load_config(
-                None,
-                [
-                    "rollout.engine=vllm",
-                    "rollout.tensor_model_parallel_size=2",
-                    "data.train_batch_size=4",
-                    "actor.ppo_mini_batch_size=2",
-                ],
-            ),
-            2,
-        )
-    check_data_parallel(
-        load_config(None, ["rollout.engine=vllm", "data.train_batch_size=4", "actor.ppo_mini_batch_size=2"]), 2
-    )  # one engine per rank: fine
+
+    def tensor_parallel_over(size: int, ranks: int) -> None:
+        batch = [f"data.train_batch_size={2 * ranks}", f"actor.ppo_mini_batch_size={ranks}"]
+        cfg = load_config(None, ["rollout.engine=vllm", f"rollout.tensor_model_parallel_size={size}", *batch])
+        check_data_parallel(cfg, ranks)
+
+    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=2 must divide the 3 ranks.*one of \[1, 3\]"):
+        tensor_parallel_over(2, 3)
+    with pytest.raises(ConfigError, match="tensor_model_parallel_size=4 must divide the 6 ranks"):
+        tensor_parallel_over(4, 6)
+    for size, ranks in ((1, 2), (2, 2), (2, 4), (4, 8), (2, 32)):  # an engine per rank, or per group of ranks
+        tensor_parallel_over(size, ranks)
     monkeypatch.setitem(sys.modules, "vllm", None)
     with pytest.raises(
         ConfigError,
@@ -178,7 +177,7 @@ def test_sleep_and_wake_around_the_update_in_order(model):
             calls.append(("reset_prefix_cache",))
 
     engine = VLLMRolloutEngine.__new__(VLLMRolloutEngine)
-    engine.llm, engine.model, engine.tensor_parallel_size = FakeLLM(), model, 1
+    engine.llm, engine.model, engine.tensor_parallel_size, engine.shared_by = FakeLLM(), model, 1, None
     engine.sleep_mode, engine.asleep, engine.version, engine.logprobs_mode = True, False, 0, "processed_logprobs"
     engine.sleep()
     with pytest.raises(StaleWeightsError):
@@ -428,35 +427,31 @@ def test_a_short_grpo_run_on_the_vllm_backend(model_dir, data_dir, tmp_path):
 @needs_vllm
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_two_ranks_with_an_engine_each_log_the_single_process_run(model_dir, data_dir, tmp_path):
-    """torchrun with two ranks, one vLLM engine per rank (each sampling its share of the prompts with
-    per-prompt seeds, validating through vLLM because its training model is sharded): the same metrics
-    as one process."""
+@pytest.mark.parametrize("ranks, tensor_parallel", [(2, 1), (2, 2), (4, 2)])
+def test_ranks_sharing_engines_or_not_log_the_single_process_run(model_dir, data_dir, tmp_path, ranks, tensor_parallel):
+    """torchrun with several ranks, one vLLM engine per rank or per group of ``tensor_parallel`` ranks (each rank
+    sampling its share of the prompts with per-prompt seeds, the ranks of a group sampling theirs together in one
+    engine, validating through vLLM because the training model is sharded): the same metrics as one process."""
     import subprocess
 
     from test_distributed import free_port
 
-    runs = {}
-    for ranks in (1, 2):
-        out = tmp_path / f"ranks{ranks}"
-        launcher = (
-            ["-m", "longqa.cli"]
-            if ranks == 1
-            else [
-                "-m",
-                "torch.distributed.run",
-                f"--nproc_per_node={ranks}",
-                f"--master_port={free_port()}",
-                "-m",
-                "longqa.cli",
-            ]
-        )
-        subprocess.run(
-            [sys.executable, *launcher, "train", *train_args(model_dir, data_dir, out, **{"trainer.save_freq": 0})],
-            check=True,
+    # Each rank's share of every mini-batch is whole groups.
+    same = {"trainer.save_freq": 0, "actor.ppo_mini_batch_size": max(2, ranks)}
+    single = train_args(model_dir, data_dir, tmp_path / "single", **same)
+    several = train_args(
+        model_dir, data_dir, tmp_path / "several", **same, **{"rollout.tensor_model_parallel_size": tensor_parallel}
+    )
+    torchrun = ["-m", "torch.distributed.run", f"--nproc_per_node={ranks}", f"--master_port={free_port()}"]
+    for launcher, args in (([], single), (torchrun, several)):
+        run = subprocess.run(
+            [sys.executable, *launcher, "-m", "longqa.cli", "train", *args],
             env={**os.environ, "OMP_NUM_THREADS": "1"},
+            capture_output=True,
+            text=True,
         )
-        runs[ranks] = records(out)
-    assert [r["step"] for r in runs[2]] == [0, 1, 2]
-    for single, double in zip(runs[1], runs[2]):
-        assert double == pytest.approx(single, rel=1e-4, abs=1e-6)
+        assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr[-3000:]  # (nor at exit)
+    runs = [records(tmp_path / name) for name in ("single", "several")]
+    assert [r["step"] for r in runs[1]] == [0, 1, 2]
+    for one, shared in zip(*runs):
+        assert shared == pytest.approx(one, rel=1e-4, abs=1e-6)

@@ -111,15 +111,17 @@ def check_parallel_support(cfg: Config, training_ranks: int) -> None:
     unsupported = {
         "rollout.engine=hf": r.engine == "hf",
         "algo.dynamic_sampling=true": cfg.algo.dynamic_sampling,
-        # each rank runs its own vLLM engine on its own device; a tensor-parallel group spanning
-        # ranks would need every rank of the group to sample the same prompts
-        f"rollout.engine=vllm with rollout.tensor_model_parallel_size={r.tensor_model_parallel_size}": r.engine
-        == "vllm"
-        and r.tensor_model_parallel_size > 1,
     }
     for what, present in unsupported.items():
         if present:
             raise ConfigError(f"{what} is not supported with {training_ranks} ranks yet")
+    tp = r.tensor_model_parallel_size
+    if r.engine == "vllm" and training_ranks % tp:
+        fits = [d for d in range(1, training_ranks + 1) if training_ranks % d == 0]
+        raise ConfigError(
+            f"rollout.tensor_model_parallel_size={tp} must divide the {training_ranks} ranks: each group of that "
+            f"many ranks shares one vLLM engine; use one of {fits}"
+        )
 
 
 def check_sequence_parallel(cfg: Config, training_ranks: int) -> None:

@@ -153,7 +153,8 @@ class RolloutConfig:
     )
     tensor_model_parallel_size: int = opt(
         1,
-        "vllm engine: GPUs one vLLM engine spans (tensor parallel; 1 on a CPU and under several ranks)",
+        "vllm engine: GPUs one vLLM engine spans (tensor parallel): under several ranks, each group of that many "
+        "ranks shares one engine; one process on a CPU takes 1",
         *positive,
         on_resume="apply",
     )

@@ -114,8 +114,8 @@ def _package_problems(cfg: Config) -> list[str]:
     ]
 
 
-def _device_problems(cfg: Config, device_type: str) -> list[str]:
-    """The settings of ``cfg`` that a ``device_type`` device cannot run."""
+def _device_problems(cfg: Config, device_type: str, ranks: int) -> list[str]:
+    """The settings of ``cfg`` that a job of ``ranks`` ranks on ``device_type`` devices cannot run."""
     checks = {
         f"actor.attention_backend={cfg.actor.attention_backend}": attention_backend_problem(
             cfg.actor.attention_backend, device_type
@@ -131,20 +131,23 @@ def _device_problems(cfg: Config, device_type: str) -> list[str]:
             f"model.activation_offload={m.activation_offload} moves activations from a GPU to host "
             f"memory; on {device_type} they are in host memory already: use 0"
         )
-    if r.engine == "vllm" and r.tensor_model_parallel_size > 1 and device_type != "cuda":
+    if r.engine == "vllm" and r.tensor_model_parallel_size > 1 and device_type != "cuda" and ranks == 1:
+        # (one process spans several GPUs with worker processes of vLLM's own; on a CPU an engine's ranks are
+        # torchrun's)
         problems.append(
-            f"rollout.tensor_model_parallel_size={r.tensor_model_parallel_size} needs GPUs; on {device_type} use 1"
+            f"rollout.tensor_model_parallel_size={r.tensor_model_parallel_size} in one process needs GPUs; on "
+            f"{device_type} use 1, or launch that many ranks (torchrun --nproc_per_node)"
         )
     return problems
 
 
-def check_machine(cfg: Config, device_type: str | None) -> None:
+def check_machine(cfg: Config, device_type: str | None, ranks: int = 1) -> None:
     """Refuse, in one ConfigError naming the settings, what this machine cannot run of ``cfg`` on ``device_type``
-    (None: not this machine's, so only the package checks): the packages its settings need, and what the device
-    cannot do."""
+    (None: not this machine's, so only the package checks) in a job of ``ranks`` ranks: the packages its settings
+    need, and what the device cannot do."""
     problems = _package_problems(cfg)
     if device_type is not None:
-        problems += _device_problems(cfg, device_type)
+        problems += _device_problems(cfg, device_type, ranks)
     if problems:
         raise ConfigError("; ".join(problems))
 

@@ -754,7 +754,7 @@ def check_run(
     training rank of ``gpu_bytes`` (None: the CPU's), whose model ``read_sizes`` sizes then."""
     check_settings(cfg, ranks)
     if machine:
-        check_machine(cfg, device_type)
+        check_machine(cfg, device_type, ranks)
     sizes = read_sizes(cfg) if gpu_bytes is not None else None
     config, note = resolve_auto(cfg, ranks - cfg.rollout.sampler_ranks, gpu_bytes, sizes)
     return CheckedRun(config, note, sizes)

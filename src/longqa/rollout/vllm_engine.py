@@ -2,10 +2,13 @@
 
 The reference recipe samples with vLLM on the GPUs it trains on. This engine keeps that layout with
 one vLLM engine per rank, built in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the trainer can
-reach vLLM's model directly: weights move by reference, never through a socket. Under torchrun each
-rank's engine is one data-parallel replica of vLLM's "external launcher" mode, on the rank's own device;
-a tensor-parallel group spanning ranks is not supported yet (``tensor_parallel_size`` > 1 is for one
-process driving several GPUs). vLLM holds its own copy of the weights, so after every update the engine
+reach vLLM's model directly: weights move by reference, never through a socket. Under torchrun the ranks
+run vLLM's "external launcher" mode: each group of ``tensor_parallel_size`` consecutive ranks holds one engine,
+its weights and KV split over the group's devices (the recipe's 32B baseline: 2 GPUs an engine, 16 engines on
+32 GPUs), and the groups are vLLM's data-parallel replicas. Every rank still asks for its own prompts: the
+ranks of a group gather theirs, the group samples them all as one batch, and each rank takes its own answers
+back. With one process, ``tensor_parallel_size`` > 1 has vLLM start a worker process per further GPU. vLLM
+holds its own copy of the weights, so after every update the engine
 
 1. wakes vLLM if it slept through the update (colocation: vLLM gives its GPU memory back while the
    actor trains, where the platform has sleep mode; the CPU has none and the step is skipped),
@@ -139,12 +142,18 @@ class VLLMRolloutEngine(RolloutEngine):
         device = next(model.parameters()).device
         on_cpu = device.type == "cpu"
         ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        if ranks % tensor_parallel_size:
+            raise ValueError(
+                f"tensor_parallel_size={tensor_parallel_size} must divide the {ranks} ranks: each group of that "
+                f"many ranks holds one engine"
+            )
         if ranks > 1:
-            # Under torchrun each rank's engine is one data-parallel replica launched by torchrun itself: vLLM
-            # then places it on the rank's own device (LOCAL_RANK) and steps the replicas together.
+            # Under torchrun the ranks are launched by torchrun itself: vLLM places each on its own device
+            # (LOCAL_RANK), makes each run of tensor_parallel_size consecutive ranks one engine and the runs its
+            # data-parallel replicas, and steps the replicas together.
             engine_kwargs = {
                 "distributed_executor_backend": "external_launcher",
-                "data_parallel_size": ranks,
+                "data_parallel_size": ranks // tensor_parallel_size,
                 **engine_kwargs,
             }
         elif device.type == "cuda" and (device.index or 0) != 0:
@@ -153,15 +162,10 @@ class VLLMRolloutEngine(RolloutEngine):
                 f"the training model is on {device} but an in-process vLLM engine runs on the first "
                 f"visible GPU: make it the first with CUDA_VISIBLE_DEVICES"
             )
-        if tensor_parallel_size > 1 and ranks > 1:
+        if tensor_parallel_size > 1 and on_cpu and ranks == 1:
             raise ValueError(
-                f"tensor_parallel_size={tensor_parallel_size} under {ranks} ranks: one engine per rank "
-                f"needs tensor_parallel_size=1"
-            )
-        if tensor_parallel_size > 1 and on_cpu:
-            raise ValueError(
-                f"tensor_parallel_size={tensor_parallel_size} needs GPUs: the CPU engine runs one "
-                f"process per rank (use 1)"
+                f"tensor_parallel_size={tensor_parallel_size} in one process needs GPUs; on a CPU launch that "
+                f"many ranks (torchrun --nproc_per_node={tensor_parallel_size})"
             )
         if kv_cache_bytes is None and on_cpu:
             kv_cache_bytes = 2 << 30
@@ -195,6 +199,14 @@ class VLLMRolloutEngine(RolloutEngine):
         args.update(engine_kwargs)
         with _keep_process_state():
             self.llm = vllm.LLM(**args)
+        self.launched_by_torchrun = ranks > 1
+        # The ranks that share this engine (vLLM's tensor-parallel group under torchrun), or None where the engine
+        # is this rank's alone.
+        self.shared_by = None
+        if ranks > 1 and tensor_parallel_size > 1:
+            from vllm.distributed.parallel_state import get_tp_group
+
+            self.shared_by = get_tp_group()
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
         self.sync_weights()
 
@@ -215,7 +227,7 @@ class VLLMRolloutEngine(RolloutEngine):
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
         weights = training_weights(self.model)
-        if self.tensor_parallel_size > 1:  # TP workers are other processes: the tensors travel pickled
+        if self.tensor_parallel_size > 1 and self.shared_by is None:  # workers in other processes: pickled
             weights = list(weights)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
         if self.asleep:
@@ -223,6 +235,16 @@ class VLLMRolloutEngine(RolloutEngine):
             self.asleep = False
         self.llm.reset_prefix_cache()  # no KV computed with the old weights is reused
         self.version = weights_version(self.model)
+
+    def close(self, finished: bool = True) -> None:
+        """Under torchrun, vLLM's process groups go now, while the job's is up: vLLM's own teardown, left to the
+        process's exit, runs after the trainer has left the job's group, finds its groups destroyed with it and
+        prints a traceback on every rank of a run that finished. The job's group stays for the trainer to leave."""
+        if self.launched_by_torchrun:
+            from vllm.distributed import parallel_state
+
+            parallel_state.destroy_model_parallel()
+            parallel_state.get_world_group().destroy()  # (vLLM's exit skips a group already destroyed)
 
     # ------------------------------------------------------------------------------ generate
 
@@ -238,9 +260,14 @@ class VLLMRolloutEngine(RolloutEngine):
     ) -> list[list[Sample]]:
         """``params.n`` samples per prompt. ``seeds`` (one per prompt) make each prompt's samples a function
         of its seed alone (vLLM seeds sample j with seed + j); without them they are drawn from ``generator``.
-        ``stop_at`` is refused; ``at_version`` as in ``RolloutEngine.generate``."""
+        ``stop_at`` is refused; ``at_version`` as in ``RolloutEngine.generate``. Where ranks share the engine, each
+        rank of it calls this once with its own prompts (none included) and gets its own samples."""
         self.check_request(seeds, stop_at)
         prompts = [list(p) for p in prompts]
+        seeds = prompt_seeds(len(prompts), generator, seeds)
+        mine = slice(0, len(prompts))
+        if self.shared_by is not None:
+            prompts, seeds, mine = self._requests_of_the_engine(prompts, seeds)
         if not prompts:
             return []
         if not all(prompts):
@@ -263,7 +290,6 @@ class VLLMRolloutEngine(RolloutEngine):
                 f"a {longest}-token prompt plus {params.max_new_tokens} new tokens exceeds vLLM's "
                 f"max_model_len={self.max_model_len}"
             )
-        seeds = prompt_seeds(len(prompts), generator, seeds)
         from vllm import SamplingParams as VLLMParams
         from vllm.inputs import TokensPrompt
 
@@ -297,7 +323,18 @@ class VLLMRolloutEngine(RolloutEngine):
                     for _ in range(params.n)
                 ]
             results.append(samples)
-        return results
+        return results[mine]
+
+    def _requests_of_the_engine(self, prompts: list[list[int]], seeds: list[int]):
+        """The prompts and seeds of every rank sharing this engine, in rank order, and where this rank's are among
+        them: the ranks of a tensor-parallel group step one engine together, so each submits the same requests.
+        Each prompt's samples depend on its seed alone, so sampling them in one batch changes none."""
+        group = self.shared_by
+        parts = [None] * group.world_size
+        torch.distributed.all_gather_object(parts, (prompts, seeds), group=group.cpu_group)
+        start = sum(len(ranks_prompts) for ranks_prompts, _ in parts[: group.rank_in_group])
+        everyone = [p for ranks_prompts, _ in parts for p in ranks_prompts]
+        return everyone, [s for _, ranks_seeds in parts for s in ranks_seeds], slice(start, start + len(prompts))
 
     def _exact(self, params: SamplingParams) -> bool:
         """Whether this engine's ``logprobs_mode`` gives exactly ``Sample.logprobs`` for ``params``."""
