@@ -113,5 +113,10 @@ def test_packed_update_is_exact_or_refused(family):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", families())
-def test_fast_engine_is_exact_or_refused(family):
+def test_fast_engine_is_exact_or_refused(family, monkeypatch):
+    """With a prompt's later prefill pieces attending one query row at a time (``PREFILL_SCORES_BYTES`` at its
+    least), each row's keys cut to its sliding window where the layer has one."""
+    import longqa.rollout.fast
+
+    monkeypatch.setattr(longqa.rollout.fast, "PREFILL_SCORES_BYTES", 1)
     engine_outcome(family)

@@ -325,3 +325,31 @@ def test_the_kv_budget_is_the_engine_s_share_of_the_free_gpu_memory(monkeypatch,
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 << 30, 80 << 30))
     assert engine._budget() == int(kv_share * (10 << 30))
     assert FastRolloutEngine(tiny_lm("llama"), kv_cache_bytes=123, kv_share=kv_share)._budget() == 123
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_long_prompt_s_later_pieces_attend_a_block_of_queries_at_a_time(family, rows, monkeypatch):
+    """A prompt longer than a prefill forward comes in pieces; each piece after the first attends a block of its
+    query rows at a time, so that no attention call forms more than ``PREFILL_SCORES_BYTES`` of scores (at 131,072
+    tokens an unblocked piece formed 64 GiB on the CPU). Bounded to ``rows`` rows of the longest prompt's scores:
+    the greedy tokens of transformers' generate, and no call past the bound."""
+    import longqa.rollout.fast as fast
+
+    model = tiny_lm(family)
+    longest, heads = max(len(p) for p in prompts()), model.config.num_attention_heads
+    bound = 4 * heads * longest * rows
+    monkeypatch.setattr(fast, "PREFILL_SCORES_BYTES", bound)
+    formed, attend = [], fast.masked_attention
+
+    def measured(q, k, v, mask, scaling, softcap=None):
+        formed.append(4 * q.shape[1] * q.shape[2] * k.shape[2])
+        return attend(q, k, v, mask, scaling, softcap)
+
+    monkeypatch.setattr(fast, "masked_attention", measured)
+    engine = FastRolloutEngine(model, prefill_chunk=7, sync_every=3)
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=6, stop_token_ids=(STOP,))
+    for prompt, group in zip(prompts(), engine.generate(prompts(), params)):
+        assert all(sample.token_ids == hf_greedy(model, prompt, 6) for sample in group)
+    pieces_after_the_first = sum(-(-len(p) // 7) - 1 for p in prompts())
+    assert max(formed) <= bound and len(formed) > pieces_after_the_first  # blocks, each within the bound

@@ -82,6 +82,11 @@ VOCAB_CHUNKS = 64
 # rounded up to these steps (tokens), so that a few shapes (and CUDA graphs) serve every batch.
 PROMPT_VIEW_STEP, RESPONSE_VIEW_STEP = 256, 64
 PREFILL_ACTIVATION_BYTES = 1 << 30
+# The most float32 attention scores (bytes) one attention call of a prefill may form, should the kernel form them
+# (a masked SDPA can fall back to the explicit one): a piece that does not start its prompt attends a block of its
+# queries at a time. Without the bound a 21,845-token piece of a 131,072-token prompt (Qwen3-8B's) would form
+# 366 GB of scores.
+PREFILL_SCORES_BYTES = 1 << 30
 
 PLAIN_ATTENTION = AttentionSpec()  # causal softmax, no window or soft-capping: a layer that says nothing else
 
@@ -273,9 +278,7 @@ class SharedPrefixKV:
                 q, keys, values, is_causal=True, scale=scaling, enable_gqa=keys.shape[1] != q.shape[1]
             )
         else:
-            distance = torch.arange(start, end, device=q.device)[:, None] - torch.arange(end, device=q.device)[None, :]
-            mask = (distance >= 0) & (distance < (spec.window or end + 1))
-            out = masked_attention(q, keys, values, mask, scaling, spec.softcap)
+            out = blocked_prefix_attention(q, keys, values, start, scaling, spec)
         return out.transpose(1, 2)
 
     def _decode(self, layer, q, k, v, scaling, spec: AttentionSpec):
@@ -324,6 +327,26 @@ class SharedPrefixKV:
             spec.window,
             spec.softcap,
         )
+
+
+def blocked_prefix_attention(q, keys, values, start: int, scaling, spec: AttentionSpec = PLAIN_ATTENTION):
+    """Causal attention of the queries at positions ``start``.. over the keys at 0.. (``[1, heads, L, d]`` queries,
+    ``[1, kv_heads, start + L, d]`` keys and values), a block of query rows at a time so that no call forms more than
+    ``PREFILL_SCORES_BYTES`` of scores: each block reads the keys its rows see (from the window's start, where the
+    layer has one, to its last row), under the rows of the causal mask that are its own."""
+    heads, length, end = q.shape[1], q.shape[2], keys.shape[2]
+    rows = max(1, PREFILL_SCORES_BYTES // (4 * heads * end))
+    outputs = []
+    for first in range(0, length, rows):
+        last = min(first + rows, length)  # rows [first, last): positions start + first ..
+        lo = max(0, start + first - spec.window + 1) if spec.window else 0
+        hi = start + last
+        distance = torch.arange(start + first, hi, device=q.device)[:, None] - torch.arange(lo, hi, device=q.device)
+        mask = (distance >= 0) & (distance < (spec.window or hi + 1))
+        outputs.append(
+            masked_attention(q[:, :, first:last], keys[:, :, lo:hi], values[:, :, lo:hi], mask, scaling, spec.softcap)
+        )
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, 2)
 
 
 def _batched(store: torch.Tensor, length: int) -> torch.Tensor:
