@@ -142,7 +142,7 @@ class VLLMRolloutEngine(RolloutEngine):
         device = next(model.parameters()).device
         on_cpu = device.type == "cpu"
         ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        if ranks % tensor_parallel_size:
+        if ranks > 1 and ranks % tensor_parallel_size:
             raise ValueError(
                 f"tensor_parallel_size={tensor_parallel_size} must divide the {ranks} ranks: each group of that "
                 f"many ranks holds one engine"
