@@ -417,7 +417,7 @@ def kv_advice(plan: MemoryPlan) -> str:
 def longest_kv_prompt(sizes: ModelSizes, gpu_bytes: int, response_length: int, n: int, param_bytes: int) -> int:
     """The longest prompt whose group (the prompt once, ``n`` responses) the fast engine's KV holds on one GPU
     beside the engine's weights alone (a sampler rank's; a GPU that trains too holds less): past it no layout of
-    the run samples, since the engine has no tensor parallelism for the prompt's KV."""
+    the fast engine samples, since it has no tensor parallelism for the prompt's KV."""
     per_token = kv_bytes_per_group(sizes, 1, 0, 0, param_bytes)
     room = gpu_bytes - param_bytes * sizes.params - MARGIN_BYTES
     return max(0, room // per_token - n * response_length)
