@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
-import subprocess
 import sys
 import time
+
+from fresh_process import case_in_fresh_process
 
 MIB = 2**20
 NO_BOUND = 1 << 62
@@ -103,12 +103,10 @@ def run_case(args) -> dict:
 
 def measure(args, tokens: int, unblocked: bool) -> dict:
     """``run_case`` in a fresh process, so each peak starts from the same empty process."""
-    command = [sys.executable, __file__, "--case-tokens", str(tokens)] + (["--case-unblocked"] if unblocked else [])
+    command = ["--case-tokens", str(tokens)] + (["--case-unblocked"] if unblocked else [])
     for flag in ("hidden", "layers", "heads", "n", "new", "threads", "limit_gib"):
         command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}
-    out = subprocess.run(command, check=True, capture_output=True, text=True, env=env).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    return case_in_fresh_process(__file__, command)
 
 
 def table(args) -> list[str]:

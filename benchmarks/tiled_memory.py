@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
-import subprocess
 import sys
 import time
+
+from fresh_process import case_in_fresh_process
 
 MIB = 2**20
 
@@ -71,12 +71,10 @@ def run_case(args) -> dict:
 
 def measure(args, tokens: int, tile: int, recompute: bool) -> dict:
     """``run_case`` in a fresh process, so each peak starts from the same empty process."""
-    command = [sys.executable, __file__, "--case-tokens", str(tokens), "--case-tile", str(tile)]
+    command = ["--case-tokens", str(tokens), "--case-tile", str(tile)]
     command += ["--hidden", str(args.hidden), "--intermediate", str(args.intermediate), "--layers", str(args.layers)]
     command += ["--heads", str(args.heads), "--threads", str(args.threads)] + (["--recompute"] if recompute else [])
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}
-    out = subprocess.run(command, check=True, capture_output=True, text=True, env=env).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    return case_in_fresh_process(__file__, command)
 
 
 def table(args) -> list[str]:
