@@ -268,8 +268,10 @@ class VLLMRolloutEngine(RolloutEngine):
         mine = slice(0, len(prompts))
         if self.shared_by is not None:
             prompts, seeds, mine = self._requests_of_the_engine(prompts, seeds)
-        if not prompts:
+        if not prompts and not self.launched_by_torchrun:
             return []
+        # Under torchrun the engines are vLLM's data-parallel replicas, which step together until every replica's
+        # requests are done: one with no prompts of its own still steps (idle) beside the others.
         if not all(prompts):
             raise ValueError("every prompt needs at least one token")
         expected = weights_version(self.model) if at_version is None else at_version
@@ -284,7 +286,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 f"at temperature={params.temperature}, top_k={params.top_k}, top_p={params.top_p} "
                 f"(see logprobs_mode_for); ask for return_logprobs=False"
             )
-        longest = max(len(p) for p in prompts)
+        longest = max((len(p) for p in prompts), default=0)
         if longest + params.max_new_tokens > self.max_model_len:
             raise ValueError(
                 f"a {longest}-token prompt plus {params.max_new_tokens} new tokens exceeds vLLM's "
