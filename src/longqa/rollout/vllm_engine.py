@@ -1,7 +1,7 @@
 """The vLLM rollout engine (``rollout.engine=vllm``): vLLM samples, in this process, beside the trainer.
 
 The reference recipe samples with vLLM on the GPUs it trains on. This engine keeps that layout with
-one vLLM engine per rank, built in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the trainer can
+vLLM engines built in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the trainer can
 reach vLLM's model directly: weights move by reference, never through a socket. Under torchrun the ranks
 run vLLM's "external launcher" mode: each group of ``tensor_parallel_size`` consecutive ranks holds one engine,
 its weights and KV split over the group's devices (the recipe's 32B baseline: 2 GPUs an engine, 16 engines on
@@ -101,6 +101,8 @@ class VLLMRolloutEngine(RolloutEngine):
     ``model`` is the training model: its weights are loaded into vLLM here (vLLM itself starts from
     dummy weights, so the checkpoint is read once) and again by every ``sync_weights``. ``model_path``
     is a folder or hub id vLLM reads the architecture (``config.json``) and tokenizer from.
+    ``tensor_parallel_size`` is the GPUs one engine spans: under several ranks (torchrun, Ray Train) that many
+    consecutive ranks share it; in one process vLLM starts worker processes of its own for the others.
 
     ``kv_cache_bytes`` sizes vLLM's KV cache explicitly (default: 2 GiB on a CPU, else
     ``gpu_memory_utilization`` of the GPU for weights, activations and cache). ``free_cache_engine``
@@ -142,15 +144,15 @@ class VLLMRolloutEngine(RolloutEngine):
         device = next(model.parameters()).device
         on_cpu = device.type == "cpu"
         ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        if ranks > 1 and ranks % tensor_parallel_size:
-            raise ValueError(
-                f"tensor_parallel_size={tensor_parallel_size} must divide the {ranks} ranks: each group of that "
-                f"many ranks holds one engine"
-            )
         if ranks > 1:
-            # Under torchrun the ranks are launched by torchrun itself: vLLM places each on its own device
-            # (LOCAL_RANK), makes each run of tensor_parallel_size consecutive ranks one engine and the runs its
-            # data-parallel replicas, and steps the replicas together.
+            if ranks % tensor_parallel_size:
+                raise ValueError(
+                    f"tensor_parallel_size={tensor_parallel_size} must divide the {ranks} ranks: each group of that "
+                    f"many ranks holds one engine"
+                )
+            # The ranks were launched by torchrun (or Ray Train, which sets the same environment): vLLM places each
+            # on its own device (LOCAL_RANK), makes each run of tensor_parallel_size consecutive ranks one engine and
+            # the runs its data-parallel replicas, and steps the replicas together.
             engine_kwargs = {
                 "distributed_executor_backend": "external_launcher",
                 "data_parallel_size": ranks // tensor_parallel_size,
@@ -199,7 +201,7 @@ class VLLMRolloutEngine(RolloutEngine):
         args.update(engine_kwargs)
         with _keep_process_state():
             self.llm = vllm.LLM(**args)
-        self.launched_by_torchrun = ranks > 1
+        self.external_launcher = ranks > 1  # vLLM's mode for a process that is one rank of a launched job
         # The ranks that share this engine (vLLM's tensor-parallel group under torchrun), or None where the engine
         # is this rank's alone.
         self.shared_by = None
@@ -240,7 +242,7 @@ class VLLMRolloutEngine(RolloutEngine):
         """Under torchrun, vLLM's process groups go now, while the job's is up: vLLM's own teardown, left to the
         process's exit, runs after the trainer has left the job's group, finds its groups destroyed with it and
         prints a traceback on every rank of a run that finished. The job's group stays for the trainer to leave."""
-        if self.launched_by_torchrun:
+        if self.external_launcher:
             from vllm.distributed import parallel_state
 
             parallel_state.destroy_model_parallel()
@@ -268,10 +270,10 @@ class VLLMRolloutEngine(RolloutEngine):
         mine = slice(0, len(prompts))
         if self.shared_by is not None:
             prompts, seeds, mine = self._requests_of_the_engine(prompts, seeds)
-        if not prompts and not self.launched_by_torchrun:
-            return []
         # Under torchrun the engines are vLLM's data-parallel replicas, which step together until every replica's
         # requests are done: one with no prompts of its own still steps (idle) beside the others.
+        if not prompts and not self.external_launcher:
+            return []
         if not all(prompts):
             raise ValueError("every prompt needs at least one token")
         expected = weights_version(self.model) if at_version is None else at_version
