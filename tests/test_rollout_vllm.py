@@ -464,7 +464,7 @@ from transformers import AutoModelForCausalLM
 from longqa.rollout.base import SamplingParams
 from longqa.rollout.vllm_engine import VLLMRolloutEngine
 
-model_dir, tensor_parallel, prompts = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+model_dir, tensor_parallel, prompts, out = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4]
 dist.init_process_group("gloo")
 model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 engine = VLLMRolloutEngine(
@@ -474,41 +474,47 @@ engine = VLLMRolloutEngine(
 mine = prompts if dist.get_rank() == 0 else []
 sampled = engine.generate(mine, SamplingParams(n=2, temperature=1.0, max_new_tokens=6), seeds=list(range(len(mine))))
 greedy = engine.generate(prompts[:1], SamplingParams(n=1, temperature=0, max_new_tokens=3), seeds=[0])
-print("RESULT", json.dumps([[[s.token_ids for s in g] for g in calls] for calls in (sampled, greedy)]), flush=True)
+with open(f"{out}/rank{dist.get_rank()}.json", "w") as f:
+    json.dump([[[s.token_ids for s in g] for g in calls] for calls in (sampled, greedy)], f)
 engine.close()
 dist.barrier()
 dist.destroy_process_group()
 """
 
 
-@needs_vllm
-@pytest.mark.vllm
-@pytest.mark.slow
-@pytest.mark.parametrize("ranks, tensor_parallel", [(2, 1), (4, 2)])  # (4, 2): ranks 1, 2, 3 have none
-def test_a_rank_without_prompts_steps_beside_the_others(engine, model_dir, tokenizer, tmp_path, ranks, tensor_parallel):
-    """Only rank 0 has prompts, then every rank has one: the engines are vLLM's data-parallel replicas, which step
-    together, so a rank (or a group of ranks sharing an engine) with nothing to sample must still step beside the
-    others; once it returned at once and the next call hung. Rank 0's samples are the single-process engine's."""
+def run_ranks(script, model_dir, ranks: int, tensor_parallel: int, asked) -> list:
+    """``RANKS_SCRIPT`` under torchrun: each rank's samples of both calls, in rank order."""
     import json
     import subprocess
 
     from test_distributed import free_port
 
-    script = tmp_path / "ranks.py"
-    script.write_text(RANKS_SCRIPT)
-    asked = prompts(tokenizer)[:2]
+    out = script.parent / f"ranks{ranks}-tp{tensor_parallel}"
+    out.mkdir()
     torchrun = ["-m", "torch.distributed.run", f"--nproc_per_node={ranks}", f"--master_port={free_port()}"]
     run = subprocess.run(
-        [sys.executable, *torchrun, str(script), str(model_dir), str(tensor_parallel), json.dumps(asked)],
+        [sys.executable, *torchrun, str(script), str(model_dir), str(tensor_parallel), json.dumps(asked), str(out)],
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    results = [json.loads(line.split(" ", 1)[1]) for line in run.stdout.splitlines() if line.startswith("RESULT ")]
-    assert len(results) == ranks
-    alone = engine.generate(asked, SamplingParams(n=2, temperature=1.0, max_new_tokens=6), seeds=[0, 1])
-    first = [result for result in results if result[0]]
-    assert len(first) == 1 and first[0][0] == [[s.token_ids for s in g] for g in alone]
-    assert all(result[1] == first[0][1] for result in results)  # the second call, every rank's own prompt
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(ranks)]
+
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks, tensor_parallel", [(2, 1), (4, 2)])  # (4, 2): ranks 1, 2, 3 have none
+def test_a_rank_without_prompts_steps_beside_the_others(model_dir, tokenizer, tmp_path, ranks, tensor_parallel):
+    """Only rank 0 has prompts, then every rank has one: the engines are vLLM's data-parallel replicas, which step
+    together, so a rank (or a group of ranks sharing an engine) with nothing to sample must still step beside the
+    others; once it returned at once and the next call hung. Rank 0's samples are those of one process alone."""
+    script = tmp_path / "ranks.py"
+    script.write_text(RANKS_SCRIPT)
+    asked = prompts(tokenizer)[:2]
+    (alone,) = run_ranks(script, model_dir, 1, 1, asked)
+    results = run_ranks(script, model_dir, ranks, tensor_parallel, asked)
+    assert results[0] == alone and all(result[0] == [] for result in results[1:])
+    assert all(result[1] == alone[1] for result in results)  # the second call, every rank's own prompt
