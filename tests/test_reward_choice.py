@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from cli_refusal import refusal
 
 import longqa
 from longqa.cli import main
@@ -17,16 +18,6 @@ from longqa.config import load_config
 
 CONFIGS = Path(longqa.__file__).parent / "configs"
 EMPTY_BOX = "<think>it is</think> The answer is \\boxed{}."
-
-
-def _refusal(capsys, argv: list[str]) -> str:
-    """The one error line of ``longqa ARGV``, which must exit 2 without a traceback."""
-    capsys.readouterr()
-    code = main(argv)
-    err = capsys.readouterr().err
-    errors = [line for line in err.splitlines() if "error:" in line]
-    assert code == 2 and "Traceback" not in err and len(errors) == 1, err
-    return errors[0].removeprefix("longqa: error: ")
 
 
 def _no_work(*args, **kwargs):
@@ -55,7 +46,7 @@ def test_a_shipped_config_s_mode_against_reward_calc_type_is_refused_by_every_co
         ["plan", config, "--gpus", "32"],
         ["data", "prepare", config],
     ):
-        assert _refusal(capsys, argv) == expected, argv
+        assert refusal(capsys, argv) == expected, argv
 
 
 def test_a_mode_given_on_the_command_line_is_held_to_the_same_rule(tmp_path, monkeypatch, capsys):
@@ -65,10 +56,10 @@ def test_a_mode_given_on_the_command_line_is_held_to_the_same_rule(tmp_path, mon
         "REWARD_CALC_TYPE=pure_exact_match but reward.mode=hardened (from the command line): a run scores with one "
         "mode; set reward.mode=pure_exact_match, or unset REWARD_CALC_TYPE"
     )
-    assert _refusal(capsys, ["train", "reward.mode=hardened", f"trainer.output_dir={tmp_path}/run"]) == expected
-    assert _refusal(capsys, ["plan", "reward.mode=hardened", "--gpus", "1"]) == expected
+    assert refusal(capsys, ["train", "reward.mode=hardened", f"trainer.output_dir={tmp_path}/run"]) == expected
+    assert refusal(capsys, ["plan", "reward.mode=hardened", "--gpus", "1"]) == expected
     verl = ["actor_rollout_ref.rollout.n=4", "data.train_files=x.parquet", "reward.mode=hardened"]
-    assert _refusal(capsys, ["config", "show", *verl]) == expected  # a verl line, the same
+    assert refusal(capsys, ["config", "show", *verl]) == expected  # a verl line, the same
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ The list is enumerated, not copied: a new rule without a case below fails ``test
 from __future__ import annotations
 
 import pytest
+from cli_refusal import refusal
 
 from longqa.cli import main
 from longqa.config import ConfigError, load_config, to_dict
@@ -39,16 +40,6 @@ def test_every_rule_has_a_case():
     assert [check.__name__ for check in CHECKS] == list(CASES)  # (in the list's order)
 
 
-def _refusal(capsys, argv: list[str]) -> str:
-    """The one error line of ``longqa ARGV``, which must exit 2 without a traceback."""
-    capsys.readouterr()
-    code = main(argv)
-    err = capsys.readouterr().err
-    errors = [line for line in err.splitlines() if "error:" in line]
-    assert code == 2 and "Traceback" not in err and len(errors) == 1, err
-    return errors[0].removeprefix("longqa: error: ")
-
-
 def _no_work(*args, **kwargs):
     raise AssertionError("the work began before the broken rule was refused")
 
@@ -69,9 +60,9 @@ def test_every_command_refuses_each_rule_in_its_words(index, tmp_path, monkeypat
     monkeypatch.setenv("WORLD_SIZE", str(ranks))  # the job train and config show are in (torchrun's)
     monkeypatch.setenv("RANK", "0")
     run = [f"trainer.output_dir={tmp_path}/run", "data.train_files=x.parquet", "data.val_files=[]"]
-    assert _refusal(capsys, ["train", *overrides, *run]) == message
-    assert _refusal(capsys, ["config", "show", *overrides]) == message
-    assert _refusal(capsys, ["plan", *overrides, "--gpus", str(ranks)]) == message
+    assert refusal(capsys, ["train", *overrides, *run]) == message
+    assert refusal(capsys, ["config", "show", *overrides]) == message
+    assert refusal(capsys, ["plan", *overrides, "--gpus", str(ranks)]) == message
     with pytest.raises(ConfigError) as refused:
         Trainer(load_config(DEMO_CONFIG, [*overrides, *run]))
     assert str(refused.value) == message
@@ -89,7 +80,7 @@ def test_config_show_counts_the_ranks_train_runs_on(monkeypatch, capsys):
     assert main(["config", "show", "rollout.engine=hf"]) == 0
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert (
-        _refusal(capsys, ["config", "show", "rollout.engine=hf"]) == "rollout.engine=hf is not supported with 2 "
+        refusal(capsys, ["config", "show", "rollout.engine=hf"]) == "rollout.engine=hf is not supported with 2 "
         "ranks yet"
     )
 
@@ -116,12 +107,12 @@ def test_config_show_refuses_a_sequence_parallel_degree_in_one_line(monkeypatch,
     """A degree that does not divide the model's attention heads (the embedded model has 8), or the ranks."""
     monkeypatch.setenv("WORLD_SIZE", "3")
     batch = ["data.train_batch_size=3", "actor.ppo_mini_batch_size=3"]
-    assert _refusal(capsys, ["config", "show", *batch, "actor.sequence_parallel_size=3"]) == (
+    assert refusal(capsys, ["config", "show", *batch, "actor.sequence_parallel_size=3"]) == (
         "actor.sequence_parallel_size=3 must divide the model's 8 attention heads, which the ranks of a "
         "sequence-parallel group share: use one of [1, 2, 4, 8]"
     )
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert _refusal(capsys, ["config", "show", "actor.sequence_parallel_size=4"]) == (
+    assert refusal(capsys, ["config", "show", "actor.sequence_parallel_size=4"]) == (
         "actor.sequence_parallel_size=4 must divide the 2 training ranks, which form groups of that many: use one "
         "of [1, 2]"
     )
